@@ -1,0 +1,102 @@
+//! The element types a tensor can hold: `f32` (the default) and `f64`.
+
+use std::fmt::{Debug, Display};
+use std::iter::Sum;
+use std::ops::{AddAssign, DivAssign, MulAssign, SubAssign};
+
+use ndarray::{LinalgScalar, ScalarOperand};
+use num_traits::Float;
+
+use crate::Tensor;
+use crate::ops::matmul::MatmulHook;
+
+/// A floating-point element type of a [`Tensor`]: implemented for `f32` and `f64`.
+///
+/// Every op is generic over it, so the same model runs in `f32` (training) and in `f64`
+/// (finite-difference gradient checks). Conversions to and from `f64` are exact for
+/// `f64` and round to nearest for `f32`.
+pub trait Element:
+    Float
+    + LinalgScalar
+    + ScalarOperand
+    + Sum
+    + AddAssign
+    + SubAssign
+    + MulAssign
+    + DivAssign
+    + Default
+    + Debug
+    + Display
+    + Send
+    + Sync
+    + tl_numerics::Round
+    + 'static
+{
+    /// The type's name as users write it: `"f32"` or `"f64"`.
+    const NAME: &'static str;
+
+    /// Converts from `f64` (rounding to nearest for `f32`).
+    fn from_f64(x: f64) -> Self;
+
+    /// Converts to `f64` (exact).
+    fn to_f64(self) -> f64;
+
+    /// Converts from `f32` (exact).
+    fn from_f32(x: f32) -> Self;
+
+    /// Converts to `f32` (rounding to nearest for `f64`).
+    fn to_f32(self) -> f32;
+
+    /// Calls the matmul hook's method for this element type (the dispatch behind
+    /// [`Tensor::matmul`]'s override point).
+    #[doc(hidden)]
+    fn dispatch_matmul(hook: &dyn MatmulHook, lhs: &Tensor<Self>, rhs: &Tensor<Self>) -> Tensor<Self>;
+}
+
+impl Element for f32 {
+    const NAME: &'static str = "f32";
+
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    fn dispatch_matmul(hook: &dyn MatmulHook, lhs: &Tensor<f32>, rhs: &Tensor<f32>) -> Tensor<f32> {
+        hook.matmul_f32(lhs, rhs)
+    }
+}
+
+impl Element for f64 {
+    const NAME: &'static str = "f64";
+
+    fn from_f64(x: f64) -> Self {
+        x
+    }
+
+    fn to_f64(self) -> f64 {
+        self
+    }
+
+    fn from_f32(x: f32) -> Self {
+        f64::from(x)
+    }
+
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+
+    fn dispatch_matmul(hook: &dyn MatmulHook, lhs: &Tensor<f64>, rhs: &Tensor<f64>) -> Tensor<f64> {
+        hook.matmul_f64(lhs, rhs)
+    }
+}

@@ -1,0 +1,153 @@
+//! The autograd graph and the backward sweep.
+//!
+//! Each tensor that requires grad owns a [`GradNode`]: a leaf node accumulates the gradient
+//! of a parameter, an op node holds its parents' nodes and the vector-Jacobian product (VJP)
+//! of the op. Nodes point to nodes, never to tensor values, so the graph keeps alive only what
+//! each VJP chose to save. `backward` *takes* every op's record when it runs it, so saved
+//! activations are freed as the sweep goes, and a graph can be swept only once.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use ndarray::{ArrayD, Zip};
+
+use crate::Element;
+use crate::storage::Buffer;
+
+/// The vector-Jacobian product of an op: given the gradient of the output, the gradients of
+/// each parent, in the order the parents were given (`None` for a parent that gets none).
+pub type Vjp<E> = Box<dyn FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>>>;
+
+pub(crate) struct GradNode<E: Element> {
+    pub(crate) shape: Vec<usize>,
+    pub(crate) kind: NodeKind<E>,
+}
+
+pub(crate) enum NodeKind<E: Element> {
+    /// A tensor made by the user that requires grad: gradients accumulate into `grad`.
+    Leaf { grad: RefCell<Option<Buffer<E>>> },
+    /// The output of an op; `None` once backward has consumed it.
+    Op(RefCell<Option<OpRecord<E>>>),
+}
+
+pub(crate) struct OpRecord<E: Element> {
+    pub(crate) parents: Vec<Option<Rc<GradNode<E>>>>,
+    pub(crate) vjp: Vjp<E>,
+}
+
+impl<E: Element> GradNode<E> {
+    pub(crate) fn leaf(shape: Vec<usize>) -> Rc<Self> {
+        Rc::new(Self {
+            shape,
+            kind: NodeKind::Leaf {
+                grad: RefCell::new(None),
+            },
+        })
+    }
+
+    pub(crate) fn op(shape: Vec<usize>, record: OpRecord<E>) -> Rc<Self> {
+        Rc::new(Self {
+            shape,
+            kind: NodeKind::Op(RefCell::new(Some(record))),
+        })
+    }
+
+    fn key(self: &Rc<Self>) -> usize {
+        Rc::as_ptr(self) as usize
+    }
+}
+
+/// Nodes reachable from `root`, each after all nodes that consume it (root first).
+fn topological_order<E: Element>(root: &Rc<GradNode<E>>) -> Vec<Rc<GradNode<E>>> {
+    let mut post_order = Vec::new();
+    let mut visited = std::collections::HashSet::new();
+    // (node, children pushed?) — an explicit stack: a 10,000-op chain must not overflow.
+    let mut stack = vec![(Rc::clone(root), false)];
+    while let Some((node, expanded)) = stack.pop() {
+        if expanded {
+            post_order.push(node);
+            continue;
+        }
+        if !visited.insert(node.key()) {
+            continue;
+        }
+        stack.push((Rc::clone(&node), true));
+        if let NodeKind::Op(record) = &node.kind {
+            let record = record.borrow();
+            let record = record
+                .as_ref()
+                .expect("backward through a graph that a previous backward already freed");
+            for parent in record.parents.iter().flatten() {
+                if !visited.contains(&parent.key()) {
+                    stack.push((Rc::clone(parent), false));
+                }
+            }
+        }
+    }
+    post_order.reverse();
+    post_order
+}
+
+fn add_into<E: Element>(acc: &mut Buffer<E>, grad: &ArrayD<E>) {
+    acc.update(|acc| {
+        Zip::from(acc).and(grad).for_each(|a, &g| *a += g);
+    });
+}
+
+/// Backpropagates `grad_out` from `root`, accumulating into the leaves' gradients.
+pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: ArrayD<E>) {
+    assert_eq!(
+        grad_out.shape(),
+        root.shape.as_slice(),
+        "backward: the output gradient's shape must match the tensor's"
+    );
+    let order = topological_order(root);
+    let mut pending: HashMap<usize, Buffer<E>> = HashMap::new();
+    pending.insert(root.key(), Buffer::new(grad_out));
+    // Consume the order front to back, dropping each node's entry as soon as it has run.
+    for node in order {
+        let Some(grad) = pending.remove(&node.key()) else {
+            continue;
+        };
+        match &node.kind {
+            NodeKind::Leaf { grad: leaf_grad } => {
+                let mut slot = leaf_grad.borrow_mut();
+                match slot.as_mut() {
+                    Some(acc) => add_into(acc, grad.array()),
+                    None => *slot = Some(grad),
+                }
+            }
+            NodeKind::Op(record) => {
+                let record = record
+                    .borrow_mut()
+                    .take()
+                    .expect("backward through a graph that a previous backward already freed");
+                let grad = grad.into_array();
+                let parent_grads = (record.vjp)(grad);
+                assert_eq!(
+                    parent_grads.len(),
+                    record.parents.len(),
+                    "a VJP must return one entry per parent"
+                );
+                for (parent, parent_grad) in record.parents.iter().zip(parent_grads) {
+                    let (Some(parent), Some(parent_grad)) = (parent, parent_grad) else {
+                        continue;
+                    };
+                    assert_eq!(
+                        parent_grad.shape(),
+                        parent.shape.as_slice(),
+                        "a VJP returned a gradient of the wrong shape for its parent"
+                    );
+                    match pending.get_mut(&parent.key()) {
+                        Some(acc) => add_into(acc, &parent_grad),
+                        None => {
+                            pending.insert(parent.key(), Buffer::new(parent_grad));
+                        }
+                    }
+                }
+                // `record` drops here: the VJP's saved values are freed now.
+            }
+        }
+    }
+}

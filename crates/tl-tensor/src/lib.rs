@@ -1,0 +1,37 @@
+//! Tensors with reverse-mode automatic differentiation, and what a small Llama needs around
+//! them: ops with VJPs, layers, losses, optimizers, a replayable random generator and a meter
+//! of live tensor memory.
+//!
+//! The design follows micrograd's: each op records one node holding its parents and a
+//! closure, the vector-Jacobian product; [`Tensor::backward`] visits the nodes in reverse
+//! topological order and consumes each closure as it runs, so saved activations are released
+//! during backward. See `docs/` in the repository for the tour.
+
+pub mod element;
+mod error;
+mod graph;
+pub mod kernels;
+pub mod losses;
+pub mod memory;
+mod mode;
+pub mod nn;
+pub mod ops;
+pub mod optim;
+mod rng;
+mod storage;
+mod tensor;
+pub mod testing;
+
+pub use element::Element;
+pub use error::{Result, TensorError};
+pub use graph::Vjp;
+pub use mode::{
+    GradModeGuard, ModeSnapshot, ModeSnapshotGuard, NoGradGuard, enable_grad, is_grad_enabled,
+    no_grad, set_grad_enabled,
+};
+pub use ops::matmul::{MatmulHook, matmul_hook, set_matmul_hook};
+pub use rng::{Generator, GeneratorState};
+pub use tensor::Tensor;
+
+/// The `ndarray` this crate is built on, re-exported so users build arrays of the same version.
+pub use ndarray;

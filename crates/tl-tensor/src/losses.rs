@@ -1,0 +1,1 @@
+//! Losses (mse, cross_entropy): being written.

@@ -1,0 +1,1 @@
+//! Layers and the Module trait: being written.

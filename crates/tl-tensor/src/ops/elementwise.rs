@@ -1,0 +1,293 @@
+//! Elementwise arithmetic with broadcasting: `+ - * /`, negation, and scalar forms.
+//!
+//! Operators work on references and on owned tensors: `&a + &b`, `a * 2.0`, `2.0 * &a`.
+
+use std::ops::{Add, Div, Mul, Neg, Sub};
+
+use ndarray::Zip;
+
+use super::{broadcast_shape, unbroadcast};
+use crate::{Element, Tensor};
+
+impl<E: Element> Tensor<E> {
+    /// `self + rhs`, broadcasting. d/dlhs = 1, d/drhs = 1.
+    ///
+    /// # Panics
+    /// If the shapes do not broadcast.
+    pub fn add(&self, rhs: &Tensor<E>) -> Tensor<E> {
+        let (lhs_shape, rhs_shape) = (self.shape(), rhs.shape());
+        broadcast_shape("add", &lhs_shape, &rhs_shape);
+        let value = &*self.value() + &*rhs.value();
+        Tensor::from_op(value, &[self, rhs], move |grad| {
+            vec![
+                Some(unbroadcast(grad.clone(), &lhs_shape)),
+                Some(unbroadcast(grad, &rhs_shape)),
+            ]
+        })
+    }
+
+    /// `self - rhs`, broadcasting. d/dlhs = 1, d/drhs = −1.
+    ///
+    /// # Panics
+    /// If the shapes do not broadcast.
+    pub fn sub(&self, rhs: &Tensor<E>) -> Tensor<E> {
+        let (lhs_shape, rhs_shape) = (self.shape(), rhs.shape());
+        broadcast_shape("sub", &lhs_shape, &rhs_shape);
+        let value = &*self.value() - &*rhs.value();
+        Tensor::from_op(value, &[self, rhs], move |grad| {
+            let neg = grad.mapv(|g| -g);
+            vec![
+                Some(unbroadcast(grad, &lhs_shape)),
+                Some(unbroadcast(neg, &rhs_shape)),
+            ]
+        })
+    }
+
+    /// `self * rhs` elementwise, broadcasting. d/dlhs = rhs, d/drhs = lhs.
+    ///
+    /// # Panics
+    /// If the shapes do not broadcast.
+    pub fn mul(&self, rhs: &Tensor<E>) -> Tensor<E> {
+        broadcast_shape("mul", &self.shape(), &rhs.shape());
+        let value = &*self.value() * &*rhs.value();
+        let (lhs_saved, rhs_saved) = (self.clone(), rhs.clone());
+        Tensor::from_op(value, &[self, rhs], move |grad| {
+            let lhs_grad = lhs_saved
+                .requires_grad()
+                .then(|| unbroadcast(&grad * &*rhs_saved.value(), &lhs_saved.shape()));
+            let rhs_grad = rhs_saved
+                .requires_grad()
+                .then(|| unbroadcast(&grad * &*lhs_saved.value(), &rhs_saved.shape()));
+            vec![lhs_grad, rhs_grad]
+        })
+    }
+
+    /// `self / rhs` elementwise, broadcasting. d/dlhs = 1/rhs, d/drhs = −lhs/rhs².
+    ///
+    /// # Panics
+    /// If the shapes do not broadcast.
+    pub fn div(&self, rhs: &Tensor<E>) -> Tensor<E> {
+        broadcast_shape("div", &self.shape(), &rhs.shape());
+        let value = &*self.value() / &*rhs.value();
+        let (lhs_saved, rhs_saved) = (self.clone(), rhs.clone());
+        Tensor::from_op(value, &[self, rhs], move |grad| {
+            let rhs_value = rhs_saved.value();
+            let lhs_grad = lhs_saved
+                .requires_grad()
+                .then(|| unbroadcast(&grad / &*rhs_value, &lhs_saved.shape()));
+            let rhs_grad = rhs_saved.requires_grad().then(|| {
+                let lhs_value = lhs_saved.value();
+                let quotient = &*lhs_value / &*rhs_value;
+                let scaled = (&grad * &quotient) / &*rhs_value;
+                unbroadcast(scaled.mapv(|g| -g), &rhs_saved.shape())
+            });
+            vec![lhs_grad, rhs_grad]
+        })
+    }
+
+    /// `−self`.
+    pub fn neg(&self) -> Tensor<E> {
+        let value = self.value().mapv(|x| -x);
+        Tensor::from_op(value, &[self], |grad| vec![Some(grad.mapv(|g| -g))])
+    }
+
+    /// `self + c` for a scalar `c`.
+    pub fn add_scalar(&self, c: E) -> Tensor<E> {
+        let value = self.value().mapv(|x| x + c);
+        Tensor::from_op(value, &[self], |grad| vec![Some(grad)])
+    }
+
+    /// `self · c` for a scalar `c`. d/dself = c.
+    pub fn mul_scalar(&self, c: E) -> Tensor<E> {
+        let value = self.value().mapv(|x| x * c);
+        Tensor::from_op(value, &[self], move |grad| vec![Some(grad.mapv(|g| g * c))])
+    }
+
+    /// `self / c` for a scalar `c`. d/dself = 1/c.
+    pub fn div_scalar(&self, c: E) -> Tensor<E> {
+        let value = self.value().mapv(|x| x / c);
+        Tensor::from_op(value, &[self], move |grad| vec![Some(grad.mapv(|g| g / c))])
+    }
+
+    /// `c − self` for a scalar `c`.
+    pub fn rsub_scalar(&self, c: E) -> Tensor<E> {
+        let value = self.value().mapv(|x| c - x);
+        Tensor::from_op(value, &[self], |grad| vec![Some(grad.mapv(|g| -g))])
+    }
+
+    /// An elementwise function `f` with derivative `df` (both of the input value): the
+    /// building block of the unary ops. Saves the input for backward.
+    pub fn map_with_derivative(
+        &self,
+        f: impl Fn(E) -> E,
+        df: impl Fn(E) -> E + 'static,
+    ) -> Tensor<E> {
+        let value = self.value().mapv(f);
+        let saved = self.clone();
+        Tensor::from_op(value, &[self], move |mut grad| {
+            Zip::from(&mut grad)
+                .and(&*saved.value())
+                .for_each(|g, &x| *g = *g * df(x));
+            vec![Some(grad)]
+        })
+    }
+}
+
+/// Implements a binary operator for every pairing of owned and borrowed tensors.
+macro_rules! tensor_binary_operator {
+    ($trait:ident, $method:ident) => {
+        impl<E: Element> $trait<&Tensor<E>> for &Tensor<E> {
+            type Output = Tensor<E>;
+            fn $method(self, rhs: &Tensor<E>) -> Tensor<E> {
+                Tensor::$method(self, rhs)
+            }
+        }
+        impl<E: Element> $trait<Tensor<E>> for Tensor<E> {
+            type Output = Tensor<E>;
+            fn $method(self, rhs: Tensor<E>) -> Tensor<E> {
+                Tensor::$method(&self, &rhs)
+            }
+        }
+        impl<E: Element> $trait<&Tensor<E>> for Tensor<E> {
+            type Output = Tensor<E>;
+            fn $method(self, rhs: &Tensor<E>) -> Tensor<E> {
+                Tensor::$method(&self, rhs)
+            }
+        }
+        impl<E: Element> $trait<Tensor<E>> for &Tensor<E> {
+            type Output = Tensor<E>;
+            fn $method(self, rhs: Tensor<E>) -> Tensor<E> {
+                Tensor::$method(self, &rhs)
+            }
+        }
+    };
+}
+
+tensor_binary_operator!(Add, add);
+tensor_binary_operator!(Sub, sub);
+tensor_binary_operator!(Mul, mul);
+tensor_binary_operator!(Div, div);
+
+/// Implements `tensor op scalar` and `scalar op tensor` for one element type.
+macro_rules! tensor_scalar_operators {
+    ($elem:ty) => {
+        impl Add<$elem> for &Tensor<$elem> {
+            type Output = Tensor<$elem>;
+            fn add(self, c: $elem) -> Tensor<$elem> {
+                self.add_scalar(c)
+            }
+        }
+        impl Add<$elem> for Tensor<$elem> {
+            type Output = Tensor<$elem>;
+            fn add(self, c: $elem) -> Tensor<$elem> {
+                self.add_scalar(c)
+            }
+        }
+        impl Sub<$elem> for &Tensor<$elem> {
+            type Output = Tensor<$elem>;
+            fn sub(self, c: $elem) -> Tensor<$elem> {
+                self.add_scalar(-c)
+            }
+        }
+        impl Sub<$elem> for Tensor<$elem> {
+            type Output = Tensor<$elem>;
+            fn sub(self, c: $elem) -> Tensor<$elem> {
+                self.add_scalar(-c)
+            }
+        }
+        impl Mul<$elem> for &Tensor<$elem> {
+            type Output = Tensor<$elem>;
+            fn mul(self, c: $elem) -> Tensor<$elem> {
+                self.mul_scalar(c)
+            }
+        }
+        impl Mul<$elem> for Tensor<$elem> {
+            type Output = Tensor<$elem>;
+            fn mul(self, c: $elem) -> Tensor<$elem> {
+                self.mul_scalar(c)
+            }
+        }
+        impl Div<$elem> for &Tensor<$elem> {
+            type Output = Tensor<$elem>;
+            fn div(self, c: $elem) -> Tensor<$elem> {
+                self.div_scalar(c)
+            }
+        }
+        impl Div<$elem> for Tensor<$elem> {
+            type Output = Tensor<$elem>;
+            fn div(self, c: $elem) -> Tensor<$elem> {
+                self.div_scalar(c)
+            }
+        }
+        impl Add<&Tensor<$elem>> for $elem {
+            type Output = Tensor<$elem>;
+            fn add(self, t: &Tensor<$elem>) -> Tensor<$elem> {
+                t.add_scalar(self)
+            }
+        }
+        impl Sub<&Tensor<$elem>> for $elem {
+            type Output = Tensor<$elem>;
+            fn sub(self, t: &Tensor<$elem>) -> Tensor<$elem> {
+                t.rsub_scalar(self)
+            }
+        }
+        impl Mul<&Tensor<$elem>> for $elem {
+            type Output = Tensor<$elem>;
+            fn mul(self, t: &Tensor<$elem>) -> Tensor<$elem> {
+                t.mul_scalar(self)
+            }
+        }
+    };
+}
+
+tensor_scalar_operators!(f32);
+tensor_scalar_operators!(f64);
+
+impl<E: Element> Neg for &Tensor<E> {
+    type Output = Tensor<E>;
+    fn neg(self) -> Tensor<E> {
+        Tensor::neg(self)
+    }
+}
+
+impl<E: Element> Neg for Tensor<E> {
+    type Output = Tensor<E>;
+    fn neg(self) -> Tensor<E> {
+        Tensor::neg(&self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::arr2;
+
+    #[test]
+    fn product_rule_with_broadcasting() {
+        // L = sum(a * b) with b broadcast over rows: dL/da = b, dL/db = column sums of a.
+        let a = Tensor::<f64>::param(arr2(&[[1.0, 2.0], [3.0, 4.0]]).into_dyn());
+        let b = Tensor::<f64>::param(ndarray::arr1(&[10.0, 20.0]).into_dyn());
+        (&a * &b).sum_all().backward();
+        assert_eq!(a.grad().unwrap(), arr2(&[[10.0, 20.0], [10.0, 20.0]]).into_dyn());
+        assert_eq!(b.grad().unwrap(), ndarray::arr1(&[4.0, 6.0]).into_dyn());
+    }
+
+    #[test]
+    fn quotient_rule() {
+        // d(a/b)/da = 1/b = 0.5, d(a/b)/db = -a/b² = -0.75
+        let a = Tensor::<f64>::param(ndarray::arr1(&[3.0]).into_dyn());
+        let b = Tensor::<f64>::param(ndarray::arr1(&[2.0]).into_dyn());
+        (&a / &b).sum_all().backward();
+        assert_eq!(a.grad().unwrap()[[0]], 0.5);
+        assert_eq!(b.grad().unwrap()[[0]], -0.75);
+    }
+
+    #[test]
+    fn scalar_forms_on_both_sides() {
+        let x = Tensor::<f32>::param(ndarray::arr1(&[1.0, 2.0]).into_dyn());
+        let y = 3.0 - &(2.0 * &(&x + 1.0));
+        assert_eq!(y.to_vec(), vec![-1.0, -3.0]);
+        y.sum_all().backward();
+        assert_eq!(x.grad().unwrap().as_slice().unwrap(), &[-2.0, -2.0]);
+    }
+}

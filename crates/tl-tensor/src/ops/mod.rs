@@ -1,0 +1,13 @@
+//! Differentiable ops, one file per family, each forward beside its VJP.
+
+pub mod elementwise;
+pub mod index;
+pub mod matmul;
+pub mod reduce;
+pub mod shape;
+pub mod softmax;
+pub mod unary;
+
+mod broadcast;
+
+pub(crate) use broadcast::{broadcast_shape, unbroadcast};

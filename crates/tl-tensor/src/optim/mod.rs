@@ -1,0 +1,1 @@
+//! Optimizers (Sgd, AdamW) and gradient clipping: being written.

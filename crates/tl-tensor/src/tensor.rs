@@ -1,0 +1,367 @@
+//! [`Tensor`]: an n-dimensional array with an optional place in the autograd graph.
+
+use std::cell::{Ref, RefCell};
+use std::fmt;
+use std::rc::Rc;
+
+use ndarray::{ArrayD, IxDyn};
+
+use crate::graph::{self, GradNode, NodeKind, OpRecord};
+use crate::mode::is_grad_enabled;
+use crate::storage::Buffer;
+use crate::{Element, Result, TensorError};
+
+/// An n-dimensional array of `E` (`f32` by default, or `f64`) that records the ops it goes
+/// through, so gradients can flow back to the leaves that require them.
+///
+/// Cloning is cheap: clones share the same value and the same place in the graph. A tensor
+/// stays on the thread that made it.
+///
+/// ```
+/// use tl_tensor::Tensor;
+/// let w = Tensor::<f64>::param(ndarray::arr1(&[3.0]).into_dyn());
+/// let loss = (&w * &w).sum_all(); // d(w²)/dw = 2w
+/// loss.backward();
+/// assert_eq!(w.grad().unwrap()[[0]], 6.0);
+/// ```
+pub struct Tensor<E: Element = f32> {
+    inner: Rc<Inner<E>>,
+}
+
+struct Inner<E: Element> {
+    value: Rc<RefCell<Buffer<E>>>,
+    /// `None`: a constant, no gradient flows into or through it.
+    node: RefCell<Option<Rc<GradNode<E>>>>,
+}
+
+impl<E: Element> Clone for Tensor<E> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Rc::clone(&self.inner),
+        }
+    }
+}
+
+impl<E: Element> Tensor<E> {
+    fn with_node(value: ArrayD<E>, node: Option<Rc<GradNode<E>>>) -> Self {
+        Self {
+            inner: Rc::new(Inner {
+                value: Rc::new(RefCell::new(Buffer::new(value))),
+                node: RefCell::new(node),
+            }),
+        }
+    }
+
+    /// A constant tensor (no gradient) holding `array`.
+    pub fn from_array(array: ArrayD<E>) -> Self {
+        Self::with_node(array, None)
+    }
+
+    /// A leaf that requires grad — a trainable parameter — holding `array`.
+    pub fn param(array: ArrayD<E>) -> Self {
+        let shape = array.shape().to_vec();
+        Self::with_node(array, Some(GradNode::leaf(shape)))
+    }
+
+    /// A constant tensor of the given shape from row-major data.
+    ///
+    /// # Errors
+    /// [`TensorError::DataLength`] when `data.len()` is not the product of `shape`.
+    ///
+    /// ```
+    /// use tl_tensor::Tensor;
+    /// let t = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3])?;
+    /// assert_eq!(t.shape(), vec![2, 3]);
+    /// assert!(Tensor::<f32>::from_vec(vec![1.0], &[2, 3]).is_err());
+    /// # Ok::<(), tl_tensor::TensorError>(())
+    /// ```
+    pub fn from_vec(data: Vec<E>, shape: &[usize]) -> Result<Self> {
+        let len = data.len();
+        let array = ArrayD::from_shape_vec(IxDyn(shape), data).map_err(|_| {
+            TensorError::DataLength {
+                len,
+                shape: shape.to_vec(),
+            }
+        })?;
+        Ok(Self::from_array(array))
+    }
+
+    /// A 0-dimensional constant.
+    pub fn scalar(value: E) -> Self {
+        Self::from_array(ArrayD::from_elem(IxDyn(&[]), value))
+    }
+
+    /// A constant filled with `value`.
+    pub fn full(shape: &[usize], value: E) -> Self {
+        Self::from_array(ArrayD::from_elem(IxDyn(shape), value))
+    }
+
+    /// A constant of zeros.
+    pub fn zeros(shape: &[usize]) -> Self {
+        Self::full(shape, E::zero())
+    }
+
+    /// A constant of ones.
+    pub fn ones(shape: &[usize]) -> Self {
+        Self::full(shape, E::one())
+    }
+
+    /// Records the output of an op: `value`, computed from `parents`, with `vjp` mapping the
+    /// output's gradient to one gradient per parent (in order; `None` where there is none).
+    ///
+    /// This is the one way an op enters the graph. A node is recorded only when grad mode is
+    /// on and some parent requires grad; otherwise the result is a constant and `vjp` is
+    /// dropped unused. A VJP must return gradients shaped like their parents.
+    ///
+    /// ```
+    /// use tl_tensor::Tensor;
+    /// // y = 3x, so dL/dx = 3 · dL/dy
+    /// let x = Tensor::<f64>::param(ndarray::arr1(&[1.0, 2.0]).into_dyn());
+    /// let value = x.value().mapv(|v| 3.0 * v);
+    /// let y = Tensor::from_op(value, &[&x], |grad_out| vec![Some(grad_out * 3.0)]);
+    /// y.sum_all().backward();
+    /// assert_eq!(x.grad().unwrap().as_slice().unwrap(), &[3.0, 3.0]);
+    /// ```
+    pub fn from_op(
+        value: ArrayD<E>,
+        parents: &[&Tensor<E>],
+        vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
+    ) -> Self {
+        if !is_grad_enabled() || !parents.iter().any(|p| p.requires_grad()) {
+            return Self::from_array(value);
+        }
+        let record = OpRecord {
+            parents: parents.iter().map(|p| p.node()).collect(),
+            vjp: Box::new(vjp),
+        };
+        let shape = value.shape().to_vec();
+        Self::with_node(value, Some(GradNode::op(shape, record)))
+    }
+
+    pub(crate) fn node(&self) -> Option<Rc<GradNode<E>>> {
+        self.inner.node.borrow().clone()
+    }
+
+    /// The shape, outermost dimension first.
+    pub fn shape(&self) -> Vec<usize> {
+        self.value().shape().to_vec()
+    }
+
+    /// The number of dimensions.
+    pub fn ndim(&self) -> usize {
+        self.value().ndim()
+    }
+
+    /// The number of elements.
+    pub fn numel(&self) -> usize {
+        self.value().len()
+    }
+
+    /// A borrow of the value. Do not hold it across an op that updates this tensor in place.
+    pub fn value(&self) -> Ref<'_, ArrayD<E>> {
+        Ref::map(self.inner.value.borrow(), Buffer::array)
+    }
+
+    /// A copy of the value as an array.
+    pub fn to_array(&self) -> ArrayD<E> {
+        self.value().clone()
+    }
+
+    /// The elements in row-major order.
+    pub fn to_vec(&self) -> Vec<E> {
+        self.value().iter().copied().collect()
+    }
+
+    /// The one element of a one-element tensor.
+    ///
+    /// # Panics
+    /// If the tensor does not hold exactly one element.
+    pub fn item(&self) -> E {
+        let value = self.value();
+        assert_eq!(
+            value.len(),
+            1,
+            "item: the tensor has shape {:?}, not one element",
+            value.shape()
+        );
+        *value.iter().next().expect("one element")
+    }
+
+    /// Whether gradients flow into this tensor (a parameter, or the output of an op recorded
+    /// in the graph).
+    pub fn requires_grad(&self) -> bool {
+        self.inner.node.borrow().is_some()
+    }
+
+    /// Whether this tensor is a leaf: not the output of a recorded op.
+    pub fn is_leaf(&self) -> bool {
+        !matches!(
+            self.inner.node.borrow().as_deref(),
+            Some(GradNode {
+                kind: NodeKind::Op(_),
+                ..
+            })
+        )
+    }
+
+    /// Makes a leaf require grad or stop requiring it (dropping any gradient it has).
+    ///
+    /// # Panics
+    /// On the output of a recorded op: only leaves can be switched.
+    pub fn set_requires_grad(&self, requires_grad: bool) {
+        assert!(
+            self.is_leaf(),
+            "set_requires_grad: only a leaf can be switched; use detach() on an op's output"
+        );
+        let node = requires_grad.then(|| GradNode::leaf(self.shape()));
+        *self.inner.node.borrow_mut() = node;
+    }
+
+    /// A constant sharing this tensor's value, cut from the graph.
+    pub fn detach(&self) -> Self {
+        Self {
+            inner: Rc::new(Inner {
+                value: Rc::clone(&self.inner.value),
+                node: RefCell::new(None),
+            }),
+        }
+    }
+
+    /// A fresh leaf sharing this tensor's value, requiring grad: the starting point of a
+    /// graph separate from the one this tensor belongs to.
+    pub fn detach_leaf(&self) -> Self {
+        let shape = self.shape();
+        Self {
+            inner: Rc::new(Inner {
+                value: Rc::clone(&self.inner.value),
+                node: RefCell::new(Some(GradNode::leaf(shape))),
+            }),
+        }
+    }
+
+    /// Whether two handles are the same tensor (not merely equal values).
+    pub fn same(&self, other: &Tensor<E>) -> bool {
+        Rc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Whether two tensors share one value's storage (e.g. a tensor and its `detach`).
+    pub fn shares_storage(&self, other: &Tensor<E>) -> bool {
+        Rc::ptr_eq(&self.inner.value, &other.inner.value)
+    }
+
+    /// The gradient accumulated into this leaf, if any (a copy).
+    ///
+    /// Gradients of intermediate results are not kept: they return `None`.
+    pub fn grad(&self) -> Option<ArrayD<E>> {
+        self.with_grad(|grad| grad.cloned())
+    }
+
+    /// Runs `f` on the accumulated gradient without copying it.
+    pub fn with_grad<T>(&self, f: impl FnOnce(Option<&ArrayD<E>>) -> T) -> T {
+        match self.inner.node.borrow().as_deref() {
+            Some(GradNode {
+                kind: NodeKind::Leaf { grad },
+                ..
+            }) => f(grad.borrow().as_ref().map(Buffer::array)),
+            _ => f(None),
+        }
+    }
+
+    /// Updates the accumulated gradient in place (unscaling, clipping); no-op without one.
+    pub fn update_grad(&self, f: impl FnOnce(&mut ArrayD<E>)) {
+        if let Some(GradNode {
+            kind: NodeKind::Leaf { grad },
+            ..
+        }) = self.inner.node.borrow().as_deref()
+            && let Some(buffer) = grad.borrow_mut().as_mut()
+        {
+            buffer.update(f);
+        }
+    }
+
+    /// Replaces the accumulated gradient of a leaf that requires grad.
+    ///
+    /// # Panics
+    /// If the tensor is not such a leaf, or `grad`'s shape differs from the tensor's.
+    pub fn set_grad(&self, new_grad: Option<ArrayD<E>>) {
+        let node = self.inner.node.borrow();
+        let Some(GradNode {
+            kind: NodeKind::Leaf { grad },
+            shape,
+        }) = node.as_deref()
+        else {
+            panic!("set_grad: only a leaf that requires grad holds a gradient");
+        };
+        if let Some(new_grad) = &new_grad {
+            assert_eq!(
+                new_grad.shape(),
+                shape.as_slice(),
+                "set_grad: gradient shape must match the tensor's"
+            );
+        }
+        *grad.borrow_mut() = new_grad.map(Buffer::new);
+    }
+
+    /// Drops the accumulated gradient (the next backward starts from zero).
+    pub fn zero_grad(&self) {
+        if let Some(GradNode {
+            kind: NodeKind::Leaf { grad },
+            ..
+        }) = self.inner.node.borrow().as_deref()
+        {
+            *grad.borrow_mut() = None;
+        }
+    }
+
+    /// Updates the value in place (optimizer steps). The number of elements must not change.
+    ///
+    /// Updating a value that a recorded op saved for its backward changes that backward;
+    /// optimizers update parameters between steps, when no graph is alive.
+    pub fn update_value<T>(&self, f: impl FnOnce(&mut ArrayD<E>) -> T) -> T {
+        self.inner.value.borrow_mut().update(f)
+    }
+
+    /// Backpropagates from a one-element tensor (a loss), starting from a gradient of 1.
+    ///
+    /// Gradients accumulate (`+=`) into every leaf that requires grad, across calls, until
+    /// [`zero_grad`](Self::zero_grad). The graph is consumed: saved values are freed as the
+    /// sweep reaches them.
+    ///
+    /// # Panics
+    /// If the tensor does not hold exactly one element, does not require grad, or its graph
+    /// was already consumed by a previous backward.
+    pub fn backward(&self) {
+        let value = self.value();
+        assert_eq!(
+            value.len(),
+            1,
+            "backward: call it on a one-element loss (shape {:?}) or use backward_with",
+            value.shape()
+        );
+        let seed = ArrayD::from_elem(value.raw_dim(), E::one());
+        drop(value);
+        self.backward_with(seed);
+    }
+
+    /// Backpropagates from this tensor, starting from `grad_out` (same shape as the tensor).
+    ///
+    /// # Panics
+    /// As [`backward`](Self::backward), or if `grad_out`'s shape differs from the tensor's.
+    pub fn backward_with(&self, grad_out: ArrayD<E>) {
+        let node = self
+            .node()
+            .expect("backward: the tensor does not require grad (no parameter reaches it)");
+        graph::backward(&node, grad_out);
+    }
+}
+
+impl<E: Element> fmt::Debug for Tensor<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tensor")
+            .field("dtype", &E::NAME)
+            .field("shape", &self.shape())
+            .field("requires_grad", &self.requires_grad())
+            .field("value", &*self.value())
+            .finish()
+    }
+}

@@ -1,0 +1,1 @@
+//! Test utilities (finite-difference gradient checks): being written.

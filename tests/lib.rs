@@ -1,0 +1,1 @@
+//! Shared helpers of the course tests (see `l11_1/`).
