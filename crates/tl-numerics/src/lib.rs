@@ -80,8 +80,8 @@ pub fn round_to_fp16<E: Round>(x: E) -> E {
 
 /// Rounds every element of `xs` to the nearest value of format `f`, in place.
 ///
-/// Same results as calling [`Round::round_to`] on each element; the f32 loops are
-/// branch-free so the compiler vectorizes them (bf16 runs near memory bandwidth).
+/// Same results as calling [`Round::round_to`] on each element; the kernels are
+/// branch-free so the compiler vectorizes the loops (f32 to bf16 runs at memory bandwidth).
 ///
 /// # Examples
 ///

@@ -9,10 +9,15 @@
 //! - `f32_to_fp16_value`: an integer add on the bits in fp16's normal range and a
 //!   floating-point add of a "magic" constant in its subnormal range, merged by selects.
 //!   Branch-free as well.
-//! - `f64_to_format_value`: integer arithmetic on the full 53-bit significand, for both
+//! - `f64_to_format_value`: the same two regimes on the full 53-bit significand, for both
 //!   formats. An f64 must never be rounded through f32 first: the first rounding can land
 //!   exactly on a midpoint of the 16-bit format (or move off one), and the second rounding
 //!   then breaks the tie the wrong way.
+//!
+//! The floating-point adds rely only on IEEE addition in the default round-to-nearest mode
+//! (which Rust guarantees). They are also immune to flush-to-zero modes: their results are
+//! multiples of the format's smallest subnormal, normal in f32/f64, and any input an FPU
+//! would flush is far below half of that, so it rounds to zero either way.
 
 use crate::format::Format;
 
@@ -42,7 +47,7 @@ pub trait Round: Copy {
     ///
     /// The default calls [`round_to`](Round::round_to) per element; `f32` and `f64`
     /// override it with loops that choose the kernel once, outside the loop, so that the
-    /// f32 loops vectorize.
+    /// branch-free kernels vectorize.
     fn round_slice_in_place(xs: &mut [Self], f: Format) {
         for x in xs.iter_mut() {
             *x = x.round_to(f);
@@ -150,76 +155,69 @@ fn f32_to_fp16_value(x: f32) -> f32 {
     f32::from_bits(sign | magnitude)
 }
 
-const F64_SIGN_BIT: u64 = 1 << 63;
-const F64_FRACTION_MASK: u64 = (1 << 52) - 1;
+const F64_ABS_MASK: u64 = !(1 << 63);
+const F64_INF_BITS: u64 = 0x7FF0_0000_0000_0000;
 const F64_QUIET_BIT: u64 = 1 << 51;
-const F64_EXPONENT_BIAS: i32 = 1023;
-
-/// `2^e` for a normal f64 exponent `e`, built from the bits.
-#[inline]
-fn pow2(e: i32) -> f64 {
-    f64::from_bits(((e + F64_EXPONENT_BIAS) as u64) << 52)
-}
 
 /// Rounds an f64 to the nearest value of `format`, returned as an f64, directly from its
 /// 53-bit significand.
 ///
-/// Write `|x| = m * 2^(e - 52)` with the integer significand `2^52 <= m < 2^53`. The result
-/// has spacing (ulp) `2^q` with `q = max(e, emin) - (p - 1)`: `p` bits below the leading bit
-/// in the normal range, fewer once `e < emin` (gradual underflow). So `|x| / 2^q = m /
-/// 2^shift` with `shift = 52 - e + q`, and rounding is: keep `m >> shift`, compare the
-/// dropped bits with half of `2^shift`, add one above half or at half when the kept part is
-/// odd. The result `n * 2^q` is exact in f64 (`n <= 2^p`), and a carry to `n = 2^p` is
-/// simply the next power of two. Rounding as if the exponent were unbounded and then
-/// mapping anything above `max_finite` to infinity is exactly IEEE overflow for round to
-/// nearest: the threshold `max_finite + ulp/2` is a tie whose even neighbour is `2^(emax+1)`.
-#[inline]
+/// The same two regimes as `f32_to_fp16_value`, with the constants of `format`:
+///
+/// - Normal results, `|x| >= 2^emin`: the result keeps the top `p` of the 53 significand
+///   bits, so the low `53 - p` bits (45 for bf16, 42 for fp16) are rounded off in one
+///   integer add on the bits: add just under half their weight plus the lowest kept bit
+///   (so that an exact half carries only into an odd kept part: ties to even), then clear
+///   them. A carry out of the significand increments the exponent, which is the correct
+///   step to the next binade.
+/// - Subnormal results, `|x| < 2^emin`: the spacing is fixed at `s = 2^(emin - p + 1)`,
+///   fewer and fewer significand bits survive. Adding `c = 2^52 * s` puts `|x|` in
+///   `[c, 2c)`, where f64's spacing is exactly `s`, so the (single, correctly rounded) f64
+///   addition rounds `|x|` to a multiple of `s` with ties to even (`c` is an even multiple);
+///   subtracting `c` is exact. f64 subnormals and zeros need no case: they land on zero.
+///
+/// Then anything above `max_finite` becomes infinity. Rounding as if the exponent were
+/// unbounded and mapping anything above `max_finite` to infinity is exactly IEEE overflow
+/// for round to nearest: the threshold `max_finite + ulp/2` is a tie whose even neighbour
+/// is `2^(emax+1)`. Both regimes are computed and merged with selects, so no branch depends
+/// on the data; with `format` a constant (as in the slice loops) everything folds.
+///
+/// Rounding directly matters: going through f32 first would round the significand to 24
+/// bits, which can land exactly on a midpoint of the format (or move off one), and the
+/// second rounding then breaks the tie the wrong way.
+#[inline(always)]
 fn f64_to_format_value(x: f64, format: Format) -> f64 {
+    let dropped_bits = 53 - format.precision_bits();
+    let dropped_mask = (1u64 << dropped_bits) - 1;
     let bits = x.to_bits();
-    let sign = bits & F64_SIGN_BIT;
-    let biased_exponent = ((bits >> 52) & 0x7FF) as i32;
-    let fraction = bits & F64_FRACTION_MASK;
-    let precision = format.precision_bits() as i32;
+    let sign = bits & !F64_ABS_MASK;
+    let abs = bits & F64_ABS_MASK;
 
-    if biased_exponent == 0x7FF {
-        if fraction == 0 {
-            return x; // ±inf
-        }
-        // NaN: quiet it and keep only the payload bits the format has room for, so the
-        // result is a NaN of the format (the one a hardware conversion would give).
-        let kept_fraction = !((1u64 << (53 - precision)) - 1);
-        return f64::from_bits((bits | F64_QUIET_BIT) & (F64_SIGN_BIT | kept_fraction));
-    }
-    if biased_exponent == 0 {
-        // ±0 and f64 subnormals: all below 2^-1022, far below half of either format's
-        // smallest subnormal, so they round to zero of the same sign.
-        return f64::from_bits(sign);
-    }
-    let exponent = biased_exponent - F64_EXPONENT_BIAS;
-    if exponent > format.max_exponent() {
-        // |x| >= 2^(emax+1): beyond the overflow threshold. Checked early also because the
-        // unbounded-exponent result could overflow f64 itself when e = 1023.
-        return f64::from_bits(sign | f64::INFINITY.to_bits());
-    }
+    // No overflow: abs < 2^63 and we add less than 2^45.
+    let lowest_kept = (abs >> dropped_bits) & 1;
+    let normal = (abs + (dropped_mask >> 1) + lowest_kept) & !dropped_mask;
+    let shifter = format.min_subnormal() * pow2(52);
+    let subnormal = ((f64::from_bits(abs) + shifter) - shifter).to_bits();
 
-    let significand = fraction | (1 << 52);
-    let min_exponent = format.min_exponent();
-    let quantum_exponent = exponent.max(min_exponent) - (precision - 1);
-    let shift = (52 - exponent + quantum_exponent) as u32;
-    if shift > 53 {
-        // |x| < 2^(q-1): below half the smallest subnormal, so the nearest value is zero.
-        // (Also keeps the shifts below within u64.)
-        return f64::from_bits(sign);
-    }
-    let kept = significand >> shift;
-    let dropped = significand & ((1u64 << shift) - 1);
-    let half = 1u64 << (shift - 1);
-    let round_up = dropped > half || (dropped == half && kept & 1 == 1);
-    let multiple = kept + u64::from(round_up);
+    let magnitude = if abs < format.min_normal().to_bits() {
+        subnormal
+    } else {
+        normal
+    };
+    let magnitude = if magnitude > format.max_finite().to_bits() {
+        F64_INF_BITS
+    } else {
+        magnitude
+    };
+    // NaN: quiet it and keep only the payload bits the format has room for, so the result
+    // is a NaN of the format (the one a hardware conversion would give).
+    let nan = (abs | F64_QUIET_BIT) & !dropped_mask;
+    let magnitude = if abs > F64_INF_BITS { nan } else { magnitude };
+    f64::from_bits(sign | magnitude)
+}
 
-    let magnitude = multiple as f64 * pow2(quantum_exponent);
-    if magnitude > format.max_finite() {
-        return f64::from_bits(sign | f64::INFINITY.to_bits());
-    }
-    f64::from_bits(sign | magnitude.to_bits())
+/// `2^e` for a normal f64 exponent `e`, built from the bits.
+#[inline(always)]
+const fn pow2(e: i32) -> f64 {
+    f64::from_bits(((e + 1023) as u64) << 52)
 }

@@ -1,0 +1,71 @@
+//! Throughput of `round_slice` on a large f32 buffer, next to a plain copy of the same size
+//! (and, for reference, on the same values as f64).
+//!
+//! Autocast rounds every matmul operand and output, so rounding a slice must run near memory
+//! bandwidth; `copy_from_slice` (a memcpy) is the yardstick. Throughput is the buffer size in
+//! bytes per iteration, so criterion reports GB/s (GiB/s).
+//!
+//! Run with: `cargo bench -p tl-numerics --bench round -- --warm-up-time 1 --measurement-time 3`
+
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use tl_numerics::{Format, round_slice};
+
+/// 16M values: 64 MiB per buffer, well beyond any cache, so this measures memory streaming.
+const LEN: usize = 1 << 24;
+
+/// Values spread over many binades, with both signs, some below fp16's range and some above.
+fn inputs() -> Vec<f32> {
+    let mut state = 0x9E37_79B9_7F4A_7C15_u64;
+    (0..LEN)
+        .map(|_| {
+            // xorshift64: cheap, deterministic, and enough to defeat any value pattern.
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            unit * 2f32.powi((state % 48) as i32 - 30)
+        })
+        .collect()
+}
+
+fn bench_round(c: &mut Criterion) {
+    let source = inputs();
+    let mut group = c.benchmark_group("round_16M_f32");
+    group.throughput(Throughput::Bytes((LEN * size_of::<f32>()) as u64));
+    group.sample_size(20);
+
+    // In place and repeatedly: after the first pass the values are already rounded, which
+    // changes nothing for the branch-free kernels (same work per element whatever the value).
+    for format in Format::ALL {
+        let mut xs = source.clone();
+        group.bench_function(format!("round_slice_{format}"), |b| {
+            b.iter(|| round_slice(black_box(xs.as_mut_slice()), format));
+        });
+    }
+
+    let mut destination = vec![0.0_f32; LEN];
+    group.bench_function("memcpy", |b| {
+        b.iter(|| destination.copy_from_slice(black_box(source.as_slice())));
+    });
+    group.finish();
+}
+
+/// The f64 kernel, for comparison: scalar integer arithmetic on the 53-bit significand.
+fn bench_round_f64(c: &mut Criterion) {
+    let source: Vec<f64> = inputs().into_iter().map(f64::from).collect();
+    let mut group = c.benchmark_group("round_16M_f64");
+    group.throughput(Throughput::Bytes((LEN * size_of::<f64>()) as u64));
+    group.sample_size(10);
+    for format in Format::ALL {
+        let mut xs = source.clone();
+        group.bench_function(format!("round_slice_{format}"), |b| {
+            b.iter(|| round_slice(black_box(xs.as_mut_slice()), format));
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_round, bench_round_f64);
+criterion_main!(benches);

@@ -1,0 +1,178 @@
+//! Hand-computed cases: the chapter's worked examples, the edges of both formats, and the
+//! inputs on which other converters are known to round wrongly.
+
+use tl_numerics::{Format, Round, round_slice, round_to_bf16, round_to_fp16};
+
+fn p2(e: i32) -> f64 {
+    2f64.powi(e)
+}
+
+/// Asserts the f32 and the f64 path both give `expected` for `x` (exact in f32).
+fn assert_both(format: Format, x: f64, expected: f64) {
+    assert_eq!(
+        f64::from(x as f32),
+        x,
+        "{x:e} must be exact in f32 for this check"
+    );
+    assert_eq!(
+        x.round_to(format).to_bits(),
+        expected.to_bits(),
+        "f64 {x:e}"
+    );
+    assert_eq!(
+        (x as f32).round_to(format).to_bits(),
+        (expected as f32).to_bits(),
+        "f32 {x:e}"
+    );
+}
+
+#[test]
+fn bf16_tie_between_one_and_next_goes_to_even_one() {
+    // 1 + 2^-8 is halfway between 1 (even significand) and 1 + 2^-7 (odd).
+    assert_both(Format::Bf16, 1.0 + p2(-8), 1.0);
+    assert_eq!(round_to_bf16(f32::from_bits(0x3F80_8000)), 1.0); // the same tie, as bits
+}
+
+#[test]
+fn bf16_of_1_01_is_1_0078125() {
+    // 1.01 = 1 + 1.28 * 2^-7: nearer to 1 + 2^-7 = 1.0078125 than to 1 + 2^-6.
+    assert_eq!(round_to_bf16(1.01_f32), 1.0078125);
+    assert_eq!(round_to_bf16(1.01_f64), 1.0078125);
+}
+
+#[test]
+fn bf16_tie_with_odd_lower_neighbour_rounds_up() {
+    // 1 + 2^-7 + 2^-8: between 1 + 2^-7 (odd) and 1 + 2^-6 (even).
+    assert_both(Format::Bf16, 1.0 + p2(-7) + p2(-8), 1.0 + p2(-6));
+}
+
+#[test]
+fn fp16_overflow_threshold_is_65520() {
+    // 65504 = (2 - 2^-10) * 2^15, ulp 32, so the threshold is 65504 + 16 = 65520.
+    assert_both(Format::Fp16, 65519.0, 65504.0);
+    assert_both(Format::Fp16, 65520.0, f64::INFINITY);
+    assert_both(Format::Fp16, -65520.0, f64::NEG_INFINITY);
+    assert_eq!(round_to_fp16(65519.999_f64), 65504.0);
+    assert_eq!(round_to_fp16(65520.0 - p2(-30)), 65504.0);
+    assert_eq!(round_to_fp16(1e300_f64), f64::INFINITY);
+}
+
+#[test]
+fn fp16_underflow_ties_to_zero_and_rounds_up_above_half() {
+    // 2^-25 is halfway between 0 and 2^-24: ties to the even 0.
+    assert_both(Format::Fp16, p2(-25), 0.0);
+    assert_both(Format::Fp16, -p2(-25), -0.0);
+    assert_both(Format::Fp16, 1.5 * p2(-25), p2(-24));
+    assert_both(Format::Fp16, p2(-24), p2(-24));
+    assert_eq!(round_to_fp16(p2(-25) + p2(-70)), p2(-24)); // 2^-70 is 2^-45 relative: exact in f64
+    assert_eq!(round_to_fp16(p2(-25) - p2(-70)), 0.0);
+}
+
+#[test]
+fn fp16_subnormal_ties_go_to_even_multiples_of_2_pow_minus_24() {
+    assert_both(Format::Fp16, 2.5 * p2(-24), 2.0 * p2(-24));
+    assert_both(Format::Fp16, 3.5 * p2(-24), 4.0 * p2(-24));
+    // The largest subnormal rounds up into the smallest normal 2^-14.
+    assert_both(Format::Fp16, 1023.5 * p2(-24), p2(-14));
+}
+
+#[test]
+fn bf16_subnormals_and_overflow() {
+    assert_both(Format::Bf16, p2(-134), 0.0); // half of 2^-133: tie to 0
+    assert_both(Format::Bf16, 3.0 * p2(-134), p2(-132)); // 1.5 * 2^-133: tie to 2 * 2^-133
+    assert_both(Format::Bf16, p2(-133), p2(-133));
+    let max = Format::Bf16.max_finite();
+    let half_ulp = p2(127 - 8);
+    assert_eq!(round_to_bf16(max + half_ulp), f64::INFINITY);
+    assert_eq!(round_to_bf16(max + half_ulp - p2(80)), max);
+    assert_eq!(round_to_bf16(f32::MAX), f32::INFINITY);
+    assert_eq!(round_to_bf16(f32::from_bits(0x7F7F_7FFF)), max as f32);
+    assert_eq!(round_to_bf16(f32::from_bits(0x7F7F_8000)), f32::INFINITY);
+}
+
+#[test]
+fn f64_is_not_rounded_through_f32() {
+    // half::bf16::from_f64 drops the low 32 bits first and returns 1.0 here.
+    assert_eq!(round_to_bf16(1.0 + p2(-8) + p2(-22)), 1.0078125);
+    // Just below a midpoint: an f32 would round onto the midpoint, then to even 0x3C02.
+    let x = 1.0 + p2(-10) + p2(-11) - p2(-30);
+    assert_eq!(round_to_fp16(x), 1.0 + p2(-10)); // 0x3C01
+    // The same trap for bf16, with the odd neighbour below: correct is 1 + 2^-7.
+    assert_eq!(round_to_bf16(1.0 + p2(-7) + p2(-8) - p2(-30)), 1.0 + p2(-7));
+    // One f64 ulp above a tie decides it too.
+    let above = f64::from_bits((1.0 + p2(-8)).to_bits() + 1);
+    assert_eq!(round_to_bf16(above), 1.0078125);
+}
+
+#[test]
+fn zeros_keep_their_sign_and_infinities_stay() {
+    for format in Format::ALL {
+        for zero in [0.0_f64, -0.0] {
+            assert_eq!(zero.round_to(format).to_bits(), zero.to_bits());
+            let zero32 = zero as f32;
+            assert_eq!(zero32.round_to(format).to_bits(), zero32.to_bits());
+        }
+        assert!((-1e-300_f64).round_to(format).is_sign_negative());
+        assert_eq!(f64::INFINITY.round_to(format), f64::INFINITY);
+        assert_eq!(f32::NEG_INFINITY.round_to(format), f32::NEG_INFINITY);
+    }
+}
+
+#[test]
+fn nan_stays_a_quiet_nan_with_its_sign() {
+    // Signalling NaNs whose payload sits only in bits the format drops: a naive truncation
+    // would turn them into infinity.
+    let signalling32 = f32::from_bits(0xFF80_0001);
+    let signalling64 = f64::from_bits(0x7FF0_0000_0000_0001);
+    for format in Format::ALL {
+        let r32 = signalling32.round_to(format);
+        assert!(r32.is_nan() && r32.is_sign_negative());
+        assert_ne!(r32.to_bits() & 0x0040_0000, 0, "quiet bit");
+        let r64 = signalling64.round_to(format);
+        assert!(r64.is_nan() && r64.is_sign_positive());
+        assert_ne!(r64.to_bits() & (1 << 51), 0, "quiet bit");
+        assert!(round_slice_of(&[f32::NAN], format)[0].is_nan());
+    }
+}
+
+fn round_slice_of(xs: &[f32], format: Format) -> Vec<f32> {
+    let mut out = xs.to_vec();
+    round_slice(&mut out, format);
+    out
+}
+
+#[test]
+fn round_slice_equals_elementwise_round_to() {
+    let xs64: Vec<f64> = (-300..300)
+        .map(|i| f64::from(i) * 1.37_f64.powi(i / 3) * 1e-3)
+        .chain([f64::NAN, f64::INFINITY, -0.0, 65520.0, p2(-25)])
+        .collect();
+    let xs32: Vec<f32> = xs64.iter().map(|&x| x as f32).collect();
+    for format in Format::ALL {
+        let mut got64 = xs64.clone();
+        round_slice(&mut got64, format);
+        for (x, r) in xs64.iter().zip(&got64) {
+            assert_eq!(r.to_bits(), x.round_to(format).to_bits(), "{format} {x:e}");
+        }
+        for (x, r) in xs32.iter().zip(round_slice_of(&xs32, format)) {
+            assert_eq!(r.to_bits(), x.round_to(format).to_bits(), "{format} {x:e}");
+        }
+    }
+}
+
+#[test]
+fn f32_paths_agree_with_the_half_crate_on_a_sweep_of_bit_patterns() {
+    // half's f32 conversions are exact (single rounding); a stride coprime with the layout
+    // visits every exponent and many fraction patterns.
+    for bits in (0..=u32::MAX).step_by(40_009) {
+        let x = f32::from_bits(bits);
+        let bf16 = half::bf16::from_f32(x).to_f32();
+        let fp16 = half::f16::from_f32(x).to_f32();
+        if x.is_nan() {
+            assert!(round_to_bf16(x).is_nan() && round_to_fp16(x).is_nan());
+        } else {
+            assert_eq!(round_to_bf16(x).to_bits(), bf16.to_bits(), "bf16 {bits:#x}");
+            assert_eq!(round_to_fp16(x).to_bits(), fp16.to_bits(), "fp16 {bits:#x}");
+        }
+    }
+}
