@@ -1,0 +1,257 @@
+//! The course harness for this workspace.
+//!
+//! ```text
+//! cargo xtask tests L11.1                            the course test catalog
+//! cargo xtask check L11.1 [--pitfalls-only] [--jobs N]   course tests, then the grade
+//! cargo xtask mutate [L11.1] [--pitfalls-only] [--jobs N] the grade alone
+//! ```
+//!
+//! The grade has two parts: the 24 pitfall mutants of the chapter, each planted in a scratch
+//! copy of the workspace and required to be caught by the crate's own tests (and by its named
+//! course test); and cargo-mutants' score over tl-precision and tl-recompute, which must reach
+//! 0.80 per crate.
+
+mod catalog;
+mod grade;
+mod pitfalls;
+mod planted;
+mod report;
+mod run;
+mod scratch;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+const USAGE: &str = "usage:
+  cargo xtask tests <MODULE>                               print the course test catalog
+  cargo xtask check <MODULE> [--pitfalls-only] [--jobs N]  course tests, then the full grade
+  cargo xtask mutate [<MODULE>] [--pitfalls-only] [--jobs N]  the grade alone
+modules: L11.1";
+
+/// The workspace root (the parent of this crate's directory).
+pub(crate) fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+#[derive(Debug, PartialEq)]
+enum Command {
+    Tests {
+        module: String,
+    },
+    Check {
+        module: String,
+        options: GradeOptions,
+    },
+    Mutate {
+        module: String,
+        options: GradeOptions,
+    },
+    Help,
+}
+
+#[derive(Debug, PartialEq, Clone, Copy)]
+struct GradeOptions {
+    pitfalls_only: bool,
+    jobs: usize,
+}
+
+fn parse(args: &[String]) -> Result<Command, String> {
+    let Some((command, rest)) = args.split_first() else {
+        return Ok(Command::Help);
+    };
+    let mut module = None;
+    let mut options = GradeOptions {
+        pitfalls_only: false,
+        jobs: 1,
+    };
+    let mut rest = rest.iter();
+    while let Some(arg) = rest.next() {
+        match arg.as_str() {
+            "--pitfalls-only" if command != "tests" => options.pitfalls_only = true,
+            "--jobs" | "-j" if command != "tests" => {
+                let value = rest.next().ok_or("--jobs needs a number")?;
+                options.jobs = value
+                    .parse()
+                    .ok()
+                    .filter(|&n| n >= 1)
+                    .ok_or_else(|| format!("--jobs takes a whole number ≥ 1, not '{value}'"))?;
+            }
+            flag if flag.starts_with('-') => {
+                let known = if command == "tests" {
+                    "(none)"
+                } else {
+                    "--pitfalls-only, --jobs N"
+                };
+                return Err(format!(
+                    "unknown flag '{flag}' for '{command}'; flags: {known}"
+                ));
+            }
+            name if module.is_none() => module = Some(catalog::module(name)?.name.to_string()),
+            extra => return Err(format!("unexpected argument '{extra}'")),
+        }
+    }
+    let default_module = || catalog::MODULES[0].name.to_string();
+    match command.as_str() {
+        "tests" => Ok(Command::Tests {
+            module: module.ok_or("'tests' needs a module, e.g. L11.1")?,
+        }),
+        "check" => Ok(Command::Check {
+            module: module.ok_or("'check' needs a module, e.g. L11.1")?,
+            options,
+        }),
+        "mutate" => Ok(Command::Mutate {
+            module: module.unwrap_or_else(default_module),
+            options,
+        }),
+        "help" | "--help" | "-h" => Ok(Command::Help),
+        other => Err(format!(
+            "unknown command '{other}'; commands: tests, check, mutate"
+        )),
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let command = match parse(&args) {
+        Ok(command) => command,
+        Err(message) => {
+            eprintln!("error: {message}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let outcome = match command {
+        Command::Help => {
+            println!("{USAGE}");
+            Ok(true)
+        }
+        Command::Tests { module } => {
+            report::print_catalog(catalog::module(&module).expect("parsed"));
+            Ok(true)
+        }
+        Command::Check { module, options } => check(&module, options),
+        Command::Mutate { options, .. } => mutate(options).map(|grade| {
+            report::print_grade(&grade);
+            grade.passes()
+        }),
+    };
+    match outcome {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Everything the grade found.
+pub(crate) struct Grade {
+    pub(crate) planted: Vec<planted::PlantedResult>,
+    /// `None` with --pitfalls-only.
+    pub(crate) crates: Option<Vec<grade::CrateGrade>>,
+    pub(crate) elapsed: Duration,
+}
+
+impl Grade {
+    pub(crate) fn passes(&self) -> bool {
+        self.planted.iter().all(planted::PlantedResult::passes)
+            && self
+                .crates
+                .as_ref()
+                .is_none_or(|crates| crates.iter().all(grade::CrateGrade::passes))
+    }
+}
+
+fn mutate(options: GradeOptions) -> Result<Grade, String> {
+    let start = Instant::now();
+    let workspace = workspace_root();
+    if !options.pitfalls_only && !run::has_subcommand("mutants") {
+        return Err(grade::INSTALL_HINT.to_string());
+    }
+    let planted = planted::run_all(&workspace, options.jobs)?;
+    let crates = if options.pitfalls_only {
+        None
+    } else {
+        let scratch = scratch::Scratch::sync(&workspace, "scratch-0")
+            .map_err(|e| format!("cannot prepare the scratch copy: {e}"))?;
+        let grades = grade::GRADED
+            .iter()
+            .map(|package| {
+                eprintln!("xtask: cargo-mutants over {package}…");
+                grade::grade_crate(&workspace, &scratch, package, options.jobs)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Some(grades)
+    };
+    Ok(Grade {
+        planted,
+        crates,
+        elapsed: start.elapsed(),
+    })
+}
+
+fn check(module: &str, options: GradeOptions) -> Result<bool, String> {
+    let module = catalog::module(module)?;
+    eprintln!("xtask: running the course tests of {}…", module.name);
+    let course = report::run_course_tests(module)?;
+    let grade = mutate(options)?;
+    Ok(report::print_check(module, &course, &grade))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(words: &[&str]) -> Vec<String> {
+        words.iter().map(|w| w.to_string()).collect()
+    }
+
+    #[test]
+    fn parses_the_three_commands() {
+        assert_eq!(
+            parse(&args(&["tests", "L11.1"])),
+            Ok(Command::Tests {
+                module: "L11.1".into()
+            })
+        );
+        assert_eq!(
+            parse(&args(&["check", "L11.1", "--jobs", "2"])),
+            Ok(Command::Check {
+                module: "L11.1".into(),
+                options: GradeOptions {
+                    pitfalls_only: false,
+                    jobs: 2
+                }
+            })
+        );
+        assert_eq!(
+            parse(&args(&["mutate", "--pitfalls-only"])),
+            Ok(Command::Mutate {
+                module: "L11.1".into(),
+                options: GradeOptions {
+                    pitfalls_only: true,
+                    jobs: 1
+                }
+            })
+        );
+    }
+
+    #[test]
+    fn bad_input_is_a_clear_error() {
+        let unknown_module = parse(&args(&["check", "L2.3"])).unwrap_err();
+        assert!(unknown_module.contains("L11.1"), "{unknown_module}");
+        let unknown_flag = parse(&args(&["mutate", "--fast"])).unwrap_err();
+        assert!(unknown_flag.contains("--pitfalls-only"), "{unknown_flag}");
+        let unknown_command = parse(&args(&["grade"])).unwrap_err();
+        assert!(
+            unknown_command.contains("tests, check, mutate"),
+            "{unknown_command}"
+        );
+        assert!(parse(&args(&["mutate", "--jobs", "0"])).is_err());
+        assert!(parse(&args(&["tests"])).is_err());
+    }
+}

@@ -1,0 +1,206 @@
+//! What the harness prints: the catalog, the course test results and the grade.
+
+use std::time::Duration;
+
+use crate::catalog::Module;
+use crate::grade::THRESHOLD;
+use crate::pitfalls::PITFALLS;
+use crate::{Grade, run, workspace_root};
+
+/// Prints each course test with its kind, what it checks, why it matters, and the pitfalls
+/// it is expected to catch.
+pub(crate) fn print_catalog(module: &Module) {
+    println!("{} — {}\n", module.name, module.title);
+    for test in module.tests {
+        let pitfalls: Vec<String> = PITFALLS
+            .iter()
+            .filter(|p| p.course_test == test.name)
+            .map(|p| format!("{} ({})", p.id, p.description))
+            .collect();
+        println!("{}  [{}]", test.name, test.kind.name());
+        println!("    checks:   {}", test.checks);
+        println!("    matters:  {}", test.matters);
+        if pitfalls.is_empty() {
+            println!("    catches:  -");
+        } else {
+            println!("    catches:  {}", pitfalls.join("; "));
+        }
+        println!();
+    }
+    println!(
+        "{} tests; run them with: cargo test -p tl-course --test l11_1",
+        module.tests.len()
+    );
+}
+
+/// Pass/fail of each course test, by name.
+pub(crate) struct CourseResults {
+    pub(crate) results: Vec<(&'static str, Option<bool>)>,
+}
+
+impl CourseResults {
+    pub(crate) fn all_pass(&self) -> bool {
+        self.results.iter().all(|(_, r)| *r == Some(true))
+    }
+}
+
+/// Runs the course test binary once and reads each test's result from libtest's output.
+pub(crate) fn run_course_tests(module: &Module) -> Result<CourseResults, String> {
+    let outcome = run::cargo(
+        &workspace_root(),
+        None,
+        &[
+            "test",
+            "-p",
+            "tl-course",
+            "--test",
+            "l11_1",
+            "--no-fail-fast",
+        ],
+        Duration::from_secs(30 * 60),
+    )
+    .map_err(|e| format!("cannot run the course tests: {e}"))?;
+    if !outcome.output.contains("running ") {
+        return Err(format!(
+            "the course tests did not build:\n{}",
+            run::tail(&outcome.output, 30)
+        ));
+    }
+    let results = module
+        .tests
+        .iter()
+        .map(|test| {
+            let line = format!("test {} ... ", test.path());
+            let result = outcome.output.lines().find_map(|l| {
+                l.strip_prefix(&line)
+                    .map(|rest| rest.trim_start().starts_with("ok"))
+            });
+            (test.name, result)
+        })
+        .collect();
+    Ok(CourseResults { results })
+}
+
+fn mark(ok: bool) -> &'static str {
+    if ok { "ok" } else { "FAIL" }
+}
+
+/// Prints the pitfall table and the per-crate scores.
+pub(crate) fn print_grade(grade: &Grade) {
+    println!("\nPitfall mutants (planted in a scratch copy; own tests must catch each):");
+    println!(
+        "{:<4} {:<52} {:<9} {:<7} {}",
+        "id", "pitfall", "own", "course", "course test"
+    );
+    for r in &grade.planted {
+        let course = match r.course_caught {
+            Some(true) => "caught",
+            Some(false) => "MISSED",
+            None => "-",
+        };
+        println!(
+            "{:<4} {:<52} {:<9} {:<7} {}",
+            r.pitfall.id,
+            r.pitfall.description,
+            r.own.label(),
+            course,
+            r.pitfall.course_test
+        );
+    }
+    let missed: Vec<&str> = grade
+        .planted
+        .iter()
+        .filter(|r| !r.own.is_caught())
+        .map(|r| r.pitfall.id)
+        .collect();
+    if !missed.is_empty() {
+        println!(
+            "\nNot caught by the crates' own tests: {} — write the test that fails on each.",
+            missed.join(", ")
+        );
+    }
+    if let Some(crates) = &grade.crates {
+        println!("\nMutation grade (cargo-mutants, own tests; threshold {THRESHOLD:.2}):");
+        for c in crates {
+            println!(
+                "  {:<14} score {:.3}  caught {}  timeout {}  missed {}  unviable {}  {}",
+                c.package,
+                c.score(),
+                c.caught,
+                c.timeout,
+                c.missed.len(),
+                c.unviable,
+                mark(c.passes())
+            );
+            for m in &c.missed {
+                println!("      missed: {m}");
+            }
+        }
+    } else {
+        println!("\n(cargo-mutants grade skipped: --pitfalls-only)");
+    }
+    println!("\ntook {:.0} s", grade.elapsed.as_secs_f64());
+}
+
+/// Prints the course results, the grade and one summary table; returns whether all holds.
+pub(crate) fn print_check(module: &Module, course: &CourseResults, grade: &Grade) -> bool {
+    println!("Course tests of {}:", module.name);
+    for (name, result) in &course.results {
+        let label = match result {
+            Some(true) => "ok",
+            Some(false) => "FAIL",
+            None => "NOT RUN",
+        };
+        println!("  {label:<8} {name}");
+    }
+    print_grade(grade);
+    let own = grade.planted.iter().filter(|r| r.own.is_caught()).count();
+    let by_course = grade
+        .planted
+        .iter()
+        .filter(|r| r.course_caught == Some(true))
+        .count();
+    let passed = course
+        .results
+        .iter()
+        .filter(|(_, r)| *r == Some(true))
+        .count();
+    let total = grade.planted.len();
+    println!("\nSummary — {}", module.name);
+    println!(
+        "  {:<44} {:>7}  {}",
+        "course tests passing",
+        format!("{passed}/{}", course.results.len()),
+        mark(course.all_pass())
+    );
+    println!(
+        "  {:<44} {:>7}  {}",
+        "pitfalls caught by the crates' own tests",
+        format!("{own}/{total}"),
+        mark(own == total)
+    );
+    println!(
+        "  {:<44} {:>7}  {}",
+        "pitfalls caught by their named course test",
+        format!("{by_course}/{total}"),
+        mark(by_course == total)
+    );
+    if let Some(crates) = &grade.crates {
+        for c in crates {
+            println!(
+                "  {:<44} {:>7.3}  {}",
+                format!("mutation score of {} (≥ {THRESHOLD:.2})", c.package),
+                c.score(),
+                mark(c.passes())
+            );
+        }
+    }
+    let ok = course.all_pass() && grade.passes();
+    println!(
+        "  {:<44} {:>7}  {}",
+        "L11.1 verdict",
+        "",
+        if ok { "PASS" } else { "FAIL" }
+    );
+    ok
+}
