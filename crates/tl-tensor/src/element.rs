@@ -50,7 +50,11 @@ pub trait Element:
     /// Calls the matmul hook's method for this element type (the dispatch behind
     /// [`Tensor::matmul`]'s override point).
     #[doc(hidden)]
-    fn dispatch_matmul(hook: &dyn MatmulHook, lhs: &Tensor<Self>, rhs: &Tensor<Self>) -> Tensor<Self>;
+    fn dispatch_matmul(
+        hook: &dyn MatmulHook,
+        lhs: &Tensor<Self>,
+        rhs: &Tensor<Self>,
+    ) -> Tensor<Self>;
 }
 
 impl Element for f32 {

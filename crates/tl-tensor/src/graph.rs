@@ -13,6 +13,7 @@ use std::rc::Rc;
 use ndarray::{ArrayD, Zip};
 
 use crate::Element;
+use crate::memory;
 use crate::storage::Buffer;
 
 /// The vector-Jacobian product of an op: given the gradient of the output, the gradients of
@@ -55,6 +56,31 @@ impl<E: Element> GradNode<E> {
 
     fn key(self: &Rc<Self>) -> usize {
         Rc::as_ptr(self) as usize
+    }
+}
+
+impl<E: Element> Drop for GradNode<E> {
+    /// Dismantles the graph behind an unswept node with a worklist: the default drop would
+    /// recurse once per op (node → record → parent node → …) and overflow the stack on a
+    /// deep graph that is dropped without a backward.
+    fn drop(&mut self) {
+        let NodeKind::Op(record) = &mut self.kind else {
+            return;
+        };
+        let mut worklist: Vec<OpRecord<E>> = record.get_mut().take().into_iter().collect();
+        while let Some(OpRecord { parents, vjp }) = worklist.pop() {
+            // The VJP's saved tensors point at these same parents: dropping it while the
+            // parents are still held here only decrements their counts.
+            drop(vjp);
+            for parent in parents.into_iter().flatten() {
+                // The last owner takes the parent's record out before the parent drops.
+                if let Some(mut parent) = Rc::into_inner(parent)
+                    && let NodeKind::Op(parent_record) = &mut parent.kind
+                {
+                    worklist.extend(parent_record.get_mut().take());
+                }
+            }
+        }
     }
 }
 
@@ -123,7 +149,11 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: ArrayD<E>) 
                     .borrow_mut()
                     .take()
                     .expect("backward through a graph that a previous backward already freed");
+                // The incoming gradient stays on the meter until the VJP's results are (it
+                // is alive while the VJP runs, and may be reused as one of its results).
+                let incoming_bytes = grad.bytes();
                 let grad = grad.into_array();
+                memory::on_alloc(incoming_bytes);
                 let parent_grads = (record.vjp)(grad);
                 assert_eq!(
                     parent_grads.len(),
@@ -146,6 +176,7 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: ArrayD<E>) 
                         }
                     }
                 }
+                memory::on_free(incoming_bytes);
                 // `record` drops here: the VJP's saved values are freed now.
             }
         }

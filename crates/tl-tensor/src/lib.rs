@@ -29,7 +29,9 @@ pub use mode::{
     GradModeGuard, ModeSnapshot, ModeSnapshotGuard, NoGradGuard, enable_grad, is_grad_enabled,
     no_grad, set_grad_enabled,
 };
+pub use nn::Module;
 pub use ops::matmul::{MatmulHook, matmul_hook, set_matmul_hook};
+pub use optim::Optimizer;
 pub use rng::{Generator, GeneratorState};
 pub use tensor::Tensor;
 

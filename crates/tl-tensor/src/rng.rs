@@ -130,6 +130,9 @@ mod tests {
             c[rng.below(3) as usize] += 1;
             c
         });
-        assert!(counts.iter().all(|&c| (1800..2200).contains(&c)), "{counts:?}");
+        assert!(
+            counts.iter().all(|&c| (1800..2200).contains(&c)),
+            "{counts:?}"
+        );
     }
 }

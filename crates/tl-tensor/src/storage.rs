@@ -22,6 +22,11 @@ impl<E: Element> Buffer<E> {
         Self { array, bytes }
     }
 
+    /// The bytes this buffer holds on the meter.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
     pub(crate) fn array(&self) -> &ArrayD<E> {
         &self.array
     }

@@ -77,12 +77,11 @@ impl<E: Element> Tensor<E> {
     /// ```
     pub fn from_vec(data: Vec<E>, shape: &[usize]) -> Result<Self> {
         let len = data.len();
-        let array = ArrayD::from_shape_vec(IxDyn(shape), data).map_err(|_| {
-            TensorError::DataLength {
+        let array =
+            ArrayD::from_shape_vec(IxDyn(shape), data).map_err(|_| TensorError::DataLength {
                 len,
                 shape: shape.to_vec(),
-            }
-        })?;
+            })?;
         Ok(Self::from_array(array))
     }
 

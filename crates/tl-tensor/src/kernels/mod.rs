@@ -1,4 +1,5 @@
 //! Compute kernels below the Tensor API: plain arrays in, plain arrays out, no graph.
 //! Parallelism lives here, where the thread-local modes of the Tensor API cannot be missed.
 
+pub mod batched;
 pub mod gemm;

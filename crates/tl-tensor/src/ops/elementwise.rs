@@ -127,7 +127,7 @@ impl<E: Element> Tensor<E> {
         Tensor::from_op(value, &[self], move |mut grad| {
             Zip::from(&mut grad)
                 .and(&*saved.value())
-                .for_each(|g, &x| *g = *g * df(x));
+                .for_each(|g, &x| *g *= df(x));
             vec![Some(grad)]
         })
     }
@@ -268,7 +268,10 @@ mod tests {
         let a = Tensor::<f64>::param(arr2(&[[1.0, 2.0], [3.0, 4.0]]).into_dyn());
         let b = Tensor::<f64>::param(ndarray::arr1(&[10.0, 20.0]).into_dyn());
         (&a * &b).sum_all().backward();
-        assert_eq!(a.grad().unwrap(), arr2(&[[10.0, 20.0], [10.0, 20.0]]).into_dyn());
+        assert_eq!(
+            a.grad().unwrap(),
+            arr2(&[[10.0, 20.0], [10.0, 20.0]]).into_dyn()
+        );
         assert_eq!(b.grad().unwrap(), ndarray::arr1(&[4.0, 6.0]).into_dyn());
     }
 

@@ -8,10 +8,10 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use ndarray::{ArrayD, ArrayView2, ArrayViewD, Axis, Dimension, Ix2, IxDyn};
+use ndarray::{ArrayD, ArrayViewD, IxDyn};
 
 use super::{broadcast_shape, unbroadcast};
-use crate::kernels::gemm::gemm_into;
+use crate::kernels::batched::batched_matmul;
 use crate::{Element, Tensor};
 
 /// A replacement for the product computed by [`Tensor::matmul`] on one thread.
@@ -40,52 +40,26 @@ pub fn matmul_hook() -> Option<Arc<dyn MatmulHook>> {
     MATMUL_HOOK.with(|slot| slot.borrow().clone())
 }
 
-/// The 2-D matrices of a batched view, in row-major order of the batch index.
-fn matrices<'a, E: Element>(view: ArrayViewD<'a, E>, batch: &[usize]) -> Vec<ArrayView2<'a, E>> {
-    ndarray::indices(IxDyn(batch))
-        .into_iter()
-        .map(|index| {
-            let mut matrix = view.clone();
-            for &i in index.slice() {
-                matrix = matrix.index_axis_move(Axis(0), i);
-            }
-            matrix.into_dimensionality::<Ix2>().expect("two matrix axes")
-        })
-        .collect()
-}
-
-/// `lhs · rhs` over the last two axes, broadcasting the batch axes before them.
+/// `lhs · rhs` over the last two axes, broadcasting the batch axes before them to `batch`
+/// (as stride-0 views: a shared matrix is read in place, never copied per batch item).
 fn batched_product<E: Element>(
     lhs: ArrayViewD<'_, E>,
     rhs: ArrayViewD<'_, E>,
     batch: &[usize],
 ) -> ArrayD<E> {
-    let (m, n) = (lhs.shape()[lhs.ndim() - 2], rhs.shape()[rhs.ndim() - 1]);
-    let mut lhs_shape = batch.to_vec();
-    lhs_shape.extend_from_slice(&lhs.shape()[lhs.ndim() - 2..]);
-    let mut rhs_shape = batch.to_vec();
-    rhs_shape.extend_from_slice(&rhs.shape()[rhs.ndim() - 2..]);
-    let lhs = lhs.broadcast(IxDyn(&lhs_shape)).expect("batch axes broadcast");
-    let rhs = rhs.broadcast(IxDyn(&rhs_shape)).expect("batch axes broadcast");
-    let mut out_shape = batch.to_vec();
-    out_shape.extend_from_slice(&[m, n]);
-    let mut out = ArrayD::<E>::zeros(IxDyn(&out_shape));
-    {
-        let lhs_mats = matrices(lhs, batch);
-        let rhs_mats = matrices(rhs, batch);
-        let out_view = out.view_mut();
-        let mut out_mats = out_view
-            .into_shape_with_order((lhs_mats.len(), m, n))
-            .expect("fresh output is contiguous");
-        for ((mut out_mat, lhs_mat), rhs_mat) in out_mats
-            .outer_iter_mut()
-            .zip(lhs_mats)
-            .zip(rhs_mats)
-        {
-            gemm_into(&mut out_mat, lhs_mat, rhs_mat, false);
-        }
-    }
-    out
+    let with_batch = |view: &ArrayViewD<'_, E>| {
+        let mut shape = batch.to_vec();
+        shape.extend_from_slice(&view.shape()[view.ndim() - 2..]);
+        shape
+    };
+    let (lhs_shape, rhs_shape) = (with_batch(&lhs), with_batch(&rhs));
+    let lhs = lhs
+        .broadcast(IxDyn(&lhs_shape))
+        .expect("batch axes broadcast");
+    let rhs = rhs
+        .broadcast(IxDyn(&rhs_shape))
+        .expect("batch axes broadcast");
+    batched_matmul(lhs, rhs)
 }
 
 /// The last two axes of a view swapped (a transposed matrix, no copy).
@@ -158,7 +132,55 @@ impl<E: Element> Tensor<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ndarray::arr2;
+    use crate::Generator;
+    use crate::testing::{assert_gradients, random_array};
+    use ndarray::{Dimension, arr2};
+    use rayon::ThreadPoolBuilder;
+
+    /// The batched product by definition: for each output element, a sum over the inner axis
+    /// of the operands' elements at the batch index, a size-1 batch axis reading index 0.
+    fn naive_matmul(lhs: &ArrayD<f64>, rhs: &ArrayD<f64>) -> ArrayD<f64> {
+        let (lhs_nd, rhs_nd) = (lhs.ndim(), rhs.ndim());
+        let batch = broadcast_shape(
+            "naive",
+            &lhs.shape()[..lhs_nd - 2],
+            &rhs.shape()[..rhs_nd - 2],
+        );
+        let (m, k, n) = (
+            lhs.shape()[lhs_nd - 2],
+            lhs.shape()[lhs_nd - 1],
+            rhs.shape()[rhs_nd - 1],
+        );
+        let mut out_shape = batch.clone();
+        out_shape.extend([m, n]);
+        // The operand's index for output index `out`: batch axes aligned from the right.
+        let source = |operand: &ArrayD<f64>, out: &[usize], row: usize, col: usize| {
+            let skip = batch.len() + 2 - operand.ndim();
+            let mut index: Vec<usize> = (skip..batch.len())
+                .map(|axis| {
+                    if operand.shape()[axis - skip] == 1 {
+                        0
+                    } else {
+                        out[axis]
+                    }
+                })
+                .collect();
+            index.extend([row, col]);
+            operand[IxDyn(&index)]
+        };
+        ArrayD::from_shape_fn(IxDyn(&out_shape), |index| {
+            let out = index.slice();
+            let (i, j) = (out[batch.len()], out[batch.len() + 1]);
+            (0..k)
+                .map(|p| source(lhs, out, i, p) * source(rhs, out, p, j))
+                .sum()
+        })
+    }
+
+    /// Small integers, so every product and sum is exact and any summation order agrees.
+    fn integers(shape: &[usize], rng: &Generator) -> ArrayD<f64> {
+        ArrayD::from_shape_simple_fn(IxDyn(shape), || rng.below(7) as f64 - 3.0)
+    }
 
     #[test]
     fn gradients_of_a_matrix_product() {
@@ -168,8 +190,14 @@ mod tests {
         let y = a.matmul(&b);
         assert_eq!(y.to_vec(), vec![19.0, 22.0, 43.0, 50.0]);
         y.sum_all().backward();
-        assert_eq!(a.grad().unwrap(), arr2(&[[11.0, 15.0], [11.0, 15.0]]).into_dyn());
-        assert_eq!(b.grad().unwrap(), arr2(&[[4.0, 4.0], [6.0, 6.0]]).into_dyn());
+        assert_eq!(
+            a.grad().unwrap(),
+            arr2(&[[11.0, 15.0], [11.0, 15.0]]).into_dyn()
+        );
+        assert_eq!(
+            b.grad().unwrap(),
+            arr2(&[[4.0, 4.0], [6.0, 6.0]]).into_dyn()
+        );
     }
 
     #[test]
@@ -204,5 +232,128 @@ mod tests {
         assert_eq!(a.matmul(&a).item(), 2.0);
         set_matmul_hook(previous);
         assert_eq!(a.matmul(&a).item(), 1.0);
+    }
+
+    #[test]
+    fn random_shapes_match_the_naive_product_forward_and_backward() {
+        let rng = Generator::new(11);
+        for _ in 0..40 {
+            let size = |low: u64| (low + rng.below(5)) as usize;
+            let (m, k, n) = (size(0), size(0), size(1));
+            // Up to two batch axes each, every axis of size d or 1 (broadcast), or absent.
+            let batch: Vec<usize> = (0..rng.below(3)).map(|_| size(1)).collect();
+            let operand_batch = || -> Vec<usize> {
+                let kept = rng.below(batch.len() as u64 + 1) as usize;
+                let axes = &batch[batch.len() - kept..];
+                axes.iter()
+                    .map(|&d| if rng.below(3) == 0 { 1 } else { d })
+                    .collect()
+            };
+            let mut lhs_shape = operand_batch();
+            lhs_shape.extend([m, k]);
+            let mut rhs_shape = operand_batch();
+            rhs_shape.extend([k, n]);
+            let (lhs, rhs) = (integers(&lhs_shape, &rng), integers(&rhs_shape, &rng));
+            let a = Tensor::param(lhs.clone());
+            let b = Tensor::param(rhs.clone());
+            let y = a.matmul(&b);
+            let expected = naive_matmul(&lhs, &rhs);
+            assert_eq!(y.to_array(), expected, "{lhs_shape:?} · {rhs_shape:?}");
+            // With L = Σ Y ⊙ G: dL/dA = G·Bᵀ and dL/dB = Aᵀ·G, summed over broadcast axes.
+            let grad_out = integers(expected.shape(), &rng);
+            y.backward_with(grad_out.clone());
+            let swap = |x: &ArrayD<f64>| {
+                let mut view = x.view();
+                view.swap_axes(x.ndim() - 2, x.ndim() - 1);
+                view.to_owned()
+            };
+            let lhs_grad = unbroadcast(naive_matmul(&grad_out, &swap(&rhs)), &lhs_shape);
+            let rhs_grad = unbroadcast(naive_matmul(&swap(&lhs), &grad_out), &rhs_shape);
+            assert_eq!(
+                a.grad().unwrap(),
+                lhs_grad,
+                "d lhs of {lhs_shape:?} · {rhs_shape:?}"
+            );
+            assert_eq!(
+                b.grad().unwrap(),
+                rhs_grad,
+                "d rhs of {lhs_shape:?} · {rhs_shape:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn size_one_batch_axis_broadcasts_against_a_batch() {
+        // [3, 2, 4] · [1, 4, 5]: the one rhs matrix serves all 3 lhs matrices, and its
+        // gradient sums their contributions; likewise [1, 2, 4] · [3, 4, 5].
+        let rng = Generator::new(5);
+        assert_gradients(
+            |x| x[0].matmul(&x[1]),
+            &[
+                random_array(&[3, 2, 4], &rng),
+                random_array(&[1, 4, 5], &rng),
+            ],
+        );
+        assert_gradients(
+            |x| x[0].matmul(&x[1]),
+            &[
+                random_array(&[1, 2, 4], &rng),
+                random_array(&[3, 4, 5], &rng),
+            ],
+        );
+        let a = Tensor::<f64>::param(ArrayD::ones(IxDyn(&[1, 2, 4])));
+        let b = Tensor::<f64>::param(ArrayD::ones(IxDyn(&[3, 4, 5])));
+        let y = a.matmul(&b);
+        assert_eq!(y.shape(), vec![3, 2, 5]);
+        y.sum_all().backward();
+        // Each lhs element meets 5 columns in each of 3 batch items: 15.
+        assert!(a.grad().unwrap().iter().all(|&g| g == 15.0));
+    }
+
+    #[test]
+    fn empty_inner_axis_gives_zeros_and_empty_rows_give_nothing() {
+        let a = Tensor::<f32>::param(ArrayD::zeros(IxDyn(&[2, 0])));
+        let b = Tensor::<f32>::param(ArrayD::zeros(IxDyn(&[0, 3])));
+        let y = a.matmul(&b);
+        assert_eq!(y.to_vec(), vec![0.0; 6]);
+        y.sum_all().backward();
+        assert_eq!(a.grad().unwrap().shape(), &[2, 0]);
+        assert_eq!(b.grad().unwrap().shape(), &[0, 3]);
+        let rows = Tensor::<f32>::zeros(&[4, 0, 3]).matmul(&Tensor::ones(&[3, 2]));
+        assert_eq!(rows.shape(), vec![4, 0, 2]);
+    }
+
+    #[test]
+    fn values_and_gradients_are_bit_identical_at_any_thread_count() {
+        // A batch shared out one product per thread, and one product split by gemm.
+        let run = |lhs_shape: &[usize], rhs_shape: &[usize]| {
+            let rng = Generator::new(3);
+            let a = Tensor::<f32>::param(random_array(lhs_shape, &rng).mapv(|x| x as f32));
+            let b = Tensor::<f32>::param(random_array(rhs_shape, &rng).mapv(|x| x as f32));
+            let y = a.matmul(&b);
+            let grad_out = random_array(&y.shape(), &rng).mapv(|x| x as f32);
+            y.backward_with(grad_out);
+            [
+                y.to_vec(),
+                a.grad().unwrap().into_raw_vec_and_offset().0,
+                b.grad().unwrap().into_raw_vec_and_offset().0,
+            ]
+            .map(|values| values.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+        };
+        for (lhs_shape, rhs_shape) in [
+            (&[8, 64, 48][..], &[8, 48, 64][..]),
+            (&[200, 300], &[300, 150]),
+        ] {
+            let results: Vec<_> = [1, 2]
+                .map(|threads| {
+                    let pool = ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    pool.install(|| run(lhs_shape, rhs_shape))
+                })
+                .into();
+            assert!(results[0] == results[1], "{lhs_shape:?} · {rhs_shape:?}");
+        }
     }
 }

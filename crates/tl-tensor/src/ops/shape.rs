@@ -44,7 +44,10 @@ impl<E: Element> Tensor<E> {
             && axes
                 .iter()
                 .all(|&a| a < ndim && !std::mem::replace(&mut seen[a], true));
-        assert!(valid, "permute: {axes:?} is not a permutation of {ndim} axes");
+        assert!(
+            valid,
+            "permute: {axes:?} is not a permutation of {ndim} axes"
+        );
         let value = self
             .value()
             .clone()

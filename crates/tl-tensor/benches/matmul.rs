@@ -1,0 +1,126 @@
+//! Matrix-product throughput on the capstone model's shapes, in GFLOP/s.
+//!
+//! A training step of the capstone (batch 8 × context 512 = 4096 rows, d_model 320, SwiGLU
+//! hidden 896, 10 heads of 32 over 8 sequences = 80 attention matrices) spends almost all its
+//! time in these products: the linear layers forward (`X·W`) and backward (`G·Wᵀ`, `Xᵀ·G`,
+//! with the transposes passed as strided views, as the VJP does), and attention's two batched
+//! products. Each runs in a rayon pool of 1 and of 2 threads; ndarray's `dot`
+//! (matrixmultiply, single-threaded as this workspace builds it) is measured beside gemm on
+//! the linear shapes. Throughput is counted as 2·m·n·k flops per product, so criterion's
+//! "elem/s" reads as flop/s.
+//!
+//! Run: `cargo bench -p tl-tensor --bench matmul -- --measurement-time 3 --warm-up-time 1`
+
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use ndarray::{Array, ArrayView2, Dimension, IntoDimension};
+use rayon::{ThreadPool, ThreadPoolBuilder};
+use tl_tensor::kernels::batched::batched_matmul;
+use tl_tensor::kernels::gemm::{gemm_into, matmul};
+
+/// Rows of activations in one capstone step: 8 sequences of 512 tokens.
+const ROWS: usize = 4096;
+/// (in, out) features of the capstone's linear layers: SwiGLU up, SwiGLU down, attention.
+const LINEAR: [(usize, usize); 3] = [(320, 896), (896, 320), (320, 320)];
+/// Thread counts every product is measured at.
+const THREADS: [usize; 2] = [1, 2];
+
+/// An array of the given shape with values in [-0.5, 0.5) from a fixed hash of the index.
+fn filled<D: Dimension>(shape: impl IntoDimension<Dim = D>, seed: u64) -> Array<f32, D> {
+    let mut state = seed;
+    Array::from_shape_simple_fn(shape, move || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    })
+}
+
+fn pools() -> Vec<(usize, ThreadPool)> {
+    THREADS
+        .iter()
+        .map(|&threads| {
+            let pool = ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("a rayon pool");
+            (threads, pool)
+        })
+        .collect()
+}
+
+/// One 2-D product `lhs · rhs`, with gemm at every thread count and, if `compare`, with
+/// ndarray's `dot` too.
+fn bench_product(
+    c: &mut Criterion,
+    name: &str,
+    lhs: ArrayView2<'_, f32>,
+    rhs: ArrayView2<'_, f32>,
+    compare: bool,
+) {
+    let (m, k, n) = (lhs.nrows(), lhs.ncols(), rhs.ncols());
+    let mut group = c.benchmark_group(format!("{name} {m}x{k}x{n}"));
+    group.throughput(Throughput::Elements((2 * m * n * k) as u64));
+    for (threads, pool) in pools() {
+        group.bench_function(format!("gemm/{threads}t"), |b| {
+            pool.install(|| b.iter(|| matmul(black_box(lhs), black_box(rhs))));
+        });
+    }
+    if compare {
+        // The same product into one output reused across iterations: what a fresh,
+        // zero-filled output costs shows as the gap to gemm/2t.
+        let mut out = ndarray::Array2::zeros((m, n));
+        let (_, pool) = &pools()[1];
+        group.bench_function("gemm-into-reused/2t", |b| {
+            pool.install(|| b.iter(|| gemm_into(&mut out.view_mut(), black_box(lhs), rhs, false)));
+        });
+        group.bench_function("matrixmultiply/1t", |b| {
+            b.iter(|| black_box(lhs).dot(&black_box(rhs)));
+        });
+    }
+    group.finish();
+}
+
+fn linear_layers(c: &mut Criterion) {
+    for (inputs, outputs) in LINEAR {
+        let x = filled((ROWS, inputs), 1);
+        let w = filled((inputs, outputs), 2);
+        let grad = filled((ROWS, outputs), 3);
+        bench_product(c, "X·W", x.view(), w.view(), true);
+        bench_product(c, "G·Wᵀ", grad.view(), w.t(), true);
+        bench_product(c, "Xᵀ·G", x.t(), grad.view(), true);
+    }
+}
+
+fn attention(c: &mut Criterion) {
+    let (heads, context, head_dim) = (80, 512, 32);
+    let query = filled((heads, context, head_dim), 4);
+    let key_t = filled((heads, head_dim, context), 5);
+    let key = filled((heads, context, head_dim), 6);
+    let probs = filled((heads, context, context), 7);
+    let cases = [
+        ("Q·Kᵀ", query.view().into_dyn(), key_t.view().into_dyn()),
+        // Kᵀ as attention's backward and a view-based forward see it: K with swapped axes.
+        (
+            "Q·Kᵀ(view)",
+            query.view().into_dyn(),
+            key.view().permuted_axes([0, 2, 1]).into_dyn(),
+        ),
+        ("P·V", probs.view().into_dyn(), key.view().into_dyn()),
+    ];
+    for (name, lhs, rhs) in cases {
+        let (m, k, n) = (lhs.shape()[1], lhs.shape()[2], rhs.shape()[2]);
+        let mut group = c.benchmark_group(format!("{name} {heads}x{m}x{k}x{n}"));
+        group.throughput(Throughput::Elements((2 * heads * m * n * k) as u64));
+        for (threads, pool) in pools() {
+            group.bench_function(format!("gemm/{threads}t"), |b| {
+                pool.install(|| b.iter(|| batched_matmul(black_box(lhs.view()), rhs.view())));
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, linear_layers, attention);
+criterion_main!(benches);

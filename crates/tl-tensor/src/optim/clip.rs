@@ -1,0 +1,154 @@
+//! Gradient clipping by global norm: [`clip_grad_norm`], PyTorch's `clip_grad_norm_`.
+
+use crate::{Element, Result, Tensor, TensorError};
+
+/// Scales all gradients together so their global L2 norm is at most about `max_norm`, and
+/// returns the norm they had before.
+///
+/// The norm `‖g‖ = sqrt(Σ g²)` runs over every element of every parameter's gradient,
+/// accumulated in `f64` (parameters without a gradient contribute nothing). As in PyTorch,
+/// the gradients are multiplied by `c = max_norm / (‖g‖ + 1e-6)` whenever `c < 1`, so a
+/// clipped norm lands just under `max_norm`; `c` is computed in `f64` and rounded once to
+/// `E`. A non-finite norm (an overflowed or NaN gradient) is returned as it is and the
+/// gradients are left unscaled: scaling by `max_norm/∞ = 0` would hide the overflow from the
+/// caller, who should skip the step instead (the loss scaler does).
+///
+/// # Errors
+/// [`TensorError::InvalidArgument`] if `max_norm` is not positive and finite; the gradients
+/// are then untouched.
+///
+/// ```
+/// use tl_tensor::optim::clip_grad_norm;
+/// use tl_tensor::Tensor;
+/// let w = Tensor::<f64>::param(ndarray::arr1(&[0.0, 0.0]).into_dyn());
+/// w.set_grad(Some(ndarray::arr1(&[3.0, 4.0]).into_dyn()));
+/// let norm = clip_grad_norm(&[w.clone()], 1.0)?;
+/// assert_eq!(norm, 5.0);
+/// let g = w.grad().unwrap(); // [3, 4]/(5 + 1e-6)
+/// assert!((g[0] - 0.6).abs() < 1e-6 && (g[1] - 0.8).abs() < 1e-6);
+/// # Ok::<(), tl_tensor::TensorError>(())
+/// ```
+pub fn clip_grad_norm<E: Element>(parameters: &[Tensor<E>], max_norm: f64) -> Result<f64> {
+    if !(max_norm.is_finite() && max_norm > 0.0) {
+        return Err(TensorError::InvalidArgument {
+            name: "max_norm",
+            value: max_norm.to_string(),
+            reason: "must be positive and finite",
+        });
+    }
+    let sum_squares: f64 = parameters
+        .iter()
+        .map(|p| {
+            p.with_grad(|grad| {
+                grad.map_or(0.0, |g| g.iter().map(|&x| x.to_f64() * x.to_f64()).sum())
+            })
+        })
+        .sum();
+    let norm = sum_squares.sqrt();
+    if !norm.is_finite() {
+        return Ok(norm);
+    }
+    let coefficient = max_norm / (norm + 1e-6);
+    if coefficient < 1.0 {
+        let coefficient = E::from_f64(coefficient);
+        for parameter in parameters {
+            parameter.update_grad(|grad| grad.mapv_inplace(|g| g * coefficient));
+        }
+    }
+    Ok(norm)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::arr1;
+
+    fn with_grad(values: &[f32]) -> Tensor<f32> {
+        let p = Tensor::param(ndarray::ArrayD::zeros(ndarray::IxDyn(&[values.len()])));
+        p.set_grad(Some(arr1(values).into_dyn()));
+        p
+    }
+
+    fn norm_of(parameters: &[Tensor<f32>]) -> f64 {
+        parameters
+            .iter()
+            .flat_map(|p| p.grad().unwrap().into_iter())
+            .map(|g| f64::from(g) * f64::from(g))
+            .sum::<f64>()
+            .sqrt()
+    }
+
+    #[test]
+    fn a_norm_five_gradient_is_clipped_to_one() {
+        // Split over two parameters: [3] and [4] have global norm 5.
+        let parameters = [with_grad(&[3.0]), with_grad(&[4.0])];
+        let norm = clip_grad_norm(&parameters, 1.0).unwrap();
+        assert_eq!(norm, 5.0);
+        // Scaled by 1/(5 + 1e-6): the new norm is 5/(5 + 1e-6) = 1 − 2e-7.
+        assert!((norm_of(&parameters) - 1.0).abs() < 1e-6);
+        assert!((parameters[0].grad().unwrap()[0] - 0.6).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_small_gradient_is_left_alone() {
+        let parameters = [with_grad(&[0.3, 0.4])];
+        assert!((clip_grad_norm(&parameters, 1.0).unwrap() - 0.5).abs() < 1e-7);
+        assert_eq!(
+            parameters[0]
+                .grad()
+                .unwrap()
+                .iter()
+                .copied()
+                .collect::<Vec<_>>(),
+            vec![0.3, 0.4]
+        );
+    }
+
+    #[test]
+    fn a_non_finite_norm_is_returned_and_nothing_scaled() {
+        let parameters = [with_grad(&[f32::INFINITY, 1.0]), with_grad(&[2.0])];
+        assert_eq!(clip_grad_norm(&parameters, 1.0).unwrap(), f64::INFINITY);
+        assert_eq!(
+            parameters[1]
+                .grad()
+                .unwrap()
+                .iter()
+                .copied()
+                .collect::<Vec<_>>(),
+            vec![2.0]
+        );
+        let nan = [with_grad(&[f32::NAN])];
+        assert!(clip_grad_norm(&nan, 1.0).unwrap().is_nan());
+    }
+
+    #[test]
+    fn parameters_without_gradient_are_skipped() {
+        let without = Tensor::<f32>::param(ndarray::ArrayD::zeros(ndarray::IxDyn(&[2])));
+        let parameters = [without.clone(), with_grad(&[0.0, 2.0])];
+        assert_eq!(clip_grad_norm(&parameters, 1.0).unwrap(), 2.0);
+        assert!(without.grad().is_none());
+    }
+
+    #[test]
+    fn invalid_max_norm_is_rejected_and_nothing_scaled() {
+        let parameters = [with_grad(&[3.0, 4.0])];
+        for max_norm in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(matches!(
+                clip_grad_norm(&parameters, max_norm),
+                Err(TensorError::InvalidArgument {
+                    name: "max_norm",
+                    ..
+                })
+            ));
+        }
+        assert_eq!(
+            parameters[0]
+                .grad()
+                .unwrap()
+                .iter()
+                .copied()
+                .collect::<Vec<_>>(),
+            vec![3.0, 4.0]
+        );
+    }
+}
