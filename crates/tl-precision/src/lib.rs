@@ -1,1 +1,41 @@
-//! being written.
+//! Mixed-precision training for tinyllm: the numerics of bf16/fp16 hardware, emulated
+//! exactly on the CPU, and the tools that make low-precision training work.
+//!
+//! - [`cast`] rounds a tensor into a 16-bit [`Format`], and its gradient on the way back.
+//! - [`autocast`] makes every matmul on the thread read and write 16-bit values, as a tensor
+//!   core does, while parameters and their updates stay f32 ("master weights").
+//! - [`DynamicLossScaler`] keeps fp16 gradients from underflowing, skipping the steps whose
+//!   gradients overflow.
+//! - [`grad_accumulate`] builds the gradient of a big batch from micro-batches of any sizes.
+//! - [`train_step_mixed`] puts them together into one optimizer step.
+//!
+//! ```
+//! use tl_precision::{autocast_bf16, cast, Format};
+//! use tl_tensor::Tensor;
+//!
+//! let x = Tensor::<f32>::from_vec(vec![1.01], &[1, 1])?;
+//! assert_eq!(cast(&x, Format::Bf16).item(), 1.0078125);
+//! let _bf16 = autocast_bf16();
+//! assert_eq!(x.matmul(&x).item(), 1.015625); // rd(1.0078125²) = rd(1.01568...)
+//! # Ok::<(), tl_tensor::TensorError>(())
+//! ```
+
+mod accumulate;
+mod autocast;
+mod cast;
+mod error;
+mod precision;
+mod scaler;
+mod scaler_state;
+mod step;
+
+pub use accumulate::{MicroBatch, grad_accumulate};
+pub use autocast::{AutocastGuard, autocast, autocast_bf16, autocast_format, parse_format};
+pub use cast::{cast, take_underflow_count, underflow_count};
+pub use error::{PrecisionError, Result};
+pub use precision::Precision;
+pub use scaler::{DynamicLossScaler, StepOutcome};
+pub use scaler_state::ScalerState;
+pub use step::{StepReport, train_step_mixed};
+/// The 16-bit formats, re-exported from tl-numerics.
+pub use tl_numerics::Format;

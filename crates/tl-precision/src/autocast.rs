@@ -1,0 +1,163 @@
+//! `autocast`: every matmul on this thread computed as a 16-bit tensor core would.
+//!
+//! A tensor core reads two 16-bit matrices, accumulates in f32 and writes a 16-bit result,
+//! so under autocast `Y = A·B` becomes `cast(cast(A) · cast(B))`. Since [`cast`] rounds its
+//! gradient too, the backward matmuls read and write rounded values as well:
+//! `Ā = rd(rd(Ȳ) · rd(B)ᵀ)`.
+//!
+//! tl-tensor knows nothing about formats: it offers one per-thread override point for
+//! [`Tensor::matmul`], a [`MatmulHook`]. The guard installs a hook that rounds, and puts back
+//! whatever was installed before when it drops — at the end of the scope, on `?`, and while
+//! unwinding from a panic — so guards nest and the innermost format applies.
+
+use std::cell::Cell;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use tl_numerics::Format;
+use tl_tensor::{Element, MatmulHook, Tensor, set_matmul_hook};
+
+use crate::cast::cast;
+use crate::error::Result;
+
+thread_local! {
+    static AUTOCAST_FORMAT: Cell<Option<Format>> = const { Cell::new(None) };
+}
+
+/// The format every matmul on this thread rounds to, or `None` outside autocast.
+///
+/// ```
+/// use tl_numerics::Format;
+/// use tl_precision::{autocast, autocast_format};
+///
+/// assert_eq!(autocast_format(), None);
+/// let _bf16 = autocast(Format::Bf16);
+/// assert_eq!(autocast_format(), Some(Format::Bf16));
+/// ```
+pub fn autocast_format() -> Option<Format> {
+    AUTOCAST_FORMAT.with(Cell::get)
+}
+
+/// Parses a 16-bit format name: exactly `"bf16"` or `"fp16"`.
+///
+/// # Errors
+/// [`PrecisionError::Format`](crate::PrecisionError::Format) for any other text.
+///
+/// ```
+/// use tl_numerics::Format;
+/// use tl_precision::parse_format;
+///
+/// assert_eq!(parse_format("fp16")?, Format::Fp16);
+/// assert!(parse_format("fp8").is_err());
+/// # Ok::<(), tl_precision::PrecisionError>(())
+/// ```
+pub fn parse_format(name: &str) -> Result<Format> {
+    Ok(name.parse::<Format>()?)
+}
+
+/// The hook autocast installs: the product of the rounded operands, rounded.
+struct RoundedMatmul {
+    format: Format,
+}
+
+impl RoundedMatmul {
+    fn product<E: Element>(&self, lhs: &Tensor<E>, rhs: &Tensor<E>) -> Tensor<E> {
+        let f = self.format;
+        cast(&cast(lhs, f).matmul_plain(&cast(rhs, f)), f)
+    }
+}
+
+impl MatmulHook for RoundedMatmul {
+    fn matmul_f32(&self, lhs: &Tensor<f32>, rhs: &Tensor<f32>) -> Tensor<f32> {
+        self.product(lhs, rhs)
+    }
+
+    fn matmul_f64(&self, lhs: &Tensor<f64>, rhs: &Tensor<f64>) -> Tensor<f64> {
+        self.product(lhs, rhs)
+    }
+}
+
+/// Everything autocast changes on a thread: its own format and tl-tensor's matmul hook.
+#[derive(Default)]
+struct AutocastState {
+    format: Option<Format>,
+    hook: Option<Arc<dyn MatmulHook>>,
+}
+
+/// Puts `next` in force on this thread and returns the state it replaces.
+fn swap_state(next: AutocastState) -> AutocastState {
+    let hook = set_matmul_hook(next.hook);
+    let format = AUTOCAST_FORMAT.with(|slot| slot.replace(next.format));
+    AutocastState { format, hook }
+}
+
+/// Keeps autocast on while it lives; dropping it restores the state that was in force
+/// when it was made (the outer autocast's format, or the plain matmul).
+///
+/// The guard is tied to its thread (not `Send`): the state it restores is thread-local.
+/// Guards must drop in the reverse order of their creation, as scopes drop them; dropping
+/// an outer guard by hand while an inner one lives would restore the states out of order.
+#[must_use = "autocast ends as soon as the guard is dropped"]
+pub struct AutocastGuard {
+    previous: AutocastState,
+    _same_thread: PhantomData<*const ()>,
+}
+
+impl fmt::Debug for AutocastGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AutocastGuard")
+            .field("restores_format", &self.previous.format)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        swap_state(std::mem::take(&mut self.previous));
+    }
+}
+
+/// Computes every [`Tensor::matmul`] on this thread as `cast(cast(a) · cast(b))` in
+/// `format` until the returned guard drops.
+///
+/// Guards nest: the innermost format applies, and dropping an inner guard brings back the
+/// outer one. Only matmuls are rounded; parameters, their updates and every other op stay in
+/// the element type (the f32 "master weights").
+///
+/// ```
+/// use tl_numerics::Format;
+/// use tl_precision::{autocast, autocast_format};
+/// use tl_tensor::Tensor;
+///
+/// let a = Tensor::<f32>::from_vec(vec![1.0, 1.0], &[1, 2])?;
+/// let b = Tensor::<f32>::from_vec(vec![1.0, 2f32.powi(-8)], &[2, 1])?;
+/// {
+///     let _bf16 = autocast(Format::Bf16);
+///     // 1 + 2^-8 is a tie between the bf16 values 1 and 1 + 2^-7: it goes to even.
+///     assert_eq!(a.matmul(&b).item(), 1.0);
+///     {
+///         let _fp16 = autocast(Format::Fp16);
+///         assert_eq!(a.matmul(&b).item(), 1.00390625); // fp16 holds 1 + 2^-8
+///     }
+///     assert_eq!(autocast_format(), Some(Format::Bf16));
+/// }
+/// assert_eq!(a.matmul(&b).item(), 1.00390625); // plain f32 again
+/// # Ok::<(), tl_tensor::TensorError>(())
+/// ```
+pub fn autocast(format: Format) -> AutocastGuard {
+    let hook: Arc<dyn MatmulHook> = Arc::new(RoundedMatmul { format });
+    let previous = swap_state(AutocastState {
+        format: Some(format),
+        hook: Some(hook),
+    });
+    AutocastGuard {
+        previous,
+        _same_thread: PhantomData,
+    }
+}
+
+/// [`autocast`] in bf16, the format of mixed-precision training that needs no loss scaling.
+pub fn autocast_bf16() -> AutocastGuard {
+    autocast(Format::Bf16)
+}

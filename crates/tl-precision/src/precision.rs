@@ -1,0 +1,127 @@
+//! [`Precision`]: the arithmetic a training step runs its matmuls in.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use tl_numerics::Format;
+
+use crate::autocast::{AutocastGuard, autocast};
+use crate::error::PrecisionError;
+
+/// The precision of a training step: plain f32, or f32 masters with emulated 16-bit matmuls.
+///
+/// Parsed from and displayed as `"fp32"`, `"bf16"` or `"fp16"` (the names a config file or
+/// command line uses).
+///
+/// ```
+/// use tl_numerics::Format;
+/// use tl_precision::Precision;
+///
+/// let p: Precision = "bf16".parse()?;
+/// assert_eq!(p.format(), Some(Format::Bf16));
+/// assert_eq!(Precision::Fp32.format(), None);
+/// assert!("float16".parse::<Precision>().is_err());
+/// # Ok::<(), tl_precision::PrecisionError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Every op in the element type; no autocast.
+    #[default]
+    Fp32,
+    /// Matmuls under bf16 autocast (no loss scaling needed: bf16 has f32's range).
+    Bf16,
+    /// Matmuls under fp16 autocast (pair it with a loss scaler: small gradients underflow).
+    Fp16,
+}
+
+impl Precision {
+    /// All precisions, in a fixed order.
+    pub const ALL: [Precision; 3] = [Precision::Fp32, Precision::Bf16, Precision::Fp16];
+
+    /// The name: `"fp32"`, `"bf16"` or `"fp16"`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+
+    /// The 16-bit format its matmuls round to, or `None` for plain f32.
+    pub const fn format(self) -> Option<Format> {
+        match self {
+            Precision::Fp32 => None,
+            Precision::Bf16 => Some(Format::Bf16),
+            Precision::Fp16 => Some(Format::Fp16),
+        }
+    }
+
+    /// Turns on the autocast of this precision until the guard drops (`None` for fp32, which
+    /// leaves the thread's current mode alone).
+    pub fn autocast(self) -> Option<AutocastGuard> {
+        self.format().map(autocast)
+    }
+}
+
+impl From<Format> for Precision {
+    fn from(format: Format) -> Self {
+        match format {
+            Format::Bf16 => Precision::Bf16,
+            Format::Fp16 => Precision::Fp16,
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Precision {
+    type Err = PrecisionError;
+
+    /// Parses exactly `"fp32"`, `"bf16"` or `"fp16"`.
+    ///
+    /// # Errors
+    /// [`PrecisionError::UnknownPrecision`] for any other text.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Precision::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| PrecisionError::UnknownPrecision {
+                input: s.to_owned(),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_others_are_rejected() {
+        for p in Precision::ALL {
+            assert_eq!(p.name().parse::<Precision>(), Ok(p));
+            assert_eq!(p.to_string(), p.name());
+        }
+        for bad in ["FP32", "bf16 ", "fp8", ""] {
+            assert_eq!(
+                bad.parse::<Precision>(),
+                Err(PrecisionError::UnknownPrecision { input: bad.into() })
+            );
+        }
+        assert_eq!(Precision::from(Format::Fp16), Precision::Fp16);
+    }
+
+    #[test]
+    fn fp32_installs_no_autocast() {
+        assert!(Precision::Fp32.autocast().is_none());
+        let guard = Precision::Fp16.autocast();
+        assert_eq!(crate::autocast_format(), Some(Format::Fp16));
+        drop(guard);
+        assert_eq!(crate::autocast_format(), None);
+    }
+}

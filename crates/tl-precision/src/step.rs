@@ -1,0 +1,123 @@
+//! [`train_step_mixed`]: one optimizer step of mixed-precision training with gradient
+//! accumulation, the loop body of the capstone trainer.
+
+use serde::Serialize;
+use tl_tensor::nn::Module;
+use tl_tensor::optim::{Optimizer, clip_grad_norm};
+use tl_tensor::{Element, Tensor};
+
+use crate::accumulate::{MicroBatch, grad_accumulate};
+use crate::cast::take_underflow_count;
+use crate::error::{PrecisionError, Result};
+use crate::precision::Precision;
+use crate::scaler::{DynamicLossScaler, grad_is_finite};
+
+/// What one [`train_step_mixed`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepReport {
+    /// The loss of the whole batch (the row-weighted mean of the micro-batch losses),
+    /// unscaled.
+    pub loss: f64,
+    /// Whether the update was skipped because the scaled gradients overflowed.
+    pub skipped: bool,
+    /// The loss scale after the step, when a scaler is used.
+    pub scale: Option<f64>,
+    /// The total 2-norm of the (unscaled) gradients before clipping, when clipping was
+    /// asked for and the step was taken.
+    pub grad_norm: Option<f64>,
+    /// Gradient values the 16-bit casts of this step flushed to zero.
+    pub underflows: u64,
+}
+
+/// One training step: zero the gradients, accumulate every micro-batch (see
+/// [`grad_accumulate`]) under the autocast of `precision`, then update.
+///
+/// With a `scaler`, the losses are scaled and the scaler's [`step`](DynamicLossScaler::step)
+/// checks, unscales, clips and steps (or skips). Without one, a non-finite loss or gradient
+/// is an error returned before any parameter changes; otherwise the gradients are clipped to
+/// `clip` if asked and the optimizer steps. The parameters checked, clipped and updated are
+/// the optimizer's.
+///
+/// # Errors
+/// Those of [`grad_accumulate`] (no update happens); [`PrecisionError::NonFiniteLoss`] and
+/// [`PrecisionError::NonFiniteGradient`] without a scaler; those of
+/// [`DynamicLossScaler::step`]; an invalid `clip` as a [`PrecisionError::Tensor`] or
+/// [`PrecisionError::InvalidScalerArgument`].
+///
+/// ```
+/// use tl_precision::{Precision, train_step_mixed};
+/// use tl_tensor::losses::mse;
+/// use tl_tensor::nn::{Linear, Module};
+/// use tl_tensor::optim::Sgd;
+/// use tl_tensor::{Generator, Tensor};
+///
+/// let model = Linear::<f32>::new(4, 1, true, &Generator::new(0));
+/// let mut opt = Sgd::new(model.parameters(), 0.1)?;
+/// let x = Tensor::from_vec((0..24).map(|i| i as f32 / 24.0).collect(), &[6, 4])?;
+/// let target = Tensor::ones(&[6, 1]);
+/// // Micro-batches of 2 and 4 rows: the step sees the gradient of all 6.
+/// let micro_batches = [
+///     (x.narrow(0, 0, 2), target.narrow(0, 0, 2)),
+///     (x.narrow(0, 2, 4), target.narrow(0, 2, 4)),
+/// ];
+/// let loss_fn = |m: &Linear<f32>, (x, t): &(Tensor<f32>, Tensor<f32>)| mse(&m.forward(x), t);
+/// let first = train_step_mixed(&model, &micro_batches, loss_fn, &mut opt, Precision::Bf16, None, Some(1.0))?;
+/// assert!(!first.skipped && first.grad_norm.is_some());
+/// let second = train_step_mixed(&model, &micro_batches, loss_fn, &mut opt, Precision::Bf16, None, None)?;
+/// assert!(second.loss < first.loss);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn train_step_mixed<E, M, B, F, O>(
+    model: &M,
+    micro_batches: &[B],
+    loss_fn: F,
+    opt: &mut O,
+    precision: Precision,
+    scaler: Option<&mut DynamicLossScaler>,
+    clip: Option<f64>,
+) -> Result<StepReport>
+where
+    E: Element,
+    M: Module<E> + ?Sized,
+    B: MicroBatch,
+    F: FnMut(&M, &B) -> Tensor<E>,
+    O: Optimizer<E> + ?Sized,
+{
+    model.zero_grad();
+    opt.zero_grad();
+    // Count only this step's underflows.
+    take_underflow_count();
+    let loss = {
+        let _autocast = precision.autocast();
+        grad_accumulate(model, micro_batches, loss_fn, scaler.as_deref())?
+    };
+    let params = opt.parameters().to_vec();
+    if let Some(scaler) = scaler {
+        let outcome = scaler.step(opt, &params, clip)?;
+        return Ok(StepReport {
+            loss,
+            skipped: !outcome.stepped,
+            scale: Some(outcome.scale),
+            grad_norm: outcome.grad_norm,
+            underflows: outcome.underflows,
+        });
+    }
+    if !loss.is_finite() {
+        return Err(PrecisionError::NonFiniteLoss { loss });
+    }
+    if let Some(index) = params.iter().position(|p| !grad_is_finite(p)) {
+        return Err(PrecisionError::NonFiniteGradient { index });
+    }
+    let grad_norm = clip
+        .map(|max_norm| clip_grad_norm(&params, max_norm))
+        .transpose()?;
+    opt.step();
+    Ok(StepReport {
+        loss,
+        skipped: false,
+        scale: None,
+        grad_norm,
+        underflows: take_underflow_count(),
+    })
+}
