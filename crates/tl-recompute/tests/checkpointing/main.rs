@@ -1,0 +1,9 @@
+//! The crate's own tests of checkpointing: the node, stacks on a schedule, replayed dropout,
+//! verified mode and memory. (The schedule's own tests live beside it in `src/schedule/`.)
+
+mod common;
+mod dropout;
+mod memory;
+mod node;
+mod sequential;
+mod verified;
