@@ -46,6 +46,7 @@ impl CourseTest {
 }
 
 /// A course module the harness knows.
+#[derive(Debug)]
 pub(crate) struct Module {
     pub(crate) name: &'static str,
     pub(crate) title: &'static str,

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 const USAGE: &str = "usage:
   cargo xtask tests <MODULE>                               print the course test catalog
   cargo xtask check <MODULE> [--pitfalls-only] [--jobs N]  course tests, then the full grade
-  cargo xtask mutate [<MODULE>] [--pitfalls-only] [--jobs N]  the grade alone
+  cargo xtask mutate [<MODULE>] [--pitfalls-only] [--jobs N] [--only s04,s17]  the grade alone
 modules: L11.1";
 
 /// The workspace root (the parent of this crate's directory).
@@ -53,10 +53,12 @@ enum Command {
     Help,
 }
 
-#[derive(Debug, PartialEq, Clone, Copy)]
+#[derive(Debug, PartialEq, Clone)]
 struct GradeOptions {
     pitfalls_only: bool,
     jobs: usize,
+    /// Plant only these pitfalls (`--only s04,s17`); empty means all.
+    only: Vec<String>,
 }
 
 fn parse(args: &[String]) -> Result<Command, String> {
@@ -67,6 +69,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
     let mut options = GradeOptions {
         pitfalls_only: false,
         jobs: 1,
+        only: Vec::new(),
     };
     let mut rest = rest.iter();
     while let Some(arg) = rest.next() {
@@ -80,11 +83,24 @@ fn parse(args: &[String]) -> Result<Command, String> {
                     .filter(|&n| n >= 1)
                     .ok_or_else(|| format!("--jobs takes a whole number ≥ 1, not '{value}'"))?;
             }
+            "--only" if command != "tests" => {
+                let value = rest
+                    .next()
+                    .ok_or("--only needs pitfall ids, e.g. s04,s17")?;
+                for id in value.split(',') {
+                    if !pitfalls::PITFALLS.iter().any(|p| p.id == id) {
+                        return Err(format!(
+                            "--only: unknown pitfall '{id}'; ids are s01 to s24"
+                        ));
+                    }
+                    options.only.push(id.to_string());
+                }
+            }
             flag if flag.starts_with('-') => {
                 let known = if command == "tests" {
                     "(none)"
                 } else {
-                    "--pitfalls-only, --jobs N"
+                    "--pitfalls-only, --jobs N, --only s01,s02,.."
                 };
                 return Err(format!(
                     "unknown flag '{flag}' for '{command}'; flags: {known}"
@@ -172,7 +188,7 @@ fn mutate(options: GradeOptions) -> Result<Grade, String> {
     if !options.pitfalls_only && !run::has_subcommand("mutants") {
         return Err(grade::INSTALL_HINT.to_string());
     }
-    let planted = planted::run_all(&workspace, options.jobs)?;
+    let planted = planted::run_all(&workspace, options.jobs, &options.only)?;
     let crates = if options.pitfalls_only {
         None
     } else {
@@ -224,7 +240,8 @@ mod tests {
                 module: "L11.1".into(),
                 options: GradeOptions {
                     pitfalls_only: false,
-                    jobs: 2
+                    jobs: 2,
+                    only: vec![],
                 }
             })
         );
@@ -234,7 +251,8 @@ mod tests {
                 module: "L11.1".into(),
                 options: GradeOptions {
                     pitfalls_only: true,
-                    jobs: 1
+                    jobs: 1,
+                    only: vec![],
                 }
             })
         );
@@ -253,5 +271,11 @@ mod tests {
         );
         assert!(parse(&args(&["mutate", "--jobs", "0"])).is_err());
         assert!(parse(&args(&["tests"])).is_err());
+        let unknown_pitfall = parse(&args(&["mutate", "--only", "s04,s99"])).unwrap_err();
+        assert!(unknown_pitfall.contains("s99"), "{unknown_pitfall}");
+        match parse(&args(&["mutate", "--only", "s04,s17"])) {
+            Ok(Command::Mutate { options, .. }) => assert_eq!(options.only, ["s04", "s17"]),
+            other => panic!("{other:?}"),
+        }
     }
 }

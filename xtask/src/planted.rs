@@ -173,8 +173,16 @@ pub(crate) fn run_one(
 }
 
 /// Runs the selected pitfalls over `jobs` scratch copies in parallel.
-pub(crate) fn run_all(workspace: &Path, jobs: usize) -> Result<Vec<PlantedResult>, String> {
-    let jobs = jobs.clamp(1, PITFALLS.len());
+pub(crate) fn run_all(
+    workspace: &Path,
+    jobs: usize,
+    only: &[String],
+) -> Result<Vec<PlantedResult>, String> {
+    let selected: Vec<&'static Pitfall> = PITFALLS
+        .iter()
+        .filter(|p| only.is_empty() || only.iter().any(|id| id == p.id))
+        .collect();
+    let jobs = jobs.clamp(1, selected.len().max(1));
     let scratches: Vec<Scratch> = (0..jobs)
         .map(|i| Scratch::sync(workspace, &format!("scratch-{i}")))
         .collect::<Result<_, _>>()
@@ -195,14 +203,16 @@ pub(crate) fn run_all(workspace: &Path, jobs: usize) -> Result<Vec<PlantedResult
     })?;
     let slowest = baselines.into_iter().max().unwrap_or_default();
     let test_timeout = (slowest * 5).max(Duration::from_secs(60));
+    let selected = &selected;
     let mut results: Vec<PlantedResult> = std::thread::scope(|s| {
         let handles: Vec<_> = scratches
             .iter()
             .enumerate()
             .map(|(job, scratch)| {
                 s.spawn(move || {
-                    PITFALLS
+                    selected
                         .iter()
+                        .copied()
                         .skip(job)
                         .step_by(jobs)
                         .map(|pitfall| {

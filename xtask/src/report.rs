@@ -89,8 +89,8 @@ fn mark(ok: bool) -> &'static str {
 pub(crate) fn print_grade(grade: &Grade) {
     println!("\nPitfall mutants (planted in a scratch copy; own tests must catch each):");
     println!(
-        "{:<4} {:<52} {:<9} {:<7} {}",
-        "id", "pitfall", "own", "course", "course test"
+        "{:<4} {:<52} {:<9} {:<7} course test",
+        "id", "pitfall", "own", "course"
     );
     for r in &grade.planted {
         let course = match r.course_caught {
@@ -140,6 +140,12 @@ pub(crate) fn print_grade(grade: &Grade) {
         println!("\n(cargo-mutants grade skipped: --pitfalls-only)");
     }
     println!("\ntook {:.0} s", grade.elapsed.as_secs_f64());
+    let passed = grade.planted.iter().filter(|r| r.passes()).count();
+    // The plain closing line CI reads: a pitfall passes when both its tests catch it.
+    println!(
+        "pitfalls: {passed} passed, {} failed",
+        grade.planted.len() - passed
+    );
 }
 
 /// Prints the course results, the grade and one summary table; returns whether all holds.
