@@ -59,6 +59,7 @@ pub(crate) fn grade_crate(
     scratch: &Scratch,
     package: &'static str,
     jobs: usize,
+    shard: Option<&str>,
 ) -> Result<CrateGrade, String> {
     let out_dir = workspace
         .join("target")
@@ -78,6 +79,9 @@ pub(crate) fn grade_crate(
         &out,
         "--no-shuffle",
     ];
+    if let Some(shard) = shard {
+        args.extend(["--shard", shard]);
+    }
     if jobs == "1" {
         args.push("--in-place");
     } else {

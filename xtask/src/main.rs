@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 const USAGE: &str = "usage:
   cargo xtask tests <MODULE>                               print the course test catalog
   cargo xtask check <MODULE> [--pitfalls-only] [--jobs N]  course tests, then the full grade
-  cargo xtask mutate [<MODULE>] [--pitfalls-only] [--jobs N] [--only s04,s17]  the grade alone
+  cargo xtask mutate [<MODULE>] [--pitfalls-only] [--jobs N] [--only s04,s17] [--shard K/N]  the grade alone
 modules: L11.1";
 
 /// The workspace root (the parent of this crate's directory).
@@ -59,6 +59,8 @@ struct GradeOptions {
     jobs: usize,
     /// Plant only these pitfalls (`--only s04,s17`); empty means all.
     only: Vec<String>,
+    /// Run one shard `k/n` of cargo-mutants' mutants (`--shard 0/4`), to split the grade.
+    shard: Option<String>,
 }
 
 fn parse(args: &[String]) -> Result<Command, String> {
@@ -70,6 +72,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
         pitfalls_only: false,
         jobs: 1,
         only: Vec::new(),
+        shard: None,
     };
     let mut rest = rest.iter();
     while let Some(arg) = rest.next() {
@@ -96,11 +99,23 @@ fn parse(args: &[String]) -> Result<Command, String> {
                     options.only.push(id.to_string());
                 }
             }
+            "--shard" if command != "tests" => {
+                let value = rest.next().ok_or("--shard needs K/N, e.g. 0/4")?;
+                let valid = value.split_once('/').is_some_and(|(k, n)| {
+                    matches!((k.parse::<u32>(), n.parse::<u32>()), (Ok(k), Ok(n)) if k < n)
+                });
+                if !valid {
+                    return Err(format!(
+                        "--shard takes K/N with K < N, e.g. 0/4, not '{value}'"
+                    ));
+                }
+                options.shard = Some(value.clone());
+            }
             flag if flag.starts_with('-') => {
                 let known = if command == "tests" {
                     "(none)"
                 } else {
-                    "--pitfalls-only, --jobs N, --only s01,s02,.."
+                    "--pitfalls-only, --jobs N, --only s01,s02,.., --shard K/N"
                 };
                 return Err(format!(
                     "unknown flag '{flag}' for '{command}'; flags: {known}"
@@ -198,7 +213,13 @@ fn mutate(options: GradeOptions) -> Result<Grade, String> {
             .iter()
             .map(|package| {
                 eprintln!("xtask: cargo-mutants over {package}…");
-                grade::grade_crate(&workspace, &scratch, package, options.jobs)
+                grade::grade_crate(
+                    &workspace,
+                    &scratch,
+                    package,
+                    options.jobs,
+                    options.shard.as_deref(),
+                )
             })
             .collect::<Result<Vec<_>, _>>()?;
         Some(grades)
@@ -242,6 +263,7 @@ mod tests {
                     pitfalls_only: false,
                     jobs: 2,
                     only: vec![],
+                    shard: None,
                 }
             })
         );
@@ -253,6 +275,7 @@ mod tests {
                     pitfalls_only: true,
                     jobs: 1,
                     only: vec![],
+                    shard: None,
                 }
             })
         );
@@ -271,6 +294,8 @@ mod tests {
         );
         assert!(parse(&args(&["mutate", "--jobs", "0"])).is_err());
         assert!(parse(&args(&["tests"])).is_err());
+        assert!(parse(&args(&["mutate", "--shard", "4/4"])).is_err());
+        assert!(parse(&args(&["mutate", "--shard", "1/4"])).is_ok());
         let unknown_pitfall = parse(&args(&["mutate", "--only", "s04,s99"])).unwrap_err();
         assert!(unknown_pitfall.contains("s99"), "{unknown_pitfall}");
         match parse(&args(&["mutate", "--only", "s04,s17"])) {
