@@ -9,6 +9,12 @@
 //! the linear shapes. Throughput is counted as 2·m·n·k flops per product, so criterion's
 //! "elem/s" reads as flop/s.
 //!
+//! `gemm/Nt` returns a fresh output, as `Tensor::matmul` does, so it includes what the
+//! allocator charges for it; `gemm-into-reused/2t` writes into one output kept across
+//! iterations, the kernel alone. The gap is large for outputs of 32 MiB and more (80×512×512
+//! f32 is 84 MB), which glibc maps fresh from the kernel on every allocation: the page faults
+//! cost about as much as the product.
+//!
 //! Run: `cargo bench -p tl-tensor --bench matmul -- --measurement-time 3 --warm-up-time 1`
 
 use std::hint::black_box;
@@ -16,7 +22,7 @@ use std::hint::black_box;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use ndarray::{Array, ArrayView2, Dimension, IntoDimension};
 use rayon::{ThreadPool, ThreadPoolBuilder};
-use tl_tensor::kernels::batched::batched_matmul;
+use tl_tensor::kernels::batched::{batched_matmul, batched_matmul_into};
 use tl_tensor::kernels::gemm::{gemm_into, matmul};
 
 /// Rows of activations in one capstone step: 8 sequences of 512 tokens.
@@ -118,6 +124,20 @@ fn attention(c: &mut Criterion) {
                 pool.install(|| b.iter(|| batched_matmul(black_box(lhs.view()), rhs.view())));
             });
         }
+        let mut out = ndarray::ArrayD::zeros(ndarray::IxDyn(&[heads, m, n]));
+        let (_, pool) = &pools()[1];
+        group.bench_function("gemm-into-reused/2t", |b| {
+            pool.install(|| {
+                b.iter(|| {
+                    batched_matmul_into(
+                        &mut out.view_mut(),
+                        black_box(lhs.view()),
+                        rhs.view(),
+                        false,
+                    )
+                })
+            });
+        });
         group.finish();
     }
 }

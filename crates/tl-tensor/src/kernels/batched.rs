@@ -4,11 +4,13 @@
 //! capstone); splitting each of those across threads would spend more time synchronising
 //! than multiplying, so a large batch gives each rayon task whole products instead.
 
-use gemm::Parallelism;
-use ndarray::{Array3, ArrayD, ArrayView2, ArrayViewD, Axis, Dimension, Ix2, IxDyn};
+use ndarray::{
+    ArrayD, ArrayView2, ArrayViewD, ArrayViewMut2, ArrayViewMutD, Axis, Dimension, Ix2, IxDyn,
+};
 use rayon::prelude::*;
 
-use super::gemm::{PARALLEL_WORK, gemm_with, parallelism_for};
+use super::gemm::{gemm_overwrite, gemm_with};
+use super::split::{PARALLEL_WORK, Threads, threads_for};
 use crate::Element;
 
 /// From this many matrices on, a batch is spread over the pool one product per task; fewer
@@ -21,7 +23,7 @@ const BATCH_PARALLEL_MIN: usize = 4;
 pub(super) enum Schedule {
     /// One product per rayon task, each on a single thread.
     AcrossBatch,
-    /// One product after another, each split across the pool (if large enough).
+    /// One product after another, each spread over the pool as `threads_for` says.
     WithinProduct,
 }
 
@@ -53,6 +55,50 @@ pub(super) fn schedule(count: usize, m: usize, n: usize, k: usize) -> Schedule {
 /// assert!(out.iter().all(|&x| x == 4.0)); // a sum of 4 ones
 /// ```
 pub fn batched_matmul<E: Element>(lhs: ArrayViewD<'_, E>, rhs: ArrayViewD<'_, E>) -> ArrayD<E> {
+    let out_shape = product_shape(&lhs, &rhs);
+    let mut out = ArrayD::<E>::uninit(IxDyn(&out_shape));
+    run_products(&mut out.view_mut(), lhs, rhs, gemm_overwrite);
+    // SAFETY: `run_products` hands every matrix of `out` to `gemm_overwrite`, which
+    // initialises every element of the matrix it is given (when it returns early, for m = 0
+    // or n = 0, `out` has no elements).
+    unsafe { out.assume_init() }
+}
+
+/// [`batched_matmul`] into a given output, `out = lhs · rhs` (or `out += lhs · rhs` with
+/// `accumulate`), for any strides of `out`.
+///
+/// # Panics
+/// As [`batched_matmul`], and if `out` is not shaped `[b.., m, n]`.
+///
+/// ```
+/// use tl_tensor::kernels::batched::batched_matmul_into;
+/// use tl_tensor::ndarray::{ArrayD, IxDyn};
+/// let ones = ArrayD::<f64>::ones(IxDyn(&[2, 3, 3]));
+/// let mut out = ArrayD::<f64>::ones(IxDyn(&[2, 3, 3]));
+/// batched_matmul_into(&mut out.view_mut(), ones.view(), ones.view(), true);
+/// assert!(out.iter().all(|&x| x == 4.0)); // 1 + (1 + 1 + 1)
+/// ```
+pub fn batched_matmul_into<E: Element>(
+    out: &mut ArrayViewMutD<'_, E>,
+    lhs: ArrayViewD<'_, E>,
+    rhs: ArrayViewD<'_, E>,
+    accumulate: bool,
+) {
+    let out_shape = product_shape(&lhs, &rhs);
+    assert!(
+        out.shape() == out_shape,
+        "batched_matmul_into: the product of {:?} by {:?} does not fit {:?}",
+        lhs.shape(),
+        rhs.shape(),
+        out.shape()
+    );
+    run_products(out, lhs, rhs, |out, lhs, rhs, threads| {
+        gemm_with(out, lhs, rhs, accumulate, threads);
+    });
+}
+
+/// The shape `[b.., m, n]` of the product of `[b.., m, k]` by `[b.., k, n]`.
+fn product_shape<E>(lhs: &ArrayViewD<'_, E>, rhs: &ArrayViewD<'_, E>) -> Vec<usize> {
     let (lhs_nd, rhs_nd) = (lhs.ndim(), rhs.ndim());
     assert!(
         lhs_nd >= 2
@@ -63,38 +109,65 @@ pub fn batched_matmul<E: Element>(lhs: ArrayViewD<'_, E>, rhs: ArrayViewD<'_, E>
         lhs.shape(),
         rhs.shape()
     );
-    let batch = lhs.shape()[..lhs_nd - 2].to_vec();
+    let mut shape = lhs.shape()[..lhs_nd - 1].to_vec();
+    shape.push(rhs.shape()[rhs_nd - 1]);
+    shape
+}
+
+/// Calls `product(out_i, lhs_i, rhs_i, threads)` for every matrix i of the batch, spread
+/// over threads as [`schedule`] says. Shapes are already checked.
+fn run_products<T: Send, E: Element>(
+    out: &mut ArrayViewMutD<'_, T>,
+    lhs: ArrayViewD<'_, E>,
+    rhs: ArrayViewD<'_, E>,
+    product: impl Fn(&mut ArrayViewMut2<'_, T>, ArrayView2<'_, E>, ArrayView2<'_, E>, Threads) + Sync,
+) {
+    let nd = lhs.ndim();
+    let batch = lhs.shape()[..nd - 2].to_vec();
     let (m, k, n) = (
-        lhs.shape()[lhs_nd - 2],
-        lhs.shape()[lhs_nd - 1],
-        rhs.shape()[rhs_nd - 1],
+        lhs.shape()[nd - 2],
+        lhs.shape()[nd - 1],
+        rhs.shape()[nd - 1],
     );
+    if m == 0 || n == 0 {
+        return; // nothing to write (and no matrix chunk of size zero to split `out` into)
+    }
     let count = batch.iter().product::<usize>();
-    let mut out = Array3::<E>::zeros((count, m, n));
-    let products = out
-        .outer_iter_mut()
+    let products = matrices_mut(out, batch.len())
         .zip(matrices(lhs, &batch))
         .zip(matrices(rhs, &batch));
     match schedule(count, m, n, k) {
-        Schedule::AcrossBatch => {
-            products
-                .collect::<Vec<_>>()
-                .into_par_iter()
-                .for_each(|((mut out, lhs), rhs)| {
-                    gemm_with(&mut out, lhs, rhs, false, Parallelism::None);
-                })
-        }
+        Schedule::AcrossBatch => products
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .for_each(|((mut out, lhs), rhs)| product(&mut out, lhs, rhs, Threads::One)),
         Schedule::WithinProduct => {
-            let parallelism = parallelism_for(m, n, k);
+            let threads = threads_for(m, n, k);
             for ((mut out, lhs), rhs) in products {
-                gemm_with(&mut out, lhs, rhs, false, parallelism);
+                product(&mut out, lhs, rhs, threads);
             }
         }
     }
-    let mut out_shape = batch.to_vec();
-    out_shape.extend_from_slice(&[m, n]);
-    out.into_shape_with_order(IxDyn(&out_shape))
-        .expect("a fresh row-major array takes any shape of its size")
+}
+
+/// The 2-D matrices of a batched mutable view with `batch_ndim` batch axes, in row-major
+/// order of the batch index: disjoint, so each can go to its own thread.
+fn matrices_mut<'a, T>(
+    view: &'a mut ArrayViewMutD<'_, T>,
+    batch_ndim: usize,
+) -> impl Iterator<Item = ArrayViewMut2<'a, T>> {
+    let mut chunk = vec![1; batch_ndim];
+    chunk.extend_from_slice(&view.shape()[batch_ndim..]);
+    view.exact_chunks_mut(IxDyn(&chunk))
+        .into_iter()
+        .map(move |mut matrix| {
+            for _ in 0..batch_ndim {
+                matrix = matrix.index_axis_move(Axis(0), 0);
+            }
+            matrix
+                .into_dimensionality::<Ix2>()
+                .expect("two matrix axes")
+        })
 }
 
 /// The 2-D matrices of a batched view, in row-major order of the batch index.
@@ -206,6 +279,25 @@ mod tests {
             ArrayD::<f32>::ones(IxDyn(&[5, 0, 4])).view(),
         );
         assert_eq!(out, ArrayD::<f32>::zeros(IxDyn(&[5, 2, 4])));
+        // m = 0 and n = 0: products with no elements.
+        let ones = |shape: &[usize]| ArrayD::<f32>::ones(IxDyn(shape));
+        let out = batched_matmul(ones(&[5, 0, 3]).view(), ones(&[5, 3, 4]).view());
+        assert_eq!(out.shape(), &[5, 0, 4]);
+        let out = batched_matmul(ones(&[5, 2, 3]).view(), ones(&[5, 3, 0]).view());
+        assert_eq!(out.shape(), &[5, 2, 0]);
+    }
+
+    #[test]
+    fn into_a_strided_output_overwrites_or_accumulates() {
+        // Output as a transposed view of a [2, 3, 4] array (strides of [2, 4, 3] swapped):
+        // each element of lhs · rhs is a sum of 5 products 1·2 = 10.
+        let lhs = ArrayD::<f64>::ones(IxDyn(&[2, 4, 5]));
+        let rhs = ArrayD::<f64>::from_elem(IxDyn(&[2, 5, 3]), 2.0);
+        let mut storage = ArrayD::<f64>::from_elem(IxDyn(&[2, 3, 4]), f64::NAN);
+        let mut out = storage.view_mut().permuted_axes(IxDyn(&[0, 2, 1]));
+        batched_matmul_into(&mut out, lhs.view(), rhs.view(), false);
+        batched_matmul_into(&mut out, lhs.view(), rhs.view(), true);
+        assert!(storage.iter().all(|&x| x == 20.0), "{storage:?}");
     }
 
     #[test]

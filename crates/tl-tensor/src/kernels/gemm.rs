@@ -1,34 +1,24 @@
 //! General matrix multiply on strided 2-D views, through the `gemm` crate.
 //!
-//! Two ways to use both cores, chosen by the shape alone (see [`batched_matmul`]): one large
-//! product is split by `gemm` itself across the rayon pool, while a batch of many small
-//! products runs one whole product per rayon task, each on a single thread.
+//! Both cores are used, in a way chosen from the shape alone: a large product is cut into
+//! blocks of rows or split by `gemm` itself (see `split.rs`), while a batch of many small
+//! products runs one whole product per rayon task (see
+//! [`batched_matmul`](super::batched::batched_matmul)).
 //!
 //! # Determinism
 //! `gemm` accumulates every output element over the inner dimension in an order fixed by the
 //! shape, the operands' strides and the machine's cache sizes — never by the number of
 //! threads: threads only decide *which* thread computes a tile, and a tile's arithmetic is the
-//! same on any of them. So a product is bit-identical under any rayon pool size, whether it
-//! is split internally or computed on one thread. The tests below pin this.
+//! same on any of them. So a product is bit-identical under any rayon pool size. The tests
+//! below pin this.
+
+use std::mem::MaybeUninit;
 
 use gemm::Parallelism;
 use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 
+use super::split::{Threads, spread, threads_for};
 use crate::Element;
-
-/// Products with fewer multiply-adds than this stay on the calling thread: below it, handing
-/// work to the pool costs more than it saves. `gemm` applies its own, finer threshold above.
-pub(super) const PARALLEL_WORK: usize = 64 * 64 * 64;
-
-/// The parallelism for one product of `m×k` by `k×n` computed on its own.
-pub(super) fn parallelism_for(m: usize, n: usize, k: usize) -> Parallelism {
-    if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK {
-        // 0 = as many threads as the current rayon pool has.
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    }
-}
 
 /// `out = lhs · rhs` (or `out += lhs · rhs` with `accumulate`), for any strides of the three
 /// views — a transposed operand is a view with swapped strides, never a copy. Large products
@@ -53,11 +43,12 @@ pub fn gemm_into<E: Element>(
 ) {
     let (m, k) = lhs.dim();
     let n = rhs.ncols();
-    gemm_with(out, lhs, rhs, accumulate, parallelism_for(m, n, k));
+    gemm_with(out, lhs, rhs, accumulate, threads_for(m, n, k));
 }
 
 /// The product `lhs · rhs` in a fresh row-major array, split across the current rayon pool
-/// when it is large.
+/// when it is large. The array is not zero-filled first (vectors aside): `gemm` writes every
+/// element.
 ///
 /// # Panics
 /// If the inner sizes differ.
@@ -69,46 +60,121 @@ pub fn gemm_into<E: Element>(
 /// assert_eq!(matmul(a.t(), a.view()), arr2(&[[10.0, 14.0], [14.0, 20.0]])); // aᵀ·a
 /// ```
 pub fn matmul<E: Element>(lhs: ArrayView2<'_, E>, rhs: ArrayView2<'_, E>) -> Array2<E> {
-    let mut out = Array2::zeros((lhs.nrows(), rhs.ncols()));
-    gemm_into(&mut out.view_mut(), lhs, rhs, false);
-    out
+    let (m, k) = lhs.dim();
+    let n = rhs.ncols();
+    let mut out = Array2::uninit((m, n));
+    gemm_overwrite(&mut out.view_mut(), lhs, rhs, threads_for(m, n, k));
+    // SAFETY: `gemm_overwrite` initialised every element of `out` (its contract below).
+    unsafe { out.assume_init() }
 }
 
-/// [`gemm_into`] with the parallelism given by the caller.
+/// [`gemm_into`] with the threads given by the caller.
 pub(super) fn gemm_with<E: Element>(
     out: &mut ArrayViewMut2<'_, E>,
     lhs: ArrayView2<'_, E>,
     rhs: ArrayView2<'_, E>,
     accumulate: bool,
-    parallelism: Parallelism,
+    threads: Threads,
 ) {
+    check_shapes(out.dim(), lhs, rhs);
+    spread(out, lhs, rhs, threads, |out, lhs, rhs, parallelism| {
+        let strides = [out.strides()[0], out.strides()[1]];
+        // SAFETY: `out` is a live, initialised view of the product's shape (`spread` hands
+        // out matching blocks of `out` and `lhs`) whose strides are passed unchanged, and a
+        // unique borrow, so it aliases neither operand.
+        unsafe { gemm_raw(out.as_mut_ptr(), strides, lhs, rhs, accumulate, parallelism) }
+    });
+}
+
+/// `out = lhs · rhs` into an output that may be uninitialised: its previous contents are
+/// never read, and on return every one of its elements is initialised to the product.
+pub(super) fn gemm_overwrite<E: Element>(
+    out: &mut ArrayViewMut2<'_, MaybeUninit<E>>,
+    lhs: ArrayView2<'_, E>,
+    rhs: ArrayView2<'_, E>,
+    threads: Threads,
+) {
+    check_shapes(out.dim(), lhs, rhs);
+    spread(out, lhs, rhs, threads, |out, lhs, rhs, parallelism| {
+        let (m, n) = out.dim();
+        if !gemm_only_writes(m, n) {
+            // A vector, or a target where the audit below does not hold: zeroing costs little.
+            out.fill(MaybeUninit::new(E::zero()));
+        }
+        let strides = [out.strides()[0], out.strides()[1]];
+        let out = out.as_mut_ptr().cast::<E>();
+        // SAFETY: `MaybeUninit<E>` has the layout of `E`, so the cast pointer addresses the
+        // same elements, a block of the product's shape (`spread` hands out matching blocks
+        // of `out` and `lhs`), each valid for writes; `out` is a unique borrow aliasing
+        // neither operand. If it was not zero-filled above, gemm only writes it
+        // (`gemm_only_writes`), so no uninitialised value is read, and on return all its
+        // elements hold the product.
+        unsafe { gemm_raw(out, strides, lhs, rhs, false, parallelism) }
+    });
+}
+
+/// Whether `gemm::gemm` with `read_dst == false` stores every element of an m×n destination
+/// without ever loading it or forming a reference to it, so the destination may start
+/// uninitialised.
+///
+/// An audit of gemm 0.19 (gemm-common's `gemm_basic_generic` and what it calls): with
+/// `read_dst == false` it sets `alpha = 0`; k = 0 then stores zeros; k ≤ 2 (gevv) and the
+/// small horizontal kernels store `beta·acc`; the packed microkernels take their
+/// `alpha_status == 0` branch, which stores `beta·acc` through raw pointers, for every tile of
+/// the first block along k, and later blocks (alpha = 1) load only what that block stored,
+/// after the threads of the first have joined. Two paths fall outside this: the
+/// matrix-vector kernels (an m or n of 1), which view the destination as a `&mut` slice, and
+/// the aarch64 AMX microkernel, which copies partial destination tiles before the
+/// `alpha_status` test. `writes_every_element_without_reading_it` (below) runs every path on
+/// a destination full of NaN, which any load would propagate into the result.
+fn gemm_only_writes(m: usize, n: usize) -> bool {
+    cfg!(target_arch = "x86_64") && m >= 2 && n >= 2
+}
+
+/// Panics unless `lhs` (m×k) and `rhs` (k×n) chain into an output of `out_dim` = (m, n).
+fn check_shapes<E>(out_dim: (usize, usize), lhs: ArrayView2<'_, E>, rhs: ArrayView2<'_, E>) {
     let (m, k) = lhs.dim();
     let (k2, n) = rhs.dim();
     assert!(
-        k == k2 && out.dim() == (m, n),
+        k == k2 && out_dim == (m, n),
         "gemm: cannot multiply {:?} by {:?} into {:?}",
         lhs.shape(),
         rhs.shape(),
-        out.shape()
+        [out_dim.0, out_dim.1]
     );
+}
+
+/// `out (+)= lhs · rhs` through `gemm::gemm`, operands' strides passed as they are.
+///
+/// # Safety
+/// `out` with `out_strides` (row, column; in elements) must address an m×n matrix (m = rows
+/// of `lhs`, n = columns of `rhs`) valid for writes — and initialised, if `accumulate` —
+/// that aliases neither operand, and `lhs.ncols() == rhs.nrows()`.
+unsafe fn gemm_raw<E: Element>(
+    out: *mut E,
+    out_strides: [isize; 2],
+    lhs: ArrayView2<'_, E>,
+    rhs: ArrayView2<'_, E>,
+    accumulate: bool,
+    parallelism: Parallelism,
+) {
+    let ((m, k), n) = (lhs.dim(), rhs.ncols());
     if m == 0 || n == 0 {
         return;
     }
-    let [out_rs, out_cs] = [out.strides()[0], out.strides()[1]];
+    let [out_rs, out_cs] = out_strides;
     let [lhs_rs, lhs_cs] = [lhs.strides()[0], lhs.strides()[1]];
     let [rhs_rs, rhs_cs] = [rhs.strides()[0], rhs.strides()[1]];
-    // SAFETY: the three pointers come from live ndarray views whose shapes were checked
-    // above to be m×k, k×n and m×n, and whose strides (in elements) are passed unchanged, so
-    // every element gemm reads or writes lies inside its view (gemm handles negative strides
-    // by walking from the other end). `out` is a unique borrow, so it aliases neither operand.
-    // E is f32 or f64, types gemm supports. With `accumulate == false`, gemm overwrites `out`
-    // (k = 0 included: it writes zeros) — `out` is initialised anyway, being an ndarray view.
+    // SAFETY: the operand pointers come from live ndarray views of shapes m×k and k×n whose
+    // strides (in elements) are passed unchanged, so every element gemm reads lies inside
+    // them (gemm handles negative strides by walking from the other end); the caller vouches
+    // for `out`. E is f32 or f64, types gemm supports.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            out.as_mut_ptr(),
+            out,
             out_cs,
             out_rs,
             accumulate,
@@ -197,29 +263,81 @@ mod tests {
     }
 
     #[test]
+    fn writes_every_element_without_reading_it() {
+        // One shape per path through gemm: k = 0, k = 1 and 2 (gevv), tiny (horizontal
+        // kernels, which need a row-major lhs and column-major rhs), a vector result
+        // (zero-filled first), and a product split across threads with k beyond one 512-deep
+        // block — each with every layout of the operands, into a destination of NaN that any
+        // load would carry into the result.
+        let shapes = [
+            (2, 3, 0),
+            (3, 5, 1),
+            (4, 3, 2),
+            (8, 8, 7),
+            (1, 9, 5),
+            (9, 1, 5),
+            (130, 90, 700),
+        ];
+        let pool = ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for (m, n, k) in shapes {
+            let lhs = hashed((m, k), 3);
+            let rhs = hashed((k, n), 4);
+            let (lhs_t, rhs_t) = (lhs.t().to_owned(), rhs.t().to_owned());
+            let naive = Array2::from_shape_fn((m, n), |(i, j)| {
+                (0..k)
+                    .map(|p| f64::from(lhs[[i, p]]) * f64::from(rhs[[p, j]]))
+                    .sum::<f64>()
+            });
+            let layouts = [
+                (lhs.view(), rhs.view()),
+                (lhs.view(), rhs_t.t()),
+                (lhs_t.t(), rhs.view()),
+                (lhs_t.t(), rhs_t.t()),
+            ];
+            for (lhs, rhs) in layouts {
+                let mut out = Array2::from_elem((m, n), MaybeUninit::new(f32::NAN));
+                let threads = threads_for(m, n, k);
+                pool.install(|| gemm_overwrite(&mut out.view_mut(), lhs, rhs, threads));
+                // SAFETY: `out` was initialised (to NaN) when created.
+                let out = unsafe { out.assume_init() };
+                // Every element within f32 rounding of the exact sum (a NaN fails `<`).
+                let close = out
+                    .iter()
+                    .zip(&naive)
+                    .all(|(&o, &e)| (f64::from(o) - e).abs() < 1e-4);
+                assert!(close, "{m}×{k}·{k}×{n}: {out:?}");
+            }
+        }
+    }
+
+    #[test]
     fn result_bits_do_not_depend_on_the_thread_count() {
-        // Large enough for gemm to split it (and k above its 512 block, so the output is
-        // revisited between blocks); the rhs is a transposed view.
+        // 300 rows: split by gemm, and k above its 512 block, so the output is revisited
+        // between blocks; the rhs is a transposed view. Same bits as on one thread.
         let lhs = hashed((300, 700), 1);
         let rhs_t = hashed((280, 700), 2);
-        let single = {
-            let mut out = Array2::zeros((300, 280));
-            gemm_with(
-                &mut out.view_mut(),
-                lhs.view(),
-                rhs_t.t(),
-                false,
-                Parallelism::None,
-            );
-            bits(&out)
-        };
+        assert_eq!(threads_for(300, 280, 700), Threads::Gemm);
+        let mut single = Array2::zeros((300, 280));
+        gemm_with(
+            &mut single.view_mut(),
+            lhs.view(),
+            rhs_t.t(),
+            false,
+            Threads::One,
+        );
+        // 1100 rows: blocks of 512, 512 and 76 rows spread by rayon.
+        let tall = hashed((1100, 700), 3);
+        assert_eq!(threads_for(1100, 280, 700), Threads::RowBlocks(512));
+        let mut tall_results = Vec::new();
         for threads in [1, 2, 3] {
             let pool = ThreadPoolBuilder::new()
                 .num_threads(threads)
                 .build()
                 .unwrap();
             let split = pool.install(|| matmul(lhs.view(), rhs_t.t()));
-            assert_eq!(bits(&split), single, "{threads} threads");
+            assert_eq!(bits(&split), bits(&single), "{threads} threads");
+            tall_results.push(bits(&pool.install(|| matmul(tall.view(), rhs_t.t()))));
         }
+        assert!(tall_results.iter().all(|bits| *bits == tall_results[0]));
     }
 }

@@ -3,3 +3,4 @@
 
 pub mod batched;
 pub mod gemm;
+mod split;

@@ -325,7 +325,8 @@ mod tests {
 
     #[test]
     fn values_and_gradients_are_bit_identical_at_any_thread_count() {
-        // A batch shared out one product per thread, and one product split by gemm.
+        // A batch shared out one product per thread, one product split by gemm, and one cut
+        // into blocks of rows (forward and d lhs; its d rhs has 96 rows, split by gemm).
         let run = |lhs_shape: &[usize], rhs_shape: &[usize]| {
             let rng = Generator::new(3);
             let a = Tensor::<f32>::param(random_array(lhs_shape, &rng).mapv(|x| x as f32));
@@ -343,6 +344,7 @@ mod tests {
         for (lhs_shape, rhs_shape) in [
             (&[8, 64, 48][..], &[8, 48, 64][..]),
             (&[200, 300], &[300, 150]),
+            (&[1100, 96], &[96, 80]),
         ] {
             let results: Vec<_> = [1, 2]
                 .map(|threads| {
