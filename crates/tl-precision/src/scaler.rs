@@ -133,7 +133,8 @@ impl DynamicLossScaler {
     ///
     /// # Errors
     /// [`PrecisionError::InvalidScalerArgument`] if `floor` is not positive and finite, lies
-    /// above the current scale or the ceiling, or `patience` is 0.
+    /// above the current scale, or `patience` is 0. (The scale always lies between the floor
+    /// and the ceiling, so a floor at most the scale is also at most any ceiling.)
     pub fn with_floor(mut self, floor: f64, patience: u32) -> Result<Self> {
         if !(floor.is_finite() && floor > 0.0 && floor <= self.scale) {
             return Err(invalid(
@@ -141,9 +142,6 @@ impl DynamicLossScaler {
                 floor,
                 "must be positive, finite and at most the scale",
             ));
-        }
-        if self.ceiling.is_some_and(|ceiling| floor > ceiling) {
-            return Err(invalid("floor", floor, "must not exceed the ceiling"));
         }
         if patience == 0 {
             return Err(invalid("patience", 0.0, "must be at least 1"));
@@ -155,8 +153,8 @@ impl DynamicLossScaler {
     /// Keeps the scale at or below `ceiling` when it grows.
     ///
     /// # Errors
-    /// [`PrecisionError::InvalidScalerArgument`] if `ceiling` is not finite, lies below the
-    /// current scale or below the floor.
+    /// [`PrecisionError::InvalidScalerArgument`] if `ceiling` is not finite or lies below
+    /// the current scale (and so below any floor, which is at most the scale).
     pub fn with_ceiling(mut self, ceiling: f64) -> Result<Self> {
         if !(ceiling.is_finite() && ceiling >= self.scale) {
             return Err(invalid(
@@ -164,9 +162,6 @@ impl DynamicLossScaler {
                 ceiling,
                 "must be finite and at least the scale",
             ));
-        }
-        if self.floor.is_some_and(|floor| ceiling < floor) {
-            return Err(invalid("ceiling", ceiling, "must not be below the floor"));
         }
         self.ceiling = Some(ceiling);
         Ok(self)

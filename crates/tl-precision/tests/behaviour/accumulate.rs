@@ -109,6 +109,9 @@ fn rows_are_the_first_axis_of_the_input() {
     assert_eq!((x.clone(), Tensor::<f32>::zeros(&[7, 1])).rows(), 7);
     assert_eq!((x.clone(), vec![0usize; 21]).rows(), 7);
     assert_eq!(Tensor::<f32>::scalar(1.0).rows(), 1);
+    // A borrowed micro-batch has the rows of what it borrows.
+    let borrowed = &(x.clone(), vec![0usize; 21]);
+    assert_eq!(MicroBatch::rows(&borrowed), 7);
 }
 
 /// A model whose forward pass keeps a large activation alive until backward.

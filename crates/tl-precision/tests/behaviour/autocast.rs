@@ -284,3 +284,15 @@ fn format_names_parse_exactly() {
         );
     }
 }
+
+#[test]
+fn a_guard_shows_the_format_it_will_restore() {
+    let outer = tl_precision::autocast(tl_precision::Format::Fp16);
+    let inner = tl_precision::autocast_bf16();
+    assert_eq!(
+        format!("{inner:?}"),
+        "AutocastGuard { restores_format: Some(Fp16), .. }"
+    );
+    drop(inner);
+    drop(outer);
+}

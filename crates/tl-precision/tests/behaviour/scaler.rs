@@ -247,3 +247,37 @@ fn an_overflow_restarts_the_count_of_good_steps() {
         ]
     );
 }
+
+#[test]
+fn floor_and_ceiling_must_bracket_the_scale() {
+    let scaler = || DynamicLossScaler::new(8.0, 2.0, 0.5, 10).unwrap();
+    // The floor may equal the scale but not exceed it, and must be positive and finite.
+    assert!(scaler().with_floor(8.0, 1).is_ok());
+    assert!(scaler().with_floor(2.0, 3).is_ok());
+    for bad in [0.0, -1.0, 16.0, f64::NAN, f64::INFINITY] {
+        assert!(
+            matches!(
+                scaler().with_floor(bad, 1),
+                Err(PrecisionError::InvalidScalerArgument { .. })
+            ),
+            "floor {bad} accepted"
+        );
+    }
+    assert!(scaler().with_floor(2.0, 0).is_err(), "patience 0 accepted");
+    // The ceiling may equal the scale but not lie below it, and must be finite.
+    assert!(scaler().with_ceiling(8.0).is_ok());
+    assert!(scaler().with_ceiling(64.0).is_ok());
+    for bad in [4.0, f64::INFINITY, f64::NAN] {
+        assert!(
+            scaler().with_ceiling(bad).is_err(),
+            "ceiling {bad} accepted"
+        );
+    }
+    // Both together: the scale sits between them.
+    let both = scaler()
+        .with_floor(2.0, 1)
+        .unwrap()
+        .with_ceiling(8.0)
+        .unwrap();
+    assert_eq!(both.loss_scale(), 8.0);
+}
