@@ -217,3 +217,24 @@ proptest! {
         prop_assert_eq!(trace, reference_schedule(&overflows));
     }
 }
+
+#[test]
+fn a_floor_with_skips_round_trips_and_skips_must_stay_below_the_patience() {
+    let with_floor = DynamicLossScaler::new(16.0, 2.0, 0.5, 3)
+        .unwrap()
+        .with_floor(4.0, 3)
+        .unwrap();
+    let mut state = with_floor.state_dict();
+    state.skips_at_floor = 2;
+    let mut resumed = DynamicLossScaler::default();
+    resumed.load_state_dict(&state).unwrap();
+    assert_eq!(resumed.state_dict(), state);
+
+    state.skips_at_floor = 3;
+    let before = resumed.clone();
+    assert!(matches!(
+        resumed.load_state_dict(&state),
+        Err(PrecisionError::InvalidState(_))
+    ));
+    assert_eq!(resumed, before, "a rejected state changed the scaler");
+}
