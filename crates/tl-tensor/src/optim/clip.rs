@@ -69,6 +69,10 @@ mod tests {
         p
     }
 
+    fn grad_values(parameter: &Tensor<f32>) -> Vec<f32> {
+        parameter.grad().unwrap().iter().copied().collect()
+    }
+
     fn norm_of(parameters: &[Tensor<f32>]) -> f64 {
         parameters
             .iter()
@@ -93,30 +97,14 @@ mod tests {
     fn a_small_gradient_is_left_alone() {
         let parameters = [with_grad(&[0.3, 0.4])];
         assert!((clip_grad_norm(&parameters, 1.0).unwrap() - 0.5).abs() < 1e-7);
-        assert_eq!(
-            parameters[0]
-                .grad()
-                .unwrap()
-                .iter()
-                .copied()
-                .collect::<Vec<_>>(),
-            vec![0.3, 0.4]
-        );
+        assert_eq!(grad_values(&parameters[0]), vec![0.3, 0.4]);
     }
 
     #[test]
     fn a_non_finite_norm_is_returned_and_nothing_scaled() {
         let parameters = [with_grad(&[f32::INFINITY, 1.0]), with_grad(&[2.0])];
         assert_eq!(clip_grad_norm(&parameters, 1.0).unwrap(), f64::INFINITY);
-        assert_eq!(
-            parameters[1]
-                .grad()
-                .unwrap()
-                .iter()
-                .copied()
-                .collect::<Vec<_>>(),
-            vec![2.0]
-        );
+        assert_eq!(grad_values(&parameters[1]), vec![2.0]);
         let nan = [with_grad(&[f32::NAN])];
         assert!(clip_grad_norm(&nan, 1.0).unwrap().is_nan());
     }
@@ -141,14 +129,6 @@ mod tests {
                 })
             ));
         }
-        assert_eq!(
-            parameters[0]
-                .grad()
-                .unwrap()
-                .iter()
-                .copied()
-                .collect::<Vec<_>>(),
-            vec![3.0, 4.0]
-        );
+        assert_eq!(grad_values(&parameters[0]), vec![3.0, 4.0]);
     }
 }
