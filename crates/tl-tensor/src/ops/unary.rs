@@ -46,8 +46,20 @@ impl<E: Element> Tensor<E> {
     /// gradient per parent, as for [`Tensor::from_op`].
     ///
     /// The VJP sees the output through a handle that shares its storage and sits outside the
-    /// graph: no copy, and no reference cycle from the output's node back to itself.
-    pub(crate) fn from_op_saving_output(
+    /// graph: no copy, and no reference cycle from the output's node back to itself. Fused
+    /// ops outside this crate (softmax-like ops of a model) use it to save only their output.
+    ///
+    /// ```
+    /// use tl_tensor::Tensor;
+    /// // y = x², written through its output: dy/dx = 2x = 2·sqrt(y) for x ≥ 0.
+    /// let x = Tensor::<f64>::param(ndarray::arr1(&[3.0]).into_dyn());
+    /// let y = Tensor::from_op_saving_output(x.value().mapv(|v| v * v), &[&x], |grad, y| {
+    ///     vec![Some(grad * &y.mapv(|v| 2.0 * v.sqrt()))]
+    /// });
+    /// y.sum_all().backward();
+    /// assert_eq!(x.grad().unwrap()[[0]], 6.0);
+    /// ```
+    pub fn from_op_saving_output(
         value: ArrayD<E>,
         parents: &[&Tensor<E>],
         vjp: impl FnOnce(ArrayD<E>, &ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,

@@ -1,0 +1,173 @@
+//! The `tinyllm` command line: argument parsing (clap) and the subcommands.
+
+mod sample;
+mod train;
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Train small Llama models on the CPU with emulated bf16/fp16 numerics.
+#[derive(Debug, Parser)]
+#[command(name = "tinyllm", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Train a model (or continue one with --resume).
+    Train(Box<TrainArgs>),
+    /// Generate text from a trained checkpoint.
+    Sample(SampleArgs),
+}
+
+/// Options of `tinyllm train`. Every option is optional so that `--resume` can tell the ones
+/// given (which must match the checkpoint) from the defaults.
+#[derive(Debug, Args, Default)]
+pub struct TrainArgs {
+    /// Model size: tiny, small or capstone [default: small].
+    #[arg(long, value_name = "PRESET")]
+    pub preset: Option<String>,
+    /// Train on this UTF-8 text file (byte tokens; the last 10% held out) instead of the
+    /// built-in grammar corpus.
+    #[arg(long, value_name = "FILE")]
+    pub data: Option<PathBuf>,
+    /// Bytes of built-in corpus to generate [default: 2000000].
+    #[arg(long, value_name = "N", conflicts_with = "data")]
+    pub corpus_bytes: Option<usize>,
+    /// Seed of the built-in corpus [default: 0].
+    #[arg(long, value_name = "S", conflicts_with = "data")]
+    pub corpus_seed: Option<u64>,
+    /// Matmuls under emulated bf16 autocast.
+    #[arg(long, conflicts_with = "fp16")]
+    pub bf16: bool,
+    /// Matmuls under emulated fp16 autocast, with dynamic loss scaling.
+    #[arg(long)]
+    pub fp16: bool,
+    /// Sequences per micro-batch [default: 8].
+    #[arg(long, value_name = "N")]
+    pub micro_batch: Option<usize>,
+    /// Micro-batches accumulated per optimizer step [default: 4].
+    #[arg(long, value_name = "K")]
+    pub accum: Option<usize>,
+    /// Recompute each block's activations during backward instead of keeping them.
+    #[arg(long)]
+    pub checkpoint_activations: bool,
+    /// Checkpoint on the optimal schedule for this many stored block inputs.
+    #[arg(long, value_name = "K", conflicts_with = "checkpoint_activations")]
+    pub checkpoint_budget: Option<usize>,
+    /// Optimizer steps of the whole run [default: by preset].
+    #[arg(long, value_name = "N")]
+    pub steps: Option<u64>,
+    /// Peak learning rate [default: by preset].
+    #[arg(long, value_name = "LR", allow_negative_numbers = true)]
+    pub lr: Option<f64>,
+    /// Final learning rate of the cosine [default: lr/10].
+    #[arg(long, value_name = "LR", allow_negative_numbers = true)]
+    pub min_lr: Option<f64>,
+    /// Warmup steps [default: steps/10].
+    #[arg(long, value_name = "N")]
+    pub warmup: Option<u64>,
+    /// AdamW's decoupled weight decay [default: 0.01].
+    #[arg(long, value_name = "WD", allow_negative_numbers = true)]
+    pub weight_decay: Option<f64>,
+    /// Clip the gradient norm to this [default: 1.0].
+    #[arg(
+        long,
+        value_name = "NORM",
+        conflicts_with = "no_clip",
+        allow_negative_numbers = true
+    )]
+    pub clip: Option<f64>,
+    /// Do not clip gradients.
+    #[arg(long)]
+    pub no_clip: bool,
+    /// Dropout on each residual branch [default: 0].
+    #[arg(long, value_name = "P", allow_negative_numbers = true)]
+    pub dropout: Option<f64>,
+    /// Seed of the weights, batches and dropout [default: 0].
+    #[arg(long, value_name = "S")]
+    pub seed: Option<u64>,
+    /// Steps between validation losses [default: steps/10].
+    #[arg(long, value_name = "N")]
+    pub eval_interval: Option<u64>,
+    /// Steps between checkpoints [default: steps/4].
+    #[arg(long, value_name = "N")]
+    pub save_interval: Option<u64>,
+    /// Run directory [default: runs/PRESET-PRECISION-SEED].
+    #[arg(long, value_name = "DIR", conflicts_with = "resume")]
+    pub out: Option<PathBuf>,
+    /// Continue the run in DIR from its latest checkpoint.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+    /// Stop (with a checkpoint) once this many steps are done; resume later to finish.
+    #[arg(long, value_name = "STEP")]
+    pub until_step: Option<u64>,
+    /// No progress bar (one line per evaluation instead).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Options of `tinyllm sample`.
+#[derive(Debug, Args)]
+pub struct SampleArgs {
+    /// Run directory of a trained model.
+    #[arg(long, value_name = "DIR")]
+    pub from: PathBuf,
+    /// Text to continue [default: a newline].
+    #[arg(long, value_name = "TEXT")]
+    pub prompt: Option<String>,
+    /// Bytes to generate.
+    #[arg(long, value_name = "N", default_value_t = 200)]
+    pub tokens: usize,
+    /// Sampling temperature; 0 picks the most likely byte.
+    #[arg(
+        long,
+        value_name = "T",
+        default_value_t = 0.8,
+        allow_negative_numbers = true
+    )]
+    pub temperature: f64,
+    /// Seed of the sampling.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// What `tinyllm` exits with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exit {
+    /// Done.
+    Success,
+    /// Training was interrupted and checkpointed.
+    Interrupted,
+}
+
+/// Parses `args` (program name first) and runs the command.
+///
+/// # Errors
+/// [`CliError::Usage`] for bad syntax (print it with `clap::Error::exit`), or
+/// [`CliError::Run`] with the command's error.
+pub fn run<I, T>(args: I) -> std::result::Result<Exit, CliError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = Cli::try_parse_from(args).map_err(CliError::Usage)?;
+    let outcome = match cli.command {
+        Command::Train(args) => train::train(&args),
+        Command::Sample(args) => sample::sample(&args).map(|()| Exit::Success),
+    };
+    outcome.map_err(CliError::Run)
+}
+
+/// Why `tinyllm` failed.
+#[derive(Debug)]
+pub enum CliError {
+    /// Bad command-line syntax (also `--help` and `--version`, which clap reports this way).
+    Usage(clap::Error),
+    /// The command ran and failed.
+    Run(crate::TrainError),
+}

@@ -1,0 +1,326 @@
+//! `tinyllm train`: build the config from the flags, run with a progress bar, report.
+
+use std::path::{Path, PathBuf};
+use std::sync::Once;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use tl_precision::Precision;
+
+use super::{Exit, TrainArgs};
+use crate::chart::{LineChart, Series, write_line_chart};
+use crate::error::{Result, TrainError};
+use crate::model::{Checkpointing, Preset};
+use crate::train::{
+    DataSource, Event, LrSchedule, Record, Stop, TrainConfig, Trainer, read_records,
+};
+
+/// Runs `tinyllm train`.
+pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
+    let mut trainer = match &args.resume {
+        Some(dir) => {
+            let trainer = Trainer::resume(dir)?;
+            check_resume_flags(args, trainer.config(), dir)?;
+            trainer
+        }
+        None => {
+            let config = config_from_args(args, None)?;
+            let out = args.out.clone().unwrap_or_else(|| default_out(&config));
+            Trainer::new(config, &out)?
+        }
+    };
+    let config = trainer.config().clone();
+    let until = args.until_step.unwrap_or(config.steps);
+    print_header(&trainer);
+
+    install_interrupt_handler();
+
+    let bar = progress_bar(args.quiet, trainer.step(), until.min(config.steps));
+    let mut last_val = None;
+    let outcome = trainer.run(until, &INTERRUPTED, &mut |event| match event {
+        Event::Metric(Record::Train {
+            step,
+            loss,
+            tokens_per_s,
+            scale,
+            ..
+        }) => {
+            bar.set_position(*step);
+            let scale = scale.map(|s| format!(" | scale {s}")).unwrap_or_default();
+            let val = last_val
+                .map(|v: f64| format!(" | val {v:.4}"))
+                .unwrap_or_default();
+            bar.set_message(format!(
+                "loss {loss:.4}{val} | {tokens_per_s:.0} tok/s{scale}"
+            ));
+        }
+        Event::Metric(Record::Eval { step, val_loss }) => {
+            last_val = Some(*val_loss);
+            say(
+                &bar,
+                format!("step {step:>6}  validation loss {val_loss:.4}"),
+            );
+        }
+        Event::Saved(dir) => say(&bar, format!("checkpoint  {}", dir.display())),
+    });
+    bar.finish_and_clear();
+    let stop = outcome?;
+    report(&trainer)?;
+    Ok(match stop {
+        Stop::Finished => Exit::Success,
+        Stop::Interrupted => {
+            eprintln!(
+                "interrupted at step {}: continue with  tinyllm train --resume {}",
+                trainer.step(),
+                trainer.run_dir().display()
+            );
+            Exit::Interrupted
+        }
+    })
+}
+
+/// Raised by Ctrl-C; the training loop checks it after every step.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Installs the process's Ctrl-C handler once: the first Ctrl-C asks the loop to checkpoint
+/// and stop, a second one (while that checkpoint is written) quits at once.
+fn install_interrupt_handler() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        let installed = ctrlc::set_handler(|| {
+            if INTERRUPTED.swap(true, Ordering::SeqCst) {
+                std::process::exit(130);
+            }
+        });
+        if let Err(error) = installed {
+            eprintln!("warning: Ctrl-C will not checkpoint before exiting ({error})");
+        }
+    });
+}
+
+/// The config the flags describe, on top of `base` (or the preset's defaults).
+pub(super) fn config_from_args(
+    args: &TrainArgs,
+    base: Option<&TrainConfig>,
+) -> Result<TrainConfig> {
+    let preset: Preset = args.preset.as_deref().unwrap_or("small").parse()?;
+    let mut config = match base {
+        Some(base) => base.clone(),
+        None => TrainConfig::for_preset(preset),
+    };
+    if base.is_some() && args.preset.is_some() {
+        config.preset = Some(preset);
+        config.model = preset.config();
+        config.model.dropout = base.map_or(0.0, |b| b.model.dropout);
+    }
+    if let Some(path) = &args.data {
+        config.data = DataSource::File { path: path.clone() };
+    }
+    if let DataSource::Builtin { seed, bytes } = &mut config.data {
+        *seed = args.corpus_seed.unwrap_or(*seed);
+        *bytes = args.corpus_bytes.unwrap_or(*bytes);
+    }
+    if args.bf16 {
+        config.precision = Precision::Bf16;
+    } else if args.fp16 {
+        config.precision = Precision::Fp16;
+    }
+    config.micro_batch = args.micro_batch.unwrap_or(config.micro_batch);
+    config.accum = args.accum.unwrap_or(config.accum);
+    if args.checkpoint_activations {
+        config.checkpointing = Checkpointing::PerBlock;
+    } else if let Some(budget) = args.checkpoint_budget {
+        config.checkpointing = Checkpointing::Budget(budget);
+    }
+    if let Some(steps) = args.steps {
+        // Intervals and warmup follow the run's length unless given.
+        config.steps = steps;
+        config.lr.total = steps;
+        config.lr.warmup = (steps / 10).max(1).min(steps);
+        config.eval_interval = (steps / 10).max(1);
+        config.save_interval = (steps / 4).max(1);
+    }
+    if let Some(lr) = args.lr {
+        config.lr.peak = lr;
+        config.lr.min = lr / 10.0;
+    }
+    let LrSchedule { min, warmup, .. } = config.lr;
+    config.lr.min = args.min_lr.unwrap_or(min);
+    config.lr.warmup = args.warmup.unwrap_or(warmup);
+    config.weight_decay = args.weight_decay.unwrap_or(config.weight_decay);
+    if args.no_clip {
+        config.clip = None;
+    } else if args.clip.is_some() {
+        config.clip = args.clip;
+    }
+    config.model.dropout = args.dropout.unwrap_or(config.model.dropout);
+    config.seed = args.seed.unwrap_or(config.seed);
+    config.eval_interval = args.eval_interval.unwrap_or(config.eval_interval);
+    config.save_interval = args.save_interval.unwrap_or(config.save_interval);
+    config.validate()?;
+    Ok(config)
+}
+
+/// With `--resume`, flags that shape the run must agree with the checkpoint's config.
+fn check_resume_flags(args: &TrainArgs, saved: &TrainConfig, dir: &Path) -> Result<()> {
+    let asked = config_from_args(args, Some(saved))?;
+    if &asked == saved {
+        return Ok(());
+    }
+    let (asked, saved) = (
+        serde_json::to_value(&asked).expect("serializes"),
+        serde_json::to_value(saved).expect("serializes"),
+    );
+    let differing: Vec<String> = saved
+        .as_object()
+        .expect("a struct")
+        .iter()
+        .filter(|(key, value)| asked.get(key.as_str()) != Some(value))
+        .map(|(key, value)| {
+            format!(
+                "{key}: checkpoint has {value}, flags ask for {}",
+                asked[key.as_str()]
+            )
+        })
+        .collect();
+    Err(TrainError::checkpoint(
+        dir,
+        format!(
+            "was trained with a different config ({})",
+            differing.join("; ")
+        ),
+    ))
+}
+
+fn default_out(config: &TrainConfig) -> PathBuf {
+    let preset = config.preset.map_or("custom", Preset::name);
+    PathBuf::from("runs").join(format!(
+        "{preset}-{}-seed{}",
+        config.precision.name(),
+        config.seed
+    ))
+}
+
+/// Prints a line above the progress bar, or plainly when the bar is hidden (`--quiet`, or
+/// stderr is not a terminal).
+fn say(bar: &ProgressBar, line: String) {
+    if bar.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        bar.println(line);
+    }
+}
+
+fn progress_bar(quiet: bool, position: u64, length: u64) -> ProgressBar {
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(length).with_position(position);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:28} {pos:>5}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
+        )
+        .expect("a valid template"),
+    );
+    bar
+}
+
+fn print_header(trainer: &Trainer) {
+    let config = trainer.config();
+    let corpus = trainer.corpus();
+    eprintln!(
+        "tinyllm train: {} ({} parameters), {}, micro-batch {} x accum {} x context {} = {} tokens/step, checkpointing {:?}",
+        config.preset.map_or("custom", Preset::name),
+        config.model.num_parameters(),
+        config.precision.name(),
+        config.micro_batch,
+        config.accum,
+        config.model.context,
+        config.tokens_per_step(),
+        config.checkpointing,
+    );
+    eprintln!(
+        "data: {} ({} train / {} validation bytes){}",
+        corpus.source,
+        corpus.train.len(),
+        corpus.validation.len(),
+        corpus
+            .entropy_nats_per_byte
+            .map(|h| format!(", entropy floor {h:.4} nats/byte"))
+            .unwrap_or_default()
+    );
+    eprintln!(
+        "run directory: {}  (from step {} of {})",
+        trainer.run_dir().display(),
+        trainer.step(),
+        config.steps
+    );
+}
+
+/// The end-of-run summary and the loss chart.
+fn report(trainer: &Trainer) -> Result<()> {
+    let records = read_records(&trainer.run_dir().join("metrics.jsonl"))?;
+    let mut train = Vec::new();
+    let mut val = Vec::new();
+    let mut speeds = Vec::new();
+    for record in &records {
+        match record {
+            Record::Train {
+                step,
+                loss,
+                tokens_per_s,
+                ..
+            } => {
+                train.push((*step as f64, *loss));
+                speeds.push(*tokens_per_s);
+            }
+            Record::Eval { step, val_loss } => val.push((*step as f64, *val_loss)),
+        }
+    }
+    let floor = trainer.corpus().entropy_nats_per_byte;
+    let hlines: Vec<(String, f64)> = floor
+        .map(|h| ("entropy floor".to_string(), h))
+        .into_iter()
+        .collect();
+    let chart_path = trainer.run_dir().join("loss.svg");
+    let series = [
+        Series {
+            label: "train loss".into(),
+            points: train.clone(),
+        },
+        Series {
+            label: "validation loss".into(),
+            points: val.clone(),
+        },
+    ];
+    write_line_chart(
+        &chart_path,
+        &LineChart {
+            title: "tinyllm training loss",
+            x_label: "optimizer step",
+            y_label: "loss (nats/byte)",
+            series: &series,
+            hlines: &hlines,
+            log_y: false,
+        },
+    )?;
+    speeds.sort_by(f64::total_cmp);
+    let recent = &train[train.len().saturating_sub(10)..];
+    let mean_recent = recent.iter().map(|(_, l)| l).sum::<f64>() / recent.len().max(1) as f64;
+    eprintln!(
+        "step {}: train loss {mean_recent:.4} (mean of the last {} steps)",
+        trainer.step(),
+        recent.len()
+    );
+    if let Some((_, v)) = val.last() {
+        let gap = floor
+            .map(|h| format!(", entropy floor {h:.4} (gap {:.4})", v - h))
+            .unwrap_or_default();
+        eprintln!("validation loss {v:.4}{gap}");
+    }
+    if let Some(median) = speeds.get(speeds.len() / 2) {
+        eprintln!("median throughput {median:.0} tokens/s");
+    }
+    eprintln!("loss chart: {}", chart_path.display());
+    Ok(())
+}

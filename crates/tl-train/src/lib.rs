@@ -1,0 +1,12 @@
+//! The capstone of tinyllm: a Llama-style decoder, the built-in corpus, and the trainer
+//! behind the `tinyllm` command.
+
+pub mod chart;
+pub mod cli;
+pub mod data;
+mod error;
+pub mod model;
+pub mod store;
+pub mod train;
+
+pub use error::{Result, TrainError};

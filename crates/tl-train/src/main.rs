@@ -1,0 +1,17 @@
+//! `tinyllm`: train, resume and sample small Llama models (see `tinyllm --help`).
+
+use std::process::ExitCode;
+
+use tl_train::cli::{CliError, Exit, run};
+
+fn main() -> ExitCode {
+    match run(std::env::args_os()) {
+        Ok(Exit::Success) => ExitCode::SUCCESS,
+        Ok(Exit::Interrupted) => ExitCode::from(130),
+        Err(CliError::Usage(error)) => error.exit(),
+        Err(CliError::Run(error)) => {
+            eprintln!("error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}

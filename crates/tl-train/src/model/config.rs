@@ -1,0 +1,206 @@
+//! The shape of a model: [`ModelConfig`] and the named [`Preset`]s.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError};
+
+/// Everything that fixes a model's parameter shapes and its forward computation.
+///
+/// Two checkpoints can share weights only if their configs are equal; the trainer checks this
+/// before loading anything.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Vocabulary size: 256 for byte-level tokens.
+    pub vocab: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Number of transformer blocks.
+    pub n_layers: usize,
+    /// Attention heads per block; `d_model / n_heads` must be an even head size (rotary
+    /// embedding rotates pairs).
+    pub n_heads: usize,
+    /// Hidden width of the SwiGLU MLP.
+    pub hidden: usize,
+    /// Longest sequence the model is trained on (the rotary tables' length).
+    pub context: usize,
+    /// Added to the mean square in every RMSNorm.
+    pub norm_eps: f64,
+    /// Base of the rotary embedding's frequencies.
+    pub rope_base: f64,
+    /// Dropout probability on each residual branch (0 disables dropout).
+    pub dropout: f64,
+}
+
+/// The named model sizes of `tinyllm --preset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Preset {
+    /// For tests: 2 layers of width 64, context 64 (as `llama_ref.py`'s `tiny`).
+    Tiny,
+    /// A meaningful run in a few minutes on two cores: 4 layers of width 128, context 128.
+    Small,
+    /// The capstone of the chapter: 8 layers of width 320, context 512, 10,327,360
+    /// parameters.
+    Capstone,
+}
+
+impl Preset {
+    /// Every preset, smallest first.
+    pub const ALL: [Preset; 3] = [Preset::Tiny, Preset::Small, Preset::Capstone];
+
+    /// The preset's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Tiny => "tiny",
+            Preset::Small => "small",
+            Preset::Capstone => "capstone",
+        }
+    }
+
+    /// The model this preset names.
+    pub fn config(self) -> ModelConfig {
+        let (d_model, n_layers, n_heads, hidden, context) = match self {
+            Preset::Tiny => (64, 2, 4, 176, 64),
+            Preset::Small => (128, 4, 4, 352, 128),
+            Preset::Capstone => (320, 8, 10, 896, 512),
+        };
+        ModelConfig {
+            vocab: 256,
+            d_model,
+            n_layers,
+            n_heads,
+            hidden,
+            context,
+            norm_eps: 1e-5,
+            rope_base: 10_000.0,
+            dropout: 0.0,
+        }
+    }
+}
+
+impl fmt::Display for Preset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Preset {
+    type Err = TrainError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Preset::ALL
+            .into_iter()
+            .find(|preset| preset.name() == s)
+            .ok_or_else(|| TrainError::UnknownPreset {
+                input: s.to_string(),
+            })
+    }
+}
+
+impl ModelConfig {
+    /// The size of one attention head.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads
+    }
+
+    /// Checks that the sizes fit together.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidConfig`] naming the first size that does not fit.
+    pub fn validate(&self) -> Result<()> {
+        let invalid = |reason: String| Err(TrainError::InvalidConfig(reason));
+        let positive = [
+            ("vocab", self.vocab),
+            ("d_model", self.d_model),
+            ("n_layers", self.n_layers),
+            ("n_heads", self.n_heads),
+            ("hidden", self.hidden),
+            ("context", self.context),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, value)| *value == 0) {
+            return invalid(format!("{name} must be positive"));
+        }
+        if !self.d_model.is_multiple_of(self.n_heads) || !self.head_dim().is_multiple_of(2) {
+            return invalid(format!(
+                "d_model {} must split into {} heads of an even size",
+                self.d_model, self.n_heads
+            ));
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
+            return invalid(format!(
+                "norm_eps {} must be finite and >= 0",
+                self.norm_eps
+            ));
+        }
+        if !(self.rope_base.is_finite() && self.rope_base > 1.0) {
+            return invalid(format!(
+                "rope_base {} must be finite and > 1",
+                self.rope_base
+            ));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return invalid(format!("dropout {} must be in [0, 1)", self.dropout));
+        }
+        Ok(())
+    }
+
+    /// The number of trainable scalars, from the sizes alone:
+    ///
+    /// `V·d` (embedding) `+ L·(4d² + 3d·h + 2d)` (attention, SwiGLU, two gains per block)
+    /// `+ d` (final norm) `+ d·V` (untied head).
+    pub fn num_parameters(&self) -> usize {
+        let (v, d, h) = (self.vocab, self.d_model, self.hidden);
+        let per_block = 4 * d * d + 3 * d * h + 2 * d;
+        v * d + self.n_layers * per_block + d + d * v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_capstone_has_the_chapters_parameter_count() {
+        // 256·320 + 8·(4·320² + 3·320·896 + 2·320) + 320 + 320·256
+        //   = 81,920 + 8·1,270,400 + 320 + 81,920 = 10,327,360
+        assert_eq!(Preset::Capstone.config().num_parameters(), 10_327_360);
+    }
+
+    #[test]
+    fn names_round_trip_and_unknown_names_are_errors() {
+        for preset in Preset::ALL {
+            assert_eq!(preset.name().parse::<Preset>().unwrap(), preset);
+            preset.config().validate().unwrap();
+        }
+        let error = "huge".parse::<Preset>().unwrap_err();
+        assert!(error.to_string().contains("huge"));
+        assert!(error.to_string().contains("tiny, small, capstone"));
+    }
+
+    #[test]
+    fn sizes_that_do_not_fit_are_rejected() {
+        let mut config = Preset::Tiny.config();
+        config.n_heads = 3; // 64 = 3·21 + 1
+        assert!(matches!(
+            config.validate(),
+            Err(TrainError::InvalidConfig(_))
+        ));
+        config.n_heads = 64; // head size 1: no pairs to rotate
+        assert!(config.validate().is_err());
+        let mut config = Preset::Tiny.config();
+        config.dropout = 1.0;
+        assert!(config.validate().is_err());
+        let mut config = Preset::Tiny.config();
+        config.n_layers = 0;
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("n_layers")
+        );
+    }
+}

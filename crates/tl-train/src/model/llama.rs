@@ -1,0 +1,414 @@
+//! [`Llama`]: the decoder-only model of the capstone.
+
+use std::cell::Cell;
+use std::rc::Rc;
+
+use tl_recompute::{checkpoint_sequential, checkpoint_sequential_with};
+use tl_tensor::losses::cross_entropy;
+use tl_tensor::nn::{Embedding, Linear, Module, RmsNorm};
+use tl_tensor::{Element, Generator, Tensor, no_grad};
+
+use super::block::Block;
+use super::config::ModelConfig;
+use super::rope::Rope;
+use crate::error::Result;
+
+/// How the blocks keep their activations for backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Checkpointing {
+    /// Every block keeps everything its backward needs (fastest, most memory).
+    Off,
+    /// Each block keeps only its input and reruns its forward pass during backward, as
+    /// `torch.utils.checkpoint` around each block.
+    PerBlock,
+    /// tl-recompute's optimal schedule for a budget of this many stored block inputs.
+    Budget(usize),
+}
+
+/// A Llama-style decoder: token embedding, `n_layers` pre-norm [`Block`]s, a final RMSNorm
+/// and an untied linear head to the vocabulary.
+///
+/// Weights are initialised as PyTorch initialises `llama_ref.py` (embedding N(0, 1), linear
+/// layers U(±1/√in), gains 1), drawn from one generator seeded by `seed`: same seed, same
+/// model. Linear weights are stored `[in, out]` (PyTorch stores `[out, in]`).
+///
+/// ```
+/// use tl_train::model::{Llama, Preset};
+/// let model = Llama::<f32>::new(&Preset::Tiny.config(), 0)?;
+/// let logits = model.forward_ids(&[104, 105], 1, 2)?;
+/// assert_eq!(logits.shape(), vec![1, 2, 256]);
+/// # Ok::<(), tl_train::TrainError>(())
+/// ```
+pub struct Llama<E: Element = f32> {
+    config: ModelConfig,
+    embedding: Embedding<E>,
+    blocks: Vec<Rc<Block<E>>>,
+    norm: RmsNorm<E>,
+    head: Linear<E>,
+    dropout_rng: Generator,
+    checkpointing: Cell<Checkpointing>,
+}
+
+impl<E: Element> Llama<E> {
+    /// A freshly initialised model.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidConfig`](crate::TrainError::InvalidConfig) if the sizes do not
+    /// fit together.
+    pub fn new(config: &ModelConfig, seed: u64) -> Result<Self> {
+        config.validate()?;
+        let rng = Generator::new(seed);
+        // Dropout draws from its own stream, so turning dropout on leaves the weights alone.
+        let dropout_rng = Generator::new(seed ^ 0x9E37_79B9_7F4A_7C15);
+        let rope = Rc::new(Rope::new(
+            config.head_dim(),
+            config.context,
+            config.rope_base,
+        ));
+        let embedding = Embedding::new(config.vocab, config.d_model, &rng);
+        let blocks = (0..config.n_layers)
+            .map(|_| Rc::new(Block::new(config, Rc::clone(&rope), &rng, &dropout_rng)))
+            .collect();
+        Ok(Self {
+            config: config.clone(),
+            embedding,
+            blocks,
+            norm: RmsNorm::new(config.d_model, config.norm_eps),
+            head: Linear::new(config.d_model, config.vocab, false, &rng),
+            dropout_rng,
+            checkpointing: Cell::new(Checkpointing::Off),
+        })
+    }
+
+    /// The sizes of this model.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The generator dropout draws from: save its state to resume a run exactly.
+    pub fn dropout_generator(&self) -> &Generator {
+        &self.dropout_rng
+    }
+
+    /// Chooses how the blocks keep activations from the next forward pass on.
+    pub fn set_checkpointing(&self, checkpointing: Checkpointing) {
+        self.checkpointing.set(checkpointing);
+    }
+
+    /// How the blocks keep activations.
+    pub fn checkpointing(&self) -> Checkpointing {
+        self.checkpointing.get()
+    }
+
+    /// Logits `[rows, time, vocab]` for token ids laid out row-major as `[rows, time]`.
+    ///
+    /// # Errors
+    /// [`TrainError::Recompute`](crate::TrainError::Recompute) when a checkpointing budget
+    /// admits no schedule.
+    ///
+    /// # Panics
+    /// If `ids.len() != rows · time`, `time` exceeds the context, or an id is not below the
+    /// vocabulary size.
+    pub fn forward_ids(&self, ids: &[usize], rows: usize, time: usize) -> Result<Tensor<E>> {
+        assert!(
+            time <= self.config.context,
+            "Llama: {time} positions exceed the context of {}",
+            self.config.context
+        );
+        let x = self.embedding.forward_ids(ids, &[rows, time]);
+        let x = self.run_blocks(&x)?;
+        Ok(self.head.forward(&self.norm.forward(&x)))
+    }
+
+    /// The mean cross-entropy (nats per token) of predicting `targets` from `inputs`, both
+    /// `[rows, time]` row-major.
+    ///
+    /// # Errors
+    /// As [`Llama::forward_ids`].
+    pub fn loss(
+        &self,
+        inputs: &[usize],
+        targets: &[usize],
+        rows: usize,
+        time: usize,
+    ) -> Result<Tensor<E>> {
+        let logits = self.forward_ids(inputs, rows, time)?;
+        Ok(cross_entropy(
+            &logits.reshape(&[rows * time, self.config.vocab]),
+            targets,
+        ))
+    }
+
+    fn run_blocks(&self, x: &Tensor<E>) -> Result<Tensor<E>> {
+        let rngs = [self.dropout_rng.clone()];
+        let n = self.blocks.len();
+        Ok(match self.checkpointing.get() {
+            Checkpointing::Off => self
+                .blocks
+                .iter()
+                .fold(x.clone(), |h, block| block.forward(&h)),
+            Checkpointing::PerBlock => {
+                let every_block: Vec<usize> = (0..n).collect();
+                checkpoint_sequential_with(&self.blocks, x, &every_block, &rngs, false)?
+            }
+            Checkpointing::Budget(budget) => checkpoint_sequential(&self.blocks, x, budget, &rngs)?,
+        })
+    }
+
+    /// Every parameter with its name, in [`Module::parameters`] order: `emb.weight`,
+    /// `blocks.{i}.{n1.w, wq.weight, ..}`, `norm.w`, `head.weight` (the names of
+    /// `llama_ref.py`).
+    pub fn named_parameters(&self) -> Vec<(String, Tensor<E>)> {
+        let mut named = vec![("emb.weight".to_string(), self.embedding.weight().clone())];
+        for (i, block) in self.blocks.iter().enumerate() {
+            named.extend(
+                block
+                    .named_parameters()
+                    .into_iter()
+                    .map(|(name, tensor)| (format!("blocks.{i}.{name}"), tensor)),
+            );
+        }
+        named.push(("norm.w".to_string(), self.norm.weight().clone()));
+        named.push(("head.weight".to_string(), self.head.weight().clone()));
+        named
+    }
+
+    /// Continues `prompt` by `n_tokens` tokens, each drawn from `softmax(logits / temperature)`
+    /// of the last position with `rng` (the most likely token when `temperature` is 0). The
+    /// model sees at most its context of most recent tokens.
+    ///
+    /// # Panics
+    /// If `prompt` is empty, `temperature` is negative or not finite, or an id is not below
+    /// the vocabulary size.
+    pub fn generate(
+        &self,
+        prompt: &[usize],
+        n_tokens: usize,
+        temperature: f64,
+        rng: &Generator,
+    ) -> Vec<usize> {
+        assert!(
+            !prompt.is_empty(),
+            "Llama::generate: the prompt must not be empty"
+        );
+        assert!(
+            temperature.is_finite() && temperature >= 0.0,
+            "Llama::generate: temperature must be finite and >= 0, got {temperature}"
+        );
+        let _inference = no_grad();
+        self.set_training(false);
+        let mut tokens = prompt.to_vec();
+        for _ in 0..n_tokens {
+            let window = &tokens[tokens.len().saturating_sub(self.config.context)..];
+            let logits = self
+                .forward_ids(window, 1, window.len())
+                .expect("no checkpointing without a graph");
+            let vocab = self.config.vocab;
+            let last: Vec<f64> = logits.to_vec()[(window.len() - 1) * vocab..]
+                .iter()
+                .map(|&v| Element::to_f64(v))
+                .collect();
+            tokens.push(sample_index(&last, temperature, rng));
+        }
+        tokens.split_off(prompt.len())
+    }
+}
+
+/// An index drawn from `softmax(logits / temperature)`, or the first maximum at temperature 0.
+fn sample_index(logits: &[f64], temperature: f64, rng: &Generator) -> usize {
+    let argmax = logits
+        .iter()
+        .enumerate()
+        .fold(0, |best, (i, &v)| if v > logits[best] { i } else { best });
+    if temperature == 0.0 {
+        return argmax;
+    }
+    let max = logits[argmax];
+    let weights: Vec<f64> = logits
+        .iter()
+        .map(|&v| ((v - max) / temperature).exp())
+        .collect();
+    let mut u = rng.next_f64() * weights.iter().sum::<f64>();
+    for (i, &w) in weights.iter().enumerate() {
+        if u < w {
+            return i;
+        }
+        u -= w;
+    }
+    argmax
+}
+
+impl<E: Element> Module<E> for Llama<E> {
+    /// Logits `[B, T, vocab]` for a `[B, T]` tensor whose values are token ids (whole
+    /// numbers below the vocabulary size); [`Llama::forward_ids`] is the direct form.
+    ///
+    /// # Panics
+    /// As [`Llama::forward_ids`], and if a value is not a whole number, or a checkpointing
+    /// budget admits no schedule.
+    fn forward(&self, ids: &Tensor<E>) -> Tensor<E> {
+        let shape = ids.shape();
+        assert_eq!(
+            shape.len(),
+            2,
+            "Llama: expected [batch, time] ids, got {shape:?}"
+        );
+        let ids: Vec<usize> = ids
+            .to_vec()
+            .into_iter()
+            .map(|v| {
+                let id = Element::to_f64(v);
+                assert!(
+                    id >= 0.0 && id.fract() == 0.0,
+                    "Llama: {id} is not a token id"
+                );
+                id as usize
+            })
+            .collect();
+        self.forward_ids(&ids, shape[0], shape[1])
+            .unwrap_or_else(|error| panic!("Llama: {error}"))
+    }
+
+    fn parameters(&self) -> Vec<Tensor<E>> {
+        self.named_parameters()
+            .into_iter()
+            .map(|(_, tensor)| tensor)
+            .collect()
+    }
+
+    fn set_training(&self, training: bool) {
+        for block in &self.blocks {
+            block.set_training(training);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Preset;
+    use tl_tensor::testing::{GradcheckOptions, check_parameter_gradients};
+
+    /// A model small enough to check every weight by finite differences.
+    fn micro_config(dropout: f64) -> ModelConfig {
+        ModelConfig {
+            vocab: 11,
+            d_model: 8,
+            n_layers: 2,
+            n_heads: 2,
+            hidden: 12,
+            context: 5,
+            norm_eps: 1e-5,
+            rope_base: 10_000.0,
+            dropout,
+        }
+    }
+
+    const INPUTS: [usize; 8] = [1, 4, 7, 2, 0, 10, 3, 3];
+    const TARGETS: [usize; 8] = [4, 7, 2, 9, 10, 3, 3, 5];
+
+    #[test]
+    fn every_presets_parameters_add_up_to_its_formula() {
+        for preset in Preset::ALL {
+            let config = preset.config();
+            let model = Llama::<f32>::new(&config, 0).unwrap();
+            assert_eq!(model.num_parameters(), config.num_parameters(), "{preset}");
+            let names: std::collections::HashSet<String> = model
+                .named_parameters()
+                .into_iter()
+                .map(|(name, _)| name)
+                .collect();
+            assert_eq!(names.len(), 2 + 9 * config.n_layers + 1, "names are unique");
+        }
+        // llama_ref.py's tiny: 256·64 + 2·(4·64² + 3·64·176 + 2·64) + 64 + 64·256 = 133,440
+        assert_eq!(Preset::Tiny.config().num_parameters(), 133_440);
+    }
+
+    #[test]
+    fn the_whole_models_gradients_match_finite_differences() {
+        let model = Llama::<f64>::new(&micro_config(0.0), 1).unwrap();
+        let loss = || model.loss(&INPUTS, &TARGETS, 2, 4).unwrap();
+        check_parameter_gradients(loss, &model.parameters(), GradcheckOptions::default()).unwrap();
+    }
+
+    /// The loss and every gradient of one backward pass, as bits.
+    fn loss_and_gradients(model: &Llama<f32>) -> (u32, Vec<Vec<u32>>) {
+        model.zero_grad();
+        let loss = model.loss(&INPUTS, &TARGETS, 2, 4).unwrap();
+        loss.backward();
+        let grads = model
+            .parameters()
+            .iter()
+            .map(|p| p.grad().unwrap().iter().map(|g| g.to_bits()).collect())
+            .collect();
+        (loss.item().to_bits(), grads)
+    }
+
+    #[test]
+    fn checkpointed_runs_match_the_plain_run_bit_for_bit_dropout_included() {
+        let config = ModelConfig {
+            n_layers: 4,
+            ..micro_config(0.25)
+        };
+        let model = Llama::<f32>::new(&config, 2).unwrap();
+        let start = model.dropout_generator().state();
+        let plain = loss_and_gradients(&model);
+        let after_plain = model.dropout_generator().state();
+        for checkpointing in [
+            Checkpointing::PerBlock,
+            Checkpointing::Budget(3),
+            Checkpointing::Budget(4),
+        ] {
+            model.dropout_generator().set_state(&start);
+            model.set_checkpointing(checkpointing);
+            assert_eq!(loss_and_gradients(&model), plain, "{checkpointing:?}");
+            // Later draws are those of the plain run: the rerun's draws were replayed.
+            assert_eq!(model.dropout_generator().state(), after_plain);
+        }
+    }
+
+    #[test]
+    fn a_budget_with_no_schedule_is_an_error() {
+        let model = Llama::<f32>::new(&micro_config(0.0), 0).unwrap();
+        model.set_checkpointing(Checkpointing::Budget(0));
+        assert!(matches!(
+            model.loss(&INPUTS, &TARGETS, 2, 4),
+            Err(crate::TrainError::Recompute(_))
+        ));
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_model_and_the_same_samples() {
+        let config = micro_config(0.0);
+        let (a, b) = (
+            Llama::<f32>::new(&config, 9).unwrap(),
+            Llama::<f32>::new(&config, 9).unwrap(),
+        );
+        let values = |m: &Llama<f32>| {
+            m.parameters()
+                .iter()
+                .flat_map(|p| p.to_vec())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(values(&a), values(&b));
+        assert_ne!(values(&a), values(&Llama::<f32>::new(&config, 10).unwrap()));
+        let sample = |m: &Llama<f32>| m.generate(&[1, 2], 12, 1.0, &Generator::new(4));
+        let text = sample(&a);
+        assert_eq!(
+            text.len(),
+            12,
+            "longer than the context of 5: the window slides"
+        );
+        assert!(text.iter().all(|&id| id < 11));
+        assert_eq!(text, sample(&b));
+    }
+
+    #[test]
+    fn temperature_zero_picks_the_first_maximum() {
+        assert_eq!(
+            sample_index(&[0.0, 3.0, 3.0, -1.0], 0.0, &Generator::new(0)),
+            1
+        );
+        // At a very low temperature the maximum is (numerically) certain.
+        assert_eq!(sample_index(&[0.0, 3.0, 1.0], 1e-3, &Generator::new(0)), 1);
+    }
+}

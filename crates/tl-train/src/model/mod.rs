@@ -1,0 +1,16 @@
+//! The capstone model: a Llama-style decoder built from tl-tensor's layers.
+//!
+//! - [`config`]: sizes and the named presets.
+//! - [`rope`]: rotary position embedding.
+//! - [`attention`]: causal multi-head self-attention and its fused masked softmax.
+//! - [`block`]: the pre-norm block with its SwiGLU MLP.
+//! - [`llama`]: the whole model, with optional activation checkpointing and sampling.
+
+pub mod attention;
+pub mod block;
+pub mod config;
+pub mod llama;
+pub mod rope;
+
+pub use config::{ModelConfig, Preset};
+pub use llama::{Checkpointing, Llama};

@@ -1,0 +1,156 @@
+//! Rotary position embedding (Su et al., 2021), as one op with its VJP.
+
+use ndarray::{ArrayD, IxDyn};
+use tl_tensor::{Element, Tensor};
+
+/// The rotary tables of a model: for position `t` and pair `i` of a head of size `hd`, the
+/// angle `θ = t · base^(−2i/hd)`.
+///
+/// Pairs are interleaved, as in Meta's Llama and `llama_ref.py`: elements `2i` and `2i + 1` of
+/// each head form one pair, rotated by `θ`:
+///
+/// ```text
+/// y[2i]     = x[2i]·cos θ − x[2i+1]·sin θ
+/// y[2i + 1] = x[2i]·sin θ + x[2i+1]·cos θ
+/// ```
+///
+/// A rotation is orthogonal, so the VJP rotates the gradient by `−θ`. Both directions are
+/// one pass over memory and save nothing but the tables, which the model shares.
+///
+/// The angles are computed in `f64` and rounded once to the element type.
+pub struct Rope<E: Element> {
+    cos: Vec<E>,
+    sin: Vec<E>,
+    half: usize,
+    context: usize,
+}
+
+impl<E: Element> Rope<E> {
+    /// Tables for heads of size `head_dim` (even) and positions `0..context`.
+    ///
+    /// # Panics
+    /// If `head_dim` is odd or zero.
+    pub fn new(head_dim: usize, context: usize, base: f64) -> Self {
+        assert!(
+            head_dim > 0 && head_dim.is_multiple_of(2),
+            "Rope: the head size must be even and positive, got {head_dim}"
+        );
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(context * half);
+        let mut sin = Vec::with_capacity(context * half);
+        for t in 0..context {
+            for i in 0..half {
+                let frequency = base.powf(-((2 * i) as f64) / head_dim as f64);
+                let angle = t as f64 * frequency;
+                cos.push(E::from_f64(angle.cos()));
+                sin.push(E::from_f64(angle.sin()));
+            }
+        }
+        Self {
+            cos,
+            sin,
+            half,
+            context,
+        }
+    }
+
+    /// Rotates `x` of shape `[batch, time, heads, head_dim]`; position `t` is the index on
+    /// the time axis.
+    ///
+    /// # Panics
+    /// If `x` is not 4-D with this head size, or `time` exceeds the tables' context.
+    pub fn apply(self: &std::rc::Rc<Self>, x: &Tensor<E>) -> Tensor<E> {
+        let shape = x.shape();
+        assert!(
+            shape.len() == 4 && shape[3] == 2 * self.half && shape[1] <= self.context,
+            "Rope: expected [batch, time <= {}, heads, {}], got {shape:?}",
+            self.context,
+            2 * self.half
+        );
+        let value = self.rotate(&x.value(), &shape, false);
+        let tables = std::rc::Rc::clone(self);
+        Tensor::from_op(value, &[x], move |grad_out| {
+            vec![Some(tables.rotate(&grad_out, &shape, true))]
+        })
+    }
+
+    /// Rotates every pair of `x` by `+θ`, or by `−θ` when `inverse`.
+    fn rotate(&self, x: &ArrayD<E>, shape: &[usize], inverse: bool) -> ArrayD<E> {
+        let (batch, time, heads) = (shape[0], shape[1], shape[2]);
+        let x = x.as_standard_layout();
+        let input = x.as_slice().expect("standard layout");
+        let mut out = vec![E::zero(); input.len()];
+        let head_dim = 2 * self.half;
+        let row = heads * head_dim;
+        for b in 0..batch {
+            for t in 0..time {
+                let cos = &self.cos[t * self.half..(t + 1) * self.half];
+                let sin = &self.sin[t * self.half..(t + 1) * self.half];
+                let start = (b * time + t) * row;
+                let (src, dst) = (&input[start..start + row], &mut out[start..start + row]);
+                for (src_head, dst_head) in src
+                    .chunks_exact(head_dim)
+                    .zip(dst.chunks_exact_mut(head_dim))
+                {
+                    for i in 0..self.half {
+                        let (c, s) = (cos[i], if inverse { -sin[i] } else { sin[i] });
+                        let (x1, x2) = (src_head[2 * i], src_head[2 * i + 1]);
+                        dst_head[2 * i] = x1 * c - x2 * s;
+                        dst_head[2 * i + 1] = x1 * s + x2 * c;
+                    }
+                }
+            }
+        }
+        ArrayD::from_shape_vec(IxDyn(shape), out).expect("same count")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::rc::Rc;
+
+    use super::*;
+    use tl_tensor::testing::assert_gradients;
+
+    #[test]
+    fn position_zero_is_the_identity_and_position_one_rotates_by_one_radian() {
+        // Head size 2: one pair with frequency base^0 = 1, so θ = t radians.
+        let rope = Rc::new(Rope::<f64>::new(2, 2, 10_000.0));
+        let x = Tensor::from_vec(vec![1.0, 0.0, 1.0, 0.0], &[1, 2, 1, 2]).unwrap();
+        let y = rope.apply(&x).to_vec();
+        assert_eq!(&y[..2], &[1.0, 0.0]);
+        assert_eq!(&y[2..], &[1f64.cos(), 1f64.sin()]);
+    }
+
+    #[test]
+    fn the_second_pair_turns_base_to_the_minus_half_times_slower() {
+        // Head size 4: pair 1 has frequency 100^(−2/4) = 0.1, so at t = 1 it turns 0.1 rad.
+        let rope = Rc::new(Rope::<f64>::new(4, 2, 100.0));
+        let x = Tensor::from_vec(
+            vec![0.0; 4]
+                .into_iter()
+                .chain([0.0, 0.0, 1.0, 0.0])
+                .collect(),
+            &[1, 2, 1, 4],
+        )
+        .unwrap();
+        let y = rope.apply(&x).to_vec();
+        assert!((y[6] - 0.1f64.cos()).abs() < 1e-15);
+        assert!((y[7] - 0.1f64.sin()).abs() < 1e-15);
+    }
+
+    #[test]
+    fn rotation_keeps_norms_and_the_vjp_matches_finite_differences() {
+        let rope = Rc::new(Rope::<f64>::new(4, 5, 10_000.0));
+        let data: Vec<f64> = (0..2 * 5 * 3 * 4)
+            .map(|i| ((i * 37 % 11) as f64 - 5.0) / 3.0)
+            .collect();
+        let x = ArrayD::from_shape_vec(IxDyn(&[2, 5, 3, 4]), data.clone()).unwrap();
+        let y = rope.apply(&Tensor::from_array(x.clone())).to_vec();
+        for (a, b) in data.chunks(2).zip(y.chunks(2)) {
+            let (norm_in, norm_out) = (a[0].hypot(a[1]), b[0].hypot(b[1]));
+            assert!((norm_in - norm_out).abs() < 1e-14);
+        }
+        assert_gradients(|xs| rope.apply(&xs[0]), &[x]);
+    }
+}

@@ -1,0 +1,153 @@
+//! Files of a run: atomic writes, fingerprints, and tensors in safetensors.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::io::Write;
+use std::path::Path;
+
+use safetensors::{Dtype, SafeTensors, serialize, tensor::TensorView};
+
+use crate::error::{Result, TrainError};
+
+/// Writes `bytes` to `path` so that a crash leaves either the old file or the new one, never
+/// a mix: write a temporary file in the same directory, flush it to disk, then rename it over
+/// `path` (a rename within one file system is atomic).
+///
+/// # Errors
+/// [`TrainError::Io`] naming the file that failed.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let temporary = path.with_file_name(format!(".{name}.tmp"));
+    let write = || -> std::io::Result<()> {
+        let mut file = fs::File::create(&temporary)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        fs::rename(&temporary, path)?;
+        if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            // Make the rename itself durable.
+            fs::File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    };
+    write().map_err(|source| {
+        let _ = fs::remove_file(&temporary);
+        TrainError::io(path, source)
+    })
+}
+
+/// A 64-bit FNV-1a hash of `bytes`, as 16 hex digits: enough to notice a file that changed or
+/// was damaged since it was written (not a defence against tampering).
+pub fn fingerprint(bytes: &[u8]) -> String {
+    let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |hash, &byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("{hash:016x}")
+}
+
+/// A named `f32` tensor: its shape and row-major values.
+pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
+
+/// Decoded tensors by name: shape and row-major values.
+pub type TensorMap = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// The safetensors encoding of `tensors` (dtype F32, little-endian).
+///
+/// # Panics
+/// If a tensor's values do not fill its shape (a bug of the caller).
+pub fn encode_tensors(tensors: &[NamedTensor]) -> Vec<u8> {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, values)| values.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let views = tensors.iter().zip(&bytes).map(|((name, shape, _), data)| {
+        let view = TensorView::new(Dtype::F32, shape.clone(), data)
+            .unwrap_or_else(|error| panic!("encode_tensors: {name}: {error}"));
+        (name.as_str(), view)
+    });
+    serialize(views, None::<HashMap<String, String>>).expect("sizes were checked")
+}
+
+/// Decodes a safetensors file of `f32` tensors into a map from name to shape and values.
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] naming `path` when the bytes are not valid safetensors or a
+/// tensor is not F32.
+pub fn decode_tensors(
+    path: &Path,
+    bytes: &[u8],
+) -> Result<TensorMap> {
+    let file = SafeTensors::deserialize(bytes).map_err(|error| {
+        TrainError::checkpoint(path, format!("not a valid safetensors file: {error}"))
+    })?;
+    let mut tensors = BTreeMap::new();
+    for (name, view) in file.tensors() {
+        if view.dtype() != Dtype::F32 {
+            return Err(TrainError::checkpoint(
+                path,
+                format!("tensor {name} is {:?}, expected F32", view.dtype()),
+            ));
+        }
+        let values = view
+            .data()
+            .chunks_exact(4)
+            .map(|chunk| f32::from_le_bytes(chunk.try_into().expect("4 bytes")))
+            .collect();
+        tensors.insert(name, (view.shape().to_vec(), values));
+    }
+    Ok(tensors)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensors_round_trip_bit_for_bit() {
+        let tensors = vec![
+            (
+                "a".to_string(),
+                vec![2, 2],
+                vec![1.0, -0.0, f32::MIN_POSITIVE / 2.0, f32::MAX],
+            ),
+            ("b.weight".to_string(), vec![3], vec![0.1, 0.2, 0.3]),
+        ];
+        let decoded = decode_tensors(Path::new("x"), &encode_tensors(&tensors)).unwrap();
+        for (name, shape, values) in &tensors {
+            let (got_shape, got) = &decoded[name];
+            assert_eq!(got_shape, shape);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(got), bits(values));
+        }
+    }
+
+    #[test]
+    fn garbage_is_a_checkpoint_error_naming_the_file() {
+        let error =
+            decode_tensors(Path::new("run/model.safetensors"), b"not safetensors").unwrap_err();
+        assert!(matches!(error, TrainError::Checkpoint { .. }));
+        assert!(error.to_string().contains("run/model.safetensors"));
+    }
+
+    #[test]
+    fn fingerprints_are_fnv1a_and_notice_one_flipped_bit() {
+        // FNV-1a of the empty input is its offset basis; of "a" the published 0xaf63dc4c8601ec8c.
+        assert_eq!(fingerprint(b""), "cbf29ce484222325");
+        assert_eq!(fingerprint(b"a"), "af63dc4c8601ec8c");
+        assert_ne!(fingerprint(&[0, 0, 0]), fingerprint(&[0, 1, 0]));
+    }
+
+    #[test]
+    fn an_atomic_write_replaces_the_file_and_leaves_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        write_atomic(&path, b"old").unwrap();
+        write_atomic(&path, b"new").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"new");
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+        let missing = dir.path().join("no-such-dir").join("f");
+        assert!(matches!(
+            write_atomic(&missing, b"x"),
+            Err(TrainError::Io { .. })
+        ));
+    }
+}

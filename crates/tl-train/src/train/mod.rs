@@ -1,0 +1,13 @@
+//! Training: the run's config, the learning-rate schedule, the loop, metrics and
+//! checkpoints.
+
+mod config;
+mod metrics;
+mod schedule;
+pub mod snapshot;
+mod trainer;
+
+pub use config::{DataSource, TrainConfig};
+pub use metrics::{MetricsLog, Record, read_records};
+pub use schedule::LrSchedule;
+pub use trainer::{Event, Stop, Trainer, load_model};

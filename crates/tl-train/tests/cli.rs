@@ -1,0 +1,237 @@
+//! `tinyllm train` and `tinyllm sample` end to end on the tiny preset: learning, exact
+//! resumption, and inputs that must be refused without writing anything wrong.
+
+use std::fs;
+use std::path::Path;
+
+use tl_train::TrainError;
+use tl_train::cli::{CliError, Exit, run};
+use tl_train::train::{Record, read_records};
+
+/// Runs `tinyllm ARGS..` in-process.
+fn tinyllm(args: &[&str]) -> Result<Exit, CliError> {
+    run(std::iter::once("tinyllm").chain(args.iter().copied()))
+}
+
+fn expect_error(args: &[&str]) -> TrainError {
+    match tinyllm(args) {
+        Err(CliError::Run(error)) => error,
+        other => panic!("tinyllm {args:?}: expected a run error, got {other:?}"),
+    }
+}
+
+/// A tiny run: 2 × 2 sequences of 64 bytes per step on 40 kB of built-in corpus.
+fn tiny_args<'a>(out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "train",
+        "--preset",
+        "tiny",
+        "--micro-batch",
+        "2",
+        "--accum",
+        "2",
+        "--corpus-bytes",
+        "40000",
+        "--quiet",
+        "--out",
+        out,
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
+fn latest_checkpoint(run: &Path) -> std::path::PathBuf {
+    run.join(fs::read_to_string(run.join("LATEST")).unwrap().trim())
+}
+
+fn train_losses(run: &Path) -> Vec<(u64, u64)> {
+    read_records(&run.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter_map(|record| match record {
+            Record::Train { step, loss, .. } => Some((step, loss.to_bits())),
+            Record::Eval { .. } => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_short_run_lowers_the_loss_and_leaves_a_usable_run_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out_str = out.to_str().unwrap();
+    let args = tiny_args(out_str, &["--steps", "30", "--lr", "1e-2", "--bf16"]);
+    assert_eq!(tinyllm(&args).unwrap(), Exit::Success);
+
+    let records = read_records(&out.join("metrics.jsonl")).unwrap();
+    let first = records.iter().find_map(|r| match r {
+        Record::Train { loss, .. } => Some(*loss),
+        _ => None,
+    });
+    let last_val = records.iter().rev().find_map(|r| match r {
+        Record::Eval { val_loss, .. } => Some(*val_loss),
+        _ => None,
+    });
+    let (first, last_val) = (first.unwrap(), last_val.unwrap());
+    // An untrained byte model starts above ln 256 ≈ 5.55; thirty steps learn the grammar's
+    // most common bytes and words.
+    assert!(first > 5.0, "first loss {first}");
+    assert!(
+        last_val < first - 2.0,
+        "validation loss {last_val} after starting at {first}"
+    );
+
+    for file in ["config.json", "metrics.jsonl", "loss.svg", "LATEST"] {
+        assert!(out.join(file).exists(), "{file} missing");
+    }
+    let checkpoint = latest_checkpoint(&out);
+    assert!(checkpoint.ends_with("checkpoint-000030"));
+    for file in ["model.safetensors", "optimizer.safetensors", "state.json"] {
+        assert!(checkpoint.join(file).exists(), "{file} missing");
+    }
+    let sample = [
+        "sample", "--from", out_str, "--tokens", "20", "--prompt", "the ",
+    ];
+    assert_eq!(tinyllm(&sample).unwrap(), Exit::Success);
+}
+
+#[test]
+fn an_interrupted_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
+    // fp16 (a loss scaler to restore), dropout (a generator to restore), per-block
+    // checkpointing (dropout replayed in reruns) and accumulation all at once.
+    let dir = tempfile::tempdir().unwrap();
+    let (whole, split) = (dir.path().join("whole"), dir.path().join("split"));
+    let recipe = [
+        "--steps",
+        "6",
+        "--fp16",
+        "--dropout",
+        "0.1",
+        "--checkpoint-activations",
+        "--save-interval",
+        "4",
+    ];
+    tinyllm(&tiny_args(whole.to_str().unwrap(), &recipe)).unwrap();
+
+    let mut first_part = recipe.to_vec();
+    first_part.extend(["--until-step", "3"]);
+    tinyllm(&tiny_args(split.to_str().unwrap(), &first_part)).unwrap();
+    assert!(latest_checkpoint(&split).ends_with("checkpoint-000003"));
+    let resume = ["train", "--resume", split.to_str().unwrap(), "--quiet"];
+    assert_eq!(tinyllm(&resume).unwrap(), Exit::Success);
+
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let a = fs::read(latest_checkpoint(&whole).join(file)).unwrap();
+        let b = fs::read(latest_checkpoint(&split).join(file)).unwrap();
+        assert!(a == b, "{file} differs after resuming");
+    }
+    assert_eq!(train_losses(&whole), train_losses(&split));
+    assert_eq!(train_losses(&whole).len(), 6);
+}
+
+#[test]
+fn resuming_with_different_flags_or_a_damaged_checkpoint_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out_str = out.to_str().unwrap();
+    tinyllm(&tiny_args(out_str, &["--steps", "4", "--until-step", "2"])).unwrap();
+
+    let error = expect_error(&[
+        "train",
+        "--resume",
+        out_str,
+        "--micro-batch",
+        "4",
+        "--quiet",
+    ]);
+    assert!(error.to_string().contains("micro_batch"), "{error}");
+
+    // Flip one byte of the weights: the fingerprint check names the file.
+    let weights = latest_checkpoint(&out).join("model.safetensors");
+    let mut bytes = fs::read(&weights).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x10;
+    fs::write(&weights, &bytes).unwrap();
+    let error = expect_error(&["train", "--resume", out_str, "--quiet"]);
+    assert!(matches!(error, TrainError::Checkpoint { .. }));
+    assert!(
+        error.to_string().contains("model.safetensors") && error.to_string().contains("damaged")
+    );
+    assert_eq!(
+        fs::read(&weights).unwrap(),
+        bytes,
+        "the damaged file is left for inspection"
+    );
+
+    fs::write(latest_checkpoint(&out).join("state.json"), "{ not json").unwrap();
+    let error = expect_error(&["sample", "--from", out_str]);
+    assert!(error.to_string().contains("state.json"), "{error}");
+
+    let error = expect_error(&[
+        "train",
+        "--resume",
+        dir.path().join("nothing").to_str().unwrap(),
+    ]);
+    assert!(error.to_string().contains("no checkpoint"), "{error}");
+}
+
+#[test]
+fn bad_inputs_are_clear_errors_and_create_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out_str = out.to_str().unwrap();
+    let cases: [(&[&str], &str); 5] = [
+        (&["--preset", "huge"], "unknown preset `huge`"),
+        (&["--micro-batch", "0"], "micro-batch"),
+        (&["--data", "/no/such/file.txt"], "/no/such/file.txt"),
+        (&["--lr", "-1"], "lr"),
+        (&["--checkpoint-budget", "0"], "budget"),
+    ];
+    for (flags, message) in cases {
+        let mut args = vec!["train", "--quiet", "--out", out_str];
+        args.extend_from_slice(flags);
+        let error = expect_error(&args);
+        assert!(error.to_string().contains(message), "{flags:?}: {error}");
+        assert!(!out.exists(), "{flags:?} created the run directory");
+    }
+    let empty = dir.path().join("empty.txt");
+    fs::write(&empty, "").unwrap();
+    let error = expect_error(&[
+        "train",
+        "--quiet",
+        "--out",
+        out_str,
+        "--data",
+        empty.to_str().unwrap(),
+    ]);
+    assert!(matches!(error, TrainError::Data(_)), "{error}");
+    assert!(!out.exists());
+
+    // Syntax errors come from clap, before anything runs.
+    for flags in [
+        &["train", "--bf16", "--fp16"][..],
+        &["train", "--micro-batch", "many"],
+        &["fly"],
+    ] {
+        assert!(
+            matches!(tinyllm(flags), Err(CliError::Usage(_))),
+            "{flags:?}"
+        );
+    }
+    assert!(!out.exists());
+}
+
+#[test]
+fn a_new_run_never_overwrites_an_existing_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out_str = out.to_str().unwrap();
+    tinyllm(&tiny_args(out_str, &["--steps", "1"])).unwrap();
+    let before = fs::read(latest_checkpoint(&out).join("model.safetensors")).unwrap();
+    let error = expect_error(&tiny_args(out_str, &["--steps", "1", "--seed", "5"]));
+    assert!(error.to_string().contains("--resume"), "{error}");
+    assert_eq!(
+        fs::read(latest_checkpoint(&out).join("model.safetensors")).unwrap(),
+        before
+    );
+}
