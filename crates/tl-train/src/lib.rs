@@ -10,3 +10,7 @@ pub mod store;
 pub mod train;
 
 pub use error::{Result, TrainError};
+
+/// The guide to the trainer (`docs/training.md`); its examples run as doctests.
+#[doc = include_str!("../../../docs/training.md")]
+pub mod guide {}

@@ -72,10 +72,7 @@ pub fn encode_tensors(tensors: &[NamedTensor]) -> Vec<u8> {
 /// # Errors
 /// [`TrainError::Checkpoint`] naming `path` when the bytes are not valid safetensors or a
 /// tensor is not F32.
-pub fn decode_tensors(
-    path: &Path,
-    bytes: &[u8],
-) -> Result<TensorMap> {
+pub fn decode_tensors(path: &Path, bytes: &[u8]) -> Result<TensorMap> {
     let file = SafeTensors::deserialize(bytes).map_err(|error| {
         TrainError::checkpoint(path, format!("not a valid safetensors file: {error}"))
     })?;

@@ -37,7 +37,8 @@ const ADJECTIVES: &[&str] = &["small", "big", "red", "lazy", "happy"];
 const PREPOSITIONS: &[&str] = &["near", "under", "behind"];
 const PLACES: &[&str] = &["tree", "house", "river", "park"];
 
-/// How often a subject is singular, and an adjective or a place is added.
+/// How often a noun phrase is singular, has an adjective, a verb takes an object, and an
+/// intransitive verb is followed by a place.
 const P_SINGULAR: f64 = 0.6;
 const P_ADJECTIVE: f64 = 0.5;
 const P_TRANSITIVE: f64 = 0.6;

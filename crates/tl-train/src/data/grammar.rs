@@ -99,6 +99,10 @@ impl Expansion {
 ///
 /// The grammar enumerates every distinct sentence once, when built, to compute it exactly.
 ///
+/// A model that sees only a window of the text averages a little above `h`: the first bytes
+/// of a window come without the beginning of their sentence. The excess shrinks as the
+/// window grows past a few sentence lengths.
+///
 /// ```
 /// use tl_train::data::{Expansion, Grammar};
 /// use tl_tensor::Generator;
@@ -206,7 +210,7 @@ impl Grammar {
     /// `n_bytes` of text: independent sentences, one after another, the last one cut off
     /// where the text reaches `n_bytes`. The same generator state gives the same text.
     pub fn generate(&self, rng: &Generator, n_bytes: usize) -> Vec<u8> {
-        // One more sentence than needed at most, so the buffer grows at most once past it.
+        // Room for the last sentence, which runs past n_bytes before the cut.
         let mut out = Vec::with_capacity(n_bytes + 256);
         while out.len() < n_bytes {
             sample_into(&self.root, rng, &mut out);

@@ -25,7 +25,9 @@ use tl_tensor::optim::{AdamWParamState, AdamWState};
 
 use super::config::TrainConfig;
 use crate::error::{Result, TrainError};
-use crate::store::{NamedTensor, TensorMap, decode_tensors, encode_tensors, fingerprint, write_atomic};
+use crate::store::{
+    NamedTensor, TensorMap, decode_tensors, encode_tensors, fingerprint, write_atomic,
+};
 
 /// The version of the checkpoint layout this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;

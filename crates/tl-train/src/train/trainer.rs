@@ -332,7 +332,10 @@ impl Trainer {
                 on_event(&Event::Metric(record));
             }
             let interrupted = stop.load(Ordering::SeqCst);
-            if self.step.is_multiple_of(self.config.save_interval) || self.step == until || interrupted {
+            if self.step.is_multiple_of(self.config.save_interval)
+                || self.step == until
+                || interrupted
+            {
                 on_event(&Event::Saved(self.save()?));
                 saved_at = Some(self.step);
             }

@@ -1,4 +1,4 @@
-//! Where things go on a chart: axis ranges, log-axis ticks, tick labels, the legend's corner.
+//! The axes of a chart: ranges that fit the data, a log axis with round ticks, tick labels.
 
 use std::ops::Range;
 
@@ -28,15 +28,30 @@ pub(super) fn axis_ranges(chart: &LineChart) -> Option<(Range<f64>, Range<f64>)>
         .collect();
     let (x_min, x_max) = min_max(points.iter().map(|p| p.0))?;
     let hlines = chart.hlines.iter().map(|(_, y)| (x_min, *y));
-    let all_points = points.iter().copied().chain(hlines.filter(|&p| drawable(chart.log_y, p)));
+    let all_points = points
+        .iter()
+        .copied()
+        .chain(hlines.filter(|&p| drawable(chart.log_y, p)));
     let (y_min, y_max) = min_max(all_points.map(|p| p.1))?;
-    let x_range = if x_min < x_max { x_min..x_max } else { x_min - 0.5..x_max + 0.5 };
+    let x_range = if x_min < x_max {
+        x_min..x_max
+    } else {
+        x_min - 0.5..x_max + 0.5
+    };
     let y_range = if chart.log_y {
         // 5% of the log span is a factor (max / min)^0.05 at each end.
-        let factor = if y_min < y_max { (y_max / y_min).powf(0.05) } else { 1.5 };
+        let factor = if y_min < y_max {
+            (y_max / y_min).powf(0.05)
+        } else {
+            1.5
+        };
         y_min / factor..y_max * factor
     } else {
-        let margin = if y_min < y_max { 0.05 * (y_max - y_min) } else { 0.5_f64.max(0.05 * y_max.abs()) };
+        let margin = if y_min < y_max {
+            0.05 * (y_max - y_min)
+        } else {
+            0.5_f64.max(0.05 * y_max.abs())
+        };
         y_min - margin..y_max + margin
     };
     Some((x_range, y_range))
@@ -62,7 +77,11 @@ pub(super) struct LogAxis {
 impl LogAxis {
     /// An axis over `range`, which must be positive.
     pub(super) fn new(range: Range<f64>) -> Self {
-        let grid = if range.end / range.start < 1e6 { mantissa_ticks(&range, &[1, 2, 3, 4, 5, 6, 7, 8, 9]) } else { Vec::new() };
+        let grid = if range.end / range.start < 1e6 {
+            mantissa_ticks(&range, &[1, 2, 3, 4, 5, 6, 7, 8, 9])
+        } else {
+            Vec::new()
+        };
         Self {
             ticks: log_ticks(&range),
             grid,
@@ -78,11 +97,19 @@ impl Ranged for LogAxis {
     fn map(&self, value: &f64, limit: (i32, i32)) -> i32 {
         let (lo, hi) = (self.range.start.log10(), self.range.end.log10());
         let fraction = (value.log10() - lo) / (hi - lo);
-        limit.0 + (fraction * f64::from(limit.1 - limit.0)).round() as i32
+        // Clamped so a value far outside the range (never drawn) cannot overflow the sum.
+        let offset = (fraction * f64::from(limit.1 - limit.0))
+            .round()
+            .clamp(-1e6, 1e6);
+        limit.0 + offset as i32
     }
 
     fn key_points<Hint: KeyPointHint>(&self, hint: Hint) -> Vec<f64> {
-        if hint.weight().allow_light_points() { self.grid.clone() } else { self.ticks.clone() }
+        if hint.weight().allow_light_points() {
+            self.grid.clone()
+        } else {
+            self.ticks.clone()
+        }
     }
 
     fn range(&self) -> Range<f64> {
@@ -123,7 +150,11 @@ fn log_ticks(range: &Range<f64>) -> Vec<f64> {
 fn linear_ticks(range: &Range<f64>, target: usize) -> Vec<f64> {
     let raw_step = (range.end - range.start) / target as f64;
     let magnitude = 10f64.powf(raw_step.log10().floor());
-    let step = [1.0, 2.0, 5.0, 10.0].iter().map(|m| m * magnitude).find(|&s| s >= raw_step).unwrap_or(10.0 * magnitude);
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .iter()
+        .map(|m| m * magnitude)
+        .find(|&s| s >= raw_step)
+        .unwrap_or(10.0 * magnitude);
     let first = (range.start / step).ceil() as i64;
     let last = (range.end / step).floor() as i64;
     (first..=last).map(|k| k as f64 * step).collect()
@@ -138,7 +169,9 @@ pub(super) fn tick_label(value: f64, span: f64) -> String {
     let magnitude = value.abs().log10().floor();
     if !(-4.0..6.0).contains(&magnitude) {
         let scientific = format!("{value:.3e}");
-        let (mantissa, exponent) = scientific.split_once('e').expect("{:e} output has an exponent");
+        let (mantissa, exponent) = scientific
+            .split_once('e')
+            .expect("{:e} output has an exponent");
         return format!("{}e{exponent}", trim_zeros(mantissa));
     }
     let decimals = (3.0 - magnitude).max(0.0) as usize;
@@ -146,53 +179,11 @@ pub(super) fn tick_label(value: f64, span: f64) -> String {
 }
 
 fn trim_zeros(number: &str) -> &str {
-    if number.contains('.') { number.trim_end_matches('0').trim_end_matches('.') } else { number }
-}
-
-/// A corner of the plot, for the legend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Corner {
-    UpperRight,
-    UpperLeft,
-    LowerRight,
-    LowerLeft,
-}
-
-/// The corner where a legend box of `box_fraction` (width, height, as fractions of the plot)
-/// covers the least of the data: line samples inside it, reference lines through it.
-/// Ties go to the upper right, then upper left, lower right, lower left.
-pub(super) fn legend_corner(chart: &LineChart, x_range: &Range<f64>, y_range: &Range<f64>, box_fraction: (f64, f64)) -> Corner {
-    let to_fraction = |(x, y): (f64, f64)| {
-        let fx = (x - x_range.start) / (x_range.end - x_range.start);
-        let fy = if chart.log_y { (y / y_range.start).ln() / (y_range.end / y_range.start).ln() } else { (y - y_range.start) / (y_range.end - y_range.start) };
-        (fx, fy)
-    };
-    // Samples along each line segment, so a line crossing a corner between two points counts.
-    let mut samples = Vec::new();
-    for series in chart.series {
-        for pair in series.points.windows(2) {
-            if drawable(chart.log_y, pair[0]) && drawable(chart.log_y, pair[1]) {
-                let (a, b) = (to_fraction(pair[0]), to_fraction(pair[1]));
-                samples.extend((0..10).map(|i| {
-                    let t = f64::from(i) / 10.0;
-                    (a.0 + t * (b.0 - a.0), a.1 + t * (b.1 - a.1))
-                }));
-            }
-        }
-        samples.extend(series.points.iter().filter(|&&p| drawable(chart.log_y, p)).map(|&p| to_fraction(p)));
+    if number.contains('.') {
+        number.trim_end_matches('0').trim_end_matches('.')
+    } else {
+        number
     }
-    let hlines: Vec<f64> = chart.hlines.iter().map(|(_, y)| (x_range.start, *y)).filter(|&p| drawable(chart.log_y, p)).map(|p| to_fraction(p).1).collect();
-    let (width, height) = box_fraction;
-    let covered = |corner: Corner| {
-        let right = matches!(corner, Corner::UpperRight | Corner::LowerRight);
-        let upper = matches!(corner, Corner::UpperRight | Corner::UpperLeft);
-        let x_inside = |fx: f64| if right { fx >= 1.0 - width } else { fx <= width };
-        let y_inside = |fy: f64| if upper { fy >= 1.0 - height } else { fy <= height };
-        let points = samples.iter().filter(|&&(fx, fy)| x_inside(fx) && y_inside(fy)).count();
-        // A reference line crosses the whole box: weigh it like a line segment.
-        points + 10 * hlines.iter().filter(|&&fy| y_inside(fy)).count()
-    };
-    [Corner::UpperRight, Corner::UpperLeft, Corner::LowerRight, Corner::LowerLeft].into_iter().min_by_key(|&corner| covered(corner)).expect("four corners")
 }
 
 #[cfg(test)]
@@ -218,7 +209,11 @@ mod tests {
 
     fn assert_all_close(actual: &[f64], expected: &[f64]) {
         let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs().max(1.0);
-        assert!(actual.len() == expected.len() && actual.iter().zip(expected).all(|(&a, &b)| close(a, b)), "{actual:?} != {expected:?}");
+        assert!(
+            actual.len() == expected.len()
+                && actual.iter().zip(expected).all(|(&a, &b)| close(a, b)),
+            "{actual:?} != {expected:?}"
+        );
     }
 
     fn assert_range(actual: &Range<f64>, expected: Range<f64>) {
@@ -237,7 +232,12 @@ mod tests {
 
     #[test]
     fn ranges_skip_non_finite_points() {
-        let series = series(&[(0.0, 1.0), (1.0, f64::NAN), (f64::INFINITY, 9.0), (5.0, 5.0)]);
+        let series = series(&[
+            (0.0, 1.0),
+            (1.0, f64::NAN),
+            (f64::INFINITY, 9.0),
+            (5.0, 5.0),
+        ]);
         let (x, y) = axis_ranges(&chart(&series, &[], false)).unwrap();
         // Finite y from 1 to 5: a margin of 0.2.
         assert_range(&x, 0.0..5.0);
@@ -269,7 +269,10 @@ mod tests {
         // 0.3 to 7.4: 1-9 per decade gives 14 ticks (> 10), so {1, 2, 5}: 0.5, 1, 2, 5.
         assert_all_close(&log_ticks(&(0.3..7.4)), &[0.5, 1.0, 2.0, 5.0]);
         // 1 to 1e12: 13 powers of ten, thinned to every second one.
-        assert_all_close(&log_ticks(&(1.0..1e12)), &[1.0, 1e2, 1e4, 1e6, 1e8, 1e10, 1e12]);
+        assert_all_close(
+            &log_ticks(&(1.0..1e12)),
+            &[1.0, 1e2, 1e4, 1e6, 1e8, 1e10, 1e12],
+        );
         // 2 to 2.6 holds only the tick 2: round linear steps of 0.2 instead (0.6 / 5 = 0.12).
         assert_all_close(&log_ticks(&(2.0..2.6)), &[2.0, 2.2, 2.4, 2.6]);
         let axis = LogAxis::new(1.0..100.0);
@@ -279,24 +282,13 @@ mod tests {
 
     #[test]
     fn tick_labels_have_four_significant_digits_and_no_trailing_zeros() {
-        let labels = [50.0, 0.375, 0.1 * 3.0, 12_345.0, -2.5, 1.5e9, 2.5e-5, 1e-17].map(|v| tick_label(v, 1.0));
-        assert_eq!(labels, ["50", "0.375", "0.3", "12345", "-2.5", "1.5e9", "2.5e-5", "0"]);
-    }
-
-    #[test]
-    fn the_legend_avoids_the_corners_the_lines_pass_through() {
-        let box_fraction = (0.3, 0.2);
-        let corner = |points: &[(f64, f64)], hlines: &[(String, f64)]| {
-            let series = series(points);
-            let chart = chart(&series, hlines, false);
-            let (x, y) = axis_ranges(&chart).unwrap();
-            legend_corner(&chart, &x, &y, box_fraction)
-        };
-        // A falling loss curve leaves the upper right free.
-        assert_eq!(corner(&[(0.0, 5.0), (1.0, 1.0), (10.0, 0.5)], &[]), Corner::UpperRight);
-        // A rising line crosses the upper right and the lower left.
-        assert_eq!(corner(&[(0.0, 0.0), (10.0, 10.0)], &[]), Corner::UpperLeft);
-        // ... and a reference line at the top rules out the upper left too.
-        assert_eq!(corner(&[(0.0, 0.0), (10.0, 10.0)], &[("limit".into(), 9.9)]), Corner::LowerRight);
+        let labels = [50.0, 0.375, 0.1 * 3.0, 12_345.0, -2.5, 1.5e9, 2.5e-5, 1e-17]
+            .map(|v| tick_label(v, 1.0));
+        assert_eq!(
+            labels,
+            [
+                "50", "0.375", "0.3", "12345", "-2.5", "1.5e9", "2.5e-5", "0"
+            ]
+        );
     }
 }
