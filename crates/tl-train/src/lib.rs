@@ -3,9 +3,11 @@
 
 pub mod chart;
 pub mod cli;
+pub mod compare;
 pub mod data;
 mod error;
 pub mod model;
+pub mod process_memory;
 pub mod store;
 pub mod train;
 

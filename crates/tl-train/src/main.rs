@@ -8,6 +8,7 @@ fn main() -> ExitCode {
     match run(std::env::args_os()) {
         Ok(Exit::Success) => ExitCode::SUCCESS,
         Ok(Exit::Interrupted) => ExitCode::from(130),
+        Ok(Exit::MilestoneMissed) => ExitCode::from(3),
         Err(CliError::Usage(error)) => error.exit(),
         Err(CliError::Run(error)) => {
             eprintln!("error: {error}");

@@ -1,5 +1,8 @@
 //! The `tinyllm` command line: argument parsing (clap) and the subcommands.
 
+mod compare;
+mod plan;
+mod profile;
 mod sample;
 mod train;
 
@@ -22,6 +25,12 @@ enum Command {
     Train(Box<TrainArgs>),
     /// Generate text from a trained checkpoint.
     Sample(SampleArgs),
+    /// MS-L11: train the fp32 baseline and the mixed recipe, compare loss and memory.
+    Compare(Box<compare::CompareArgs>),
+    /// Predict the memory of a training step before running it (and check it with --measure).
+    Plan(plan::PlanArgs),
+    /// Record live tensor memory over a training step and draw the timeline.
+    Profile(profile::ProfileArgs),
 }
 
 /// Options of `tinyllm train`. Every option is optional so that `--resume` can tell the ones
@@ -143,6 +152,8 @@ pub enum Exit {
     Success,
     /// Training was interrupted and checkpointed.
     Interrupted,
+    /// `tinyllm compare` ran, and the recipe missed MS-L11.
+    MilestoneMissed,
 }
 
 /// Parses `args` (program name first) and runs the command.
@@ -159,6 +170,9 @@ where
     let outcome = match cli.command {
         Command::Train(args) => train::train(&args),
         Command::Sample(args) => sample::sample(&args).map(|()| Exit::Success),
+        Command::Compare(args) => compare::compare_command(&args),
+        Command::Plan(args) => plan::plan(&args),
+        Command::Profile(args) => profile::profile(&args),
     };
     outcome.map_err(CliError::Run)
 }

@@ -6,11 +6,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use tl_precision::Precision;
+use tl_tensor::memory;
 
 use super::{Exit, TrainArgs};
 use crate::chart::{LineChart, Series, write_line_chart};
 use crate::error::{Result, TrainError};
 use crate::model::{Checkpointing, Preset};
+use crate::process_memory::{peak_rss_bytes, reset_peak_rss};
+use crate::store::write_atomic;
 use crate::train::{
     DataSource, Event, LrSchedule, Record, Stop, TrainConfig, Trainer, read_records,
 };
@@ -30,6 +33,8 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
         }
     };
     let config = trainer.config().clone();
+    memory::reset_peak();
+    reset_peak_rss();
     let until = args.until_step.unwrap_or(config.steps);
     print_header(&trainer);
 
@@ -211,7 +216,7 @@ fn say(bar: &ProgressBar, line: String) {
     }
 }
 
-fn progress_bar(quiet: bool, position: u64, length: u64) -> ProgressBar {
+pub(super) fn progress_bar(quiet: bool, position: u64, length: u64) -> ProgressBar {
     if quiet {
         return ProgressBar::hidden();
     }
@@ -257,44 +262,85 @@ fn print_header(trainer: &Trainer) {
     );
 }
 
-/// The end-of-run summary and the loss chart.
+/// The end-of-run summary: printed, written as `summary.json`, and the loss chart.
 fn report(trainer: &Trainer) -> Result<()> {
-    let records = read_records(&trainer.run_dir().join("metrics.jsonl"))?;
-    let mut train = Vec::new();
-    let mut val = Vec::new();
-    let mut speeds = Vec::new();
-    for record in &records {
-        match record {
-            Record::Train {
-                step,
-                loss,
-                tokens_per_s,
-                ..
-            } => {
-                train.push((*step as f64, *loss));
-                speeds.push(*tokens_per_s);
-            }
-            Record::Eval { step, val_loss } => val.push((*step as f64, *val_loss)),
-        }
+    let summary = trainer.summary(memory::peak_bytes() as u64, peak_rss_bytes())?;
+    let json = serde_json::to_vec_pretty(&summary).expect("the summary serializes");
+    write_atomic(&trainer.run_dir().join("summary.json"), &json)?;
+    let chart_path = trainer.run_dir().join("loss.svg");
+    write_loss_chart(
+        &chart_path,
+        &[("", trainer.run_dir())],
+        summary.entropy_floor,
+    )?;
+    eprintln!(
+        "step {}: train loss {:.4} (mean of the last steps)",
+        summary.steps, summary.train_loss
+    );
+    if let Some(val) = summary.val_loss {
+        let gap = summary
+            .entropy_floor
+            .map(|h| format!(", entropy floor {h:.4} (gap {:.4})", val - h))
+            .unwrap_or_default();
+        eprintln!("validation loss {val:.4}{gap}");
     }
-    let floor = trainer.corpus().entropy_nats_per_byte;
+    eprintln!(
+        "median {:.0} tokens/s ({:.2} s/step); peak live tensors {:.1} MiB{}",
+        summary.tokens_per_s,
+        summary.step_s,
+        mib(summary.peak_live_bytes),
+        summary
+            .peak_rss_bytes
+            .map(|rss| format!(", peak process memory {:.1} MiB", mib(rss)))
+            .unwrap_or_default()
+    );
+    eprintln!("loss chart: {}", chart_path.display());
+    Ok(())
+}
+
+/// Bytes as MiB.
+pub(super) fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// Draws the train and validation losses of each `(label, run directory)` on one chart, with
+/// the entropy floor when known.
+pub(super) fn write_loss_chart(
+    path: &Path,
+    runs: &[(&str, &Path)],
+    floor: Option<f64>,
+) -> Result<()> {
+    let mut series = Vec::new();
+    for (label, dir) in runs {
+        let (mut train, mut val) = (Vec::new(), Vec::new());
+        for record in read_records(&dir.join("metrics.jsonl"))? {
+            match record {
+                Record::Train { step, loss, .. } => train.push((step as f64, loss)),
+                Record::Eval { step, val_loss } => val.push((step as f64, val_loss)),
+            }
+        }
+        let name = |what: &str| {
+            if label.is_empty() {
+                what.to_string()
+            } else {
+                format!("{label} {what}")
+            }
+        };
+        series.push(Series {
+            label: name("train loss"),
+            points: train,
+        });
+        series.push(Series {
+            label: name("validation loss"),
+            points: val,
+        });
+    }
     let hlines: Vec<(String, f64)> = floor
         .map(|h| ("entropy floor".to_string(), h))
         .into_iter()
         .collect();
-    let chart_path = trainer.run_dir().join("loss.svg");
-    let series = [
-        Series {
-            label: "train loss".into(),
-            points: train.clone(),
-        },
-        Series {
-            label: "validation loss".into(),
-            points: val.clone(),
-        },
-    ];
     write_line_chart(
-        &chart_path,
+        path,
         &LineChart {
             title: "tinyllm training loss",
             x_label: "optimizer step",
@@ -304,23 +350,5 @@ fn report(trainer: &Trainer) -> Result<()> {
             log_y: false,
         },
     )?;
-    speeds.sort_by(f64::total_cmp);
-    let recent = &train[train.len().saturating_sub(10)..];
-    let mean_recent = recent.iter().map(|(_, l)| l).sum::<f64>() / recent.len().max(1) as f64;
-    eprintln!(
-        "step {}: train loss {mean_recent:.4} (mean of the last {} steps)",
-        trainer.step(),
-        recent.len()
-    );
-    if let Some((_, v)) = val.last() {
-        let gap = floor
-            .map(|h| format!(", entropy floor {h:.4} (gap {:.4})", v - h))
-            .unwrap_or_default();
-        eprintln!("validation loss {v:.4}{gap}");
-    }
-    if let Some(median) = speeds.get(speeds.len() / 2) {
-        eprintln!("median throughput {median:.0} tokens/s");
-    }
-    eprintln!("loss chart: {}", chart_path.display());
     Ok(())
 }

@@ -5,9 +5,11 @@ mod config;
 mod metrics;
 mod schedule;
 pub mod snapshot;
+mod summary;
 mod trainer;
 
 pub use config::{DataSource, TrainConfig};
 pub use metrics::{MetricsLog, Record, read_records};
 pub use schedule::LrSchedule;
+pub use summary::RunSummary;
 pub use trainer::{Event, Stop, Trainer, load_model};

@@ -12,8 +12,9 @@ use tl_tensor::optim::{AdamW, Optimizer};
 use tl_tensor::{Generator, no_grad};
 
 use super::config::{DataSource, TrainConfig};
-use super::metrics::{MetricsLog, Record};
+use super::metrics::{MetricsLog, Record, read_records};
 use super::snapshot::{self, AdamWMeta, FORMAT_VERSION, RunState};
+use super::summary::RunSummary;
 use crate::data::{Batch, Corpus, sample_batch, sequential_batches};
 use crate::error::{Result, TrainError};
 use crate::model::Llama;
@@ -188,6 +189,20 @@ impl Trainer {
     /// The run directory.
     pub fn run_dir(&self) -> &Path {
         &self.run_dir
+    }
+
+    /// The run's figures so far, from its `metrics.jsonl`, with the given meter readings.
+    ///
+    /// # Errors
+    /// [`TrainError::Io`] if the metrics cannot be read.
+    pub fn summary(&self, peak_live_bytes: u64, peak_rss_bytes: Option<u64>) -> Result<RunSummary> {
+        let records = read_records(&self.run_dir.join("metrics.jsonl"))?;
+        Ok(RunSummary::from_records(
+            &records,
+            self.corpus.entropy_nats_per_byte,
+            peak_live_bytes,
+            peak_rss_bytes,
+        ))
     }
 
     /// One optimizer step on `accum` fresh micro-batches: returns its record.

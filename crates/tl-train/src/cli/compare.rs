@@ -1,0 +1,206 @@
+//! `tinyllm compare`: MS-L11, the mixed recipe against the float32 baseline.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use indicatif::{MultiProgress, ProgressBar};
+
+use super::train::{config_from_args, mib, progress_bar, write_loss_chart};
+use super::{Exit, TrainArgs};
+use crate::compare::{Comparison, MAX_RELATIVE_GAP, compare};
+use crate::error::Result;
+use crate::model::Preset;
+use crate::store::write_atomic;
+use crate::train::{Event, Record};
+
+/// Options of `tinyllm compare`: the recipe to test (default: bf16, micro-batch 8,
+/// accumulation 4, per-block checkpointing); the baseline is derived from it.
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// Model size: tiny, small or capstone [default: small].
+    #[arg(long, value_name = "PRESET")]
+    pub preset: Option<String>,
+    /// Train on this UTF-8 text file instead of the built-in corpus.
+    #[arg(long, value_name = "FILE")]
+    pub data: Option<PathBuf>,
+    /// Bytes of built-in corpus to generate [default: 2000000].
+    #[arg(long, value_name = "N", conflicts_with = "data")]
+    pub corpus_bytes: Option<usize>,
+    /// The recipe in fp16 (with dynamic loss scaling) instead of bf16.
+    #[arg(long, conflicts_with = "fp32")]
+    pub fp16: bool,
+    /// The recipe in fp32 (to isolate accumulation and checkpointing).
+    #[arg(long)]
+    pub fp32: bool,
+    /// Sequences per micro-batch of the recipe.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub micro_batch: usize,
+    /// Micro-batches per step of the recipe; the baseline takes all of them at once.
+    #[arg(long, value_name = "K", default_value_t = 4)]
+    pub accum: usize,
+    /// The recipe keeps every activation.
+    #[arg(long)]
+    pub no_checkpoint_activations: bool,
+    /// The recipe checkpoints on the optimal schedule for K stored block inputs instead of
+    /// per block.
+    #[arg(long, value_name = "K", conflicts_with = "no_checkpoint_activations")]
+    pub checkpoint_budget: Option<usize>,
+    /// Optimizer steps of each run [default: by preset].
+    #[arg(long, value_name = "N")]
+    pub steps: Option<u64>,
+    /// Peak learning rate [default: by preset].
+    #[arg(long, value_name = "LR", allow_negative_numbers = true)]
+    pub lr: Option<f64>,
+    /// Seed of both runs [default: 0].
+    #[arg(long, value_name = "S")]
+    pub seed: Option<u64>,
+    /// Directory of the two runs and the report [default: runs/compare-PRESET-seedS].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// No progress bars.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Runs `tinyllm compare`: exit status success only when MS-L11 holds.
+pub(super) fn compare_command(args: &CompareArgs) -> Result<Exit> {
+    let train_args = TrainArgs {
+        preset: args.preset.clone(),
+        data: args.data.clone(),
+        corpus_bytes: args.corpus_bytes,
+        bf16: !args.fp16 && !args.fp32,
+        fp16: args.fp16,
+        micro_batch: Some(args.micro_batch),
+        accum: Some(args.accum),
+        checkpoint_activations: !args.no_checkpoint_activations && args.checkpoint_budget.is_none(),
+        checkpoint_budget: args.checkpoint_budget,
+        steps: args.steps,
+        lr: args.lr,
+        seed: args.seed,
+        ..TrainArgs::default()
+    };
+    let recipe = config_from_args(&train_args, None)?;
+    let out = args.out.clone().unwrap_or_else(|| {
+        let preset = recipe.preset.map_or("custom", Preset::name);
+        PathBuf::from("runs").join(format!("compare-{preset}-seed{}", recipe.seed))
+    });
+    eprintln!(
+        "MS-L11 on {} ({} steps of {} tokens): fp32 baseline, then the recipe",
+        recipe.preset.map_or("custom", Preset::name),
+        recipe.steps,
+        recipe.tokens_per_step()
+    );
+    let bars = MultiProgress::new();
+    let mut current: Option<(String, ProgressBar)> = None;
+    let comparison = compare(&recipe, &out, &mut |name, event| {
+        if current.as_ref().is_none_or(|(n, _)| n != name) {
+            if let Some((_, bar)) = current.take() {
+                bar.finish();
+            }
+            let bar = bars.add(progress_bar(args.quiet, 0, recipe.steps));
+            bar.set_prefix(name.to_string());
+            current = Some((name.to_string(), bar));
+        }
+        let (_, bar) = current.as_ref().expect("just set");
+        if let Event::Metric(Record::Train {
+            step,
+            loss,
+            tokens_per_s,
+            ..
+        }) = event
+        {
+            bar.set_position(*step);
+            bar.set_message(format!("{name}: loss {loss:.4} | {tokens_per_s:.0} tok/s"));
+        }
+    })?;
+    if let Some((_, bar)) = current {
+        bar.finish();
+    }
+    let json = serde_json::to_vec_pretty(&comparison).expect("the comparison serializes");
+    write_atomic(&out.join("comparison.json"), &json)?;
+    let chart = out.join("compare.svg");
+    write_loss_chart(
+        &chart,
+        &[
+            ("fp32", &out.join("fp32-baseline")),
+            ("recipe", &out.join("recipe")),
+        ],
+        comparison.recipe.entropy_floor,
+    )?;
+    print_table(&comparison);
+    eprintln!(
+        "report: {}  chart: {}",
+        out.join("comparison.json").display(),
+        chart.display()
+    );
+    Ok(if comparison.passes {
+        Exit::Success
+    } else {
+        Exit::MilestoneMissed
+    })
+}
+
+fn print_table(c: &Comparison) {
+    let recipe = &c.recipe_config;
+    let label = format!(
+        "recipe ({}, {}×{}, {:?})",
+        recipe.precision.name(),
+        recipe.micro_batch,
+        recipe.accum,
+        recipe.checkpointing
+    );
+    let loss = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+    let rss = |v: Option<u64>| v.map_or("-".to_string(), |v| format!("{:.1} MiB", mib(v)));
+    let rows = [
+        (
+            "train loss (last steps)",
+            format!("{:.4}", c.baseline.train_loss),
+            format!("{:.4}", c.recipe.train_loss),
+            format!("{:+.2}%", 100.0 * c.train_gap),
+        ),
+        (
+            "validation loss",
+            loss(c.baseline.val_loss),
+            loss(c.recipe.val_loss),
+            format!(
+                "{:+.2}% (limit +{:.0}%)",
+                100.0 * c.val_gap,
+                100.0 * MAX_RELATIVE_GAP
+            ),
+        ),
+        (
+            "peak live tensors",
+            format!("{:.1} MiB", mib(c.baseline.peak_live_bytes)),
+            format!("{:.1} MiB", mib(c.recipe.peak_live_bytes)),
+            format!("{:.2}×", c.peak_live_ratio),
+        ),
+        (
+            "peak process memory",
+            rss(c.baseline.peak_rss_bytes),
+            rss(c.recipe.peak_rss_bytes),
+            c.peak_rss_ratio.map_or("-".into(), |r| format!("{r:.2}×")),
+        ),
+        (
+            "tokens/s (median)",
+            format!("{:.0}", c.baseline.tokens_per_s),
+            format!("{:.0}", c.recipe.tokens_per_s),
+            format!("{:.2}×", c.recipe.tokens_per_s / c.baseline.tokens_per_s),
+        ),
+    ];
+    eprintln!(
+        "\n{:<24} {:>16} {:>16}   {label}",
+        "", "fp32 baseline", "recipe"
+    );
+    for (name, baseline, recipe, relation) in rows {
+        eprintln!("{name:<24} {baseline:>16} {recipe:>16}   {relation}");
+    }
+    if let Some(floor) = c.recipe.entropy_floor {
+        eprintln!("{:<24} {floor:>16.4}", "entropy floor");
+    }
+    let verdict = if c.passes { "PASSES" } else { "FAILS" };
+    eprintln!(
+        "\nMS-L11 {verdict}: validation gap {:+.2}% (≤ +2% needed), peak live tensors {:.2}× the baseline's (< 1 needed)",
+        100.0 * c.val_gap,
+        c.peak_live_ratio
+    );
+}
