@@ -119,13 +119,16 @@ pub(super) fn compare_command(args: &CompareArgs) -> Result<Exit> {
     let json = serde_json::to_vec_pretty(&comparison).expect("the comparison serializes");
     write_atomic(&out.join("comparison.json"), &json)?;
     let chart = out.join("compare.svg");
+    // A log axis keeps the last steps, where the two runs differ, as visible as the first.
     write_loss_chart(
         &chart,
+        "MS-L11: fp32 baseline vs the recipe",
         &[
             ("fp32", &out.join("fp32-baseline")),
             ("recipe", &out.join("recipe")),
         ],
         comparison.recipe.entropy_floor,
+        true,
     )?;
     print_table(&comparison);
     eprintln!(

@@ -270,8 +270,10 @@ fn report(trainer: &Trainer) -> Result<()> {
     let chart_path = trainer.run_dir().join("loss.svg");
     write_loss_chart(
         &chart_path,
+        "tinyllm training loss",
         &[("", trainer.run_dir())],
         summary.entropy_floor,
+        false,
     )?;
     eprintln!(
         "step {}: train loss {:.4} (mean of the last steps)",
@@ -307,8 +309,10 @@ pub(super) fn mib(bytes: u64) -> f64 {
 /// the entropy floor when known.
 pub(super) fn write_loss_chart(
     path: &Path,
+    title: &str,
     runs: &[(&str, &Path)],
     floor: Option<f64>,
+    log_y: bool,
 ) -> Result<()> {
     let mut series = Vec::new();
     for (label, dir) in runs {
@@ -342,12 +346,12 @@ pub(super) fn write_loss_chart(
     write_line_chart(
         path,
         &LineChart {
-            title: "tinyllm training loss",
+            title,
             x_label: "optimizer step",
             y_label: "loss (nats/byte)",
             series: &series,
             hlines: &hlines,
-            log_y: false,
+            log_y,
         },
     )?;
     Ok(())
