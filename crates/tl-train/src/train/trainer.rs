@@ -337,7 +337,6 @@ impl Trainer {
         on_event: &mut dyn FnMut(&Event),
     ) -> Result<Stop> {
         let until = until.min(self.config.steps);
-        let mut saved_at = None;
         while self.step < until {
             let record = self.train_step()?;
             on_event(&Event::Metric(record));
@@ -346,20 +345,20 @@ impl Trainer {
                 let record = self.evaluate()?;
                 on_event(&Event::Metric(record));
             }
+            // The last step of this call is always saved, so stopping loses nothing.
             let interrupted = stop.load(Ordering::SeqCst);
             if self.step.is_multiple_of(self.config.save_interval)
                 || self.step == until
                 || interrupted
             {
                 on_event(&Event::Saved(self.save()?));
-                saved_at = Some(self.step);
             }
             if interrupted {
                 return Ok(Stop::Interrupted);
             }
         }
-        if saved_at != Some(self.step) && !self.run_dir.join("LATEST").exists() {
-            // Nothing to do (already at `until`) and never saved: leave a checkpoint anyway.
+        if !self.run_dir.join("LATEST").exists() {
+            // Asked for no steps at all: still leave a checkpoint to resume from.
             on_event(&Event::Saved(self.save()?));
         }
         Ok(Stop::Finished)
