@@ -7,6 +7,7 @@ pub mod compare;
 pub mod data;
 mod error;
 pub mod model;
+pub mod plan;
 pub mod process_memory;
 pub mod store;
 pub mod train;

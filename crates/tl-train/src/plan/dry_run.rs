@@ -1,0 +1,341 @@
+//! [`DryRun`]: tl-tensor's autograd engine with the arithmetic taken out — only sizes,
+//! owners and the order of events are left.
+//!
+//! The plan does not guess where memory goes: it runs the training step's ops through this
+//! replica, which follows the same rules as the real engine and its meter:
+//!
+//! - a value is counted from its allocation until its last handle drops; a VJP closure
+//!   holds handles on what it saved, so saved activations live until backward runs the op;
+//! - `backward` orders the nodes as tl-tensor does (reverse post-order of a depth-first
+//!   walk that explores an op's *last* parent first), keeps one in-flight gradient per node
+//!   until the node runs, counts the incoming gradient while the VJP runs, frees what the
+//!   VJP saved when it returns and only then allocates the gradients it hands to parents;
+//! - a leaf's first gradient becomes its `.grad`; later ones are added in place and freed;
+//! - a checkpoint node holds its inputs and, when backward reaches it, reruns its segment
+//!   with the graph on and backpropagates through the rerun (counting the incoming gradient
+//!   a second time, as tl-recompute does).
+//!
+//! So the predicted timeline is the real one, event for event, as long as the replica's op
+//! scripts (`ops.rs`, `model.rs`) mirror the model's code. A test compares the two.
+
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use tl_tensor::memory::EventKind;
+
+use super::kind::{Layer, Phase, Stage, TensorKind};
+
+mod sweep;
+
+/// Where a counted byte belongs: a layer and a kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct Tag {
+    pub(crate) layer: Layer,
+    pub(crate) kind: TensorKind,
+}
+
+/// A tag from its parts.
+pub(crate) fn tag(layer: Layer, kind: TensorKind) -> Tag {
+    Tag { layer, kind }
+}
+
+/// A handle on a simulated tensor: its value and, if it requires grad, its graph node.
+///
+/// Deliberately not `Clone`: sharing goes through [`DryRun::share`] and ending a handle
+/// through [`DryRun::release`], as each `clone()` and drop of a `Tensor` does in the model.
+#[derive(Debug)]
+pub(crate) struct Handle {
+    value: usize,
+    pub(crate) node: Option<usize>,
+    pub(crate) bytes: u64,
+}
+
+/// A checkpointed segment, rerun during backward: `Fn(dry_run, input) -> output`.
+pub(crate) type Segment = Rc<dyn Fn(&mut DryRun, &Handle) -> Handle>;
+
+/// What an op's VJP closure owns, and so frees when backward runs it.
+pub(crate) enum Vjp {
+    /// The handles the closure saved; it returns a gradient to every parent in the graph.
+    Saved(Vec<Handle>),
+    /// tl-recompute's checkpoint: the segment's inputs and how to rerun it. Gradients go to
+    /// the inputs only (the parameters' arrive in their `.grad` during the rerun).
+    Rerun {
+        inputs: Vec<Handle>,
+        segment: Segment,
+        autocast: bool,
+        layer: Layer,
+    },
+}
+
+/// A tensor's storage: freed when its last handle is released.
+struct Value {
+    bytes: u64,
+    handles: u32,
+    tag: Tag,
+}
+
+enum NodeKind {
+    /// A parameter (`param`) or a checkpoint rerun's copy of its input; `grad` is the size
+    /// of its `.grad` once backward reached it.
+    Leaf { grad: Option<u64>, param: bool },
+    /// An op's output; `vjp` is taken when backward runs it.
+    Op {
+        parents: Vec<usize>,
+        vjp: Option<Vjp>,
+    },
+}
+
+/// A node of the graph; a gradient flowing into it has `bytes`, the size of its output.
+struct Node {
+    bytes: u64,
+    layer: Layer,
+    kind: NodeKind,
+}
+
+/// The replica's memory meter, with the live bytes of every tag and the anatomy of the peak.
+struct Meter {
+    live: u64,
+    peak: u64,
+    by_tag: BTreeMap<Tag, u64>,
+    by_kind: [u64; TensorKind::ALL.len()],
+    peak_by_kind: [u64; TensorKind::ALL.len()],
+    peak_phase: Option<Phase>,
+}
+
+/// The replica of one thread's tensors, graph and meter. See the module documentation.
+pub(crate) struct DryRun {
+    meter: Meter,
+    values: Vec<Value>,
+    nodes: Vec<Node>,
+    /// Grad mode: ops record nodes only while it is on.
+    pub(crate) grad_enabled: bool,
+    /// Autocast: every matmul rounds copies of its operands.
+    pub(crate) autocast: bool,
+    /// What the step is doing, stamped on the peak.
+    pub(crate) phase: Phase,
+    /// Every allocation and free, as `memory::record` lists them, while recording.
+    events: Option<Vec<(EventKind, usize)>>,
+}
+
+impl DryRun {
+    /// An empty thread: nothing allocated, grad mode on, autocast off.
+    pub(crate) fn new() -> Self {
+        Self {
+            meter: Meter {
+                live: 0,
+                peak: 0,
+                by_tag: BTreeMap::new(),
+                by_kind: [0; TensorKind::ALL.len()],
+                peak_by_kind: [0; TensorKind::ALL.len()],
+                peak_phase: None,
+            },
+            values: Vec::new(),
+            nodes: Vec::new(),
+            grad_enabled: true,
+            autocast: false,
+            phase: Phase {
+                step: 0,
+                micro_batch: 0,
+                accum: 0,
+                stage: Stage::StepStart,
+                layer: Layer::Embedding,
+            },
+            events: None,
+        }
+    }
+
+    /// Starts listing allocations and frees (dropping any listed before).
+    #[cfg(test)]
+    pub(crate) fn start_events(&mut self) {
+        self.events = Some(Vec::new());
+    }
+
+    /// The allocations and frees listed since [`start_events`](Self::start_events).
+    #[cfg(test)]
+    pub(crate) fn take_events(&mut self) -> Vec<(EventKind, usize)> {
+        self.events.take().unwrap_or_default()
+    }
+
+    fn note(&mut self, kind: EventKind, bytes: u64) {
+        // The meter ignores empty buffers.
+        if bytes == 0 {
+            return;
+        }
+        if let Some(events) = &mut self.events {
+            events.push((kind, bytes as usize));
+        }
+    }
+
+    fn charge(&mut self, tag: Tag, bytes: u64) {
+        self.note(EventKind::Alloc, bytes);
+        self.count(tag, bytes);
+    }
+
+    /// Counts `bytes` under `tag` without an allocation event (a buffer changing role).
+    fn count(&mut self, tag: Tag, bytes: u64) {
+        let meter = &mut self.meter;
+        meter.live += bytes;
+        *meter.by_tag.entry(tag).or_default() += bytes;
+        meter.by_kind[tag.kind.index()] += bytes;
+        if meter.live > meter.peak {
+            meter.peak = meter.live;
+            meter.peak_by_kind = meter.by_kind;
+            meter.peak_phase = Some(self.phase);
+        }
+    }
+
+    fn refund(&mut self, tag: Tag, bytes: u64) {
+        self.note(EventKind::Free, bytes);
+        self.uncount(tag, bytes);
+    }
+
+    /// Takes `bytes` off `tag` without a free event.
+    fn uncount(&mut self, tag: Tag, bytes: u64) {
+        let meter = &mut self.meter;
+        meter.live -= bytes;
+        *meter.by_tag.get_mut(&tag).expect("refund of a charged tag") -= bytes;
+        meter.by_kind[tag.kind.index()] -= bytes;
+    }
+
+    /// Live bytes now.
+    pub(crate) fn live(&self) -> u64 {
+        self.meter.live
+    }
+
+    /// The highest live bytes since the last [`reset_peak`](Self::reset_peak), when it was
+    /// reached and what was alive then, by kind.
+    pub(crate) fn peak(&self) -> (u64, Option<Phase>, [u64; TensorKind::ALL.len()]) {
+        let meter = &self.meter;
+        (meter.peak, meter.peak_phase, meter.peak_by_kind)
+    }
+
+    /// Starts a new peak from the live bytes, as `memory::reset_peak` does.
+    pub(crate) fn reset_peak(&mut self) {
+        self.meter.peak = self.meter.live;
+        self.meter.peak_by_kind = self.meter.by_kind;
+        self.meter.peak_phase = Some(self.phase);
+    }
+
+    /// Live bytes now, by tag (empty tags left out).
+    pub(crate) fn live_by_tag(&self) -> BTreeMap<Tag, u64> {
+        let mut live = self.meter.by_tag.clone();
+        live.retain(|_, bytes| *bytes > 0);
+        live
+    }
+
+    /// A constant tensor of `bytes`, not in the graph (`Tensor::from_array`).
+    pub(crate) fn constant(&mut self, bytes: u64, tag: Tag) -> Handle {
+        self.charge(tag, bytes);
+        self.values.push(Value {
+            bytes,
+            handles: 1,
+            tag,
+        });
+        Handle {
+            value: self.values.len() - 1,
+            node: None,
+            bytes,
+        }
+    }
+
+    /// A trainable parameter of `bytes` (`Tensor::param`); its handle is never released.
+    pub(crate) fn param(&mut self, bytes: u64, layer: Layer) -> Handle {
+        let mut handle = self.constant(bytes, tag(layer, TensorKind::Weights));
+        handle.node = Some(self.leaf(bytes, layer, true));
+        handle
+    }
+
+    fn leaf(&mut self, bytes: u64, layer: Layer, param: bool) -> usize {
+        self.nodes.push(Node {
+            bytes,
+            layer,
+            kind: NodeKind::Leaf { grad: None, param },
+        });
+        self.nodes.len() - 1
+    }
+
+    /// Another handle on the same tensor (`Tensor::clone`, or `detach`: the value is shared).
+    pub(crate) fn share(&mut self, handle: &Handle) -> Handle {
+        self.values[handle.value].handles += 1;
+        Handle {
+            value: handle.value,
+            node: handle.node,
+            bytes: handle.bytes,
+        }
+    }
+
+    /// Drops a handle; the value is freed with its last handle.
+    pub(crate) fn release(&mut self, handle: Handle) {
+        let value = &mut self.values[handle.value];
+        value.handles -= 1;
+        if value.handles == 0 {
+            let (tag, bytes) = (value.tag, value.bytes);
+            self.refund(tag, bytes);
+        }
+    }
+
+    fn release_vjp(&mut self, vjp: Vjp) {
+        match vjp {
+            Vjp::Saved(saved) => saved.into_iter().for_each(|h| self.release(h)),
+            Vjp::Rerun { inputs, .. } => inputs.into_iter().for_each(|h| self.release(h)),
+        }
+    }
+
+    /// `Tensor::from_op`: allocates the output, then records a node owning `vjp` if grad
+    /// mode is on and a parent requires grad; otherwise the closure is dropped at once.
+    pub(crate) fn record(&mut self, bytes: u64, tag: Tag, parents: &[&Handle], vjp: Vjp) -> Handle {
+        let mut output = self.constant(bytes, tag);
+        let parent_nodes: Vec<usize> = parents.iter().filter_map(|p| p.node).collect();
+        if !self.grad_enabled || parent_nodes.is_empty() {
+            self.release_vjp(vjp);
+            return output;
+        }
+        self.nodes.push(Node {
+            bytes,
+            layer: tag.layer,
+            kind: NodeKind::Op {
+                parents: parent_nodes,
+                vjp: Some(vjp),
+            },
+        });
+        output.node = Some(self.nodes.len() - 1);
+        output
+    }
+
+    /// Adds a handle to what an op's VJP keeps (`from_op_saving_output` keeps its output).
+    pub(crate) fn save_in_node(&mut self, node: usize, handle: Handle) {
+        match &mut self.nodes[node].kind {
+            NodeKind::Op {
+                vjp: Some(Vjp::Saved(saved)),
+                ..
+            } => saved.push(handle),
+            _ => unreachable!("only an unswept op saves"),
+        }
+    }
+
+    /// Whether `handle` is a parameter (a leaf that is not a rerun's input copy).
+    pub(crate) fn is_param(&self, handle: &Handle) -> bool {
+        handle
+            .node
+            .is_some_and(|node| matches!(self.nodes[node].kind, NodeKind::Leaf { param: true, .. }))
+    }
+
+    /// Whether a parameter holds a gradient.
+    pub(crate) fn has_grad(&self, param: &Handle) -> bool {
+        match param.node.map(|node| &self.nodes[node].kind) {
+            Some(NodeKind::Leaf { grad, .. }) => grad.is_some(),
+            _ => false,
+        }
+    }
+
+    /// `Tensor::zero_grad`: frees a leaf's gradient.
+    pub(crate) fn zero_grad(&mut self, param: &Handle) {
+        let node = param.node.expect("a parameter has a leaf node");
+        let layer = self.nodes[node].layer;
+        if let NodeKind::Leaf { grad, .. } = &mut self.nodes[node].kind
+            && let Some(bytes) = grad.take()
+        {
+            self.refund(tag(layer, TensorKind::Gradients), bytes);
+        }
+    }
+}

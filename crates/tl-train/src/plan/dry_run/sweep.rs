@@ -1,0 +1,178 @@
+//! The backward sweep of the [`DryRun`]: tl-tensor's order, in-flight gradients, and the
+//! checkpoint node that reruns its segment.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
+use super::{DryRun, Handle, NodeKind, Segment, Vjp, tag};
+use crate::plan::kind::{Layer, Stage, TensorKind};
+
+impl DryRun {
+    /// tl-recompute's `checkpoint`: runs `segment` without a graph, keeps a copy of its
+    /// output and a handle on its input, and reruns it when backward reaches the node.
+    pub(crate) fn checkpoint(
+        &mut self,
+        input: &Handle,
+        params: &[&Handle],
+        layer: Layer,
+        segment: Segment,
+    ) -> Handle {
+        if !self.grad_enabled {
+            return segment(self, input);
+        }
+        let autocast = self.autocast;
+        self.grad_enabled = false;
+        let output = segment(self, input);
+        self.grad_enabled = true;
+        // The node owns a copy of the output (made outside the meter); the segment's own
+        // output is dropped before the copy becomes a tensor.
+        let bytes = output.bytes;
+        self.release(output);
+        let inputs = vec![self.share(input)];
+        let mut parents = vec![input];
+        parents.extend_from_slice(params);
+        let vjp = Vjp::Rerun {
+            inputs,
+            segment,
+            autocast,
+            layer,
+        };
+        self.record(bytes, tag(layer, TensorKind::ResidualStream), &parents, vjp)
+    }
+
+    /// The nodes reachable from `root`, each before its parents, in tl-tensor's order.
+    fn topological_order(&self, root: usize) -> Vec<usize> {
+        let mut post_order = Vec::new();
+        let mut visited = vec![false; self.nodes.len()];
+        let mut stack = vec![(root, false)];
+        while let Some((node, expanded)) = stack.pop() {
+            if expanded {
+                post_order.push(node);
+                continue;
+            }
+            if std::mem::replace(&mut visited[node], true) {
+                continue;
+            }
+            stack.push((node, true));
+            if let NodeKind::Op { parents, vjp } = &self.nodes[node].kind {
+                assert!(vjp.is_some(), "backward through a swept graph");
+                stack.extend(
+                    parents
+                        .iter()
+                        .filter(|&&p| !visited[p])
+                        .map(|&p| (p, false)),
+                );
+            }
+        }
+        post_order.reverse();
+        post_order
+    }
+
+    /// `backward_with`: sweeps the graph behind `root`, starting from a gradient of
+    /// `grad_bytes`.
+    pub(crate) fn backward(&mut self, root: &Handle, grad_bytes: u64) {
+        let root = root
+            .node
+            .expect("backward: the tensor does not require grad");
+        let order = self.topological_order(root);
+        let mut pending: HashMap<usize, u64> = HashMap::new();
+        let in_flight = |layer| tag(layer, TensorKind::GradientsInFlight);
+        self.charge(in_flight(self.nodes[root].layer), grad_bytes);
+        pending.insert(root, grad_bytes);
+        for id in order {
+            let Some(bytes) = pending.remove(&id) else {
+                continue;
+            };
+            let layer = self.nodes[id].layer;
+            self.phase.stage = Stage::Backward;
+            self.phase.layer = layer;
+            let (parents, vjp) = match &mut self.nodes[id].kind {
+                NodeKind::Leaf { grad, param } => {
+                    let (first, param) = (grad.is_none(), *param);
+                    if first {
+                        *grad = Some(bytes);
+                    }
+                    if !first {
+                        // Added into the existing gradient; the in-flight one is dropped.
+                        self.refund(in_flight(layer), bytes);
+                    } else if param {
+                        // The buffer itself becomes the parameter's `.grad`.
+                        self.uncount(in_flight(layer), bytes);
+                        self.count(tag(layer, TensorKind::Gradients), bytes);
+                    }
+                    continue;
+                }
+                NodeKind::Op { parents, vjp } => (parents.clone(), vjp.take().expect("swept once")),
+            };
+            // The engine takes the gradient off the meter and puts it straight back on: it
+            // stays counted while the VJP runs.
+            self.refund(in_flight(layer), bytes);
+            self.charge(in_flight(layer), bytes);
+            let receivers: Vec<usize> = match vjp {
+                Vjp::Saved(saved) => {
+                    saved.into_iter().for_each(|h| self.release(h));
+                    parents
+                }
+                Vjp::Rerun {
+                    inputs,
+                    segment,
+                    autocast,
+                    layer,
+                } => self.rerun(inputs, &segment, autocast, layer, bytes, &parents),
+            };
+            for parent in receivers {
+                if let Entry::Vacant(slot) = pending.entry(parent) {
+                    let (parent_bytes, parent_layer) =
+                        (self.nodes[parent].bytes, self.nodes[parent].layer);
+                    slot.insert(parent_bytes);
+                    self.charge(in_flight(parent_layer), parent_bytes);
+                }
+            }
+            self.refund(in_flight(layer), bytes);
+        }
+    }
+
+    /// The VJP of a checkpoint node: rerun the segment from leaf copies of its inputs with
+    /// the forward pass's modes, backpropagate `grad_bytes` through the rerun, and hand the
+    /// inputs' gradients on. Returns the parents that receive a gradient.
+    fn rerun(
+        &mut self,
+        inputs: Vec<Handle>,
+        segment: &Segment,
+        autocast: bool,
+        layer: Layer,
+        grad_bytes: u64,
+        parents: &[usize],
+    ) -> Vec<usize> {
+        let leaves: Vec<Handle> = inputs
+            .iter()
+            .map(|input| {
+                let mut leaf = self.share(input);
+                leaf.node = Some(self.leaf(input.bytes, layer, false));
+                leaf
+            })
+            .collect();
+        let outer = (self.grad_enabled, self.autocast, self.phase);
+        (self.grad_enabled, self.autocast) = (true, autocast);
+        self.phase.stage = Stage::Recompute;
+        let output = segment(self, &leaves[0]);
+        (self.grad_enabled, self.autocast) = (outer.0, outer.1);
+        self.backward(&output, grad_bytes);
+        self.release(output);
+        // The inputs' gradients were copied out of the leaves (outside the meter); the
+        // leaves' own `.grad` buffers die with them.
+        for leaf in leaves {
+            if let Some(node) = leaf.node
+                && let NodeKind::Leaf { grad, .. } = &mut self.nodes[node].kind
+                && let Some(bytes) = grad.take()
+            {
+                self.refund(tag(layer, TensorKind::GradientsInFlight), bytes);
+            }
+            self.release(leaf);
+        }
+        let n_inputs = inputs.len();
+        inputs.into_iter().for_each(|input| self.release(input));
+        self.phase = outer.2;
+        parents[..n_inputs].to_vec()
+    }
+}

@@ -1,0 +1,200 @@
+//! What the plan counts bytes *of*: the kind of each tensor, the layer it belongs to, and the
+//! moment of the step a figure refers to.
+
+use std::fmt;
+
+use serde::Serialize;
+
+/// What a tensor is, for the plan's tables and the anatomy of a peak.
+///
+/// The first four kinds are the model state every step carries; the others are activations,
+/// either saved for backward or alive only for a moment of the forward pass. Under autocast
+/// the matmuls save rounded copies of their operands instead of the operands themselves, so
+/// the saved bytes move from [`LinearInputs`](Self::LinearInputs) and
+/// [`Heads`](Self::Heads) to [`RoundedCopies`](Self::RoundedCopies).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TensorKind {
+    /// The f32 parameters (4 bytes each).
+    Weights,
+    /// Gradients accumulated into the parameters' `.grad` (4 bytes each).
+    Gradients,
+    /// AdamW's first and second moments (8 bytes per parameter), made by the first step.
+    AdamMoments,
+    /// Gradients flowing through backward, not yet added into a parameter or consumed.
+    GradientsInFlight,
+    /// The residual stream: block inputs and the sum after attention (what the norms save).
+    ResidualStream,
+    /// RMSNorm outputs (never saved: each linear layer saves its own reshaped copy).
+    NormOutputs,
+    /// The `[B·T, in]` copies that each linear layer makes of its input and its matmul saves.
+    LinearInputs,
+    /// Outputs of the output projections and of the attention's `P·V` (short-lived).
+    LinearOutputs,
+    /// Queries, keys and values in head layout (the rotated `q`, `kᵀ` and `v` are saved).
+    Heads,
+    /// The raw scores `q·kᵀ`, alive until the attention's forward pass returns.
+    Scores,
+    /// The causal softmax's output `P`, saved by the softmax and by `P·V`.
+    Probabilities,
+    /// The SwiGLU hidden tensors: gate pre-activation, `silu(gate)`, up projection, product.
+    MlpHidden,
+    /// Dropout's masks, one per residual branch.
+    DropoutMasks,
+    /// The logits and their `[B·T, V]` copy that cross-entropy saves.
+    Logits,
+    /// Autocast's rounded copies of activation operands, saved by the products.
+    RoundedCopies,
+    /// Autocast's rounded copies of weight matrices, saved by the products.
+    WeightCopies,
+    /// The loss and its weighted copy (one element each).
+    Loss,
+}
+
+impl TensorKind {
+    /// Every kind, model state first, in table order.
+    pub const ALL: [TensorKind; 17] = [
+        TensorKind::Weights,
+        TensorKind::Gradients,
+        TensorKind::AdamMoments,
+        TensorKind::GradientsInFlight,
+        TensorKind::ResidualStream,
+        TensorKind::NormOutputs,
+        TensorKind::LinearInputs,
+        TensorKind::LinearOutputs,
+        TensorKind::Heads,
+        TensorKind::Scores,
+        TensorKind::Probabilities,
+        TensorKind::MlpHidden,
+        TensorKind::DropoutMasks,
+        TensorKind::Logits,
+        TensorKind::RoundedCopies,
+        TensorKind::WeightCopies,
+        TensorKind::Loss,
+    ];
+
+    /// The position of this kind in [`TensorKind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Whether this kind belongs to the model state (weights, gradients, moments), which
+    /// does not scale with the micro-batch.
+    pub fn is_model_state(self) -> bool {
+        matches!(
+            self,
+            TensorKind::Weights | TensorKind::Gradients | TensorKind::AdamMoments
+        )
+    }
+
+    /// Whether this kind is an activation or a value derived from one (everything but the
+    /// model state and the gradients in flight).
+    pub fn is_activation(self) -> bool {
+        !self.is_model_state() && self != TensorKind::GradientsInFlight
+    }
+
+    /// A short label for tables.
+    pub fn label(self) -> &'static str {
+        match self {
+            TensorKind::Weights => "weights",
+            TensorKind::Gradients => "gradients",
+            TensorKind::AdamMoments => "AdamW moments",
+            TensorKind::GradientsInFlight => "gradients in flight",
+            TensorKind::ResidualStream => "residual stream (norm inputs)",
+            TensorKind::NormOutputs => "norm outputs",
+            TensorKind::LinearInputs => "linear-layer inputs",
+            TensorKind::LinearOutputs => "projection / P·V outputs",
+            TensorKind::Heads => "q, kᵀ, v heads",
+            TensorKind::Scores => "attention scores q·kᵀ",
+            TensorKind::Probabilities => "attention probabilities",
+            TensorKind::MlpHidden => "SwiGLU hidden",
+            TensorKind::DropoutMasks => "dropout masks",
+            TensorKind::Logits => "logits",
+            TensorKind::RoundedCopies => "rounded operand copies",
+            TensorKind::WeightCopies => "rounded weight copies",
+            TensorKind::Loss => "loss",
+        }
+    }
+}
+
+impl fmt::Display for TensorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// The part of the model a tensor belongs to: the layer that owns a parameter, or the layer
+/// that saves (or computes) an activation. A block's input is counted in the block that
+/// reads it, so every block carries the same activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layer {
+    /// The token embedding.
+    Embedding,
+    /// Transformer block `i`, counted from the input.
+    Block(usize),
+    /// The final RMSNorm, the output head and the cross-entropy.
+    Head,
+}
+
+impl fmt::Display for Layer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Layer::Embedding => f.write_str("embedding"),
+            Layer::Block(i) => write!(f, "block {i}"),
+            Layer::Head => f.write_str("norm + head"),
+        }
+    }
+}
+
+/// What a training step is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    /// Dropping the previous step's gradients.
+    StepStart,
+    /// The forward pass.
+    Forward,
+    /// The backward pass.
+    Backward,
+    /// A checkpointed segment rerunning its forward pass during backward.
+    Recompute,
+    /// The AdamW update.
+    Optimizer,
+}
+
+/// A moment of a training step: which step, which micro-batch, what stage, which layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Phase {
+    /// The optimizer step, from 1.
+    pub step: u32,
+    /// The micro-batch, from 1 (0 outside the micro-batch loop).
+    pub micro_batch: usize,
+    /// The micro-batches of a step.
+    pub accum: usize,
+    /// What the step is doing.
+    pub stage: Stage,
+    /// Where in the model.
+    pub layer: Layer,
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let where_ = match self.stage {
+            Stage::StepStart => "start".to_string(),
+            Stage::Optimizer => "AdamW update".to_string(),
+            Stage::Forward => format!("forward, {}", self.layer),
+            Stage::Backward => format!("backward, {}", self.layer),
+            Stage::Recompute => format!("recompute, {}", self.layer),
+        };
+        if self.micro_batch == 0 {
+            write!(f, "step {}, {where_}", self.step)
+        } else {
+            write!(
+                f,
+                "step {}, micro-batch {}/{}, {where_}",
+                self.step, self.micro_batch, self.accum
+            )
+        }
+    }
+}

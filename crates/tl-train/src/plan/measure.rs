@@ -1,0 +1,95 @@
+//! The other side of the plan: the peak that `tl_tensor::memory` measures on a real
+//! [`Trainer`] step of the same recipe.
+
+use std::path::PathBuf;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+use tl_tensor::memory;
+
+use crate::error::{Result, TrainError};
+use crate::train::{DataSource, Record, TrainConfig, Trainer};
+
+/// Steps a `--fp16` measurement may skip (loss scale too high) before one is taken.
+const MAX_WARMUP_STEPS: u32 = 32;
+
+/// Peak live bytes of real training steps, as the memory meter counts them on this thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Measurement {
+    /// Peak of the first step of a fresh model, above what was live before the trainer
+    /// existed.
+    pub first_step_peak_bytes: u64,
+    /// Peak of the step after the first update (moments allocated), counted from a
+    /// `reset_peak` between the steps.
+    pub peak_bytes: u64,
+    /// Live bytes right before that step.
+    pub between_steps_bytes: u64,
+}
+
+/// The relative error `(predicted − measured) / measured`.
+pub fn relative_error(predicted: u64, measured: u64) -> f64 {
+    (predicted as f64 - measured as f64) / measured as f64
+}
+
+/// Trains a fresh model of `config` for one step, then once more, and reads the memory
+/// meter around each step. The data is a small built-in corpus (it does not change the
+/// bytes of a step) and the run lives in a temporary directory that is removed afterwards.
+///
+/// Under fp16 a step the loss scaler skips makes no moments, so steps run until one is
+/// taken before the measured one.
+///
+/// # Errors
+/// Those of [`Trainer::new`] and [`Trainer::train_step`], or [`TrainError::InvalidArgument`]
+/// when fp16 skips every warm-up step.
+pub fn measure_steps(config: &TrainConfig) -> Result<Measurement> {
+    let mut config = config.clone();
+    config.data = DataSource::Builtin {
+        seed: 0,
+        bytes: 40 * (config.model.context + 1),
+    };
+    let run_dir = scratch_dir();
+    let outcome = measure_in(&config, &run_dir);
+    // Best effort: a leftover scratch directory is harmless and must not hide the outcome.
+    let _ = std::fs::remove_dir_all(&run_dir);
+    outcome
+}
+
+fn measure_in(config: &TrainConfig, run_dir: &std::path::Path) -> Result<Measurement> {
+    let base = memory::live_bytes();
+    let mut trainer = Trainer::new(config.clone(), run_dir)?;
+    memory::reset_peak();
+    let mut taken = !skipped(&trainer.train_step()?);
+    let first_step_peak_bytes = (memory::peak_bytes() - base) as u64;
+    let mut warmups = 1;
+    while !taken {
+        if warmups == MAX_WARMUP_STEPS {
+            return Err(TrainError::InvalidArgument {
+                name: "fp16",
+                value: format!("{warmups} steps"),
+                reason: "the loss scaler skipped every step; no steady state to measure".into(),
+            });
+        }
+        taken = !skipped(&trainer.train_step()?);
+        warmups += 1;
+    }
+    let between_steps_bytes = (memory::live_bytes() - base) as u64;
+    memory::reset_peak();
+    trainer.train_step()?;
+    Ok(Measurement {
+        first_step_peak_bytes,
+        peak_bytes: (memory::peak_bytes() - base) as u64,
+        between_steps_bytes,
+    })
+}
+
+fn skipped(record: &Record) -> bool {
+    matches!(record, Record::Train { skipped: true, .. })
+}
+
+/// A fresh directory name under the system's temporary directory.
+fn scratch_dir() -> PathBuf {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    std::env::temp_dir().join(format!("tinyllm-plan-{}-{nanos}", std::process::id()))
+}

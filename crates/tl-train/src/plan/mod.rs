@@ -1,0 +1,87 @@
+//! `tinyllm plan`: the memory of a training step, predicted before it runs.
+//!
+//! # What a step holds
+//!
+//! With `P` parameters, training with AdamW in f32 keeps `4P` bytes of weights, `4P` of
+//! gradients and `8P` of moments: a floor of **16 bytes per parameter** that no batch size
+//! changes ([`FLOOR_BYTES_PER_PARAMETER`]). On top come the activations, which grow with the
+//! micro-batch: for `N = B·T` tokens of width `d`, SwiGLU width `h`, `H` heads and vocabulary
+//! `V`, one block of our engine saves, in f32 elements,
+//!
+//! ```text
+//! residual stream   2·N·d        the two norms' inputs (block input, x + attention)
+//! linear inputs     6·N·d + N·h  each Linear reshapes its input into a copy its matmul saves
+//! heads             3·N·d        rotated q, kᵀ and v, saved by the two attention products
+//! probabilities     B·H·T²       the fused causal softmax keeps only its output P
+//! SwiGLU hidden     3·N·h        gate pre-activation (silu), silu(gate) and up (the product)
+//! -------------------------------------------------------------------------------------------
+//! per block         11·N·d + 4·N·h + B·H·T²          head: 2·N·d + N·V (+ the loss)
+//! ```
+//!
+//! Under bf16/fp16 autocast every matmul rounds *copies* of its operands and saves those:
+//! the linear inputs and heads become rounded copies of the same size, but `P` is kept twice
+//! (the softmax's own and the rounded copy `P·V` saved) and every weight matrix gets a
+//! rounded copy for the whole forward pass (`4d² + 3dh` per block, `dV` for the head). The
+//! storage stays f32, so emulated mixed precision *adds* memory here, where real hardware
+//! would halve it. Dropout adds one `N·d` mask per branch. With checkpointing, a checkpointed
+//! block keeps only its input (`N·d`); the last segment of a schedule is never checkpointed.
+//!
+//! # When the peak comes
+//!
+//! The sum of these terms is not the peak: the timeline decides which of them coexist. A
+//! steady-state step (step 2 on, moments allocated) starts at 16P, drops the old gradients
+//! (12P), and from its second micro-batch on carries a full set of gradients (16P again)
+//! while activations grow through the forward pass and shrink through the backward pass.
+//! Three things sit on top of the saved activations at the worst moment:
+//!
+//! - **forward transients**: the attention's raw scores `q·kᵀ` (`B·H·T²`) stay alive until
+//!   its forward pass returns, so the top block's attention is often the peak of a plain
+//!   step; under autocast each product also holds its unrounded result for a moment;
+//! - **gradients in flight**: tl-tensor sweeps nodes in reverse depth-first post-order, which
+//!   reaches the weights of `wv`, `wo`, `w2`, `w3` and the norm gains only at the very end, so
+//!   their gradients wait in flight through the whole backward pass;
+//! - **recomputation**: a checkpointed block reruns its forward pass with the graph on (its
+//!   full activations, its scores) while the gradient flowing into it is counted twice.
+//!
+//! # How the prediction is made and checked
+//!
+//! Rather than a formula per case, the plan runs the step's ops through a replica of the
+//! engine that tracks sizes, owners and order only (`dry_run.rs`, `ops.rs`, `model.rs`,
+//! `step.rs`): the closed forms above are what it yields, and unit tests check them by hand.
+//! Against `tl_tensor::memory` the replica is exact: its allocations and frees are the real
+//! step's, event for event, and [`measure_steps`] reads the meter around real
+//! [`Trainer`](crate::train::Trainer) steps for `tinyllm plan --measure`. Like the meter, the
+//! plan counts tensor storage only; the process's resident memory also holds the allocator's
+//! slack, kernel workspaces and the data.
+//!
+//! ```
+//! use tl_train::model::{Checkpointing, Preset};
+//! use tl_train::plan::{MemoryPlan, Recipe, render};
+//! use tl_train::train::TrainConfig;
+//!
+//! let mut config = TrainConfig::for_preset(Preset::Tiny);
+//! config.micro_batch = 2;
+//! config.checkpointing = Checkpointing::PerBlock;
+//! let plan = MemoryPlan::new(&Recipe::from(&config))?;
+//! assert!(plan.chosen().peak_bytes < plan.plain.peak_bytes);
+//! assert!(render(&plan).contains("16 B/parameter"));
+//! # Ok::<(), tl_train::TrainError>(())
+//! ```
+
+mod dry_run;
+mod kind;
+mod measure;
+mod model;
+mod ops;
+mod report;
+mod step;
+mod table;
+
+pub use kind::{Layer, Phase, Stage, TensorKind};
+pub use measure::{Measurement, measure_steps, relative_error};
+pub use report::{FLOOR_BYTES_PER_PARAMETER, KindBytes, LayerBytes, MemoryPlan};
+pub use step::{Recipe, SavedBytes, StepPrediction, predict_step};
+pub use table::{render, render_measurement, schedule_label, thousands};
+
+#[cfg(test)]
+mod tests;

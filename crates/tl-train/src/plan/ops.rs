@@ -1,0 +1,179 @@
+//! The ops of the model as the [`DryRun`] sees them: what each allocates and what its VJP
+//! closure keeps, read off the op's code in tl-tensor, tl-precision and the model.
+
+use super::dry_run::{DryRun, Handle, Tag, Vjp, tag};
+use super::kind::TensorKind;
+
+/// Bytes of one f32, the element type the trainer runs in.
+pub(crate) const F32: u64 = 4;
+
+impl DryRun {
+    /// An op whose VJP needs nothing from the forward pass (reshape, permute, transpose —
+    /// which copy in tl-tensor — the rotary embedding, `cast`, `add`, `mul_scalar`).
+    pub(crate) fn saves_nothing(&mut self, parents: &[&Handle], bytes: u64, tag: Tag) -> Handle {
+        self.record(bytes, tag, parents, Vjp::Saved(Vec::new()))
+    }
+
+    /// An op of the same size as `x` that saves nothing.
+    pub(crate) fn layout(&mut self, x: &Handle, tag: Tag) -> Handle {
+        self.saves_nothing(&[x], x.bytes, tag)
+    }
+
+    /// An op whose VJP keeps handles on `saved` (each shared, not copied).
+    pub(crate) fn saving(
+        &mut self,
+        parents: &[&Handle],
+        saved: &[&Handle],
+        bytes: u64,
+        tag: Tag,
+    ) -> Handle {
+        let saved = saved.iter().map(|h| self.share(h)).collect();
+        self.record(bytes, tag, parents, Vjp::Saved(saved))
+    }
+
+    /// `RmsNorm::forward`: saves its input and the gain (the per-row `1/rms` is a plain
+    /// array, outside the meter).
+    pub(crate) fn rms_norm(&mut self, x: &Handle, gain: &Handle, tag: Tag) -> Handle {
+        self.saving(&[x, gain], &[x, gain], x.bytes, tag)
+    }
+
+    /// `matmul_plain`: saves both operands.
+    pub(crate) fn matmul_plain(
+        &mut self,
+        lhs: &Handle,
+        rhs: &Handle,
+        bytes: u64,
+        tag: Tag,
+    ) -> Handle {
+        self.saving(&[lhs, rhs], &[lhs, rhs], bytes, tag)
+    }
+
+    /// `Tensor::matmul`: the plain product, or under autocast `cast(cast(lhs)·cast(rhs))`,
+    /// whose product saves the two rounded copies and whose unrounded result lives only
+    /// until it is rounded.
+    pub(crate) fn matmul(
+        &mut self,
+        lhs: &Handle,
+        rhs: &Handle,
+        bytes: u64,
+        out_tag: Tag,
+    ) -> Handle {
+        if !self.autocast {
+            return self.matmul_plain(lhs, rhs, bytes, out_tag);
+        }
+        let copy_kind = |is_weight| {
+            if is_weight {
+                TensorKind::WeightCopies
+            } else {
+                TensorKind::RoundedCopies
+            }
+        };
+        let lhs_kind = copy_kind(self.is_param(lhs));
+        let rhs_kind = copy_kind(self.is_param(rhs));
+        let lhs_copy = self.layout(lhs, tag(out_tag.layer, lhs_kind));
+        let rhs_copy = self.layout(rhs, tag(out_tag.layer, rhs_kind));
+        let product = self.matmul_plain(&lhs_copy, &rhs_copy, bytes, out_tag);
+        let rounded = self.layout(&product, out_tag);
+        self.release(product);
+        self.release(rhs_copy);
+        self.release(lhs_copy);
+        rounded
+    }
+
+    /// The model's fused causal softmax: keeps only its output (`from_op_saving_output`).
+    pub(crate) fn causal_softmax(&mut self, scores: &Handle, tag: Tag) -> Handle {
+        let probs = self.layout(scores, tag);
+        if let Some(node) = probs.node {
+            let kept = self.share(&probs);
+            self.save_in_node(node, kept);
+        }
+        probs
+    }
+
+    /// `mul`: saves both factors.
+    pub(crate) fn mul(&mut self, lhs: &Handle, rhs: &Handle, tag: Tag) -> Handle {
+        self.saving(&[lhs, rhs], &[lhs, rhs], lhs.bytes, tag)
+    }
+
+    /// `silu` (`map_with_derivative`): saves its input.
+    pub(crate) fn silu(&mut self, x: &Handle, tag: Tag) -> Handle {
+        self.saving(&[x], &[x], x.bytes, tag)
+    }
+
+    /// `Dropout::forward` while training: the mask becomes a tensor first (counted), then
+    /// the output; the VJP owns the mask.
+    pub(crate) fn dropout(&mut self, x: &Handle, out_tag: Tag) -> Handle {
+        let mask = self.constant(x.bytes, tag(out_tag.layer, TensorKind::DropoutMasks));
+        self.record(x.bytes, out_tag, &[x], Vjp::Saved(vec![mask]))
+    }
+
+    /// `cross_entropy`: a one-element loss that saves the logits it read.
+    pub(crate) fn cross_entropy(&mut self, logits: &Handle, tag: Tag) -> Handle {
+        self.saving(&[logits], &[logits], F32, tag)
+    }
+
+    /// `Linear::forward` on a `[B, T, in]` input: reshape to `[B·T, in]` (a copy), multiply,
+    /// reshape back (another copy); the two intermediates drop when the call returns.
+    pub(crate) fn linear(
+        &mut self,
+        x: &Handle,
+        weight: &Handle,
+        out_bytes: u64,
+        out_tag: Tag,
+    ) -> Handle {
+        let rows = self.layout(x, tag(out_tag.layer, TensorKind::LinearInputs));
+        let product = self.matmul(&rows, weight, out_bytes, out_tag);
+        let output = self.layout(&product, out_tag);
+        self.release(product);
+        self.release(rows);
+        output
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::kind::Layer;
+
+    fn activation(kind: TensorKind) -> Tag {
+        tag(Layer::Block(0), kind)
+    }
+
+    #[test]
+    fn a_saved_input_outlives_its_handle_until_backward_runs_the_op() {
+        let mut dry = DryRun::new();
+        let w = dry.param(4 * F32, Layer::Block(0));
+        let x = dry.constant(6 * F32, activation(TensorKind::ResidualStream));
+        let rows = dry.layout(&x, activation(TensorKind::LinearInputs)); // 24 bytes, has no node
+        let y = dry.matmul_plain(&rows, &w, 12 * F32, activation(TensorKind::LinearOutputs));
+        dry.release(rows);
+        dry.release(x);
+        // weights 16 + rows 24 (saved by the product) + y 48
+        assert_eq!(dry.live(), 16 + 24 + 48);
+        dry.backward(&y, 12 * F32);
+        // The product's VJP freed the rows; w's gradient (16) stayed as its `.grad`.
+        assert_eq!(dry.live(), 16 + 48 + 16);
+        assert!(dry.has_grad(&w));
+    }
+
+    #[test]
+    fn autocast_keeps_rounded_copies_instead_of_the_operands() {
+        let mut dry = DryRun::new();
+        dry.autocast = true;
+        let w = dry.param(4 * F32, Layer::Block(0));
+        let input = dry.constant(6 * F32, activation(TensorKind::ResidualStream));
+        // An activation in the graph (some op of `w`), so that the casts record nodes.
+        let x = dry.saving(&[&input, &w], &[], 6 * F32, activation(TensorKind::Heads));
+        dry.release(input);
+        let _y = dry.matmul(&x, &w, 12 * F32, activation(TensorKind::LinearOutputs));
+        dry.release(x);
+        // weights 16, rounded x 24, rounded w 16, y 48; x itself and the unrounded product
+        // are gone.
+        assert_eq!(dry.live(), 16 + 24 + 16 + 48);
+        let kinds = dry.live_by_tag();
+        assert_eq!(kinds[&activation(TensorKind::RoundedCopies)], 24);
+        assert_eq!(kinds[&activation(TensorKind::WeightCopies)], 16);
+        // The peak held the unrounded product and its rounded copy at once.
+        assert_eq!(dry.peak().0, 16 + 24 + 24 + 16 + 48 + 48);
+    }
+}

@@ -1,0 +1,174 @@
+//! [`MemoryPlan`]: the figures `tinyllm plan` prints — model state, the bytes saved for
+//! backward by layer and by kind, and the predicted peaks with and without checkpointing.
+
+use serde::Serialize;
+
+use super::kind::{Layer, TensorKind};
+use super::step::{Recipe, StepPrediction, predict_step};
+use crate::error::Result;
+use crate::model::Checkpointing;
+
+/// Bytes per parameter that training with AdamW cannot go below: the f32 weight, its
+/// gradient, and AdamW's two f32 moments (4 + 4 + 8).
+pub const FLOOR_BYTES_PER_PARAMETER: u64 = 16;
+
+/// One row of the per-layer table.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LayerBytes {
+    /// The layer.
+    pub layer: Layer,
+    /// Its trainable scalars.
+    pub parameters: u64,
+    /// 4 bytes per parameter.
+    pub weights: u64,
+    /// 4 bytes per parameter, once backward has reached every weight.
+    pub gradients: u64,
+    /// 8 bytes per parameter, from the first update on.
+    pub moments: u64,
+    /// Bytes it saves for backward in one micro-batch without checkpointing.
+    pub saved_plain: u64,
+    /// The same with the checkpointing schedule of [`MemoryPlan::checkpointed`].
+    pub saved_checkpointed: u64,
+}
+
+/// One row of the per-kind table of saved activations (one micro-batch, end of forward).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct KindBytes {
+    /// What the bytes are.
+    pub kind: TensorKind,
+    /// Saved by one block without checkpointing (every block saves the same).
+    pub per_block: u64,
+    /// Saved by all blocks without checkpointing.
+    pub all_blocks: u64,
+    /// Saved by the embedding, final norm, head and loss without checkpointing.
+    pub outside_blocks: u64,
+    /// The total without checkpointing.
+    pub plain: u64,
+    /// The total with the checkpointing schedule of [`MemoryPlan::checkpointed`].
+    pub checkpointed: u64,
+}
+
+/// Everything `tinyllm plan` reports for one recipe.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MemoryPlan {
+    /// The recipe asked for.
+    pub recipe: Recipe,
+    /// Trainable scalars of the model.
+    pub parameters: u64,
+    /// `16 · parameters`: weights, gradients and moments.
+    pub floor_bytes: u64,
+    /// Model state and saved activations per layer.
+    pub layers: Vec<LayerBytes>,
+    /// Saved activations per kind (kinds saved by neither schedule left out).
+    pub kinds: Vec<KindBytes>,
+    /// The step without checkpointing.
+    pub plain: StepPrediction,
+    /// The step with the recipe's checkpointing schedule, or per-block checkpointing when
+    /// the recipe has none.
+    pub checkpointed: StepPrediction,
+}
+
+impl MemoryPlan {
+    /// Predicts `recipe` with and without checkpointing.
+    ///
+    /// ```
+    /// use tl_train::model::{Checkpointing, Preset};
+    /// use tl_train::plan::{MemoryPlan, Recipe};
+    /// use tl_train::train::TrainConfig;
+    ///
+    /// let mut config = TrainConfig::for_preset(Preset::Tiny);
+    /// config.micro_batch = 2;
+    /// let plan = MemoryPlan::new(&Recipe::from(&config))?;
+    /// assert_eq!(plan.parameters, 133_440);
+    /// assert_eq!(plan.floor_bytes, 16 * 133_440);
+    /// assert_eq!(plan.checkpointed.checkpointing, Checkpointing::PerBlock);
+    /// assert!(plan.checkpointed.peak_bytes < plan.plain.peak_bytes);
+    /// assert!(plan.plain.peak_bytes > plan.floor_bytes);
+    /// # Ok::<(), tl_train::TrainError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Recipe::validate`].
+    pub fn new(recipe: &Recipe) -> Result<Self> {
+        let plain = predict_step(&recipe.with_checkpointing(Checkpointing::Off))?;
+        let schedule = match recipe.checkpointing {
+            Checkpointing::Off => Checkpointing::PerBlock,
+            chosen => chosen,
+        };
+        let checkpointed = predict_step(&recipe.with_checkpointing(schedule))?;
+        let parameters = recipe.model.num_parameters() as u64;
+        Ok(Self {
+            recipe: recipe.clone(),
+            parameters,
+            floor_bytes: FLOOR_BYTES_PER_PARAMETER * parameters,
+            layers: layer_rows(recipe, &plain, &checkpointed),
+            kinds: kind_rows(&plain, &checkpointed),
+            plain,
+            checkpointed,
+        })
+    }
+
+    /// The prediction for the recipe as asked (plain or checkpointed).
+    pub fn chosen(&self) -> &StepPrediction {
+        match self.recipe.checkpointing {
+            Checkpointing::Off => &self.plain,
+            _ => &self.checkpointed,
+        }
+    }
+}
+
+/// Trainable scalars of each layer: `V·d` for the embedding, `4d² + 3dh + 2d` per block,
+/// `d + dV` for the final norm and the head.
+fn layer_parameters(recipe: &Recipe) -> Vec<(Layer, u64)> {
+    let c = &recipe.model;
+    let (v, d, h) = (c.vocab as u64, c.d_model as u64, c.hidden as u64);
+    let mut layers = vec![(Layer::Embedding, v * d)];
+    layers.extend((0..c.n_layers).map(|i| (Layer::Block(i), 4 * d * d + 3 * d * h + 2 * d)));
+    layers.push((Layer::Head, d + d * v));
+    layers
+}
+
+fn saved_by(prediction: &StepPrediction, keep: impl Fn(Layer, TensorKind) -> bool) -> u64 {
+    prediction
+        .saved
+        .iter()
+        .filter(|s| keep(s.layer, s.kind))
+        .map(|s| s.bytes)
+        .sum()
+}
+
+fn layer_rows(
+    recipe: &Recipe,
+    plain: &StepPrediction,
+    checkpointed: &StepPrediction,
+) -> Vec<LayerBytes> {
+    layer_parameters(recipe)
+        .into_iter()
+        .map(|(layer, parameters)| LayerBytes {
+            layer,
+            parameters,
+            weights: 4 * parameters,
+            gradients: 4 * parameters,
+            moments: 8 * parameters,
+            saved_plain: saved_by(plain, |l, _| l == layer),
+            saved_checkpointed: saved_by(checkpointed, |l, _| l == layer),
+        })
+        .collect()
+}
+
+fn kind_rows(plain: &StepPrediction, checkpointed: &StepPrediction) -> Vec<KindBytes> {
+    let in_block = |layer| matches!(layer, Layer::Block(_));
+    TensorKind::ALL
+        .into_iter()
+        .filter(|kind| kind.is_activation())
+        .map(|kind| KindBytes {
+            kind,
+            per_block: saved_by(plain, |l, k| k == kind && l == Layer::Block(0)),
+            all_blocks: saved_by(plain, |l, k| k == kind && in_block(l)),
+            outside_blocks: saved_by(plain, |l, k| k == kind && !in_block(l)),
+            plain: saved_by(plain, |_, k| k == kind),
+            checkpointed: saved_by(checkpointed, |_, k| k == kind),
+        })
+        .filter(|row| row.plain > 0 || row.checkpointed > 0)
+        .collect()
+}

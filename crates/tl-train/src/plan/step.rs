@@ -1,0 +1,259 @@
+//! The training step as the [`DryRun`] runs it — `Trainer::train_step`, that is
+//! tl-precision's `train_step_mixed` — and what comes out: the peak of the first step and of
+//! a steady-state step, and the bytes saved for backward.
+
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use serde::Serialize;
+use tl_precision::Precision;
+
+use super::dry_run::{DryRun, Handle, Tag, tag};
+use super::kind::{Layer, Phase, Stage, TensorKind};
+use super::model::ShadowLlama;
+use super::ops::F32;
+use crate::error::{Result, TrainError};
+use crate::model::{Checkpointing, ModelConfig};
+use crate::train::TrainConfig;
+
+/// What fixes the memory of a training step: the model, the micro-batch, the number of
+/// micro-batches per step, the precision and the checkpointing schedule.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Recipe {
+    /// The model's sizes.
+    pub model: ModelConfig,
+    /// Sequences per micro-batch (each `model.context` tokens long).
+    pub micro_batch: usize,
+    /// Micro-batches accumulated per optimizer step.
+    pub accum: usize,
+    /// The arithmetic of the matmuls (autocast for bf16 and fp16).
+    pub precision: Precision,
+    /// How the blocks keep their activations.
+    pub checkpointing: Checkpointing,
+}
+
+impl From<&TrainConfig> for Recipe {
+    fn from(config: &TrainConfig) -> Self {
+        Self {
+            model: config.model.clone(),
+            micro_batch: config.micro_batch,
+            accum: config.accum,
+            precision: config.precision,
+            checkpointing: config.checkpointing,
+        }
+    }
+}
+
+impl Recipe {
+    /// The same recipe with another checkpointing schedule.
+    pub fn with_checkpointing(&self, checkpointing: Checkpointing) -> Self {
+        Self {
+            checkpointing,
+            ..self.clone()
+        }
+    }
+
+    /// Checks what a step needs: valid model sizes, at least one sequence and one
+    /// micro-batch, and a checkpointing budget that admits a schedule.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidConfig`], [`TrainError::InvalidArgument`] or
+    /// [`TrainError::Recompute`] naming what does not fit.
+    pub fn validate(&self) -> Result<()> {
+        self.model.validate()?;
+        for (name, value) in [("micro-batch", self.micro_batch), ("accum", self.accum)] {
+            if value == 0 {
+                return Err(TrainError::InvalidArgument {
+                    name,
+                    value: "0".into(),
+                    reason: "must be at least 1".into(),
+                });
+            }
+        }
+        if let Checkpointing::Budget(budget) = self.checkpointing {
+            tl_recompute::checkpoint_schedule(self.model.n_layers, budget)?;
+        }
+        Ok(())
+    }
+}
+
+/// The dry run's account of one recipe: peaks, where they fall, what they hold, and what
+/// the forward pass of one micro-batch leaves saved for backward.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StepPrediction {
+    /// How the blocks kept their activations.
+    pub checkpointing: Checkpointing,
+    /// Peak live bytes of a steady-state step (step 2 on: AdamW's moments exist), counted
+    /// like `tl_tensor::memory::peak_bytes` after a `reset_peak` between steps.
+    pub peak_bytes: u64,
+    /// When that peak is reached.
+    pub peak_at: Phase,
+    /// What is alive at that peak, by kind (kinds with no bytes left out).
+    pub peak_by_kind: Vec<(TensorKind, u64)>,
+    /// Peak live bytes of the very first step of a fresh model (no moments before its
+    /// update; they are allocated at its end).
+    pub first_step_peak_bytes: u64,
+    /// Live bytes between steps: weights, moments and the last step's gradients.
+    pub between_steps_bytes: u64,
+    /// Bytes saved for backward at the end of one micro-batch's forward pass, by layer and
+    /// kind (the model state left out).
+    pub saved: Vec<SavedBytes>,
+}
+
+/// Bytes of one kind that one layer holds for backward at the end of the forward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SavedBytes {
+    /// The layer that saved them.
+    pub layer: Layer,
+    /// What they are.
+    pub kind: TensorKind,
+    /// How many.
+    pub bytes: u64,
+}
+
+impl StepPrediction {
+    /// All bytes saved for backward by one micro-batch's forward pass.
+    pub fn saved_total(&self) -> u64 {
+        self.saved.iter().map(|s| s.bytes).sum()
+    }
+}
+
+/// The replica of AdamW: two moments per parameter, allocated by its first update.
+struct ShadowAdamW {
+    moments: Vec<Option<(Handle, Handle)>>,
+}
+
+impl ShadowAdamW {
+    /// `AdamW::step`: a parameter with a gradient and no moments gets two zero tensors of
+    /// its size; the update itself is in place.
+    fn step(&mut self, dry: &mut DryRun, params: &[(&Handle, Layer)]) {
+        for ((param, layer), moments) in params.iter().zip(&mut self.moments) {
+            if moments.is_none() && dry.has_grad(param) {
+                let moment_tag = tag(*layer, TensorKind::AdamMoments);
+                let first = dry.constant(param.bytes, moment_tag);
+                let second = dry.constant(param.bytes, moment_tag);
+                *moments = Some((first, second));
+            }
+        }
+    }
+}
+
+/// A fresh model and optimizer in a new dry run.
+fn fresh(recipe: &Recipe) -> (DryRun, Rc<ShadowLlama>, ShadowAdamW) {
+    let mut dry = DryRun::new();
+    let model = Rc::new(ShadowLlama::new(
+        &mut dry,
+        &recipe.model,
+        recipe.micro_batch,
+    ));
+    let adamw = ShadowAdamW {
+        moments: model.parameters().iter().map(|_| None).collect(),
+    };
+    (dry, model, adamw)
+}
+
+/// The allocations and frees of the dry run's second step, as `memory::record` lists them.
+#[cfg(test)]
+pub(crate) fn second_step_events(recipe: &Recipe) -> Vec<(tl_tensor::memory::EventKind, usize)> {
+    let (mut dry, model, mut adamw) = fresh(recipe);
+    run_step(&mut dry, &model, &mut adamw, recipe, 1).expect("a valid recipe");
+    dry.start_events();
+    run_step(&mut dry, &model, &mut adamw, recipe, 2).expect("a valid recipe");
+    dry.take_events()
+}
+
+/// Runs `recipe` through the dry run: a fresh model, one step, then a steady-state step.
+///
+/// ```
+/// use tl_train::model::Preset;
+/// use tl_train::plan::{Recipe, predict_step};
+/// use tl_train::train::TrainConfig;
+///
+/// let mut config = TrainConfig::for_preset(Preset::Tiny);
+/// config.micro_batch = 2;
+/// let prediction = predict_step(&Recipe::from(&config))?;
+/// // Between steps: weights, gradients and moments, 16 bytes per parameter.
+/// assert_eq!(prediction.between_steps_bytes, 16 * 133_440);
+/// assert!(prediction.peak_bytes > prediction.between_steps_bytes + prediction.saved_total());
+/// # Ok::<(), tl_train::TrainError>(())
+/// ```
+///
+/// # Errors
+/// As [`Recipe::validate`].
+pub fn predict_step(recipe: &Recipe) -> Result<StepPrediction> {
+    recipe.validate()?;
+    let (mut dry, model, mut adamw) = fresh(recipe);
+    dry.reset_peak();
+    run_step(&mut dry, &model, &mut adamw, recipe, 1)?;
+    let (first_step_peak_bytes, _, _) = dry.peak();
+    let between_steps_bytes = dry.live();
+    dry.reset_peak();
+    let saved = run_step(&mut dry, &model, &mut adamw, recipe, 2)?;
+    let (peak_bytes, peak_at, by_kind) = dry.peak();
+    let peak_by_kind = TensorKind::ALL
+        .into_iter()
+        .zip(by_kind)
+        .filter(|&(_, bytes)| bytes > 0)
+        .collect();
+    let saved = saved
+        .into_iter()
+        .filter(|(t, _)| t.kind.is_activation())
+        .map(|(t, bytes)| SavedBytes {
+            layer: t.layer,
+            kind: t.kind,
+            bytes,
+        })
+        .collect();
+    Ok(StepPrediction {
+        checkpointing: recipe.checkpointing,
+        peak_bytes,
+        peak_at: peak_at.expect("a step sets its phase"),
+        peak_by_kind,
+        first_step_peak_bytes,
+        between_steps_bytes,
+        saved,
+    })
+}
+
+/// `train_step_mixed`: drop the gradients, accumulate every micro-batch (forward under
+/// autocast, then backward of the weighted loss), update. Returns what was alive when the
+/// first micro-batch's backward began.
+fn run_step(
+    dry: &mut DryRun,
+    model: &Rc<ShadowLlama>,
+    adamw: &mut ShadowAdamW,
+    recipe: &Recipe,
+    step: u32,
+) -> Result<BTreeMap<Tag, u64>> {
+    let params = model.parameters();
+    dry.phase = Phase {
+        step,
+        micro_batch: 0,
+        accum: recipe.accum,
+        stage: Stage::StepStart,
+        layer: Layer::Embedding,
+    };
+    for (param, _) in &params {
+        dry.zero_grad(param);
+    }
+    dry.autocast = recipe.precision.format().is_some();
+    let mut saved = BTreeMap::new();
+    for micro_batch in 1..=recipe.accum {
+        dry.phase.micro_batch = micro_batch;
+        dry.phase.stage = Stage::Forward;
+        let loss = model.loss(dry, recipe.checkpointing)?;
+        let weighted = dry.layout(&loss, tag(Layer::Head, TensorKind::Loss));
+        if micro_batch == 1 {
+            saved = dry.live_by_tag();
+        }
+        // `backward` seeds the sweep with a one-element gradient.
+        dry.backward(&weighted, F32);
+        dry.release(weighted);
+        dry.release(loss);
+    }
+    dry.autocast = false;
+    dry.phase.micro_batch = 0;
+    dry.phase.stage = Stage::Optimizer;
+    adamw.step(dry, &params);
+    Ok(saved)
+}

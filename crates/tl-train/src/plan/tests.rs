@@ -1,0 +1,152 @@
+//! The dry run against closed forms worked by hand, and against the real engine's meter,
+//! event for event.
+
+use tl_precision::Precision;
+use tl_tensor::memory;
+
+use super::step::second_step_events;
+use super::*;
+use crate::model::{Checkpointing, ModelConfig, Preset};
+use crate::train::{DataSource, TrainConfig, Trainer};
+
+/// B = 2 sequences of T = 16 tokens, d = 16, H = 2 heads, hidden h = 24, L = 4 blocks,
+/// V = 256: N = B·T = 32 tokens, so N·d = 512, N·h = 768, N·V = 8192 and the attention
+/// matrices B·H·T² = 1024 floats.
+fn micro_config(precision: Precision, checkpointing: Checkpointing, dropout: f64) -> TrainConfig {
+    let mut config = TrainConfig::for_preset(Preset::Tiny);
+    config.model = ModelConfig {
+        vocab: 256,
+        d_model: 16,
+        n_layers: 4,
+        n_heads: 2,
+        hidden: 24,
+        context: 16,
+        norm_eps: 1e-5,
+        rope_base: 10_000.0,
+        dropout,
+    };
+    config.data = DataSource::Builtin {
+        seed: 0,
+        bytes: 4_000,
+    };
+    config.micro_batch = 2;
+    config.accum = 2;
+    config.precision = precision;
+    config.checkpointing = checkpointing;
+    config
+}
+
+fn predict(config: &TrainConfig) -> StepPrediction {
+    predict_step(&Recipe::from(config)).unwrap()
+}
+
+fn saved_in(prediction: &StepPrediction, keep: impl Fn(Layer) -> bool) -> u64 {
+    prediction
+        .saved
+        .iter()
+        .filter(|s| keep(s.layer))
+        .map(|s| s.bytes)
+        .sum()
+}
+
+#[test]
+fn an_fp32_block_saves_eleven_nd_four_nh_and_one_attention_matrix() {
+    let prediction = predict(&micro_config(Precision::Fp32, Checkpointing::Off, 0.0));
+    // 11·512 + 4·768 + 1024 = 9728 floats = 38,912 bytes, the same in every block.
+    for i in 0..4 {
+        assert_eq!(saved_in(&prediction, |l| l == Layer::Block(i)), 38_912);
+    }
+    // Final norm input and head input (2·512) + logits copy (8192) = 9216 floats, and the
+    // loss with its weighted copy (2 floats): 36,872 bytes.
+    assert_eq!(saved_in(&prediction, |l| l == Layer::Head), 36_872);
+    assert_eq!(prediction.saved_total(), 4 * 38_912 + 36_872);
+}
+
+#[test]
+fn autocast_adds_a_rounded_probability_copy_and_the_weight_copies() {
+    let prediction = predict(&micro_config(Precision::Bf16, Checkpointing::Off, 0.0));
+    // fp32's 9728 + a rounded copy of P (1024) + rounded 4d² + 3dh = 2176: 12,928 floats.
+    assert_eq!(saved_in(&prediction, |l| l == Layer::Block(0)), 51_712);
+    // 512 + rounded head input 512 + rounded head weight d·V = 4096 + logits 8192 = 13,312
+    // floats, and the two loss floats.
+    assert_eq!(saved_in(&prediction, |l| l == Layer::Head), 53_256);
+}
+
+#[test]
+fn per_block_checkpointing_keeps_block_inputs_and_the_last_block_whole() {
+    let prediction = predict(&micro_config(Precision::Fp32, Checkpointing::PerBlock, 0.0));
+    // Blocks 0..3 keep their inputs (512 floats each); the last segment is not
+    // checkpointed, so block 3 keeps all 9728 floats.
+    for i in 0..3 {
+        assert_eq!(saved_in(&prediction, |l| l == Layer::Block(i)), 2_048);
+    }
+    assert_eq!(saved_in(&prediction, |l| l == Layer::Block(3)), 38_912);
+    assert!(
+        prediction.peak_bytes
+            < predict(&micro_config(Precision::Fp32, Checkpointing::Off, 0.0)).peak_bytes
+    );
+}
+
+#[test]
+fn between_steps_the_model_holds_sixteen_bytes_per_parameter() {
+    let config = micro_config(Precision::Fp32, Checkpointing::Off, 0.0);
+    let parameters = config.model.num_parameters() as u64;
+    let prediction = predict(&config);
+    assert_eq!(prediction.between_steps_bytes, 16 * parameters);
+    // With two micro-batches the peak of step 1 falls in the second one, like step 2's,
+    // only without the moments.
+    assert_eq!(
+        prediction.peak_bytes - prediction.first_step_peak_bytes,
+        8 * parameters
+    );
+}
+
+#[test]
+fn a_budget_with_no_schedule_is_refused() {
+    // Four blocks need a budget of 3: 2·3/2 = 3 < 4 ≤ 3·4/2.
+    let config = micro_config(Precision::Fp32, Checkpointing::Budget(2), 0.0);
+    assert!(matches!(
+        predict_step(&Recipe::from(&config)),
+        Err(crate::TrainError::Recompute(_))
+    ));
+}
+
+/// The allocations and frees of a real trainer's second step.
+fn measured_second_step_events(config: &TrainConfig) -> Vec<(memory::EventKind, usize)> {
+    let dir = tempfile::tempdir().unwrap();
+    let mut trainer = Trainer::new(config.clone(), &dir.path().join("run")).unwrap();
+    trainer.train_step().unwrap();
+    let (record, events) = memory::record(|| trainer.train_step().unwrap());
+    assert!(matches!(
+        record,
+        crate::train::Record::Train { skipped: false, .. }
+    ));
+    events.into_iter().map(|e| (e.kind, e.bytes)).collect()
+}
+
+fn assert_same_timeline(config: &TrainConfig) {
+    let predicted = second_step_events(&Recipe::from(config));
+    let measured = measured_second_step_events(config);
+    let first_difference = predicted.iter().zip(&measured).position(|(p, m)| p != m);
+    assert_eq!(
+        (first_difference, predicted.len()),
+        (None, measured.len()),
+        "first differing event, then the event counts"
+    );
+}
+
+#[test]
+fn the_dry_run_replays_the_meters_timeline_event_for_event() {
+    assert_same_timeline(&micro_config(Precision::Fp32, Checkpointing::Off, 0.0));
+}
+
+#[test]
+fn the_replay_holds_under_autocast_dropout_and_a_checkpoint_budget() {
+    // Budget 3 on 4 blocks: segments [1, 3], the first one checkpointed.
+    assert_same_timeline(&micro_config(
+        Precision::Bf16,
+        Checkpointing::Budget(3),
+        0.1,
+    ));
+    assert_same_timeline(&micro_config(Precision::Fp16, Checkpointing::PerBlock, 0.0));
+}
