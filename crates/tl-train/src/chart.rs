@@ -1,15 +1,21 @@
 //! SVG line charts: loss curves, memory timelines.
 //!
 //! Drawn with plotters' SVG backend, which needs no font or system library: the text is left
-//! for the viewer to render.
+//! for the viewer to render. [`write_line_chart`] draws lines and reference lines;
+//! [`write_annotated_chart`] adds shaded x bands (the phases of a training step) and
+//! labelled points (a peak and its value).
 
 use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
+mod annotate;
 mod axis;
 mod draw;
 mod legend;
+mod legend_row;
+mod overlay;
+mod placement;
 
 /// One labelled line of a chart.
 #[derive(Clone, Debug, PartialEq)]
@@ -36,6 +42,44 @@ pub struct LineChart<'a> {
     pub hlines: &'a [(String, f64)],
     /// A logarithmic y axis; points and lines at `y <= 0` are then left out.
     pub log_y: bool,
+}
+
+/// A shaded vertical band from `start` to `end` on the x axis, behind the lines: a phase of
+/// a training step, say. Bands with the same label share a colour.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Band {
+    /// The legend entry of this band's colour.
+    pub label: String,
+    /// Where the band begins on the x axis.
+    pub start: f64,
+    /// Where it ends.
+    pub end: f64,
+}
+
+/// A point marked by a dot in the colour of series `series`, with `label` written beside
+/// it: a peak and its value.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Note {
+    /// The text beside the point.
+    pub label: String,
+    /// The point, in data coordinates.
+    pub point: (f64, f64),
+    /// The index of the series whose colour the dot takes.
+    pub series: usize,
+}
+
+/// A [`LineChart`] with shaded x bands, labelled points, and optionally a y axis that
+/// starts at zero (for quantities like bytes, where the distance from zero is the point).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AnnotatedChart<'a> {
+    /// The lines and reference lines.
+    pub chart: LineChart<'a>,
+    /// Bands drawn behind the lines, in order; the legend lists each label once.
+    pub bands: &'a [Band],
+    /// Points marked on top of the lines.
+    pub notes: &'a [Note],
+    /// Start a linear y axis at zero when every value is positive (ignored on a log axis).
+    pub y_from_zero: bool,
 }
 
 /// Why a chart could not be written.
@@ -88,11 +132,7 @@ pub enum ChartError {
 /// assert!(std::fs::read_to_string(&path).unwrap().contains("entropy floor"));
 /// ```
 pub fn write_line_chart(path: &Path, chart: &LineChart) -> Result<(), ChartError> {
-    let svg = render_line_chart(chart)?;
-    write_atomic(path, svg.as_bytes()).map_err(|source| ChartError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    write_annotated_chart(path, &plain(chart))
 }
 
 /// The SVG text of `chart`, as [`write_line_chart`] would write it.
@@ -100,7 +140,68 @@ pub fn write_line_chart(path: &Path, chart: &LineChart) -> Result<(), ChartError
 /// # Errors
 /// [`ChartError::NothingToDraw`] or [`ChartError::Drawing`], as for [`write_line_chart`].
 pub fn render_line_chart(chart: &LineChart) -> Result<String, ChartError> {
+    draw::render(&plain(chart))
+}
+
+/// Draws `chart` with its bands and notes as an SVG file at `path`, replacing any file
+/// there, as [`write_line_chart`] does.
+///
+/// Bands cover the plot's full height behind the grid and the lines, each label in its own
+/// tint. A band's label is written at the top of the plot, across the band, or turned along
+/// it when the band is narrow; a label that fits neither way is named in the legend by its
+/// colour. With bands, the legend is a row (or rows) between the caption and the plot,
+/// since shaded bands and a full timeline leave no corner free; without them it is a box
+/// in a corner, as [`write_line_chart`] draws it.
+///
+/// A note is a dot on its point with its label beside it: level with the point, right or
+/// left, or above or below it, whichever stays inside the plot, clear of the other notes'
+/// labels, and over the fewest points of the lines.
+///
+/// # Errors
+/// As [`write_line_chart`]: bands and notes alone do not make anything to draw.
+///
+/// ```
+/// use tl_train::chart::{AnnotatedChart, Band, LineChart, Note, Series, write_annotated_chart};
+/// let dir = tempfile::tempdir().unwrap();
+/// let path = dir.path().join("memory.svg");
+/// let series = [Series { label: "live".into(), points: vec![(0.0, 1.0), (5.0, 9.0), (10.0, 2.0)] }];
+/// let bands = [
+///     Band { label: "forward".into(), start: 0.0, end: 5.0 },
+///     Band { label: "backward".into(), start: 5.0, end: 10.0 },
+/// ];
+/// let notes = [Note { label: "peak 9 MiB".into(), point: (5.0, 9.0), series: 0 }];
+/// let chart = AnnotatedChart {
+///     chart: LineChart { title: "memory", x_label: "event", y_label: "MiB", series: &series, ..Default::default() },
+///     bands: &bands,
+///     notes: &notes,
+///     y_from_zero: true,
+/// };
+/// write_annotated_chart(&path, &chart).unwrap();
+/// let svg = std::fs::read_to_string(&path).unwrap();
+/// assert!(svg.contains("backward") && svg.contains("peak 9 MiB"));
+/// ```
+pub fn write_annotated_chart(path: &Path, chart: &AnnotatedChart) -> Result<(), ChartError> {
+    let svg = render_annotated_chart(chart)?;
+    write_atomic(path, svg.as_bytes()).map_err(|source| ChartError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The SVG text of `chart`, as [`write_annotated_chart`] would write it.
+///
+/// # Errors
+/// [`ChartError::NothingToDraw`] or [`ChartError::Drawing`], as for [`write_line_chart`].
+pub fn render_annotated_chart(chart: &AnnotatedChart) -> Result<String, ChartError> {
     draw::render(chart)
+}
+
+/// `chart` without annotations.
+fn plain<'a>(chart: &LineChart<'a>) -> AnnotatedChart<'a> {
+    AnnotatedChart {
+        chart: *chart,
+        ..AnnotatedChart::default()
+    }
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same directory and a rename,

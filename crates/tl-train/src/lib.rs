@@ -9,6 +9,7 @@ mod error;
 pub mod model;
 pub mod plan;
 pub mod process_memory;
+pub mod profile;
 pub mod store;
 pub mod train;
 

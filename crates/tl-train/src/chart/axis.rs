@@ -18,8 +18,13 @@ pub(super) fn drawable(log_y: bool, (x, y): (f64, f64)) -> bool {
 ///
 /// x spans the drawable points exactly; y also spans the drawable reference lines, plus 5%
 /// of the span at each end (in log space on a log axis). A zero span is widened so the
-/// single value sits in the middle.
-pub(super) fn axis_ranges(chart: &LineChart) -> Option<(Range<f64>, Range<f64>)> {
+/// single value sits in the middle. With `y_from_zero` on a linear axis whose values are all
+/// at least zero, y starts at exactly zero instead, and 10% is left at the top: room for
+/// the band labels written there above the highest point.
+pub(super) fn axis_ranges(
+    chart: &LineChart,
+    y_from_zero: bool,
+) -> Option<(Range<f64>, Range<f64>)> {
     let points: Vec<(f64, f64)> = chart
         .series
         .iter()
@@ -33,11 +38,11 @@ pub(super) fn axis_ranges(chart: &LineChart) -> Option<(Range<f64>, Range<f64>)>
         .copied()
         .chain(hlines.filter(|&p| drawable(chart.log_y, p)));
     let (y_min, y_max) = min_max(all_points.map(|p| p.1))?;
-    let x_range = if x_min < x_max {
-        x_min..x_max
-    } else {
-        x_min - 0.5..x_max + 0.5
-    };
+    if y_from_zero && !chart.log_y && y_min >= 0.0 {
+        let top = if y_max > 0.0 { 1.1 * y_max } else { 1.0 };
+        return Some((widen(x_min, x_max), 0.0..top));
+    }
+    let x_range = widen(x_min, x_max);
     let y_range = if chart.log_y {
         // 5% of the log span is a factor (max / min)^0.05 at each end.
         let factor = if y_min < y_max {
@@ -55,6 +60,15 @@ pub(super) fn axis_ranges(chart: &LineChart) -> Option<(Range<f64>, Range<f64>)>
         y_min - margin..y_max + margin
     };
     Some((x_range, y_range))
+}
+
+/// `min..max`, or a unit range around a single value.
+fn widen(min: f64, max: f64) -> Range<f64> {
+    if min < max {
+        min..max
+    } else {
+        min - 0.5..max + 0.5
+    }
 }
 
 fn min_max(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
@@ -224,7 +238,7 @@ mod tests {
     fn ranges_cover_points_and_reference_lines_with_a_margin_on_y() {
         let series = series(&[(0.0, 1.0), (10.0, 3.0)]);
         let hlines = [("floor".to_string(), 0.5)];
-        let (x, y) = axis_ranges(&chart(&series, &hlines, false)).unwrap();
+        let (x, y) = axis_ranges(&chart(&series, &hlines, false), false).unwrap();
         // y spans 0.5 (the line) to 3: 5% of 2.5 = 0.125 on each side.
         assert_range(&x, 0.0..10.0);
         assert_range(&y, 0.375..3.125);
@@ -238,7 +252,7 @@ mod tests {
             (f64::INFINITY, 9.0),
             (5.0, 5.0),
         ]);
-        let (x, y) = axis_ranges(&chart(&series, &[], false)).unwrap();
+        let (x, y) = axis_ranges(&chart(&series, &[], false), false).unwrap();
         // Finite y from 1 to 5: a margin of 0.2.
         assert_range(&x, 0.0..5.0);
         assert_range(&y, 0.8..5.2);
@@ -247,18 +261,33 @@ mod tests {
     #[test]
     fn a_single_point_sits_in_the_middle_of_widened_ranges() {
         let series = series(&[(5.0, 2.0)]);
-        let (x, y) = axis_ranges(&chart(&series, &[], false)).unwrap();
+        let (x, y) = axis_ranges(&chart(&series, &[], false), false).unwrap();
         // A zero span is widened by 0.5 each side (y: max(0.5, 5% of 2)).
         assert_range(&x, 4.5..5.5);
         assert_range(&y, 1.5..2.5);
-        assert!(axis_ranges(&chart(&[], &[("floor".into(), 1.0)], false)).is_none());
+        assert!(axis_ranges(&chart(&[], &[("floor".into(), 1.0)], false), false).is_none());
+    }
+
+    #[test]
+    fn a_range_from_zero_starts_at_zero_and_keeps_its_margin_on_top() {
+        let positive = series(&[(0.0, 10.0), (4.0, 30.0)]);
+        let (x, y) = axis_ranges(&chart(&positive, &[], false), true).unwrap();
+        // 0 to 30, plus 10% of 30 above.
+        assert_range(&x, 0.0..4.0);
+        assert_range(&y, 0.0..33.0);
+        // A negative value, or a log axis, keeps the ordinary range.
+        let below = series(&[(0.0, -1.0), (1.0, 1.0)]);
+        let (_, y) = axis_ranges(&chart(&below, &[], false), true).unwrap();
+        assert_range(&y, -1.1..1.1);
+        let (_, y) = axis_ranges(&chart(&positive, &[], true), true).unwrap();
+        assert!(y.start > 9.0, "{y:?}");
     }
 
     #[test]
     fn a_log_range_leaves_out_values_at_or_below_zero() {
         let series = series(&[(0.0, 0.0), (1.0, 1.0), (2.0, 100.0), (3.0, -1.0)]);
         let hlines = [("zero".to_string(), 0.0), ("ten".to_string(), 10.0)];
-        let (x, y) = axis_ranges(&chart(&series, &hlines, true)).unwrap();
+        let (x, y) = axis_ranges(&chart(&series, &hlines, true), false).unwrap();
         // y from 1 to 100, widened by a factor 100^0.05 = 10^0.1 = 1.2589254117941673.
         assert_range(&x, 1.0..2.0);
         assert_range(&y, 0.7943282347242815..125.89254117941673);

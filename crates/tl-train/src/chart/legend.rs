@@ -16,13 +16,15 @@ pub(super) enum Corner {
 
 /// The corner where a legend box of `box_fraction` (width, height, as fractions of the plot)
 /// hides the least of the data, measured as the length of line inside it (in fractions of
-/// the plot; a reference line inside counts the box's width). Ties go to the upper right,
-/// then upper left, lower right, lower left.
+/// the plot; a reference line inside counts the box's width) plus the weight of each of
+/// `obstacles` (a point in plot fractions and its weight: a note's label) inside it. Ties go
+/// to the upper right, then upper left, lower right, lower left.
 pub(super) fn legend_corner(
     chart: &LineChart,
     x_range: &Range<f64>,
     y_range: &Range<f64>,
     box_fraction: (f64, f64),
+    obstacles: &[((f64, f64), f64)],
 ) -> Corner {
     let to_fraction = |(x, y): (f64, f64)| {
         let fx = (x - x_range.start) / (x_range.end - x_range.start);
@@ -92,6 +94,7 @@ pub(super) fn legend_corner(
         };
         let lines: f64 = samples
             .iter()
+            .chain(obstacles)
             .filter(|((fx, fy), _)| x_inside(*fx) && y_inside(*fy))
             .map(|(_, length)| length)
             .sum();
@@ -128,8 +131,8 @@ mod tests {
                 hlines,
                 ..LineChart::default()
             };
-            let (x, y) = axis_ranges(&chart).unwrap();
-            legend_corner(&chart, &x, &y, box_fraction)
+            let (x, y) = axis_ranges(&chart, false).unwrap();
+            legend_corner(&chart, &x, &y, box_fraction, &[])
         };
         // A falling loss curve leaves the upper right free.
         assert_eq!(
@@ -142,6 +145,30 @@ mod tests {
         assert_eq!(
             corner(&[(0.0, 0.0), (10.0, 10.0)], &[("limit".into(), 9.9)]),
             Corner::LowerRight
+        );
+    }
+
+    #[test]
+    fn the_legend_avoids_an_obstacle_in_an_empty_corner() {
+        let series = [Series {
+            label: "a".into(),
+            points: vec![(0.0, 5.0), (1.0, 1.0), (10.0, 0.5)],
+        }];
+        let chart = LineChart {
+            series: &series,
+            ..LineChart::default()
+        };
+        let (x, y) = axis_ranges(&chart, false).unwrap();
+        // The falling curve leaves the upper right free, unless a note's label sits there;
+        // then the upper left, which the curve crosses only at its steep start, is best.
+        assert_eq!(
+            legend_corner(&chart, &x, &y, (0.3, 0.2), &[]),
+            Corner::UpperRight
+        );
+        let note = [((0.9, 0.9), 1.0)];
+        assert_eq!(
+            legend_corner(&chart, &x, &y, (0.3, 0.2), &note),
+            Corner::UpperLeft
         );
     }
 }

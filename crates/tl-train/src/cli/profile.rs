@@ -1,17 +1,226 @@
-//! `tinyllm profile` (being written).
+//! `tinyllm profile`: record the live tensor memory of a training step, plain and
+//! checkpointed, and draw the two timelines on one chart.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use clap::Args;
+use tl_precision::Precision;
 
 use super::Exit;
 use crate::error::{Result, TrainError};
+use crate::model::{Checkpointing, Preset};
+use crate::profile::{
+    Profile, ProfileConfig, X_AXIS, record_run, run_label, table, timeline_path, write_profile,
+};
+use crate::train::{DataSource, TrainConfig};
+
+/// Bytes of built-in corpus to generate: the batches' content does not change the memory
+/// figures, so a little text is enough (and quick to make).
+const CORPUS_BYTES: usize = 100_000;
 
 /// Options of `tinyllm profile`.
-#[derive(Debug, Args)]
-pub struct ProfileArgs {}
+#[derive(Debug, Args, Default)]
+pub struct ProfileArgs {
+    /// Model size: tiny, small or capstone [default: small].
+    #[arg(long, value_name = "PRESET")]
+    pub preset: Option<String>,
+    /// Sequences per micro-batch [default: 8, as `tinyllm train`].
+    #[arg(long, value_name = "N")]
+    pub micro_batch: Option<usize>,
+    /// Micro-batches accumulated per optimizer step [default: 4, as `tinyllm train`].
+    #[arg(long, value_name = "K")]
+    pub accum: Option<usize>,
+    /// Matmuls under emulated bf16 autocast.
+    #[arg(long)]
+    pub bf16: bool,
+    /// Matmuls under emulated fp16 autocast, with dynamic loss scaling.
+    #[arg(long)]
+    pub fp16: bool,
+    /// Compare against the optimal schedule for this many stored block inputs instead of
+    /// checkpointing every block.
+    #[arg(long, value_name = "K")]
+    pub checkpoint_budget: Option<usize>,
+    /// Steady-state steps to record, after one unrecorded warm-up step.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub steps: usize,
+    /// Seed of the weights and batches (both runs use it).
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// The chart to write (SVG); the raw timeline goes beside it as .json
+    /// [default: profile-PRESET.svg].
+    #[arg(long, value_name = "FILE.svg")]
+    pub out: Option<PathBuf>,
+}
 
-/// Runs `tinyllm profile`.
-pub(super) fn profile(_args: &ProfileArgs) -> Result<Exit> {
-    Err(TrainError::InvalidConfig(
-        "`tinyllm profile` is not available yet".into(),
-    ))
+/// Runs `tinyllm profile`: every argument is checked before any work, so a bad one writes
+/// nothing.
+pub(super) fn profile(args: &ProfileArgs) -> Result<Exit> {
+    let config = config_from_args(args)?;
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| default_out(args.preset.as_deref().unwrap_or("small")));
+    check_out(&out)?;
+    print_header(&config);
+
+    let mut runs = Vec::new();
+    for checkpointing in [Checkpointing::Off, config.train.checkpointing] {
+        let mut run = config.clone();
+        run.train.checkpointing = checkpointing;
+        eprintln!("recording {} ...", run_label(checkpointing));
+        let started = Instant::now();
+        runs.push(record_run(&run)?);
+        eprintln!("  done in {:.1} s", started.elapsed().as_secs_f64());
+    }
+    let profile = Profile { config, runs };
+    let json = write_profile(&profile, &out)?;
+    print!("{}", table(&profile));
+    println!("chart: {}", out.display());
+    println!("timeline: {}", json.display());
+    Ok(Exit::Success)
+}
+
+/// The profile the flags describe; the checkpointing is the mode set against the plain run.
+fn config_from_args(args: &ProfileArgs) -> Result<ProfileConfig> {
+    if args.bf16 && args.fp16 {
+        return Err(TrainError::InvalidArgument {
+            name: "precision",
+            value: "--bf16 --fp16".into(),
+            reason: "choose one of --bf16 and --fp16".into(),
+        });
+    }
+    let preset: Preset = args.preset.as_deref().unwrap_or("small").parse()?;
+    let mut train = TrainConfig::for_preset(preset);
+    train.data = DataSource::Builtin {
+        seed: 0,
+        bytes: CORPUS_BYTES,
+    };
+    train.precision = if args.bf16 {
+        Precision::Bf16
+    } else if args.fp16 {
+        Precision::Fp16
+    } else {
+        Precision::Fp32
+    };
+    train.micro_batch = args.micro_batch.unwrap_or(train.micro_batch);
+    train.accum = args.accum.unwrap_or(train.accum);
+    train.checkpointing = args
+        .checkpoint_budget
+        .map_or(Checkpointing::PerBlock, Checkpointing::Budget);
+    train.seed = args.seed;
+    let config = ProfileConfig {
+        train,
+        steps: args.steps,
+    };
+    config.validate()?;
+    Ok(config)
+}
+
+fn default_out(preset: &str) -> PathBuf {
+    PathBuf::from(format!("profile-{preset}.svg"))
+}
+
+/// Refuses an `--out` that cannot become a chart file: not `.svg` (the chart is drawn as
+/// SVG only), a directory (or its `.json` twin is), or in a directory that does not exist
+/// or is read-only. Checked
+/// before the profile runs, which can take minutes.
+fn check_out(out: &Path) -> Result<()> {
+    let refuse = |reason: &str| {
+        Err(TrainError::InvalidArgument {
+            name: "out",
+            value: out.display().to_string(),
+            reason: reason.to_string(),
+        })
+    };
+    let is_svg = out
+        .extension()
+        .is_some_and(|extension| extension.eq_ignore_ascii_case("svg"));
+    if !is_svg {
+        return refuse(
+            "the chart is written as SVG: name a .svg file (convert it with rsvg-convert for a PNG)",
+        );
+    }
+    if out.is_dir() {
+        return refuse("is a directory");
+    }
+    if timeline_path(out).is_dir() {
+        return refuse("the timeline beside it (.json) would replace a directory");
+    }
+    let parent = match out.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    match std::fs::metadata(parent) {
+        Ok(meta) if !meta.is_dir() => refuse("its parent is not a directory"),
+        Ok(meta) if meta.permissions().readonly() => refuse("its directory is read-only"),
+        Ok(_) => Ok(()),
+        Err(_) => refuse("its directory does not exist"),
+    }
+}
+
+fn print_header(config: &ProfileConfig) {
+    let train = &config.train;
+    eprintln!(
+        "tinyllm profile: {} ({} parameters), {}, micro-batch {} x accum {} x context {}, plain vs {}",
+        train.preset.map_or("custom", Preset::name),
+        train.model.num_parameters(),
+        train.precision,
+        train.micro_batch,
+        train.accum,
+        train.model.context,
+        run_label(train.checkpointing),
+    );
+    eprintln!(
+        "each run: one warm-up step (AdamW's moments appear), then {} recorded step{}; x axis: {X_AXIS}",
+        config.steps,
+        if config.steps == 1 { "" } else { "s" },
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_profile_the_trainers_step_against_per_block_checkpointing() {
+        let config = config_from_args(&ProfileArgs {
+            steps: 1,
+            ..ProfileArgs::default()
+        })
+        .unwrap();
+        assert_eq!(config.train.preset, Some(Preset::Small));
+        assert_eq!((config.train.micro_batch, config.train.accum), (8, 4));
+        assert_eq!(config.train.precision, Precision::Fp32);
+        assert_eq!(config.train.checkpointing, Checkpointing::PerBlock);
+        assert_eq!(default_out("small"), Path::new("profile-small.svg"));
+    }
+
+    #[test]
+    fn an_out_that_cannot_hold_the_chart_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let reason = |out: &Path| match check_out(out) {
+            Err(TrainError::InvalidArgument { name, reason, .. }) => {
+                assert_eq!(name, "out");
+                reason
+            }
+            other => panic!("{}: {other:?}", out.display()),
+        };
+        assert!(reason(&dir.path().join("chart.png")).contains("SVG"));
+        assert_eq!(
+            reason(&dir.path().join("missing/chart.svg")),
+            "its directory does not exist"
+        );
+        let folder = dir.path().join("folder.svg");
+        std::fs::create_dir(&folder).unwrap();
+        assert_eq!(reason(&folder), "is a directory");
+        let file = dir.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        assert_eq!(
+            reason(&file.join("chart.svg")),
+            "its parent is not a directory"
+        );
+        check_out(&dir.path().join("chart.SVG")).unwrap();
+        check_out(Path::new("chart.svg")).unwrap();
+    }
 }
