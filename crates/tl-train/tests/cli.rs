@@ -1,24 +1,15 @@
 //! `tinyllm train` and `tinyllm sample` end to end on the tiny preset: learning, exact
 //! resumption, and inputs that must be refused without writing anything wrong.
 
+mod common;
+
 use std::fs;
 use std::path::Path;
 
+use common::{run_error, tinyllm};
 use tl_train::TrainError;
-use tl_train::cli::{CliError, Exit, run};
+use tl_train::cli::{CliError, Exit};
 use tl_train::train::{Record, read_records};
-
-/// Runs `tinyllm ARGS..` in-process.
-fn tinyllm(args: &[&str]) -> Result<Exit, CliError> {
-    run(std::iter::once("tinyllm").chain(args.iter().copied()))
-}
-
-fn expect_error(args: &[&str]) -> TrainError {
-    match tinyllm(args) {
-        Err(CliError::Run(error)) => error,
-        other => panic!("tinyllm {args:?}: expected a run error, got {other:?}"),
-    }
-}
 
 /// A tiny run: 2 × 2 sequences of 64 bytes per step on 40 kB of built-in corpus.
 fn tiny_args<'a>(out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -136,7 +127,7 @@ fn resuming_with_different_flags_or_a_damaged_checkpoint_is_refused() {
     let out_str = out.to_str().unwrap();
     tinyllm(&tiny_args(out_str, &["--steps", "4", "--until-step", "2"])).unwrap();
 
-    let error = expect_error(&[
+    let error = run_error(&[
         "train",
         "--resume",
         out_str,
@@ -152,7 +143,7 @@ fn resuming_with_different_flags_or_a_damaged_checkpoint_is_refused() {
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0x10;
     fs::write(&weights, &bytes).unwrap();
-    let error = expect_error(&["train", "--resume", out_str, "--quiet"]);
+    let error = run_error(&["train", "--resume", out_str, "--quiet"]);
     assert!(matches!(error, TrainError::Checkpoint { .. }));
     assert!(
         error.to_string().contains("model.safetensors") && error.to_string().contains("damaged")
@@ -164,10 +155,10 @@ fn resuming_with_different_flags_or_a_damaged_checkpoint_is_refused() {
     );
 
     fs::write(latest_checkpoint(&out).join("state.json"), "{ not json").unwrap();
-    let error = expect_error(&["sample", "--from", out_str]);
+    let error = run_error(&["sample", "--from", out_str]);
     assert!(error.to_string().contains("state.json"), "{error}");
 
-    let error = expect_error(&[
+    let error = run_error(&[
         "train",
         "--resume",
         dir.path().join("nothing").to_str().unwrap(),
@@ -190,13 +181,13 @@ fn bad_inputs_are_clear_errors_and_create_nothing() {
     for (flags, message) in cases {
         let mut args = vec!["train", "--quiet", "--out", out_str];
         args.extend_from_slice(flags);
-        let error = expect_error(&args);
+        let error = run_error(&args);
         assert!(error.to_string().contains(message), "{flags:?}: {error}");
         assert!(!out.exists(), "{flags:?} created the run directory");
     }
     let empty = dir.path().join("empty.txt");
     fs::write(&empty, "").unwrap();
-    let error = expect_error(&[
+    let error = run_error(&[
         "train",
         "--quiet",
         "--out",
@@ -228,7 +219,7 @@ fn a_new_run_never_overwrites_an_existing_one() {
     let out_str = out.to_str().unwrap();
     tinyllm(&tiny_args(out_str, &["--steps", "1"])).unwrap();
     let before = fs::read(latest_checkpoint(&out).join("model.safetensors")).unwrap();
-    let error = expect_error(&tiny_args(out_str, &["--steps", "1", "--seed", "5"]));
+    let error = run_error(&tiny_args(out_str, &["--steps", "1", "--seed", "5"]));
     assert!(error.to_string().contains("--resume"), "{error}");
     assert_eq!(
         fs::read(latest_checkpoint(&out).join("model.safetensors")).unwrap(),

@@ -1,13 +1,12 @@
 //! `tinyllm compare` end to end on the tiny preset.
 
+mod common;
+
 use std::fs;
 
-use tl_train::cli::{CliError, Exit, run};
+use common::tinyllm;
+use tl_train::cli::{CliError, Exit};
 use tl_train::compare::Comparison;
-
-fn tinyllm(args: &[&str]) -> Result<Exit, CliError> {
-    run(std::iter::once("tinyllm").chain(args.iter().copied()))
-}
 
 #[test]
 fn the_recipe_tracks_the_fp32_baseline_with_less_memory() {

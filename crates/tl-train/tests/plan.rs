@@ -1,11 +1,14 @@
 //! `tinyllm plan`: its predictions against the memory meter on real steps, and the command
 //! on the tiny preset, bad arguments included.
 
+mod common;
+
 use std::process::Command;
 
+use common::{run_error, tinyllm};
 use tl_precision::Precision;
 use tl_train::TrainError;
-use tl_train::cli::{CliError, Exit, run};
+use tl_train::cli::{CliError, Exit};
 use tl_train::model::{Checkpointing, Preset};
 use tl_train::plan::{MemoryPlan, Recipe, measure_steps, predict_step, relative_error};
 use tl_train::train::{DataSource, TrainConfig};
@@ -123,18 +126,6 @@ fn the_capstone_predictions_are_the_release_measurements() {
             error.abs() <= TOLERANCE,
             "{precision} {checkpointing:?}: {error:+e}"
         );
-    }
-}
-
-/// Runs `tinyllm ARGS..` in-process.
-fn tinyllm(args: &[&str]) -> Result<Exit, CliError> {
-    run(std::iter::once("tinyllm").chain(args.iter().copied()))
-}
-
-fn run_error(args: &[&str]) -> TrainError {
-    match tinyllm(args) {
-        Err(CliError::Run(error)) => error,
-        other => panic!("tinyllm {args:?}: expected a run error, got {other:?}"),
     }
 }
 

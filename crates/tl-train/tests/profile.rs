@@ -1,12 +1,15 @@
 //! `tinyllm profile` end to end on the tiny preset: the chart and the timeline it writes, and
 //! arguments that must be refused before anything is written.
 
+mod common;
+
 use std::fs;
 use std::path::Path;
 
+use common::{run_error, tinyllm};
 use tl_tensor::memory;
 use tl_train::TrainError;
-use tl_train::cli::{CliError, Exit, run};
+use tl_train::cli::{CliError, Exit};
 use tl_train::model::Checkpointing;
 use tl_train::profile::{Phase, Profile, read_profile, timeline_path};
 
@@ -15,15 +18,11 @@ const TINY_PARAMETERS: u64 = 133_440;
 
 /// Runs `tinyllm profile ARGS..` in-process.
 fn profile(args: &[&str]) -> Result<Exit, CliError> {
-    let command = ["tinyllm", "profile"].into_iter();
-    run(command.chain(args.iter().copied()))
+    tinyllm(&[&["profile"], args].concat())
 }
 
 fn expect_error(args: &[&str]) -> TrainError {
-    match profile(args) {
-        Err(CliError::Run(error)) => error,
-        other => panic!("tinyllm profile {args:?}: expected a run error, got {other:?}"),
-    }
+    run_error(&[&["profile"], args].concat())
 }
 
 /// Profiles the tiny preset (2 × 2 sequences of 64 bytes per step) into `out`.
@@ -151,7 +150,6 @@ fn bad_arguments_are_typed_errors_and_write_nothing() {
         (&["--micro-batch", "0"][..], "micro-batch"),
         (&["--accum", "0"][..], "accum"),
         (&["--steps", "0"][..], "steps"),
-        (&["--bf16", "--fp16"][..], "precision"),
     ] {
         let error = error_of(tiny(extra));
         assert!(
@@ -180,10 +178,16 @@ fn bad_arguments_are_typed_errors_and_write_nothing() {
 }
 
 #[test]
-fn a_flag_profile_does_not_know_is_a_usage_error() {
-    match profile(&["--checkpoint-activations"]) {
+fn a_flag_profile_does_not_know_or_two_precisions_are_usage_errors() {
+    match profile(&["--resume", "runs/x"]) {
         Err(CliError::Usage(error)) => {
             assert_eq!(error.kind(), clap::error::ErrorKind::UnknownArgument);
+        }
+        other => panic!("expected a usage error, got {other:?}"),
+    }
+    match profile(&["--bf16", "--fp16"]) {
+        Err(CliError::Usage(error)) => {
+            assert_eq!(error.kind(), clap::error::ErrorKind::ArgumentConflict);
         }
         other => panic!("expected a usage error, got {other:?}"),
     }

@@ -6,7 +6,7 @@ use clap::Args;
 use indicatif::{MultiProgress, ProgressBar};
 
 use super::train::{config_from_args, mib, progress_bar, write_loss_chart};
-use super::{Exit, TrainArgs};
+use super::{Exit, RecipeArgs, TrainArgs};
 use crate::compare::{Comparison, MAX_RELATIVE_GAP, compare};
 use crate::error::Result;
 use crate::model::Preset;
@@ -65,15 +65,19 @@ pub struct CompareArgs {
 /// Runs `tinyllm compare`: exit status success only when MS-L11 holds.
 pub(super) fn compare_command(args: &CompareArgs) -> Result<Exit> {
     let train_args = TrainArgs {
-        preset: args.preset.clone(),
+        recipe: RecipeArgs {
+            preset: args.preset.clone(),
+            bf16: !args.fp16 && !args.fp32,
+            fp16: args.fp16,
+            micro_batch: Some(args.micro_batch),
+            accum: Some(args.accum),
+            checkpoint_activations: !args.no_checkpoint_activations
+                && args.checkpoint_budget.is_none(),
+            checkpoint_budget: args.checkpoint_budget,
+            dropout: None,
+        },
         data: args.data.clone(),
         corpus_bytes: args.corpus_bytes,
-        bf16: !args.fp16 && !args.fp32,
-        fp16: args.fp16,
-        micro_batch: Some(args.micro_batch),
-        accum: Some(args.accum),
-        checkpoint_activations: !args.no_checkpoint_activations && args.checkpoint_budget.is_none(),
-        checkpoint_budget: args.checkpoint_budget,
         steps: args.steps,
         lr: args.lr,
         seed: args.seed,

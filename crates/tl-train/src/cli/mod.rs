@@ -33,23 +33,14 @@ enum Command {
     Profile(profile::ProfileArgs),
 }
 
-/// Options of `tinyllm train`. Every option is optional so that `--resume` can tell the ones
-/// given (which must match the checkpoint) from the defaults.
-#[derive(Debug, Args, Default)]
-pub struct TrainArgs {
+/// The model and the recipe of a training step, as `tinyllm train`, `plan` and `profile`
+/// take them. Every option is optional so that `--resume` can tell the ones given (which
+/// must match the checkpoint) from the defaults.
+#[derive(Clone, Debug, Args, Default)]
+pub struct RecipeArgs {
     /// Model size: tiny, small or capstone [default: small].
     #[arg(long, value_name = "PRESET")]
     pub preset: Option<String>,
-    /// Train on this UTF-8 text file (byte tokens; the last 10% held out) instead of the
-    /// built-in grammar corpus.
-    #[arg(long, value_name = "FILE")]
-    pub data: Option<PathBuf>,
-    /// Bytes of built-in corpus to generate [default: 2000000].
-    #[arg(long, value_name = "N", conflicts_with = "data")]
-    pub corpus_bytes: Option<usize>,
-    /// Seed of the built-in corpus [default: 0].
-    #[arg(long, value_name = "S", conflicts_with = "data")]
-    pub corpus_seed: Option<u64>,
     /// Matmuls under emulated bf16 autocast.
     #[arg(long, conflicts_with = "fp16")]
     pub bf16: bool,
@@ -68,6 +59,28 @@ pub struct TrainArgs {
     /// Checkpoint on the optimal schedule for this many stored block inputs.
     #[arg(long, value_name = "K", conflicts_with = "checkpoint_activations")]
     pub checkpoint_budget: Option<usize>,
+    /// Dropout on each residual branch [default: 0].
+    #[arg(long, value_name = "P", allow_negative_numbers = true)]
+    pub dropout: Option<f64>,
+}
+
+/// Options of `tinyllm train`: the recipe, the data, the optimizer and the run. Every option
+/// is optional so that `--resume` can tell the ones given from the defaults.
+#[derive(Debug, Args, Default)]
+pub struct TrainArgs {
+    /// The model and the recipe.
+    #[command(flatten)]
+    pub recipe: RecipeArgs,
+    /// Train on this UTF-8 text file (byte tokens; the last 10% held out) instead of the
+    /// built-in grammar corpus.
+    #[arg(long, value_name = "FILE")]
+    pub data: Option<PathBuf>,
+    /// Bytes of built-in corpus to generate [default: 2000000].
+    #[arg(long, value_name = "N", conflicts_with = "data")]
+    pub corpus_bytes: Option<usize>,
+    /// Seed of the built-in corpus [default: 0].
+    #[arg(long, value_name = "S", conflicts_with = "data")]
+    pub corpus_seed: Option<u64>,
     /// Optimizer steps of the whole run [default: by preset].
     #[arg(long, value_name = "N")]
     pub steps: Option<u64>,
@@ -94,9 +107,6 @@ pub struct TrainArgs {
     /// Do not clip gradients.
     #[arg(long)]
     pub no_clip: bool,
-    /// Dropout on each residual branch [default: 0].
-    #[arg(long, value_name = "P", allow_negative_numbers = true)]
-    pub dropout: Option<f64>,
     /// Seed of the weights, batches and dropout [default: 0].
     #[arg(long, value_name = "S")]
     pub seed: Option<u64>,

@@ -5,7 +5,7 @@ use clap::Args;
 use serde::Serialize;
 
 use super::train::config_from_args;
-use super::{Exit, TrainArgs};
+use super::{Exit, RecipeArgs, TrainArgs};
 use crate::error::Result;
 use crate::plan::{
     Measurement, MemoryPlan, Recipe, measure_steps, relative_error, render, render_measurement,
@@ -14,30 +14,9 @@ use crate::plan::{
 /// Options of `tinyllm plan`: the recipe, as `tinyllm train` takes it, and what to print.
 #[derive(Debug, Args)]
 pub struct PlanArgs {
-    /// Model size: tiny, small or capstone [default: small].
-    #[arg(long, value_name = "PRESET")]
-    pub preset: Option<String>,
-    /// Sequences per micro-batch [default: 8].
-    #[arg(long, value_name = "N")]
-    pub micro_batch: Option<usize>,
-    /// Micro-batches accumulated per optimizer step [default: 4].
-    #[arg(long, value_name = "K")]
-    pub accum: Option<usize>,
-    /// Matmuls under emulated bf16 autocast.
-    #[arg(long, conflicts_with = "fp16")]
-    pub bf16: bool,
-    /// Matmuls under emulated fp16 autocast, with dynamic loss scaling.
-    #[arg(long)]
-    pub fp16: bool,
-    /// Recompute each block's activations during backward instead of keeping them.
-    #[arg(long)]
-    pub checkpoint_activations: bool,
-    /// Checkpoint on the optimal schedule for this many stored block inputs.
-    #[arg(long, value_name = "K", conflicts_with = "checkpoint_activations")]
-    pub checkpoint_budget: Option<usize>,
-    /// Dropout on each residual branch [default: 0].
-    #[arg(long, value_name = "P", allow_negative_numbers = true)]
-    pub dropout: Option<f64>,
+    /// The model and the recipe, as `tinyllm train` takes them.
+    #[command(flatten)]
+    pub recipe: RecipeArgs,
     /// Also train a fresh model for two steps and compare the memory meter's peak with the
     /// prediction.
     #[arg(long)]
@@ -60,14 +39,7 @@ struct PlanOutput<'a> {
 /// Runs `tinyllm plan`.
 pub(super) fn plan(args: &PlanArgs) -> Result<Exit> {
     let train_args = TrainArgs {
-        preset: args.preset.clone(),
-        bf16: args.bf16,
-        fp16: args.fp16,
-        micro_batch: args.micro_batch,
-        accum: args.accum,
-        checkpoint_activations: args.checkpoint_activations,
-        checkpoint_budget: args.checkpoint_budget,
-        dropout: args.dropout,
+        recipe: args.recipe.clone(),
         ..TrainArgs::default()
     };
     let config = config_from_args(&train_args, None)?;

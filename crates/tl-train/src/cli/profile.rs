@@ -5,15 +5,14 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
-use tl_precision::Precision;
 
-use super::Exit;
+use super::train::config_from_args as train_config_from_args;
+use super::{Exit, RecipeArgs, TrainArgs};
 use crate::error::{Result, TrainError};
 use crate::model::{Checkpointing, Preset};
 use crate::profile::{
     Profile, ProfileConfig, X_AXIS, record_run, run_label, table, timeline_path, write_profile,
 };
-use crate::train::{DataSource, TrainConfig};
 
 /// Bytes of built-in corpus to generate: the batches' content does not change the memory
 /// figures, so a little text is enough (and quick to make).
@@ -22,25 +21,10 @@ const CORPUS_BYTES: usize = 100_000;
 /// Options of `tinyllm profile`.
 #[derive(Debug, Args, Default)]
 pub struct ProfileArgs {
-    /// Model size: tiny, small or capstone [default: small].
-    #[arg(long, value_name = "PRESET")]
-    pub preset: Option<String>,
-    /// Sequences per micro-batch [default: 8, as `tinyllm train`].
-    #[arg(long, value_name = "N")]
-    pub micro_batch: Option<usize>,
-    /// Micro-batches accumulated per optimizer step [default: 4, as `tinyllm train`].
-    #[arg(long, value_name = "K")]
-    pub accum: Option<usize>,
-    /// Matmuls under emulated bf16 autocast.
-    #[arg(long)]
-    pub bf16: bool,
-    /// Matmuls under emulated fp16 autocast, with dynamic loss scaling.
-    #[arg(long)]
-    pub fp16: bool,
-    /// Compare against the optimal schedule for this many stored block inputs instead of
-    /// checkpointing every block.
-    #[arg(long, value_name = "K")]
-    pub checkpoint_budget: Option<usize>,
+    /// The model and the recipe, as `tinyllm train` takes them. The recipe's checkpointing
+    /// (per block when none is given) is profiled against the plain run.
+    #[command(flatten)]
+    pub recipe: RecipeArgs,
     /// Steady-state steps to record, after one unrecorded warm-up step.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub steps: usize,
@@ -60,7 +44,7 @@ pub(super) fn profile(args: &ProfileArgs) -> Result<Exit> {
     let out = args
         .out
         .clone()
-        .unwrap_or_else(|| default_out(args.preset.as_deref().unwrap_or("small")));
+        .unwrap_or_else(|| default_out(args.recipe.preset.as_deref().unwrap_or("small")));
     check_out(&out)?;
     print_header(&config);
 
@@ -83,32 +67,16 @@ pub(super) fn profile(args: &ProfileArgs) -> Result<Exit> {
 
 /// The profile the flags describe; the checkpointing is the mode set against the plain run.
 fn config_from_args(args: &ProfileArgs) -> Result<ProfileConfig> {
-    if args.bf16 && args.fp16 {
-        return Err(TrainError::InvalidArgument {
-            name: "precision",
-            value: "--bf16 --fp16".into(),
-            reason: "choose one of --bf16 and --fp16".into(),
-        });
+    let train_args = TrainArgs {
+        recipe: args.recipe.clone(),
+        corpus_bytes: Some(CORPUS_BYTES),
+        seed: Some(args.seed),
+        ..TrainArgs::default()
+    };
+    let mut train = train_config_from_args(&train_args, None)?;
+    if train.checkpointing == Checkpointing::Off {
+        train.checkpointing = Checkpointing::PerBlock;
     }
-    let preset: Preset = args.preset.as_deref().unwrap_or("small").parse()?;
-    let mut train = TrainConfig::for_preset(preset);
-    train.data = DataSource::Builtin {
-        seed: 0,
-        bytes: CORPUS_BYTES,
-    };
-    train.precision = if args.bf16 {
-        Precision::Bf16
-    } else if args.fp16 {
-        Precision::Fp16
-    } else {
-        Precision::Fp32
-    };
-    train.micro_batch = args.micro_batch.unwrap_or(train.micro_batch);
-    train.accum = args.accum.unwrap_or(train.accum);
-    train.checkpointing = args
-        .checkpoint_budget
-        .map_or(Checkpointing::PerBlock, Checkpointing::Budget);
-    train.seed = args.seed;
     let config = ProfileConfig {
         train,
         steps: args.steps,
@@ -181,6 +149,7 @@ fn print_header(config: &ProfileConfig) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tl_precision::Precision;
 
     #[test]
     fn the_defaults_profile_the_trainers_step_against_per_block_checkpointing() {

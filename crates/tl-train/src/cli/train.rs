@@ -108,12 +108,13 @@ pub(super) fn config_from_args(
     args: &TrainArgs,
     base: Option<&TrainConfig>,
 ) -> Result<TrainConfig> {
-    let preset: Preset = args.preset.as_deref().unwrap_or("small").parse()?;
+    let recipe = &args.recipe;
+    let preset: Preset = recipe.preset.as_deref().unwrap_or("small").parse()?;
     let mut config = match base {
         Some(base) => base.clone(),
         None => TrainConfig::for_preset(preset),
     };
-    if base.is_some() && args.preset.is_some() {
+    if base.is_some() && recipe.preset.is_some() {
         config.preset = Some(preset);
         config.model = preset.config();
         config.model.dropout = base.map_or(0.0, |b| b.model.dropout);
@@ -125,16 +126,16 @@ pub(super) fn config_from_args(
         *seed = args.corpus_seed.unwrap_or(*seed);
         *bytes = args.corpus_bytes.unwrap_or(*bytes);
     }
-    if args.bf16 {
+    if recipe.bf16 {
         config.precision = Precision::Bf16;
-    } else if args.fp16 {
+    } else if recipe.fp16 {
         config.precision = Precision::Fp16;
     }
-    config.micro_batch = args.micro_batch.unwrap_or(config.micro_batch);
-    config.accum = args.accum.unwrap_or(config.accum);
-    if args.checkpoint_activations {
+    config.micro_batch = recipe.micro_batch.unwrap_or(config.micro_batch);
+    config.accum = recipe.accum.unwrap_or(config.accum);
+    if recipe.checkpoint_activations {
         config.checkpointing = Checkpointing::PerBlock;
-    } else if let Some(budget) = args.checkpoint_budget {
+    } else if let Some(budget) = recipe.checkpoint_budget {
         config.checkpointing = Checkpointing::Budget(budget);
     }
     if let Some(steps) = args.steps {
@@ -158,7 +159,7 @@ pub(super) fn config_from_args(
     } else if args.clip.is_some() {
         config.clip = args.clip;
     }
-    config.model.dropout = args.dropout.unwrap_or(config.model.dropout);
+    config.model.dropout = recipe.dropout.unwrap_or(config.model.dropout);
     config.seed = args.seed.unwrap_or(config.seed);
     config.eval_interval = args.eval_interval.unwrap_or(config.eval_interval);
     config.save_interval = args.save_interval.unwrap_or(config.save_interval);

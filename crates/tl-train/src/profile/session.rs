@@ -9,7 +9,7 @@ use tl_tensor::{Generator, memory};
 use crate::data::{Batch, Corpus, sample_batch};
 use crate::error::Result;
 use crate::model::Llama;
-use crate::train::{DataSource, TrainConfig};
+use crate::train::{DataSource, TrainConfig, batch_loss};
 
 /// The batch stream's seed, derived from the run's seed so that two sessions of one config
 /// see the same batches (any fixed value would do; the trainer uses its own).
@@ -87,11 +87,7 @@ impl Session {
             let report = train_step_mixed(
                 &self.model,
                 &batch,
-                |model: &Llama<f32>, batch: &Batch| {
-                    model
-                        .loss(&batch.inputs, &batch.targets, batch.rows, batch.context)
-                        .expect("the checkpointing schedule was validated with the config")
-                },
+                batch_loss,
                 &mut self.optimizer,
                 self.config.precision,
                 self.scaler.as_mut(),

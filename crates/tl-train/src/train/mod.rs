@@ -12,4 +12,4 @@ pub use config::{DataSource, TrainConfig};
 pub use metrics::{MetricsLog, Record, read_records};
 pub use schedule::LrSchedule;
 pub use summary::RunSummary;
-pub use trainer::{Event, Stop, Trainer, load_model};
+pub use trainer::{Event, Stop, Trainer, batch_loss, load_model};

@@ -225,11 +225,7 @@ impl Trainer {
         let report: StepReport = train_step_mixed(
             &self.model,
             &micro_batches,
-            |model: &Llama<f32>, batch: &Batch| {
-                model
-                    .loss(&batch.inputs, &batch.targets, batch.rows, batch.context)
-                    .expect("the checkpointing schedule was validated with the config")
-            },
+            batch_loss,
             &mut self.optimizer,
             self.config.precision,
             self.scaler.as_mut(),
@@ -363,6 +359,18 @@ impl Trainer {
         }
         Ok(Stop::Finished)
     }
+}
+
+/// The mean loss of `model` on one batch, with the graph recorded: the loss function of
+/// every training step.
+///
+/// # Panics
+/// If the model's checkpointing budget admits no schedule, which a validated
+/// [`TrainConfig`] rules out.
+pub fn batch_loss(model: &Llama<f32>, batch: &Batch) -> tl_tensor::Tensor<f32> {
+    model
+        .loss(&batch.inputs, &batch.targets, batch.rows, batch.context)
+        .expect("the checkpointing schedule was validated with the config")
 }
 
 /// The model of the latest checkpoint in `run_dir`, for inference (no data, optimizer or
