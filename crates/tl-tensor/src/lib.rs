@@ -7,6 +7,7 @@
 //! topological order and consumes each closure as it runs, so saved activations are released
 //! during backward. See `docs/` in the repository for the tour.
 
+pub mod alloc;
 pub mod element;
 mod error;
 mod graph;

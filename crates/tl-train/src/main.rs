@@ -2,7 +2,13 @@
 
 use std::process::ExitCode;
 
+use tl_tensor::alloc::CachingAllocator;
 use tl_train::cli::{CliError, Exit, run};
+
+/// Large freed buffers are kept for the next micro-batch instead of going back to the
+/// system, which would page-fault them in again (see `tl_tensor::alloc`).
+#[global_allocator]
+static ALLOCATOR: CachingAllocator = CachingAllocator;
 
 fn main() -> ExitCode {
     match run(std::env::args_os()) {

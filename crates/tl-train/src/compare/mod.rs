@@ -101,6 +101,8 @@ fn train_and_measure(
     out: &Path,
     on_event: &mut dyn FnMut(&str, &Event),
 ) -> Result<RunSummary> {
+    // Blocks the previous run left in the allocator's cache are not this run's memory.
+    tl_tensor::alloc::trim();
     let rss_reset = reset_peak_rss();
     let mut trainer = Trainer::new(config.clone(), &out.join(name))?;
     memory::reset_peak();
