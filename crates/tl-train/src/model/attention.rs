@@ -2,7 +2,8 @@
 
 use std::rc::Rc;
 
-use ndarray::{Axis, Zip};
+use ndarray::ArrayView1;
+use rayon::prelude::*;
 use tl_tensor::nn::{Linear, Module};
 use tl_tensor::{Element, Generator, Tensor};
 
@@ -101,44 +102,58 @@ pub fn causal_softmax<E: Element>(scores: &Tensor<E>, scale: f64) -> Tensor<E> {
     let time = shape[n - 1];
     let scale = E::from_f64(scale);
     let mut probs = scores.value().as_standard_layout().into_owned();
-    for mut matrix in probs
-        .view_mut()
-        .into_shape_with_order((probs_len(&shape) / (time * time), time, time))
+    // Each T × T matrix is independent: spread them over the rayon pool. No value depends on
+    // how they are spread, so the result is the same bits on any number of threads.
+    probs
+        .as_slice_mut()
         .expect("standard layout")
-        .outer_iter_mut()
-    {
-        for (t, mut row) in matrix.outer_iter_mut().enumerate() {
-            let (live, masked) = row.as_slice_mut().expect("row").split_at_mut(t + 1);
-            let max = live
-                .iter()
-                .fold(E::neg_infinity(), |m, &s| m.max(s * scale));
-            let mut sum = E::zero();
-            for s in live.iter_mut() {
-                *s = (*s * scale - max).exp();
-                sum += *s;
+        .par_chunks_mut(time * time)
+        .for_each(|matrix| {
+            for (t, row) in matrix.chunks_exact_mut(time).enumerate() {
+                let (live, masked) = row.split_at_mut(t + 1);
+                let max = live
+                    .iter()
+                    .fold(E::neg_infinity(), |m, &s| m.max(s * scale));
+                let mut sum = E::zero();
+                for s in live.iter_mut() {
+                    *s = (*s * scale - max).exp();
+                    sum += *s;
+                }
+                for s in live.iter_mut() {
+                    *s /= sum;
+                }
+                masked.fill(E::zero());
             }
-            for s in live.iter_mut() {
-                *s /= sum;
-            }
-            masked.fill(E::zero());
-        }
-    }
-    Tensor::from_op_saving_output(probs, &[scores], move |mut grad, probs| {
-        Zip::from(grad.lanes_mut(Axis(n - 1)))
-            .and(probs.lanes(Axis(n - 1)))
-            .for_each(|mut grad_row, p_row| {
-                let dot = grad_row.dot(&p_row);
-                Zip::from(&mut grad_row)
-                    .and(&p_row)
-                    .for_each(|g, &p| *g = scale * p * (*g - dot));
+        });
+    Tensor::from_op_saving_output(probs, &[scores], move |grad, probs| {
+        let mut grad = if grad.is_standard_layout() {
+            grad
+        } else {
+            grad.as_standard_layout().into_owned()
+        };
+        let probs = probs.as_standard_layout();
+        grad.as_slice_mut()
+            .expect("standard layout")
+            .par_chunks_mut(time * time)
+            .zip(
+                probs
+                    .as_slice()
+                    .expect("standard layout")
+                    .par_chunks(time * time),
+            )
+            .for_each(|(grad_matrix, p_matrix)| {
+                for (grad_row, p_row) in grad_matrix
+                    .chunks_exact_mut(time)
+                    .zip(p_matrix.chunks_exact(time))
+                {
+                    let dot = ArrayView1::from(&*grad_row).dot(&ArrayView1::from(p_row));
+                    for (g, &p) in grad_row.iter_mut().zip(p_row) {
+                        *g = scale * p * (*g - dot);
+                    }
+                }
             });
         vec![Some(grad)]
     })
-}
-
-/// The number of elements of `shape`.
-fn probs_len(shape: &[usize]) -> usize {
-    shape.iter().product()
 }
 
 /// The reference: the same computation from the library's separate ops.
@@ -203,7 +218,7 @@ mod tests {
             CausalSelfAttention::<f64>::new(8, 2, Rc::new(Rope::new(4, 4, 10_000.0)), &rng);
         let x = random_array(&[1, 4, 8], &rng);
         let mut changed = x.clone();
-        changed.index_axis_mut(Axis(1), 3).fill(9.0);
+        changed.index_axis_mut(ndarray::Axis(1), 3).fill(9.0);
         let (a, b) = (
             attention.forward(&Tensor::from_array(x)).to_vec(),
             attention.forward(&Tensor::from_array(changed)).to_vec(),
