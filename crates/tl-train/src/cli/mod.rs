@@ -116,7 +116,7 @@ pub struct TrainArgs {
     /// Steps between checkpoints [default: steps/4].
     #[arg(long, value_name = "N")]
     pub save_interval: Option<u64>,
-    /// Run directory [default: runs/PRESET-PRECISION-SEED].
+    /// Run directory [default: runs/PRESET-PRECISION-seedSEED].
     #[arg(long, value_name = "DIR", conflicts_with = "resume")]
     pub out: Option<PathBuf>,
     /// Continue the run in DIR from its latest checkpoint.
