@@ -4,7 +4,7 @@
 
 use std::ops::{Add, Div, Mul, Neg, Sub};
 
-use ndarray::Zip;
+use ndarray::{ArrayD, Zip};
 
 use super::{broadcast_shape, unbroadcast};
 use crate::{Element, Tensor};
@@ -119,17 +119,46 @@ impl<E: Element> Tensor<E> {
     /// building block of the unary ops. Saves the input for backward.
     pub fn map_with_derivative(
         &self,
-        f: impl Fn(E) -> E,
-        df: impl Fn(E) -> E + 'static,
+        f: impl Fn(E) -> E + Send + Sync,
+        df: impl Fn(E) -> E + Send + Sync + 'static,
     ) -> Tensor<E> {
-        let value = self.value().mapv(f);
+        let value = map_elementwise(&self.value(), f);
         let saved = self.clone();
         Tensor::from_op(value, &[self], move |mut grad| {
-            Zip::from(&mut grad)
-                .and(&*saved.value())
-                .for_each(|g, &x| *g *= df(x));
+            scale_elementwise(&mut grad, &saved.value(), df);
             vec![Some(grad)]
         })
+    }
+}
+
+/// Arrays at least this long are mapped on the rayon pool; shorter ones are not worth the
+/// hand-off.
+const PARALLEL_MIN_LEN: usize = 1 << 15;
+
+/// `f` of every element, in a new array. Large arrays are split over the rayon pool; each
+/// element is computed alone, so the bits do not depend on the split.
+pub(crate) fn map_elementwise<E: Element>(
+    x: &ArrayD<E>,
+    f: impl Fn(E) -> E + Send + Sync,
+) -> ArrayD<E> {
+    if x.len() >= PARALLEL_MIN_LEN {
+        Zip::from(x).par_map_collect(|&v| f(v))
+    } else {
+        x.mapv(f)
+    }
+}
+
+/// `grad ← grad · df(x)` elementwise, on the rayon pool for large arrays.
+pub(crate) fn scale_elementwise<E: Element>(
+    grad: &mut ArrayD<E>,
+    x: &ArrayD<E>,
+    df: impl Fn(E) -> E + Send + Sync,
+) {
+    let zip = Zip::from(grad).and(x);
+    if x.len() >= PARALLEL_MIN_LEN {
+        zip.par_for_each(|g, &v| *g *= df(v));
+    } else {
+        zip.for_each(|g, &v| *g *= df(v));
     }
 }
 
@@ -260,6 +289,23 @@ impl<E: Element> Neg for Tensor<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn large_maps_run_in_parallel_with_the_same_bits_as_a_plain_loop() {
+        // Long enough for the rayon path; a rounding-heavy function shows any difference.
+        let x = ArrayD::from_shape_fn(ndarray::IxDyn(&[3, PARALLEL_MIN_LEN]), |i| {
+            (i[0] as f32 - 1.0) * (i[1] as f32).sin()
+        });
+        let f = |v: f32| v / (1.0 + (-v).exp());
+        let bits = |a: &ArrayD<f32>| a.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let mapped = map_elementwise(&x, f);
+        assert!(mapped.is_standard_layout());
+        assert_eq!(bits(&mapped), bits(&x.mapv(f)));
+        let mut scaled = mapped.clone();
+        scale_elementwise(&mut scaled, &x, f);
+        let expected = Zip::from(&mapped).and(&x).map_collect(|&g, &v| g * f(v));
+        assert_eq!(bits(&scaled), bits(&expected));
+    }
     use ndarray::arr2;
 
     #[test]

@@ -10,8 +10,9 @@
 use std::cell::OnceCell;
 use std::rc::Rc;
 
-use ndarray::{ArrayD, Zip};
+use ndarray::ArrayD;
 
+use super::elementwise::{map_elementwise, scale_elementwise};
 use crate::{Element, Tensor};
 
 /// The logistic function 1 / (1 + e^(−x)), written so that neither branch overflows.
@@ -37,7 +38,7 @@ fn normal_pdf(x: f64) -> f64 {
 
 /// Applies an `f64` function to an element of any type (the activations whose special
 /// functions we evaluate in `f64`, then round once).
-fn in_f64<E: Element>(f: impl Fn(f64) -> f64) -> impl Fn(E) -> E {
+fn in_f64<E: Element>(f: impl Fn(f64) -> f64 + Send + Sync) -> impl Fn(E) -> E + Send + Sync {
     move |x| E::from_f64(f(x.to_f64()))
 }
 
@@ -93,14 +94,12 @@ impl<E: Element> Tensor<E> {
     /// ```
     pub fn map_with_output_derivative(
         &self,
-        f: impl Fn(E) -> E,
-        df_of_output: impl Fn(E) -> E + 'static,
+        f: impl Fn(E) -> E + Send + Sync,
+        df_of_output: impl Fn(E) -> E + Send + Sync + 'static,
     ) -> Tensor<E> {
-        let value = self.value().mapv(f);
+        let value = map_elementwise(&self.value(), f);
         Tensor::from_op_saving_output(value, &[self], move |mut grad, output| {
-            Zip::from(&mut grad)
-                .and(output)
-                .for_each(|g, &y| *g *= df_of_output(y));
+            scale_elementwise(&mut grad, output, df_of_output);
             vec![Some(grad)]
         })
     }
