@@ -34,7 +34,7 @@ pub use autocast::{AutocastGuard, autocast, autocast_bf16, autocast_format, pars
 pub use cast::{cast, take_underflow_count, underflow_count};
 pub use error::{PrecisionError, Result};
 pub use precision::Precision;
-pub use scaler::{DynamicLossScaler, StepOutcome};
+pub use scaler::{DynamicLossScaler, StepOutcome, grad_is_finite};
 pub use scaler_state::ScalerState;
 pub use step::{StepReport, train_step_mixed};
 /// The 16-bit formats, re-exported from tl-numerics.

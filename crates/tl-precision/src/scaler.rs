@@ -263,8 +263,18 @@ impl DynamicLossScaler {
     }
 }
 
-/// Whether a parameter's gradient (if it has one) holds only finite values.
-pub(crate) fn grad_is_finite<E: Element>(param: &Tensor<E>) -> bool {
+/// Whether a parameter's gradient (if it has one) holds only finite values: the check a
+/// training step makes before it may update.
+///
+/// ```
+/// use tl_precision::grad_is_finite;
+/// use tl_tensor::Tensor;
+/// let w = Tensor::<f32>::param(tl_tensor::ndarray::arr1(&[1.0]).into_dyn());
+/// assert!(grad_is_finite(&w)); // no gradient yet
+/// w.set_grad(Some(tl_tensor::ndarray::arr1(&[f32::INFINITY]).into_dyn()));
+/// assert!(!grad_is_finite(&w));
+/// ```
+pub fn grad_is_finite<E: Element>(param: &Tensor<E>) -> bool {
     param.with_grad(|grad| grad.is_none_or(|g| g.iter().all(|v| v.is_finite())))
 }
 

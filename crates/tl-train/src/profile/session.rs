@@ -1,15 +1,14 @@
 //! [`Session`]: a model, its optimizer and its data, set up as the trainer sets them up,
 //! for steps that are recorded phase by phase.
 
-use tl_precision::{DynamicLossScaler, Precision, train_step_mixed};
-use tl_tensor::nn::Module;
+use tl_precision::DynamicLossScaler;
 use tl_tensor::optim::AdamW;
 use tl_tensor::{Generator, memory};
 
 use crate::data::{Batch, Corpus, sample_batch};
 use crate::error::Result;
 use crate::model::Llama;
-use crate::train::{DataSource, TrainConfig, batch_loss};
+use crate::train::{TrainConfig, load_corpus, mixed_step, new_optimizer, new_scaler};
 
 /// The batch stream's seed, derived from the run's seed so that two sessions of one config
 /// see the same batches (any fixed value would do; the trainer uses its own).
@@ -42,17 +41,13 @@ impl Session {
     /// cannot be built, [`TrainError::Tensor`](crate::TrainError::Tensor) for optimizer
     /// arguments AdamW refuses.
     pub(super) fn new(config: &TrainConfig) -> Result<Self> {
-        let corpus = match &config.data {
-            DataSource::Builtin { seed, bytes } => Corpus::builtin(*seed, *bytes),
-            DataSource::File { path } => Corpus::from_file(path, config.model.context)?,
-        };
+        let corpus = load_corpus(config)?;
         let base_live = memory::live_bytes();
         let model = Llama::new(&config.model, config.seed)?;
         model.set_checkpointing(config.checkpointing);
-        let optimizer = AdamW::new(model.parameters(), config.lr.peak)?
-            .with_weight_decay(config.weight_decay)?;
+        let optimizer = new_optimizer(&model, config)?;
         Ok(Self {
-            scaler: (config.precision == Precision::Fp16).then(DynamicLossScaler::default),
+            scaler: new_scaler(config),
             data_rng: Generator::new(config.seed ^ DATA_STREAM),
             config: config.clone(),
             model,
@@ -84,14 +79,12 @@ impl Session {
     pub(super) fn warm_up(&mut self) -> Result<()> {
         for _ in 0..MAX_WARM_UP_TRIES {
             let batch = [self.next_batch(1)];
-            let report = train_step_mixed(
+            let report = mixed_step(
                 &self.model,
                 &batch,
-                batch_loss,
                 &mut self.optimizer,
-                self.config.precision,
                 self.scaler.as_mut(),
-                self.config.clip,
+                &self.config,
             )?;
             if !report.skipped {
                 break;
@@ -109,24 +102,12 @@ impl Session {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Preset;
-
-    fn tiny_config() -> TrainConfig {
-        let mut config = TrainConfig::for_preset(Preset::Tiny);
-        config.data = DataSource::Builtin {
-            seed: 0,
-            bytes: 20_000,
-        };
-        config.micro_batch = 2;
-        config.accum = 2;
-        config
-    }
 
     #[test]
     fn sessions_of_one_config_see_the_same_batches() {
         let (a, b) = (
-            Session::new(&tiny_config()).unwrap(),
-            Session::new(&tiny_config()).unwrap(),
+            Session::new(&TrainConfig::tiny_for_tests()).unwrap(),
+            Session::new(&TrainConfig::tiny_for_tests()).unwrap(),
         );
         let batches = a.next_micro_batches();
         assert_eq!(batches.len(), 2);
@@ -137,7 +118,7 @@ mod tests {
 
     #[test]
     fn warming_up_leaves_the_weights_and_both_adamw_moments_live() {
-        let mut session = Session::new(&tiny_config()).unwrap();
+        let mut session = Session::new(&TrainConfig::tiny_for_tests()).unwrap();
         // The tiny model's 133,440 f32 weights, plus its rotary tables.
         let weights = 133_440 * 4;
         let before = session.live();

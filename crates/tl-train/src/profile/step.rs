@@ -8,7 +8,7 @@
 //! the recordings join into one timeline. A test checks that the weights come out bit for
 //! bit as `train_step_mixed` leaves them.
 
-use tl_precision::PrecisionError;
+use tl_precision::{PrecisionError, grad_is_finite};
 use tl_tensor::memory;
 use tl_tensor::nn::Module;
 use tl_tensor::optim::{Optimizer, clip_grad_norm};
@@ -85,10 +85,7 @@ impl Session {
         if !loss.is_finite() {
             return Err(PrecisionError::NonFiniteLoss { loss }.into());
         }
-        let finite = |param: &Tensor<f32>| {
-            param.with_grad(|grad| grad.is_none_or(|grad| grad.iter().all(|g| g.is_finite())))
-        };
-        if let Some(index) = params.iter().position(|param| !finite(param)) {
+        if let Some(index) = params.iter().position(|param| !grad_is_finite(param)) {
             return Err(PrecisionError::NonFiniteGradient { index }.into());
         }
         if let Some(max_norm) = self.config.clip {
@@ -105,20 +102,15 @@ mod tests {
 
     use super::*;
     use crate::TrainError;
-    use crate::model::{Checkpointing, Llama, Preset};
-    use crate::train::{DataSource, TrainConfig};
+    use crate::model::{Checkpointing, Llama};
+    use crate::train::TrainConfig;
 
     fn tiny_config(precision: Precision, checkpointing: Checkpointing) -> TrainConfig {
-        let mut config = TrainConfig::for_preset(Preset::Tiny);
-        config.data = DataSource::Builtin {
-            seed: 0,
-            bytes: 20_000,
-        };
-        config.micro_batch = 2;
-        config.accum = 2;
-        config.precision = precision;
-        config.checkpointing = checkpointing;
-        config
+        TrainConfig {
+            precision,
+            checkpointing,
+            ..TrainConfig::tiny_for_tests()
+        }
     }
 
     fn weight_bits(session: &Session) -> Vec<Vec<u32>> {

@@ -169,6 +169,23 @@ impl TrainConfig {
 }
 
 #[cfg(test)]
+impl TrainConfig {
+    /// The tiny preset on 20 kB of built-in text, 2 × 2 sequences per step: the smallest run
+    /// the unit tests of several modules train.
+    pub(crate) fn tiny_for_tests() -> Self {
+        TrainConfig {
+            data: DataSource::Builtin {
+                seed: 0,
+                bytes: 20_000,
+            },
+            micro_batch: 2,
+            accum: 2,
+            ..TrainConfig::for_preset(Preset::Tiny)
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

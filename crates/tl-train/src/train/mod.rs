@@ -13,3 +13,4 @@ pub use metrics::{MetricsLog, Record, read_records};
 pub use schedule::LrSchedule;
 pub use summary::RunSummary;
 pub use trainer::{Event, Stop, Trainer, batch_loss, load_model};
+pub(crate) use trainer::{load_corpus, mixed_step, new_optimizer, new_scaler};

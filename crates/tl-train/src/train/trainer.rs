@@ -63,7 +63,7 @@ pub struct Trainer {
 }
 
 /// Loads the corpus a config names.
-fn load_corpus(config: &TrainConfig) -> Result<Corpus> {
+pub(crate) fn load_corpus(config: &TrainConfig) -> Result<Corpus> {
     Ok(match &config.data {
         DataSource::Builtin { seed, bytes } => Corpus::builtin(*seed, *bytes),
         DataSource::File { path } => Corpus::from_file(path, config.model.context)?,
@@ -222,14 +222,12 @@ impl Trainer {
             .map(|_| sample_batch(train, rows, context, &self.data_rng))
             .collect();
         let started = Instant::now();
-        let report: StepReport = train_step_mixed(
+        let report = mixed_step(
             &self.model,
             &micro_batches,
-            batch_loss,
             &mut self.optimizer,
-            self.config.precision,
             self.scaler.as_mut(),
-            self.config.clip,
+            &self.config,
         )?;
         let step_s = started.elapsed().as_secs_f64();
         self.step += 1;
@@ -401,11 +399,36 @@ fn restore_model(snapshot: &snapshot::Snapshot) -> Result<Llama<f32>> {
     Ok(model)
 }
 
-fn new_optimizer(model: &Llama<f32>, config: &TrainConfig) -> Result<AdamW<f32>> {
+/// One optimizer step of `config`'s recipe (precision, loss scaling, clipping) on
+/// `micro_batches`: tl-precision's `train_step_mixed` with the model's loss.
+///
+/// # Errors
+/// Those of [`train_step_mixed`]; the weights are then unchanged.
+pub(crate) fn mixed_step(
+    model: &Llama<f32>,
+    micro_batches: &[Batch],
+    optimizer: &mut AdamW<f32>,
+    scaler: Option<&mut DynamicLossScaler>,
+    config: &TrainConfig,
+) -> Result<StepReport> {
+    Ok(train_step_mixed(
+        model,
+        micro_batches,
+        batch_loss,
+        optimizer,
+        config.precision,
+        scaler,
+        config.clip,
+    )?)
+}
+
+/// AdamW on `model`'s parameters with the config's peak learning rate and weight decay.
+pub(crate) fn new_optimizer(model: &Llama<f32>, config: &TrainConfig) -> Result<AdamW<f32>> {
     Ok(AdamW::new(model.parameters(), config.lr.peak)?.with_weight_decay(config.weight_decay)?)
 }
 
-fn new_scaler(config: &TrainConfig) -> Option<DynamicLossScaler> {
+/// The dynamic loss scaler an fp16 run needs, and none otherwise.
+pub(crate) fn new_scaler(config: &TrainConfig) -> Option<DynamicLossScaler> {
     (config.precision == Precision::Fp16).then(DynamicLossScaler::default)
 }
 
