@@ -1,6 +1,7 @@
 //! Differentiable ops, one file per family, each forward beside its VJP.
 
 pub mod elementwise;
+pub mod gated;
 pub mod index;
 pub mod matmul;
 pub mod reduce;

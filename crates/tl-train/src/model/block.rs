@@ -30,8 +30,8 @@ impl<E: Element> SwiGlu<E> {
 
 impl<E: Element> Module<E> for SwiGlu<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
-        let gate = self.w1.forward(x).silu();
-        self.w2.forward(&gate.mul(&self.w3.forward(x)))
+        let gated = self.w1.forward(x).swiglu(&self.w3.forward(x));
+        self.w2.forward(&gated)
     }
 
     fn parameters(&self) -> Vec<Tensor<E>> {

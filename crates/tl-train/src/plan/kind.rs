@@ -37,7 +37,7 @@ pub enum TensorKind {
     Scores,
     /// The causal softmax's output `P`, saved by the softmax and by `P·V`.
     Probabilities,
-    /// The SwiGLU hidden tensors: gate pre-activation, `silu(gate)`, up projection, product.
+    /// The SwiGLU hidden tensors: gate pre-activation, up projection, their gated product.
     MlpHidden,
     /// Dropout's masks, one per residual branch.
     DropoutMasks,

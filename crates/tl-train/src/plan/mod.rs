@@ -13,9 +13,9 @@
 //! linear inputs     6·N·d + N·h  each Linear reshapes its input into a copy its matmul saves
 //! heads             3·N·d        rotated q, kᵀ and v, saved by the two attention products
 //! probabilities     B·H·T²       the fused causal softmax keeps only its output P
-//! SwiGLU hidden     3·N·h        gate pre-activation (silu), silu(gate) and up (the product)
+//! SwiGLU hidden     2·N·h        gate pre-activation and up, saved by the fused swiglu
 //! -------------------------------------------------------------------------------------------
-//! per block         11·N·d + 4·N·h + B·H·T²          head: 2·N·d + N·V (+ the loss)
+//! per block         11·N·d + 3·N·h + B·H·T²          head: 2·N·d + N·V (+ the loss)
 //! ```
 //!
 //! Under bf16/fp16 autocast every matmul rounds *copies* of its operands and saves those:

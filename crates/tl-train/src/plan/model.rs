@@ -281,25 +281,25 @@ impl ShadowLlama {
         output
     }
 
-    /// `SwiGlu::forward`: `w2(silu(w1·x) ⊙ w3·x)`.
+    /// `SwiGlu::forward`: `w2(swiglu(w1·x, w3·x))`.
     fn mlp(&self, dry: &mut DryRun, i: usize, x: &Handle) -> Handle {
         let (c, params) = (&self.config, &self.blocks[i]);
         let here = |kind| tag(Layer::Block(i), kind);
         let hidden = self.per_token(c.hidden);
         let gate_in = dry.linear(x, &params.w1, hidden, here(TensorKind::MlpHidden));
-        let gate = dry.silu(&gate_in, here(TensorKind::MlpHidden));
-        dry.release(gate_in);
         let up = dry.linear(x, &params.w3, hidden, here(TensorKind::MlpHidden));
-        let product = dry.mul(&gate, &up, here(TensorKind::MlpHidden));
+        let product = dry.swiglu(&gate_in, &up, here(TensorKind::MlpHidden));
+        // Both projections are temporaries of the model's one statement, dropped at its end
+        // in reverse order of creation.
+        dry.release(up);
+        dry.release(gate_in);
         let output = dry.linear(
             &product,
             &params.w2,
             self.per_token(c.d_model),
             here(TensorKind::LinearOutputs),
         );
-        for local in [product, up, gate] {
-            dry.release(local);
-        }
+        dry.release(product);
         output
     }
 }

@@ -95,9 +95,9 @@ impl DryRun {
         self.saving(&[lhs, rhs], &[lhs, rhs], lhs.bytes, tag)
     }
 
-    /// `silu` (`map_with_derivative`): saves its input.
-    pub(crate) fn silu(&mut self, x: &Handle, tag: Tag) -> Handle {
-        self.saving(&[x], &[x], x.bytes, tag)
+    /// `swiglu`, the fused gate `silu(g) ⊙ u`: saves both inputs.
+    pub(crate) fn swiglu(&mut self, gate: &Handle, up: &Handle, tag: Tag) -> Handle {
+        self.saving(&[gate, up], &[gate, up], gate.bytes, tag)
     }
 
     /// `Dropout::forward` while training: the mask becomes a tensor first (counted), then
