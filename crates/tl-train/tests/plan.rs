@@ -98,8 +98,8 @@ fn checkpointing_trades_the_stored_blocks_for_one_rerun() {
     )))
     .unwrap();
     // tiny at micro-batch 8: N = 512 tokens, d = 64, h = 176, B·H·T² = 131,072.
-    // One block saves 11·N·d + 4·N·h + B·H·T² = 360,448 + 360,448 + 131,072 floats.
-    let block = 4 * (11 * 512 * 64 + 4 * 512 * 176 + 131_072);
+    // One block saves 8·N·d + 3·N·h + B·H·T² = 262,144 + 270,336 + 131,072 floats.
+    let block = 4 * (8 * 512 * 64 + 3 * 512 * 176 + 131_072);
     assert_eq!(plan.layers[1].saved_plain, block);
     // Checkpointed, block 0 keeps its input (N·d floats); block 1 is the plain last segment.
     assert_eq!(plan.layers[1].saved_checkpointed, 4 * 512 * 64);

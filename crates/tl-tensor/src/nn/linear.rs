@@ -99,8 +99,8 @@ impl<E: Element> Linear<E> {
 impl<E: Element> Module<E> for Linear<E> {
     /// `[.., in_features] → [.., out_features]`, for any number of leading axes (none too).
     ///
-    /// Leading axes are flattened into one, so the whole batch is a single matrix product
-    /// and the weight's gradient comes out of it directly, not summed over a batch of them.
+    /// Leading axes are folded into the rows of one matrix product (a view, not a copy), so
+    /// the weight's gradient comes out of it directly, not summed over a batch of them.
     ///
     /// # Panics
     /// If the last axis of `x` is not `in_features`.
@@ -113,15 +113,13 @@ impl<E: Element> Module<E> for Linear<E> {
              (weight shape {:?})",
             self.weight.shape()
         );
-        let rows = shape[..shape.len() - 1].iter().product::<usize>();
-        let mut out_shape = shape[..shape.len() - 1].to_vec();
-        out_shape.push(out_features);
-        let y = if shape.len() == 2 {
-            x.matmul(&self.weight)
-        } else {
-            x.reshape(&[rows, in_features])
+        // Leading axes fold into the rows of one product inside `matmul`, without a copy.
+        let y = if shape.len() == 1 {
+            x.reshape(&[1, in_features])
                 .matmul(&self.weight)
-                .reshape(&out_shape)
+                .reshape(&[out_features])
+        } else {
+            x.matmul(&self.weight)
         };
         match &self.bias {
             Some(bias) => y.add(bias),

@@ -110,6 +110,9 @@ impl<E: Element> Tensor<E> {
             lhs_nd >= 2 && rhs_nd >= 2 && lhs_shape[lhs_nd - 1] == rhs_shape[rhs_nd - 2],
             "matmul: cannot multiply shapes {lhs_shape:?} and {rhs_shape:?}"
         );
+        if rhs_nd == 2 && lhs_nd > 2 {
+            return self.rows_times_matrix(rhs);
+        }
         let batch = broadcast_shape("matmul", &lhs_shape[..lhs_nd - 2], &rhs_shape[..rhs_nd - 2]);
         let value = batched_product(self.value().view(), rhs.value().view(), &batch);
         let (lhs_saved, rhs_saved) = (self.clone(), rhs.clone());
@@ -123,6 +126,56 @@ impl<E: Element> Tensor<E> {
                 let lhs_value = lhs_saved.value();
                 let full = batched_product(swap_last(lhs_value.view()), grad.view(), &batch);
                 unbroadcast(full, &rhs_shape)
+            });
+            vec![lhs_grad, rhs_grad]
+        })
+    }
+}
+
+impl<E: Element> Tensor<E> {
+    /// `[.., m, k] · [k, n]` — a linear layer on a batch of sequences — as one `[rows, k] ·
+    /// [k, n]` product over the rows of every batch item: the batch axes are folded into the
+    /// rows of a view, so nothing is copied and the weight's gradient comes out of a single
+    /// product, with no per-item partial sums to add up.
+    fn rows_times_matrix(&self, rhs: &Tensor<E>) -> Tensor<E> {
+        let lhs_shape = self.shape();
+        let k = lhs_shape[lhs_shape.len() - 1];
+        let n = rhs.shape()[1];
+        let rows = lhs_shape[..lhs_shape.len() - 1].iter().product::<usize>();
+        let mut out_shape = lhs_shape[..lhs_shape.len() - 1].to_vec();
+        out_shape.push(n);
+        let value = {
+            let lhs = self.value();
+            let lhs = lhs.as_standard_layout();
+            let lhs = lhs
+                .view()
+                .into_shape_with_order(IxDyn(&[rows, k]))
+                .expect("standard");
+            batched_matmul(lhs, rhs.value().view())
+                .into_shape_with_order(IxDyn(&out_shape))
+                .expect("a fresh product is in standard layout")
+        };
+        let (lhs_saved, rhs_saved) = (self.clone(), rhs.clone());
+        Tensor::from_op(value, &[self, rhs], move |grad| {
+            let grad = grad.as_standard_layout();
+            let grad = grad
+                .view()
+                .into_shape_with_order(IxDyn(&[rows, n]))
+                .expect("standard");
+            let lhs_grad = lhs_saved.requires_grad().then(|| {
+                let rhs_value = rhs_saved.value();
+                batched_matmul(grad.view(), swap_last(rhs_value.view()))
+                    .into_shape_with_order(IxDyn(&lhs_shape))
+                    .expect("a fresh product is in standard layout")
+            });
+            let rhs_grad = rhs_saved.requires_grad().then(|| {
+                let lhs_value = lhs_saved.value();
+                let lhs_value = lhs_value.as_standard_layout();
+                let lhs = lhs_value
+                    .view()
+                    .into_shape_with_order(IxDyn(&[rows, k]))
+                    .expect("standard");
+                batched_matmul(swap_last(lhs), grad.view())
             });
             vec![lhs_grad, rhs_grad]
         })

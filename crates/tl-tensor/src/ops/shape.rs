@@ -50,7 +50,7 @@ impl<E: Element> Tensor<E> {
         );
         let value = self
             .value()
-            .clone()
+            .view()
             .permuted_axes(IxDyn(axes))
             .as_standard_layout()
             .into_owned();

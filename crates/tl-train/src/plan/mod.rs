@@ -10,16 +10,17 @@
 //!
 //! ```text
 //! residual stream   2·N·d        the two norms' inputs (block input, x + attention)
-//! linear inputs     6·N·d + N·h  each Linear reshapes its input into a copy its matmul saves
+//! linear inputs     3·N·d + N·h  what the projections read: norm outputs, the heads' mix, the gate
 //! heads             3·N·d        rotated q, kᵀ and v, saved by the two attention products
 //! probabilities     B·H·T²       the fused causal softmax keeps only its output P
 //! SwiGLU hidden     2·N·h        gate pre-activation and up, saved by the fused swiglu
 //! -------------------------------------------------------------------------------------------
-//! per block         11·N·d + 3·N·h + B·H·T²          head: 2·N·d + N·V (+ the loss)
+//! per block          8·N·d + 3·N·h + B·H·T²          head: 2·N·d + N·V (+ the loss)
 //! ```
 //!
 //! Under bf16/fp16 autocast every matmul rounds *copies* of its operands and saves those:
-//! the linear inputs and heads become rounded copies of the same size, but `P` is kept twice
+//! the heads become rounded copies of the same size, each projection keeps its own rounded
+//! copy of its input (the norm output q, k and v share becomes three), `P` is kept twice
 //! (the softmax's own and the rounded copy `P·V` saved) and every weight matrix gets a
 //! rounded copy for the whole forward pass (`4d² + 3dh` per block, `dV` for the head). The
 //! storage stays f32, so emulated mixed precision *adds* memory here, where real hardware

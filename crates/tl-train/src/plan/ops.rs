@@ -112,8 +112,8 @@ impl DryRun {
         self.saving(&[logits], &[logits], F32, tag)
     }
 
-    /// `Linear::forward` on a `[B, T, in]` input: reshape to `[B·T, in]` (a copy), multiply,
-    /// reshape back (another copy); the two intermediates drop when the call returns.
+    /// `Linear::forward` on a `[B, T, in]` input: one product whose leading axes fold into
+    /// its rows as a view, so it saves the input itself, not a copy.
     pub(crate) fn linear(
         &mut self,
         x: &Handle,
@@ -121,12 +121,7 @@ impl DryRun {
         out_bytes: u64,
         out_tag: Tag,
     ) -> Handle {
-        let rows = self.layout(x, tag(out_tag.layer, TensorKind::LinearInputs));
-        let product = self.matmul(&rows, weight, out_bytes, out_tag);
-        let output = self.layout(&product, out_tag);
-        self.release(product);
-        self.release(rows);
-        output
+        self.matmul(x, weight, out_bytes, out_tag)
     }
 }
 

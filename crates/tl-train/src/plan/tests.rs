@@ -50,22 +50,23 @@ fn saved_in(prediction: &StepPrediction, keep: impl Fn(Layer) -> bool) -> u64 {
 }
 
 #[test]
-fn an_fp32_block_saves_eleven_nd_three_nh_and_one_attention_matrix() {
+fn an_fp32_block_saves_eight_nd_three_nh_and_one_attention_matrix() {
     let prediction = predict(&micro_config(Precision::Fp32, Checkpointing::Off, 0.0));
-    // 11·512 + 3·768 + 1024 = 8960 floats = 35,840 bytes, the same in every block.
+    // 8·512 + 3·768 + 1024 = 7424 floats = 29,696 bytes, the same in every block.
     for i in 0..4 {
-        assert_eq!(saved_in(&prediction, |l| l == Layer::Block(i)), 35_840);
+        assert_eq!(saved_in(&prediction, |l| l == Layer::Block(i)), 29_696);
     }
     // Final norm input and head input (2·512) + logits copy (8192) = 9216 floats, and the
     // loss with its weighted copy (2 floats): 36,872 bytes.
     assert_eq!(saved_in(&prediction, |l| l == Layer::Head), 36_872);
-    assert_eq!(prediction.saved_total(), 4 * 35_840 + 36_872);
+    assert_eq!(prediction.saved_total(), 4 * 29_696 + 36_872);
 }
 
 #[test]
 fn autocast_adds_a_rounded_probability_copy_and_the_weight_copies() {
     let prediction = predict(&micro_config(Precision::Bf16, Checkpointing::Off, 0.0));
-    // fp32's 8960 + a rounded copy of P (1024) + rounded 4d² + 3dh = 2176: 12,160 floats.
+    // Rounded copies of what fp32 shares (8960 floats: each of q, k, v rounds the norm
+    // output) + a rounded copy of P (1024) + rounded 4d² + 3dh = 2176: 12,160 floats.
     assert_eq!(saved_in(&prediction, |l| l == Layer::Block(0)), 48_640);
     // 512 + rounded head input 512 + rounded head weight d·V = 4096 + logits 8192 = 13,312
     // floats, and the two loss floats.
@@ -76,11 +77,11 @@ fn autocast_adds_a_rounded_probability_copy_and_the_weight_copies() {
 fn per_block_checkpointing_keeps_block_inputs_and_the_last_block_whole() {
     let prediction = predict(&micro_config(Precision::Fp32, Checkpointing::PerBlock, 0.0));
     // Blocks 0..3 keep their inputs (512 floats each); the last segment is not
-    // checkpointed, so block 3 keeps all 8960 floats.
+    // checkpointed, so block 3 keeps all 7424 floats.
     for i in 0..3 {
         assert_eq!(saved_in(&prediction, |l| l == Layer::Block(i)), 2_048);
     }
-    assert_eq!(saved_in(&prediction, |l| l == Layer::Block(3)), 35_840);
+    assert_eq!(saved_in(&prediction, |l| l == Layer::Block(3)), 29_696);
     assert!(
         prediction.peak_bytes
             < predict(&micro_config(Precision::Fp32, Checkpointing::Off, 0.0)).peak_bytes
