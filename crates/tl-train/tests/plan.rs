@@ -112,10 +112,10 @@ fn the_capstone_predictions_are_the_release_measurements() {
     // `tinyllm plan --preset capstone --micro-batch 8 --measure [--bf16]
     // [--checkpoint-activations]`, release build: the meter's steady-state peaks.
     let measured = [
-        (Precision::Fp32, Checkpointing::Off, 1_797_870_592),
-        (Precision::Fp32, Checkpointing::PerBlock, 436_069_128),
-        (Precision::Bf16, Checkpointing::Off, 2_527_122_432),
-        (Precision::Bf16, Checkpointing::PerBlock, 542_565_128),
+        (Precision::Fp32, Checkpointing::Off, 1_564_038_144),
+        (Precision::Fp32, Checkpointing::PerBlock, 417_802_248),
+        (Precision::Bf16, Checkpointing::Off, 2_419_119_104),
+        (Precision::Bf16, Checkpointing::PerBlock, 537_322_248),
     ];
     for (precision, checkpointing, peak) in measured {
         let mut config = TrainConfig::for_preset(Preset::Capstone);

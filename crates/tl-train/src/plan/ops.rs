@@ -90,11 +90,6 @@ impl DryRun {
         probs
     }
 
-    /// `mul`: saves both factors.
-    pub(crate) fn mul(&mut self, lhs: &Handle, rhs: &Handle, tag: Tag) -> Handle {
-        self.saving(&[lhs, rhs], &[lhs, rhs], lhs.bytes, tag)
-    }
-
     /// `swiglu`, the fused gate `silu(g) ⊙ u`: saves both inputs.
     pub(crate) fn swiglu(&mut self, gate: &Handle, up: &Handle, tag: Tag) -> Handle {
         self.saving(&[gate, up], &[gate, up], gate.bytes, tag)
