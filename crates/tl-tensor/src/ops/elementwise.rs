@@ -133,7 +133,7 @@ impl<E: Element> Tensor<E> {
 
 /// Arrays at least this long are mapped on the rayon pool; shorter ones are not worth the
 /// hand-off.
-const PARALLEL_MIN_LEN: usize = 1 << 15;
+pub(crate) const PARALLEL_MIN_LEN: usize = 1 << 15;
 
 /// `f` of every element, in a new array. Large arrays are split over the rayon pool; each
 /// element is computed alone, so the bits do not depend on the split.

@@ -7,10 +7,8 @@
 
 use ndarray::{ArrayD, Zip};
 
+use super::elementwise::PARALLEL_MIN_LEN;
 use crate::{Element, Tensor};
-
-/// Arrays at least this long are split over the rayon pool.
-const PARALLEL_MIN_LEN: usize = 1 << 15;
 
 /// σ(x) = 1 / (1 + e^(−x)) in the element type. For very negative x, e^(−x) overflows to
 /// +∞ and σ is exactly 0, never NaN.

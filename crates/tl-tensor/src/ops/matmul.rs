@@ -139,47 +139,44 @@ impl<E: Element> Tensor<E> {
     /// product, with no per-item partial sums to add up.
     fn rows_times_matrix(&self, rhs: &Tensor<E>) -> Tensor<E> {
         let lhs_shape = self.shape();
-        let k = lhs_shape[lhs_shape.len() - 1];
         let n = rhs.shape()[1];
-        let rows = lhs_shape[..lhs_shape.len() - 1].iter().product::<usize>();
         let mut out_shape = lhs_shape[..lhs_shape.len() - 1].to_vec();
         out_shape.push(n);
-        let value = {
-            let lhs = self.value();
-            let lhs = lhs.as_standard_layout();
-            let lhs = lhs
-                .view()
-                .into_shape_with_order(IxDyn(&[rows, k]))
-                .expect("standard");
+        let value = as_rows(&self.value(), |lhs| {
             batched_matmul(lhs, rhs.value().view())
                 .into_shape_with_order(IxDyn(&out_shape))
                 .expect("a fresh product is in standard layout")
-        };
+        });
         let (lhs_saved, rhs_saved) = (self.clone(), rhs.clone());
         Tensor::from_op(value, &[self, rhs], move |grad| {
-            let grad = grad.as_standard_layout();
-            let grad = grad
-                .view()
-                .into_shape_with_order(IxDyn(&[rows, n]))
-                .expect("standard");
-            let lhs_grad = lhs_saved.requires_grad().then(|| {
-                let rhs_value = rhs_saved.value();
-                batched_matmul(grad.view(), swap_last(rhs_value.view()))
-                    .into_shape_with_order(IxDyn(&lhs_shape))
-                    .expect("a fresh product is in standard layout")
-            });
-            let rhs_grad = rhs_saved.requires_grad().then(|| {
-                let lhs_value = lhs_saved.value();
-                let lhs_value = lhs_value.as_standard_layout();
-                let lhs = lhs_value
-                    .view()
-                    .into_shape_with_order(IxDyn(&[rows, k]))
-                    .expect("standard");
-                batched_matmul(swap_last(lhs), grad.view())
-            });
-            vec![lhs_grad, rhs_grad]
+            as_rows(&grad, |grad| {
+                let lhs_grad = lhs_saved.requires_grad().then(|| {
+                    batched_matmul(grad.view(), swap_last(rhs_saved.value().view()))
+                        .into_shape_with_order(IxDyn(&lhs_shape))
+                        .expect("a fresh product is in standard layout")
+                });
+                let rhs_grad = rhs_saved.requires_grad().then(|| {
+                    as_rows(&lhs_saved.value(), |lhs| {
+                        batched_matmul(swap_last(lhs), grad.view())
+                    })
+                });
+                vec![lhs_grad, rhs_grad]
+            })
         })
     }
+}
+
+/// `f` of `array` seen as a matrix: its last axis the columns, every axis before it folded
+/// into the rows. A view for an array in standard layout, a copy for any other.
+fn as_rows<E: Element, T>(array: &ArrayD<E>, f: impl FnOnce(ArrayViewD<'_, E>) -> T) -> T {
+    let (leading, width) = array.shape().split_at(array.ndim() - 1);
+    let rows = leading.iter().product::<usize>();
+    let standard = array.as_standard_layout();
+    let matrix = standard
+        .view()
+        .into_shape_with_order(IxDyn(&[rows, width[0]]))
+        .expect("a standard-layout array folds into rows");
+    f(matrix)
 }
 
 #[cfg(test)]
