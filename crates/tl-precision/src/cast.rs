@@ -55,10 +55,7 @@ const BLOCK: usize = 1 << 14;
 fn round_counting_flushes<E: Element>(mut values: ArrayD<E>, format: Format) -> (ArrayD<E>, u64) {
     let flushed = match values.as_slice_memory_order_mut() {
         // Nearly every gradient is contiguous and takes the vectorized slice kernels.
-        Some(contiguous) => contiguous
-            .chunks_mut(BLOCK)
-            .map(|block| round_block(block, format))
-            .sum(),
+        Some(contiguous) => round_gradient(contiguous, format),
         None => {
             let zero = E::zero();
             let mut flushed = 0;
@@ -71,6 +68,33 @@ fn round_counting_flushes<E: Element>(mut values: ArrayD<E>, format: Format) -> 
         }
     };
     (values, flushed)
+}
+
+/// Rounds a gradient in place into `format`, as the backward pass of [`cast`] does, and
+/// returns how many nonzero values the rounding flushed to zero, *without* adding them to
+/// [`underflow_count`].
+///
+/// This is for fused kernels that round gradients where a `cast` would stand in the unfused
+/// graph, often on worker threads: the counter is per-thread, so they add up their counts
+/// and hand the total to [`record_underflows`] on the thread that runs the backward pass.
+///
+/// ```
+/// use tl_numerics::Format;
+/// use tl_precision::{record_underflows, round_gradient, take_underflow_count};
+///
+/// take_underflow_count(); // start from a clean count
+/// let mut grad = [1.01_f32, 1e-8, 0.0];
+/// let flushed = round_gradient(&mut grad, Format::Fp16);
+/// assert_eq!(grad, [1.009765625, 0.0, 0.0]); // 1e-8 is below half of 2^-24
+/// assert_eq!(flushed, 1); // the zero that was already zero does not count
+/// record_underflows(flushed);
+/// assert_eq!(take_underflow_count(), 1);
+/// ```
+pub fn round_gradient<E: Element>(values: &mut [E], format: Format) -> u64 {
+    values
+        .chunks_mut(BLOCK)
+        .map(|block| round_block(block, format))
+        .sum()
 }
 
 /// Rounds a block in place and returns the number of values it flushed to zero.
@@ -89,7 +113,9 @@ fn count_zeros<E: Element>(block: &[E]) -> u32 {
     block.iter().fold(0, |n, &v| n + u32::from(v == zero))
 }
 
-fn record_underflows(count: u64) {
+/// Adds `count` gradient values flushed to zero to this thread's [`underflow_count`]: the
+/// other half of [`round_gradient`].
+pub fn record_underflows(count: u64) {
     UNDERFLOWS.with(|total| total.set(total.get() + count));
 }
 

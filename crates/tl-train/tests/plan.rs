@@ -97,9 +97,9 @@ fn checkpointing_trades_the_stored_blocks_for_one_rerun() {
         Checkpointing::PerBlock,
     )))
     .unwrap();
-    // tiny at micro-batch 8: N = 512 tokens, d = 64, h = 176, B·H·T² = 131,072.
-    // One block saves 8·N·d + 3·N·h + B·H·T² = 262,144 + 270,336 + 131,072 floats.
-    let block = 4 * (8 * 512 * 64 + 3 * 512 * 176 + 131_072);
+    // tiny at micro-batch 8: N = 512 tokens, d = 64, h = 176.
+    // One block saves 8·N·d + 3·N·h = 262,144 + 270,336 floats (no T×T matrix).
+    let block = 4 * (8 * 512 * 64 + 3 * 512 * 176);
     assert_eq!(plan.layers[1].saved_plain, block);
     // Checkpointed, block 0 keeps its input (N·d floats); block 1 is the plain last segment.
     assert_eq!(plan.layers[1].saved_checkpointed, 4 * 512 * 64);
@@ -112,10 +112,10 @@ fn the_capstone_predictions_are_the_release_measurements() {
     // `tinyllm plan --preset capstone --micro-batch 8 --measure [--bf16]
     // [--checkpoint-activations]`, release build: the meter's steady-state peaks.
     let measured = [
-        (Precision::Fp32, Checkpointing::Off, 1_564_038_144),
-        (Precision::Fp32, Checkpointing::PerBlock, 417_802_248),
-        (Precision::Bf16, Checkpointing::Off, 2_419_119_104),
-        (Precision::Bf16, Checkpointing::PerBlock, 537_322_248),
+        (Precision::Fp32, Checkpointing::Off, 871_977_992),
+        (Precision::Fp32, Checkpointing::PerBlock, 312_337_160),
+        (Precision::Bf16, Checkpointing::Off, 1_049_973_760),
+        (Precision::Bf16, Checkpointing::PerBlock, 342_582_024),
     ];
     for (precision, checkpointing, peak) in measured {
         let mut config = TrainConfig::for_preset(Preset::Capstone);
@@ -151,7 +151,7 @@ fn plan_prints_model_state_saved_activations_and_both_peaks() {
         "16 B/parameter",
         // 16 · 133,440
         "2,135,040",
-        "attention probabilities",
+        "q, k, v",
         "block 1",
         "peak live bytes",
         "per block peak at: step 2",

@@ -46,6 +46,31 @@ pub fn gemm_into<E: Element>(
     gemm_with(out, lhs, rhs, accumulate, threads_for(m, n, k));
 }
 
+/// [`gemm_into`] on the calling thread only, whatever the size: for kernels that already
+/// run one task per rayon thread (a fused attention computes one head per task) and would
+/// only oversubscribe the pool by splitting each product again. The result is the same bits
+/// as [`gemm_into`]'s for the same operands (see the module's determinism note).
+///
+/// # Panics
+/// If the shapes do not chain: `lhs` is m×k, `rhs` k×n, `out` m×n.
+///
+/// ```
+/// use tl_tensor::kernels::gemm::gemm_serial_into;
+/// use tl_tensor::ndarray::{Array2, arr2};
+/// let a = arr2(&[[1.0f32, 2.0], [3.0, 4.0]]);
+/// let mut out = Array2::<f32>::ones((2, 2));
+/// gemm_serial_into(&mut out.view_mut(), a.view(), a.view(), true); // out += a·a
+/// assert_eq!(out, arr2(&[[8.0, 11.0], [16.0, 23.0]]));
+/// ```
+pub fn gemm_serial_into<E: Element>(
+    out: &mut ArrayViewMut2<'_, E>,
+    lhs: ArrayView2<'_, E>,
+    rhs: ArrayView2<'_, E>,
+    accumulate: bool,
+) {
+    gemm_with(out, lhs, rhs, accumulate, Threads::One);
+}
+
 /// The product `lhs · rhs` in a fresh row-major array, split across the current rayon pool
 /// when it is large. The array is not zero-filled first (vectors aside): `gemm` writes every
 /// element.

@@ -2,12 +2,14 @@
 //!
 //! - [`config`]: sizes and the named presets.
 //! - [`rope`]: rotary position embedding.
-//! - [`attention`]: causal multi-head self-attention and its fused masked softmax.
+//! - [`attention`]: causal multi-head self-attention.
+//! - [`causal_attention`]: its core, `softmax(q·kᵀ/√hd + M)·v` for all heads, as one fused op.
 //! - [`block`]: the pre-norm block with its SwiGLU MLP.
 //! - [`llama`]: the whole model, with optional activation checkpointing and sampling.
 
 pub mod attention;
 pub mod block;
+pub mod causal_attention;
 pub mod config;
 pub mod llama;
 pub mod rope;

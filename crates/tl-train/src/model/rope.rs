@@ -1,7 +1,11 @@
 //! Rotary position embedding (Su et al., 2021), as one op with its VJP.
 
 use ndarray::{ArrayD, IxDyn};
+use rayon::prelude::*;
 use tl_tensor::{Element, Tensor};
+
+/// Arrays at least this long are rotated on the rayon pool (the capstone's q and k are 1.3M).
+const PARALLEL_MIN_LEN: usize = 1 << 15;
 
 /// The rotary tables of a model: for position `t` and pair `i` of a head of size `hd`, the
 /// angle `θ = t · base^(−2i/hd)`.
@@ -54,54 +58,72 @@ impl<E: Element> Rope<E> {
         }
     }
 
-    /// Rotates `x` of shape `[batch, time, heads, head_dim]`; position `t` is the index on
-    /// the time axis.
+    /// Rotates `x` of shape `[batch, time, heads, head_dim]`, or `[batch, time, heads·head_dim]`
+    /// with the heads side by side; position `t` is the index on the time axis.
     ///
     /// # Panics
-    /// If `x` is not 4-D with this head size, or `time` exceeds the tables' context.
+    /// If `x` is neither, for this head size, or `time` exceeds the tables' context.
     pub fn apply(self: &std::rc::Rc<Self>, x: &Tensor<E>) -> Tensor<E> {
         let shape = x.shape();
+        let head_dim = 2 * self.half;
+        let heads_last = match shape.len() {
+            4 => shape[3] == head_dim,
+            3 => shape[2].is_multiple_of(head_dim),
+            _ => false,
+        };
         assert!(
-            shape.len() == 4 && shape[3] == 2 * self.half && shape[1] <= self.context,
-            "Rope: expected [batch, time <= {}, heads, {}], got {shape:?}",
+            heads_last && shape[1] <= self.context,
+            "Rope: expected [batch, time <= {}, heads, {head_dim}] or [batch, time, heads·{head_dim}], \
+             got {shape:?}",
             self.context,
-            2 * self.half
         );
-        let value = self.rotate(&x.value(), &shape, false);
+        let value = self.rotate(&x.value(), false);
         let tables = std::rc::Rc::clone(self);
         Tensor::from_op(value, &[x], move |grad_out| {
-            vec![Some(tables.rotate(&grad_out, &shape, true))]
+            vec![Some(tables.rotate(&grad_out, true))]
         })
     }
 
-    /// Rotates every pair of `x` by `+θ`, or by `−θ` when `inverse`.
-    fn rotate(&self, x: &ArrayD<E>, shape: &[usize], inverse: bool) -> ArrayD<E> {
-        let (batch, time, heads) = (shape[0], shape[1], shape[2]);
+    /// Rotates every pair of `x` by `+θ`, or by `−θ` when `inverse`. Each position is one
+    /// task for the rayon pool when the array is large; an element's value never depends on
+    /// the split.
+    fn rotate(&self, x: &ArrayD<E>, inverse: bool) -> ArrayD<E> {
+        let shape = x.shape().to_vec();
         let x = x.as_standard_layout();
         let input = x.as_slice().expect("standard layout");
         let mut out = vec![E::zero(); input.len()];
         let head_dim = 2 * self.half;
-        let row = heads * head_dim;
-        for b in 0..batch {
-            for t in 0..time {
-                let cos = &self.cos[t * self.half..(t + 1) * self.half];
-                let sin = &self.sin[t * self.half..(t + 1) * self.half];
-                let start = (b * time + t) * row;
-                let (src, dst) = (&input[start..start + row], &mut out[start..start + row]);
-                for (src_head, dst_head) in src
-                    .chunks_exact(head_dim)
-                    .zip(dst.chunks_exact_mut(head_dim))
-                {
-                    for i in 0..self.half {
-                        let (c, s) = (cos[i], if inverse { -sin[i] } else { sin[i] });
-                        let (x1, x2) = (src_head[2 * i], src_head[2 * i + 1]);
-                        dst_head[2 * i] = x1 * c - x2 * s;
-                        dst_head[2 * i + 1] = x1 * s + x2 * c;
-                    }
+        let (time, row) = (shape[1], shape[2..].iter().product::<usize>());
+        let rotate_row = |(position, (src, dst)): (usize, (&[E], &mut [E]))| {
+            let t = position % time;
+            let cos = &self.cos[t * self.half..(t + 1) * self.half];
+            let sin = &self.sin[t * self.half..(t + 1) * self.half];
+            for (src_head, dst_head) in src
+                .chunks_exact(head_dim)
+                .zip(dst.chunks_exact_mut(head_dim))
+            {
+                for i in 0..self.half {
+                    let (c, s) = (cos[i], if inverse { -sin[i] } else { sin[i] });
+                    let (x1, x2) = (src_head[2 * i], src_head[2 * i + 1]);
+                    dst_head[2 * i] = x1 * c - x2 * s;
+                    dst_head[2 * i + 1] = x1 * s + x2 * c;
                 }
             }
+        };
+        if input.len() >= PARALLEL_MIN_LEN {
+            input
+                .par_chunks(row)
+                .zip(out.par_chunks_mut(row))
+                .enumerate()
+                .for_each(rotate_row);
+        } else {
+            input
+                .chunks(row)
+                .zip(out.chunks_mut(row))
+                .enumerate()
+                .for_each(rotate_row);
         }
-        ArrayD::from_shape_vec(IxDyn(shape), out).expect("same count")
+        ArrayD::from_shape_vec(IxDyn(&shape), out).expect("same count")
     }
 }
 

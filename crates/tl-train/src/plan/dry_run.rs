@@ -302,17 +302,6 @@ impl DryRun {
         output
     }
 
-    /// Adds a handle to what an op's VJP keeps (`from_op_saving_output` keeps its output).
-    pub(crate) fn save_in_node(&mut self, node: usize, handle: Handle) {
-        match &mut self.nodes[node].kind {
-            NodeKind::Op {
-                vjp: Some(Vjp::Saved(saved)),
-                ..
-            } => saved.push(handle),
-            _ => unreachable!("only an unswept op saves"),
-        }
-    }
-
     /// Whether `handle` is a parameter (a leaf that is not a rerun's input copy).
     pub(crate) fn is_param(&self, handle: &Handle) -> bool {
         handle

@@ -9,9 +9,9 @@ use serde::Serialize;
 ///
 /// The first four kinds are the model state every step carries; the others are activations,
 /// either saved for backward or alive only for a moment of the forward pass. Under autocast
-/// the matmuls save rounded copies of their operands instead of the operands themselves, so
-/// the saved bytes move from [`LinearInputs`](Self::LinearInputs) and
-/// [`Heads`](Self::Heads) to [`RoundedCopies`](Self::RoundedCopies).
+/// the projections save rounded copies of their inputs instead of the inputs themselves, so
+/// the saved bytes move from [`NormOutputs`](Self::NormOutputs) and
+/// [`LinearOutputs`](Self::LinearOutputs) to [`RoundedCopies`](Self::RoundedCopies).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TensorKind {
@@ -25,18 +25,15 @@ pub enum TensorKind {
     GradientsInFlight,
     /// The residual stream: block inputs and the sum after attention (what the norms save).
     ResidualStream,
-    /// RMSNorm outputs (never saved: each linear layer saves its own reshaped copy).
+    /// RMSNorm outputs, saved by the projections that read them (in f32; under autocast
+    /// each projection saves its own rounded copy instead).
     NormOutputs,
-    /// The `[B·T, in]` copies that each linear layer makes of its input and its matmul saves.
-    LinearInputs,
-    /// Outputs of the output projections and of the attention's `P·V` (short-lived).
+    /// Outputs of the projections and of the fused attention; the attention's output is
+    /// saved by the output projection, the others are short-lived.
     LinearOutputs,
-    /// Queries, keys and values in head layout (the rotated `q`, `kᵀ` and `v` are saved).
+    /// The attention's queries, keys and values: the rotated `q` and `k` and `v`, saved by
+    /// the fused attention, and the projections they come from, alive for a moment.
     Heads,
-    /// The raw scores `q·kᵀ`, alive until the attention's forward pass returns.
-    Scores,
-    /// The causal softmax's output `P`, saved by the softmax and by `P·V`.
-    Probabilities,
     /// The SwiGLU hidden tensors: gate pre-activation, up projection, their gated product.
     MlpHidden,
     /// Dropout's masks, one per residual branch.
@@ -53,18 +50,15 @@ pub enum TensorKind {
 
 impl TensorKind {
     /// Every kind, model state first, in table order.
-    pub const ALL: [TensorKind; 17] = [
+    pub const ALL: [TensorKind; 14] = [
         TensorKind::Weights,
         TensorKind::Gradients,
         TensorKind::AdamMoments,
         TensorKind::GradientsInFlight,
         TensorKind::ResidualStream,
         TensorKind::NormOutputs,
-        TensorKind::LinearInputs,
         TensorKind::LinearOutputs,
         TensorKind::Heads,
-        TensorKind::Scores,
-        TensorKind::Probabilities,
         TensorKind::MlpHidden,
         TensorKind::DropoutMasks,
         TensorKind::Logits,
@@ -102,11 +96,8 @@ impl TensorKind {
             TensorKind::GradientsInFlight => "gradients in flight",
             TensorKind::ResidualStream => "residual stream (norm inputs)",
             TensorKind::NormOutputs => "norm outputs",
-            TensorKind::LinearInputs => "linear-layer inputs",
-            TensorKind::LinearOutputs => "projection / P·V outputs",
-            TensorKind::Heads => "q, kᵀ, v heads",
-            TensorKind::Scores => "attention scores q·kᵀ",
-            TensorKind::Probabilities => "attention probabilities",
+            TensorKind::LinearOutputs => "projection / attention outputs",
+            TensorKind::Heads => "q, k, v",
             TensorKind::MlpHidden => "SwiGLU hidden",
             TensorKind::DropoutMasks => "dropout masks",
             TensorKind::Logits => "logits",

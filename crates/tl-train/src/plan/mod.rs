@@ -10,22 +10,25 @@
 //!
 //! ```text
 //! residual stream   2·N·d        the two norms' inputs (block input, x + attention)
-//! linear inputs     3·N·d + N·h  what the projections read: norm outputs, the heads' mix, the gate
-//! heads             3·N·d        rotated q, kᵀ and v, saved by the two attention products
-//! probabilities     B·H·T²       the fused causal softmax keeps only its output P
-//! SwiGLU hidden     2·N·h        gate pre-activation and up, saved by the fused swiglu
+//! norm outputs      2·N·d        read and saved by the projections (q, k, v share one)
+//! q, k, v           3·N·d        rotated q and k and v, saved by the fused attention
+//! attention output  N·d          saved by the output projection
+//! SwiGLU hidden     3·N·h        gate pre-activation and up (the fused gate), their product (w2)
 //! -------------------------------------------------------------------------------------------
-//! per block          8·N·d + 3·N·h + B·H·T²          head: 2·N·d + N·V (+ the loss)
+//! per block          8·N·d + 3·N·h                  head: 2·N·d + N·V (+ the loss)
 //! ```
 //!
-//! Under bf16/fp16 autocast every matmul rounds *copies* of its operands and saves those:
-//! the heads become rounded copies of the same size, each projection keeps its own rounded
-//! copy of its input (the norm output q, k and v share becomes three), `P` is kept twice
-//! (the softmax's own and the rounded copy `P·V` saved) and every weight matrix gets a
-//! rounded copy for the whole forward pass (`4d² + 3dh` per block, `dV` for the head). The
-//! storage stays f32, so emulated mixed precision *adds* memory here, where real hardware
-//! would halve it. Dropout adds one `N·d` mask per branch. With checkpointing, a checkpointed
-//! block keeps only its input (`N·d`); the last segment of a schedule is never checkpointed.
+//! No `T×T` attention matrix is saved: the fused attention keeps two numbers per query row
+//! and recomputes its probabilities in the backward pass.
+//!
+//! Under bf16/fp16 autocast every projection rounds *copies* of its operands and saves
+//! those: each keeps its own rounded copy of its input (the norm output q, k and v share
+//! becomes three) and every weight matrix gets a rounded copy for the whole forward pass
+//! (`4d² + 3dh` per block, `dV` for the head). The fused attention rounds inside and keeps
+//! its f32 inputs, as in fp32. The storage stays f32, so emulated mixed precision *adds*
+//! memory here, where real hardware would halve it. Dropout adds one `N·d` mask per branch.
+//! With checkpointing, a checkpointed block keeps only its input (`N·d`); the last segment
+//! of a schedule is never checkpointed.
 //!
 //! # When the peak comes
 //!
@@ -35,14 +38,14 @@
 //! while activations grow through the forward pass and shrink through the backward pass.
 //! Three things sit on top of the saved activations at the worst moment:
 //!
-//! - **forward transients**: the attention's raw scores `q·kᵀ` (`B·H·T²`) stay alive until
-//!   its forward pass returns, so the top block's attention is often the peak of a plain
-//!   step; under autocast each product also holds its unrounded result for a moment;
+//! - **forward transients**: a projection's output before it is rotated, an MLP's hidden
+//!   tensors before the gate combines them, and under autocast each product's unrounded
+//!   result, for a moment;
 //! - **gradients in flight**: tl-tensor sweeps nodes in reverse depth-first post-order, which
 //!   reaches the weights of `wv`, `wo`, `w2`, `w3` and the norm gains only at the very end, so
 //!   their gradients wait in flight through the whole backward pass;
 //! - **recomputation**: a checkpointed block reruns its forward pass with the graph on (its
-//!   full activations, its scores) while the gradient flowing into it is counted twice.
+//!   full activations) while the gradient flowing into it is counted twice.
 //!
 //! # How the prediction is made and checked
 //!

@@ -236,48 +236,26 @@ impl ShadowLlama {
         sum
     }
 
-    /// `CausalSelfAttention::forward`.
+    /// `CausalSelfAttention::forward`: each projection of q and k is rotated and dropped at
+    /// the end of its statement; the fused attention saves the rotated q, k and v.
     fn attention(&self, dry: &mut DryRun, i: usize, x: &Handle) -> Handle {
-        let (c, params) = (&self.config, &self.blocks[i]);
+        let params = &self.blocks[i];
         let here = |kind| tag(Layer::Block(i), kind);
-        let width = self.per_token(c.d_model);
-        let projected = dry.linear(x, &params.wq, width, here(TensorKind::Heads));
-        let q = self.heads(dry, projected, true, here(TensorKind::Heads));
-        let projected = dry.linear(x, &params.wk, width, here(TensorKind::Heads));
-        let k = self.heads(dry, projected, true, here(TensorKind::Heads));
-        let k_t = dry.layout(&k, here(TensorKind::Heads));
-        dry.release(k);
-        let projected = dry.linear(x, &params.wv, width, here(TensorKind::Heads));
-        let v = self.heads(dry, projected, false, here(TensorKind::Heads));
-        let score_bytes = (self.rows * c.n_heads * c.context * c.context) as u64 * F32;
-        let scores = dry.matmul(&q, &k_t, score_bytes, here(TensorKind::Scores));
-        let probs = dry.causal_softmax(&scores, here(TensorKind::Probabilities));
-        let mixed_heads = dry.matmul(&probs, &v, width, here(TensorKind::LinearOutputs));
-        let permuted = dry.layout(&mixed_heads, here(TensorKind::LinearOutputs));
-        let mixed = dry.layout(&permuted, here(TensorKind::LinearOutputs));
-        dry.release(permuted);
-        dry.release(mixed_heads);
+        let width = self.per_token(self.config.d_model);
+        let rotated = |dry: &mut DryRun, weight| {
+            let projected = dry.linear(x, weight, width, here(TensorKind::Heads));
+            let rotated = dry.layout(&projected, here(TensorKind::Heads));
+            dry.release(projected);
+            rotated
+        };
+        let q = rotated(dry, &params.wq);
+        let k = rotated(dry, &params.wk);
+        let v = dry.linear(x, &params.wv, width, here(TensorKind::Heads));
+        let mixed = dry.causal_attention(&q, &k, &v, here(TensorKind::LinearOutputs));
         let output = dry.linear(&mixed, &params.wo, width, here(TensorKind::LinearOutputs));
-        for local in [mixed, probs, scores, v, k_t, q] {
+        for local in [mixed, v, k, q] {
             dry.release(local);
         }
-        output
-    }
-
-    /// `CausalSelfAttention::heads`: reshape, rotate (q and k), permute; the intermediates
-    /// and the projection drop when it returns.
-    fn heads(&self, dry: &mut DryRun, projected: Handle, rotate: bool, heads_tag: Tag) -> Handle {
-        let split = dry.layout(&projected, heads_tag);
-        let output = if rotate {
-            let rotated = dry.layout(&split, heads_tag);
-            let output = dry.layout(&rotated, heads_tag);
-            dry.release(rotated);
-            output
-        } else {
-            dry.layout(&split, heads_tag)
-        };
-        dry.release(split);
-        dry.release(projected);
         output
     }
 

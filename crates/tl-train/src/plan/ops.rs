@@ -80,14 +80,17 @@ impl DryRun {
         rounded
     }
 
-    /// The model's fused causal softmax: keeps only its output (`from_op_saving_output`).
-    pub(crate) fn causal_softmax(&mut self, scores: &Handle, tag: Tag) -> Handle {
-        let probs = self.layout(scores, tag);
-        if let Some(node) = probs.node {
-            let kept = self.share(&probs);
-            self.save_in_node(node, kept);
-        }
-        probs
+    /// The model's fused `causal_attention`: saves its three inputs (never a `T×T` tensor;
+    /// its row statistics are a plain array, outside the meter) and rounds inside under
+    /// autocast, so it keeps no rounded copies.
+    pub(crate) fn causal_attention(
+        &mut self,
+        q: &Handle,
+        k: &Handle,
+        v: &Handle,
+        tag: Tag,
+    ) -> Handle {
+        self.saving(&[q, k, v], &[q, k, v], q.bytes, tag)
     }
 
     /// `swiglu`, the fused gate `silu(g) ⊙ u`: saves both inputs.
@@ -134,7 +137,7 @@ mod tests {
         let mut dry = DryRun::new();
         let w = dry.param(4 * F32, Layer::Block(0));
         let x = dry.constant(6 * F32, activation(TensorKind::ResidualStream));
-        let rows = dry.layout(&x, activation(TensorKind::LinearInputs)); // 24 bytes, has no node
+        let rows = dry.layout(&x, activation(TensorKind::NormOutputs)); // 24 bytes, has no node
         let y = dry.matmul_plain(&rows, &w, 12 * F32, activation(TensorKind::LinearOutputs));
         dry.release(rows);
         dry.release(x);

@@ -10,8 +10,7 @@ use crate::model::{Checkpointing, ModelConfig, Preset};
 use crate::train::{DataSource, TrainConfig, Trainer};
 
 /// B = 2 sequences of T = 16 tokens, d = 16, H = 2 heads, hidden h = 24, L = 4 blocks,
-/// V = 256: N = B·T = 32 tokens, so N·d = 512, N·h = 768, N·V = 8192 and the attention
-/// matrices B·H·T² = 1024 floats.
+/// V = 256: N = B·T = 32 tokens, so N·d = 512, N·h = 768 and N·V = 8192 floats.
 fn micro_config(precision: Precision, checkpointing: Checkpointing, dropout: f64) -> TrainConfig {
     let mut config = TrainConfig::for_preset(Preset::Tiny);
     config.model = ModelConfig {
@@ -50,24 +49,27 @@ fn saved_in(prediction: &StepPrediction, keep: impl Fn(Layer) -> bool) -> u64 {
 }
 
 #[test]
-fn an_fp32_block_saves_eight_nd_three_nh_and_one_attention_matrix() {
+fn an_fp32_block_saves_eight_nd_and_three_nh() {
     let prediction = predict(&micro_config(Precision::Fp32, Checkpointing::Off, 0.0));
-    // 8·512 + 3·768 + 1024 = 7424 floats = 29,696 bytes, the same in every block.
+    // 8·512 + 3·768 = 6400 floats = 25,600 bytes, the same in every block.
     for i in 0..4 {
-        assert_eq!(saved_in(&prediction, |l| l == Layer::Block(i)), 29_696);
+        assert_eq!(saved_in(&prediction, |l| l == Layer::Block(i)), 25_600);
     }
     // Final norm input and head input (2·512) + logits copy (8192) = 9216 floats, and the
     // loss with its weighted copy (2 floats): 36,872 bytes.
     assert_eq!(saved_in(&prediction, |l| l == Layer::Head), 36_872);
-    assert_eq!(prediction.saved_total(), 4 * 29_696 + 36_872);
+    assert_eq!(prediction.saved_total(), 4 * 25_600 + 36_872);
 }
 
 #[test]
-fn autocast_adds_a_rounded_probability_copy_and_the_weight_copies() {
+fn autocast_adds_rounded_copies_of_the_projection_inputs_and_weights() {
     let prediction = predict(&micro_config(Precision::Bf16, Checkpointing::Off, 0.0));
-    // Rounded copies of what fp32 shares (8960 floats: each of q, k, v rounds the norm
-    // output) + a rounded copy of P (1024) + rounded 4d² + 3dh = 2176: 12,160 floats.
-    assert_eq!(saved_in(&prediction, |l| l == Layer::Block(0)), 48_640);
+    // As in fp32, the norms' inputs (1024) and what the fused attention and gate keep in
+    // f32 (q, k, v: 1536; gate and up: 1536). But each of the seven projections keeps its
+    // own rounded copy of its input where fp32 shares one (6·512 + 768 = 3840: q, k and v
+    // each round the norm output), and the weights are rounded (4d² + 3dh = 2176):
+    // 10,112 floats.
+    assert_eq!(saved_in(&prediction, |l| l == Layer::Block(0)), 40_448);
     // 512 + rounded head input 512 + rounded head weight d·V = 4096 + logits 8192 = 13,312
     // floats, and the two loss floats.
     assert_eq!(saved_in(&prediction, |l| l == Layer::Head), 53_256);
@@ -77,11 +79,11 @@ fn autocast_adds_a_rounded_probability_copy_and_the_weight_copies() {
 fn per_block_checkpointing_keeps_block_inputs_and_the_last_block_whole() {
     let prediction = predict(&micro_config(Precision::Fp32, Checkpointing::PerBlock, 0.0));
     // Blocks 0..3 keep their inputs (512 floats each); the last segment is not
-    // checkpointed, so block 3 keeps all 7424 floats.
+    // checkpointed, so block 3 keeps all 6400 floats.
     for i in 0..3 {
         assert_eq!(saved_in(&prediction, |l| l == Layer::Block(i)), 2_048);
     }
-    assert_eq!(saved_in(&prediction, |l| l == Layer::Block(3)), 29_696);
+    assert_eq!(saved_in(&prediction, |l| l == Layer::Block(3)), 25_600);
     assert!(
         prediction.peak_bytes
             < predict(&micro_config(Precision::Fp32, Checkpointing::Off, 0.0)).peak_bytes
