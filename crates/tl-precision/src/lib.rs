@@ -31,9 +31,7 @@ mod step;
 
 pub use accumulate::{MicroBatch, grad_accumulate};
 pub use autocast::{AutocastGuard, autocast, autocast_bf16, autocast_format, parse_format};
-pub use cast::{
-    cast, record_underflows, round_gradient, take_underflow_count, underflow_count,
-};
+pub use cast::{cast, record_underflows, round_gradient, take_underflow_count, underflow_count};
 pub use error::{PrecisionError, Result};
 pub use precision::Precision;
 pub use scaler::{DynamicLossScaler, StepOutcome, grad_is_finite};

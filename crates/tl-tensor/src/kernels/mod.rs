@@ -2,5 +2,6 @@
 //! Parallelism lives here, where the thread-local modes of the Tensor API cannot be missed.
 
 pub mod batched;
+pub mod exp;
 pub mod gemm;
 mod split;

@@ -87,7 +87,8 @@ pub fn causal_attention<E: Element>(
     let saved = [q.clone(), k.clone(), v.clone()];
     Tensor::from_op(value, &[q, k, v], move |grad| {
         let [q, k, v] = &saved;
-        let (grads, flushed) = heads.backward(&q.value(), &k.value(), &v.value(), &row_stats, &grad);
+        let (grads, flushed) =
+            heads.backward(&q.value(), &k.value(), &v.value(), &row_stats, &grad);
         record_underflows(flushed);
         saved
             .iter()
@@ -114,7 +115,11 @@ type RowStats<E> = Vec<E>;
 
 impl<E: Element> Heads<E> {
     fn forward(&self, q: &ArrayD<E>, k: &ArrayD<E>, v: &ArrayD<E>) -> (ArrayD<E>, RowStats<E>) {
-        let mut out = ArrayD::zeros(IxDyn(&[self.batch, self.time, self.n_heads * self.head_dim]));
+        let mut out = ArrayD::zeros(IxDyn(&[
+            self.batch,
+            self.time,
+            self.n_heads * self.head_dim,
+        ]));
         let mut row_stats = vec![E::zero(); self.batch * self.n_heads * self.time * 2];
         self.columns_mut(&mut out)
             .into_par_iter()
@@ -177,11 +182,8 @@ impl<E: Element> Heads<E> {
                 let max = live
                     .iter()
                     .fold(E::neg_infinity(), |m, &s| m.max(s * self.scale));
-                let mut sum = E::zero();
-                for s in live.iter_mut() {
-                    *s = (*s * self.scale - max).exp();
-                    sum += *s;
-                }
+                self.exponentials(live, max);
+                let sum = live.iter().fold(E::zero(), |sum, &e| sum + e);
                 for p in live.iter_mut() {
                     *p /= sum;
                 }
@@ -224,9 +226,11 @@ impl<E: Element> Heads<E> {
         for (start, end) in self.row_blocks() {
             let d_out_rows = d_out.slice(s![start..end, ..]);
             let mut probs = self.scores(&mut scratch, &q, &k, start, end);
-            let mut d_scores =
-                ArrayViewMut2::from_shape((end - start, end), &mut d_scratch[..(end - start) * end])
-                    .expect("the scratch holds a block");
+            let mut d_scores = ArrayViewMut2::from_shape(
+                (end - start, end),
+                &mut d_scratch[..(end - start) * end],
+            )
+            .expect("the scratch holds a block");
             // dP = dO·vᵀ, then dS = scale·P ⊙ (dP − Σ_j dP_j P_j), row by row.
             gemm_serial_into(&mut d_scores, d_out_rows, v.slice(s![..end, ..]).t(), false);
             let p_rows = probs.as_slice_mut().expect("contiguous block");
@@ -241,8 +245,9 @@ impl<E: Element> Heads<E> {
                 let (p_live, p_masked) = p_row.split_at_mut(t + 1);
                 let (d_live, d_masked) = d_row.split_at_mut(t + 1);
                 // The forward pass's formula on the forward pass's scores: the same bits.
+                self.exponentials(p_live, max);
                 for p in p_live.iter_mut() {
-                    *p = (*p * self.scale - max).exp() / sum;
+                    *p /= sum;
                 }
                 p_masked.fill(E::zero());
                 d_masked.fill(E::zero());
@@ -282,6 +287,14 @@ impl<E: Element> Heads<E> {
         flushed
     }
 
+    /// `e^(scale·s − max)` for each score `s` of a row, in place: the softmax's numerators.
+    fn exponentials(&self, row: &mut [E], max: E) {
+        for s in row.iter_mut() {
+            *s = *s * self.scale - max;
+        }
+        E::exp_in_place(row);
+    }
+
     /// `S = q[start..end]·k[..end]ᵀ` (rounded under autocast) in the front of `scratch`.
     fn scores<'s>(
         &self,
@@ -291,8 +304,9 @@ impl<E: Element> Heads<E> {
         start: usize,
         end: usize,
     ) -> ArrayViewMut2<'s, E> {
-        let mut block = ArrayViewMut2::from_shape((end - start, end), &mut scratch[..(end - start) * end])
-            .expect("the scratch holds a block");
+        let mut block =
+            ArrayViewMut2::from_shape((end - start, end), &mut scratch[..(end - start) * end])
+                .expect("the scratch holds a block");
         gemm_serial_into(
             &mut block,
             q.slice(s![start..end, ..]),
@@ -420,7 +434,10 @@ mod tests {
         let (inputs, d_out) = inputs(8, 1);
         let fused = run(|q, k, v| causal_attention(q, k, v, 2), &inputs, &d_out);
         let separate = run(|q, k, v| separate_ops(q, k, v, 2), &inputs, &d_out);
-        for (name, (a, b)) in ["output", "dq", "dk", "dv"].iter().zip(fused.iter().zip(&separate)) {
+        for (name, (a, b)) in ["output", "dq", "dk", "dv"]
+            .iter()
+            .zip(fused.iter().zip(&separate))
+        {
             for (x, y) in a.iter().zip(b) {
                 assert!((x - y).abs() < 1e-13, "{name}: {x} vs {y}");
             }
@@ -448,7 +465,10 @@ mod tests {
                 run(|q, k, v| separate_ops(q, k, v, 2), &inputs, &d_out)
             }
         });
-        for (name, (a, b)) in ["output", "dq", "dk", "dv"].iter().zip(fused.iter().zip(&separate)) {
+        for (name, (a, b)) in ["output", "dq", "dk", "dv"]
+            .iter()
+            .zip(fused.iter().zip(&separate))
+        {
             // Every value comes out of a 16-bit rounding ...
             assert!(a.iter().all(bf16), "{name}: not all values are bf16");
             // ... and differs from the separate ops only where an f32 sum, accumulated in
@@ -458,7 +478,11 @@ mod tests {
             for (x, y) in a.iter().zip(b) {
                 assert!((x - y).abs() <= scale * 2f32.powi(-7), "{name}: {x} vs {y}");
             }
-            assert!(differ * 100 < a.len(), "{name}: {differ} of {} differ", a.len());
+            assert!(
+                differ * 100 < a.len(),
+                "{name}: {differ} of {} differ",
+                a.len()
+            );
         }
         // Without autocast the same output is not bf16, so the check above can fail.
         let plain = run(|q, k, v| causal_attention(q, k, v, 2), &inputs, &d_out);
