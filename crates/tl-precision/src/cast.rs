@@ -11,6 +11,7 @@
 
 use std::cell::Cell;
 
+use rayon::prelude::*;
 use tl_numerics::{Format, round_slice};
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::{Element, Tensor};
@@ -38,7 +39,7 @@ thread_local! {
 /// assert_eq!(x.grad().unwrap().as_slice().unwrap(), &[1.0078125, 1.0078125]);
 /// ```
 pub fn cast<E: Element>(x: &Tensor<E>, format: Format) -> Tensor<E> {
-    let value = x.value().mapv(|v| v.round_to(format));
+    let value = rounded_copy(&x.value(), format);
     Tensor::from_op(value, &[x], move |grad_out| {
         let (grad_in, flushed) = round_counting_flushes(grad_out, format);
         record_underflows(flushed);
@@ -49,6 +50,25 @@ pub fn cast<E: Element>(x: &Tensor<E>, format: Format) -> Tensor<E> {
 /// Elements per block of the backward rounding: small enough to stay in the L2 cache
 /// between counting and rounding a block, so the three passes cost about one.
 const BLOCK: usize = 1 << 14;
+
+/// Arrays of at least this many elements are rounded block by block on the rayon pool. Every
+/// element is rounded on its own, so the split never changes a bit (nor a count: counts are
+/// per block, and integer sums do not depend on their order).
+const PARALLEL_MIN_LEN: usize = 1 << 15;
+
+/// A copy of `values`, in standard layout, with every element rounded into `format`.
+fn rounded_copy<E: Element>(values: &ArrayD<E>, format: Format) -> ArrayD<E> {
+    let mut copy = values.as_standard_layout().into_owned();
+    let elements = copy.as_slice_mut().expect("standard layout");
+    if elements.len() >= PARALLEL_MIN_LEN {
+        elements
+            .par_chunks_mut(BLOCK)
+            .for_each(|block| round_slice(block, format));
+    } else {
+        round_slice(elements, format);
+    }
+    copy
+}
 
 /// Rounds every element of `values` into `format`, in place, and counts the nonzero values
 /// the rounding flushed to zero.
@@ -91,10 +111,17 @@ fn round_counting_flushes<E: Element>(mut values: ArrayD<E>, format: Format) -> 
 /// assert_eq!(take_underflow_count(), 1);
 /// ```
 pub fn round_gradient<E: Element>(values: &mut [E], format: Format) -> u64 {
-    values
-        .chunks_mut(BLOCK)
-        .map(|block| round_block(block, format))
-        .sum()
+    if values.len() >= PARALLEL_MIN_LEN {
+        values
+            .par_chunks_mut(BLOCK)
+            .map(|block| round_block(block, format))
+            .sum()
+    } else {
+        values
+            .chunks_mut(BLOCK)
+            .map(|block| round_block(block, format))
+            .sum()
+    }
 }
 
 /// Rounds a block in place and returns the number of values it flushed to zero.
@@ -217,6 +244,24 @@ mod tests {
         let (rounded, flushed) = round_counting_flushes(grad, Format::Fp16);
         assert_eq!(flushed, expected);
         assert_eq!(rounded.iter().filter(|&&v| v == 1.0).count(), (len + 5) / 7);
+    }
+
+    #[test]
+    fn a_long_tensor_is_rounded_element_by_element() {
+        // Long enough for the rayon pool; every element must be its own rounding, and a
+        // transposed (non-standard) input comes out in its logical order.
+        let rows = PARALLEL_MIN_LEN / 5 + 1;
+        let values: Vec<f32> = (0..rows * 5).map(|i| 1.0 + i as f32 * 1e-6).collect();
+        let x = Tensor::from_vec(values.clone(), &[rows, 5]).unwrap();
+        let rounded = cast(&x.transpose(0, 1), Format::Bf16).to_vec();
+        assert_eq!(rounded.len(), rows * 5);
+        for (i, &r) in rounded.iter().enumerate() {
+            let (row, column) = (i % rows, i / rows);
+            assert_eq!(
+                r,
+                tl_numerics::Round::round_to(values[row * 5 + column], Format::Bf16)
+            );
+        }
     }
 
     #[test]
