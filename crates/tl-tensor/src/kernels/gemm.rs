@@ -337,12 +337,12 @@ mod tests {
 
     #[test]
     fn result_bits_do_not_depend_on_the_thread_count() {
-        // 300 rows: split by gemm, and k above its 512 block, so the output is revisited
+        // 100 rows: split by gemm, and k above its 512 block, so the output is revisited
         // between blocks; the rhs is a transposed view. Same bits as on one thread.
-        let lhs = hashed((300, 700), 1);
+        let lhs = hashed((100, 700), 1);
         let rhs_t = hashed((280, 700), 2);
-        assert_eq!(threads_for(300, 280, 700), Threads::Gemm);
-        let mut single = Array2::zeros((300, 280));
+        assert_eq!(threads_for(100, 280, 700), Threads::Gemm);
+        let mut single = Array2::zeros((100, 280));
         gemm_with(
             &mut single.view_mut(),
             lhs.view(),
@@ -353,7 +353,10 @@ mod tests {
         // 1100 rows: blocks of 512, 512 and 76 rows spread by rayon.
         let tall = hashed((1100, 700), 3);
         assert_eq!(threads_for(1100, 280, 700), Threads::RowBlocks(512));
-        let mut tall_results = Vec::new();
+        // 300 rows: two halves of 150.
+        let short = hashed((300, 700), 4);
+        assert_eq!(threads_for(300, 280, 700), Threads::RowBlocks(150));
+        let (mut tall_results, mut short_results) = (Vec::new(), Vec::new());
         for threads in [1, 2, 3] {
             let pool = ThreadPoolBuilder::new()
                 .num_threads(threads)
@@ -362,7 +365,9 @@ mod tests {
             let split = pool.install(|| matmul(lhs.view(), rhs_t.t()));
             assert_eq!(bits(&split), bits(&single), "{threads} threads");
             tall_results.push(bits(&pool.install(|| matmul(tall.view(), rhs_t.t()))));
+            short_results.push(bits(&pool.install(|| matmul(short.view(), rhs_t.t()))));
         }
         assert!(tall_results.iter().all(|bits| *bits == tall_results[0]));
+        assert!(short_results.iter().all(|bits| *bits == short_results[0]));
     }
 }
