@@ -51,22 +51,17 @@ pub fn cast<E: Element>(x: &Tensor<E>, format: Format) -> Tensor<E> {
 /// between counting and rounding a block, so the three passes cost about one.
 const BLOCK: usize = 1 << 14;
 
-/// Arrays of at least this many elements are rounded block by block on the rayon pool. Every
-/// element is rounded on its own, so the split never changes a bit (nor a count: counts are
-/// per block, and integer sums do not depend on their order).
-const PARALLEL_MIN_LEN: usize = 1 << 15;
+// Both directions round block by block on the rayon pool. Every element is rounded on its
+// own, so the split never changes a bit (nor a count: counts are per block, and integer sums
+// do not depend on their order).
 
 /// A copy of `values`, in standard layout, with every element rounded into `format`.
 fn rounded_copy<E: Element>(values: &ArrayD<E>, format: Format) -> ArrayD<E> {
     let mut copy = values.as_standard_layout().into_owned();
-    let elements = copy.as_slice_mut().expect("standard layout");
-    if elements.len() >= PARALLEL_MIN_LEN {
-        elements
-            .par_chunks_mut(BLOCK)
-            .for_each(|block| round_slice(block, format));
-    } else {
-        round_slice(elements, format);
-    }
+    copy.as_slice_mut()
+        .expect("standard layout")
+        .par_chunks_mut(BLOCK)
+        .for_each(|block| round_slice(block, format));
     copy
 }
 
@@ -111,17 +106,10 @@ fn round_counting_flushes<E: Element>(mut values: ArrayD<E>, format: Format) -> 
 /// assert_eq!(take_underflow_count(), 1);
 /// ```
 pub fn round_gradient<E: Element>(values: &mut [E], format: Format) -> u64 {
-    if values.len() >= PARALLEL_MIN_LEN {
-        values
-            .par_chunks_mut(BLOCK)
-            .map(|block| round_block(block, format))
-            .sum()
-    } else {
-        values
-            .chunks_mut(BLOCK)
-            .map(|block| round_block(block, format))
-            .sum()
-    }
+    values
+        .par_chunks_mut(BLOCK)
+        .map(|block| round_block(block, format))
+        .sum()
 }
 
 /// Rounds a block in place and returns the number of values it flushed to zero.
@@ -248,9 +236,9 @@ mod tests {
 
     #[test]
     fn a_long_tensor_is_rounded_element_by_element() {
-        // Long enough for the rayon pool; every element must be its own rounding, and a
+        // Several blocks for the rayon pool; every element must be its own rounding, and a
         // transposed (non-standard) input comes out in its logical order.
-        let rows = PARALLEL_MIN_LEN / 5 + 1;
+        let rows = 2 * BLOCK / 5 + 1;
         let values: Vec<f32> = (0..rows * 5).map(|i| 1.0 + i as f32 * 1e-6).collect();
         let x = Tensor::from_vec(values.clone(), &[rows, 5]).unwrap();
         let rounded = cast(&x.transpose(0, 1), Format::Bf16).to_vec();

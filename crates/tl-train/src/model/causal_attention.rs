@@ -222,6 +222,7 @@ impl<E: Element> Heads<E> {
         round_grad(d_out.as_slice_mut().expect("standard layout"));
         let mut dk_sum = Array2::zeros((self.time, self.head_dim));
         let mut dv_sum = Array2::zeros((self.time, self.head_dim));
+        let mut dq_block = Array2::zeros((ROW_BLOCK.min(self.time), self.head_dim));
         let (mut scratch, mut d_scratch) = (self.block_scratch(), self.block_scratch());
         for (start, end) in self.row_blocks() {
             let d_out_rows = d_out.slice(s![start..end, ..]);
@@ -235,32 +236,29 @@ impl<E: Element> Heads<E> {
             gemm_serial_into(&mut d_scores, d_out_rows, v.slice(s![..end, ..]).t(), false);
             let p_rows = probs.as_slice_mut().expect("contiguous block");
             let d_rows = d_scores.as_slice_mut().expect("contiguous block");
-            for (i, (p_row, d_row)) in p_rows
-                .chunks_exact_mut(end)
-                .zip(d_rows.chunks_exact_mut(end))
-                .enumerate()
-            {
-                let t = start + i;
+            for (t, (p_row, d_row)) in row_pairs(p_rows, d_rows, start, end) {
                 let (max, sum) = (stats[2 * t], stats[2 * t + 1]);
                 let (p_live, p_masked) = p_row.split_at_mut(t + 1);
-                let (d_live, d_masked) = d_row.split_at_mut(t + 1);
                 // The forward pass's formula on the forward pass's scores: the same bits.
                 self.exponentials(p_live, max);
                 for p in p_live.iter_mut() {
                     *p /= sum;
                 }
                 p_masked.fill(E::zero());
-                d_masked.fill(E::zero());
-                round_grad(d_live);
+                d_row[t + 1..].fill(E::zero());
+            }
+            round_grad(d_rows); // dP (its masked zeros flush nothing)
+            for (t, (p_row, d_row)) in row_pairs(p_rows, d_rows, start, end) {
+                let (p_live, d_live) = (&p_row[..=t], &mut d_row[..=t]);
                 let dot = d_live
                     .iter()
-                    .zip(&*p_live)
+                    .zip(p_live)
                     .fold(E::zero(), |acc, (&d, &p)| acc + d * p);
-                for (d, &p) in d_live.iter_mut().zip(&*p_live) {
+                for (d, &p) in d_live.iter_mut().zip(p_live) {
                     *d = self.scale * p * (*d - dot);
                 }
             }
-            round_grad(d_rows);
+            round_grad(d_rows); // dS
             if let Some(format) = self.format {
                 round_slice(p_rows, format); // P·V read rd(P)
             }
@@ -274,11 +272,10 @@ impl<E: Element> Heads<E> {
                 q.slice(s![start..end, ..]),
                 true,
             );
-            let mut dq_rows = dq.slice_mut(s![start..end, ..]);
+            let mut dq_rows = dq_block.slice_mut(s![..end - start, ..]);
             gemm_serial_into(&mut dq_rows, d_scores, k.slice(keys), false);
-            for mut row in dq_rows.rows_mut() {
-                round_grad(row.as_slice_mut().expect("a head's row is contiguous"));
-            }
+            round_grad(dq_rows.as_slice_mut().expect("the front rows of a matrix"));
+            dq.slice_mut(s![start..end, ..]).assign(&dq_rows);
         }
         round_grad(dk_sum.as_slice_mut().expect("standard layout"));
         round_grad(dv_sum.as_slice_mut().expect("standard layout"));
@@ -367,6 +364,21 @@ impl<E: Element> Heads<E> {
         }
         heads
     }
+}
+
+/// The rows of a block of probabilities and of their gradient, side by side, with the
+/// position `t` of each (rows `start..end`, each `end` wide).
+fn row_pairs<'a, E>(
+    probs: &'a mut [E],
+    grads: &'a mut [E],
+    start: usize,
+    end: usize,
+) -> impl Iterator<Item = (usize, (&'a mut [E], &'a mut [E]))> {
+    probs
+        .chunks_exact_mut(end)
+        .zip(grads.chunks_exact_mut(end))
+        .enumerate()
+        .map(move |(i, rows)| (start + i, rows))
 }
 
 #[cfg(test)]
