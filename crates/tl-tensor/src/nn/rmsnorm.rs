@@ -1,6 +1,7 @@
 //! [`RmsNorm`]: root-mean-square normalisation with a learnable gain, as one fused op.
 
-use ndarray::{Array1, Array2, ArrayD, ArrayView2, Ix1, IxDyn, Zip};
+use ndarray::{Array1, ArrayD, IxDyn};
+use rayon::prelude::*;
 
 use super::Module;
 use crate::{Element, Tensor};
@@ -61,16 +62,10 @@ impl<E: Element> RmsNorm<E> {
     }
 }
 
-/// `r = (mean(x²) + eps)^(−1/2)` of each row.
-fn inverse_rms<E: Element>(rows: ArrayView2<'_, E>, eps: E) -> Array1<E> {
-    let n = E::from_f64(rows.ncols() as f64);
-    rows.outer_iter()
-        .map(|row| {
-            let mean_square = row.iter().map(|&v| v * v).sum::<E>() / n;
-            E::one() / (mean_square + eps).sqrt()
-        })
-        .collect()
-}
+/// Rows per rayon task, in both directions. It is also the block of rows whose gain
+/// gradients are summed first: the blocks' partial sums are then added in order, so the
+/// result does not depend on the number of threads.
+const ROWS_PER_TASK: usize = 256;
 
 impl<E: Element> Module<E> for RmsNorm<E> {
     /// Normalises `x` of shape `[.., dim]`; the output has the same shape.
@@ -85,79 +80,84 @@ impl<E: Element> Module<E> for RmsNorm<E> {
             "RmsNorm: input shape {shape:?} does not end in dim = {dim}"
         );
         let rows = x.numel() / dim;
+        let (eps, n) = (E::from_f64(self.eps), E::from_f64(dim as f64));
+        let block = ROWS_PER_TASK * dim;
         let (value, inv_rms) = {
             let x_value = x.value();
             let x_std = x_value.as_standard_layout();
-            let x_rows = x_std
-                .view()
-                .into_shape_with_order((rows, dim))
-                .expect("contiguous");
-            let inv_rms = inverse_rms(x_rows, E::from_f64(self.eps));
+            let xs = x_std.as_slice().expect("standard layout");
             let gain = self.gain.value();
-            let gain = gain.view().into_dimensionality::<Ix1>().expect("1-D gain");
-            let mut out = x_rows.to_owned();
-            Zip::from(out.rows_mut())
-                .and(&inv_rms)
-                .for_each(|mut row, &r| {
-                    Zip::from(&mut row)
-                        .and(&gain)
-                        .for_each(|y, &g| *y = *y * r * g);
+            let gain = gain.as_slice().expect("a 1-D gain");
+            let mut out = vec![E::zero(); rows * dim];
+            let mut inv_rms = vec![E::zero(); rows];
+            out.par_chunks_mut(block)
+                .zip(inv_rms.par_chunks_mut(ROWS_PER_TASK))
+                .zip(xs.par_chunks(block))
+                .for_each(|((out, inv_rms), xs)| {
+                    let rows = out
+                        .chunks_exact_mut(dim)
+                        .zip(inv_rms)
+                        .zip(xs.chunks_exact(dim));
+                    for ((y, r), x) in rows {
+                        let mean_square = x.iter().map(|&v| v * v).sum::<E>() / n;
+                        *r = E::one() / (mean_square + eps).sqrt();
+                        for ((y, &x), &g) in y.iter_mut().zip(x).zip(gain) {
+                            *y = x * *r * g;
+                        }
+                    }
                 });
-            let value = out
-                .into_shape_with_order(IxDyn(&shape))
-                .expect("same count");
+            let value = ArrayD::from_shape_vec(IxDyn(&shape), out).expect("same count");
             (value, inv_rms)
         };
         let (x_saved, gain_saved) = (x.clone(), self.gain.clone());
         Tensor::from_op(value, &[x, &self.gain], move |grad_out| {
             let x_value = x_saved.value();
             let x_std = x_value.as_standard_layout();
-            let x_rows = x_std
-                .view()
-                .into_shape_with_order((rows, dim))
-                .expect("contiguous");
+            let xs = x_std.as_slice().expect("standard layout");
             let grad_std = grad_out.as_standard_layout();
-            let grad_rows = grad_std
-                .view()
-                .into_shape_with_order((rows, dim))
-                .expect("contiguous");
+            let grads = grad_std.as_slice().expect("standard layout");
             let gain = gain_saved.value();
-            let gain = gain.view().into_dimensionality::<Ix1>().expect("1-D gain");
-            let x_grad = x_saved.requires_grad().then(|| {
-                let n = E::from_f64(dim as f64);
-                let mut x_grad = Array2::<E>::zeros((rows, dim));
-                for (((mut out, x_row), grad_row), &r) in x_grad
-                    .outer_iter_mut()
-                    .zip(x_rows.outer_iter())
-                    .zip(grad_rows.outer_iter())
-                    .zip(&inv_rms)
-                {
-                    let dot = Zip::from(&grad_row)
-                        .and(&gain)
-                        .and(&x_row)
-                        .fold(E::zero(), |acc, &dy, &g, &xi| acc + dy * g * xi);
-                    let coefficient = r * r * r / n * dot;
-                    Zip::from(&mut out)
-                        .and(&grad_row)
-                        .and(&gain)
-                        .and(&x_row)
-                        .for_each(|dx, &dy, &g, &xi| *dx = r * g * dy - coefficient * xi);
-                }
-                x_grad
-                    .into_shape_with_order(IxDyn(&shape))
-                    .expect("same count")
-            });
+            let gain = gain.as_slice().expect("a 1-D gain");
+            let mut x_grad = vec![E::zero(); rows * dim];
+            // Each task writes its rows of ∂L/∂x and returns its rows' share of ∂L/∂g.
+            let gain_partials: Vec<Vec<E>> = x_grad
+                .par_chunks_mut(block)
+                .zip(xs.par_chunks(block))
+                .zip(grads.par_chunks(block))
+                .zip(inv_rms.par_chunks(ROWS_PER_TASK))
+                .map(|(((dxs, xs), dys), inv_rms)| {
+                    let mut dg = vec![E::zero(); dim];
+                    let rows = dxs
+                        .chunks_exact_mut(dim)
+                        .zip(xs.chunks_exact(dim))
+                        .zip(dys.chunks_exact(dim))
+                        .zip(inv_rms);
+                    for (((dx, x), dy), &r) in rows {
+                        let dot = dy
+                            .iter()
+                            .zip(gain)
+                            .zip(x)
+                            .fold(E::zero(), |acc, ((&dy, &g), &xi)| acc + dy * g * xi);
+                        let coefficient = r * r * r / n * dot;
+                        for (((dx, &dy), &g), &xi) in dx.iter_mut().zip(dy).zip(gain).zip(x) {
+                            *dx = r * g * dy - coefficient * xi;
+                        }
+                        for ((dg, &dy), &xi) in dg.iter_mut().zip(dy).zip(x) {
+                            *dg += dy * xi * r;
+                        }
+                    }
+                    dg
+                })
+                .collect();
+            let x_grad = x_saved
+                .requires_grad()
+                .then(|| ArrayD::from_shape_vec(IxDyn(&shape), x_grad).expect("same count"));
             let gain_grad = gain_saved.requires_grad().then(|| {
                 let mut gain_grad = Array1::<E>::zeros(dim);
-                for ((x_row, grad_row), &r) in x_rows
-                    .outer_iter()
-                    .zip(grad_rows.outer_iter())
-                    .zip(&inv_rms)
-                {
-                    Zip::from(&mut gain_grad)
-                        .and(&grad_row)
-                        .and(&x_row)
-                        .for_each(|dg, &dy, &xi| *dg += dy * xi * r);
+                for partial in &gain_partials {
+                    for (g, &p) in gain_grad.iter_mut().zip(partial) {
+                        *g += p;
+                    }
                 }
                 gain_grad.into_dyn()
             });
@@ -228,6 +228,51 @@ mod tests {
                 .iter()
                 .all(|&g| (g - expected).abs() < 1e-6)
         );
+    }
+
+    #[test]
+    fn many_rows_split_over_threads_keep_every_row_and_the_same_bits() {
+        // 2 full blocks of rows and 3 more: each row's output and input gradient is its own
+        // computation; the gain gradient adds up every block's share, whatever the threads.
+        let rng = Generator::new(6);
+        let rows = 2 * ROWS_PER_TASK + 3;
+        let x = random_array(&[rows, 5], &rng).mapv(|v| v as f32);
+        let dy = random_array(&[rows, 5], &rng).mapv(|v| v as f32);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let norm = RmsNorm::<f32>::new(5, 1e-5);
+                let input = Tensor::param(x.clone());
+                let y = norm.forward(&input);
+                y.backward_with(dy.clone());
+                let grad = |t: &Tensor<f32>| t.grad().unwrap().iter().copied().collect::<Vec<_>>();
+                (y.to_vec(), grad(&input), grad(norm.weight()))
+            })
+        };
+        let (y, dx, dg) = run(1);
+        assert_eq!((y.clone(), dx.clone(), dg.clone()), run(3));
+        // Against the formulas row by row, in f64.
+        let mut expected_dg = [0.0f64; 5];
+        for row in 0..rows {
+            let xr: Vec<f64> = (0..5).map(|j| f64::from(x[[row, j]])).collect();
+            let r = 1.0 / (xr.iter().map(|v| v * v).sum::<f64>() / 5.0 + 1e-5).sqrt();
+            let dot: f64 = (0..5).map(|j| f64::from(dy[[row, j]]) * xr[j]).sum();
+            for j in 0..5 {
+                assert!((f64::from(y[row * 5 + j]) - xr[j] * r).abs() < 1e-5);
+                let expected_dx = r * f64::from(dy[[row, j]]) - r * r * r / 5.0 * xr[j] * dot;
+                assert!((f64::from(dx[row * 5 + j]) - expected_dx).abs() < 1e-4);
+                expected_dg[j] += f64::from(dy[[row, j]]) * xr[j] * r;
+            }
+        }
+        for (g, e) in dg.iter().zip(expected_dg) {
+            assert!(
+                (f64::from(*g) - e).abs() < 1e-3 * e.abs().max(1.0),
+                "{g} vs {e}"
+            );
+        }
     }
 
     #[test]
