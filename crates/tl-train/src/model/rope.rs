@@ -162,6 +162,29 @@ mod tests {
     }
 
     #[test]
+    fn a_long_input_with_heads_side_by_side_rotates_every_position() {
+        // 32 sequences of 40 positions, 4 heads of 8 side by side: 40,960 elements, enough
+        // for the rayon pool. Each output pair is checked against the formula.
+        let (batch, time, heads, head_dim) = (32, 40, 4, 8);
+        let len = batch * time * heads * head_dim;
+        assert!(len >= PARALLEL_MIN_LEN);
+        let data: Vec<f64> = (0..len)
+            .map(|i| ((i * 37 % 101) as f64 - 50.0) / 7.0)
+            .collect();
+        let rope = Rc::new(Rope::<f64>::new(head_dim, time, 10_000.0));
+        let x = Tensor::from_vec(data.clone(), &[batch, time, heads * head_dim]).unwrap();
+        let y = rope.apply(&x).to_vec();
+        for (index, pair) in y.chunks(2).enumerate() {
+            let i = index % (head_dim / 2);
+            let t = index / (heads * head_dim / 2) % time;
+            let angle = t as f64 * 10_000f64.powf(-((2 * i) as f64) / head_dim as f64);
+            let (x1, x2) = (data[2 * index], data[2 * index + 1]);
+            assert_eq!(pair[0], x1 * angle.cos() - x2 * angle.sin(), "pair {index}");
+            assert_eq!(pair[1], x1 * angle.sin() + x2 * angle.cos(), "pair {index}");
+        }
+    }
+
+    #[test]
     fn rotation_keeps_norms_and_the_vjp_matches_finite_differences() {
         let rope = Rc::new(Rope::<f64>::new(4, 5, 10_000.0));
         let data: Vec<f64> = (0..2 * 5 * 3 * 4)
