@@ -48,8 +48,8 @@ pub fn gemm_into<E: Element>(
 
 /// [`gemm_into`] on the calling thread only, whatever the size: for kernels that already
 /// run one task per rayon thread (a fused attention computes one head per task) and would
-/// only oversubscribe the pool by splitting each product again. The result is the same bits
-/// as [`gemm_into`]'s for the same operands (see the module's determinism note).
+/// only oversubscribe the pool by splitting each product again. Like every product here, its
+/// bits depend on the operands' shapes and strides, never on the thread that runs it.
 ///
 /// # Panics
 /// If the shapes do not chain: `lhs` is m×k, `rhs` k×n, `out` m×n.

@@ -123,7 +123,7 @@ impl<E: Element> Heads<E> {
         let mut row_stats = vec![E::zero(); self.batch * self.n_heads * self.time * 2];
         self.columns_mut(&mut out)
             .into_par_iter()
-            .zip(row_stats.par_chunks_mut(2 * self.time))
+            .zip(row_stats.par_chunks_mut(self.stats_per_head()))
             .enumerate()
             .for_each(|(task, (out, stats))| {
                 let [q, k, v] = [q, k, v].map(|x| self.head(x, task));
@@ -152,7 +152,7 @@ impl<E: Element> Heads<E> {
             .collect();
         let flushed = heads
             .into_par_iter()
-            .zip(row_stats.par_chunks(2 * self.time))
+            .zip(row_stats.par_chunks(self.stats_per_head()))
             .enumerate()
             .map(|(task, (((dq, dk), dv), stats))| {
                 let [q, k, v, d_out] = [q, k, v, d_out].map(|x| self.head(x, task));
@@ -323,6 +323,12 @@ impl<E: Element> Heads<E> {
             round_slice(owned.as_slice_mut().expect("standard layout"), format);
         }
         owned
+    }
+
+    /// The row statistics of one head: a maximum and a sum per position (at least 1, so that
+    /// chunking an empty sequence's statistics is well defined).
+    fn stats_per_head(&self) -> usize {
+        (2 * self.time).max(1)
     }
 
     /// Room for one block of scores.
@@ -528,6 +534,15 @@ mod tests {
             pool.install(|| run(|q, k, v| causal_attention(q, k, v, 2), &inputs, &d_out))
         });
         assert_eq!(one, three);
+    }
+
+    #[test]
+    fn an_empty_sequence_gives_an_empty_output() {
+        let x = Tensor::<f32>::param(ArrayD::zeros(IxDyn(&[2, 0, 8])));
+        let y = causal_attention(&x, &x, &x, 2);
+        assert_eq!(y.shape(), [2, 0, 8]);
+        y.backward_with(ArrayD::zeros(IxDyn(&[2, 0, 8])));
+        assert_eq!(x.grad().unwrap().shape(), [2, 0, 8]);
     }
 
     #[test]

@@ -93,7 +93,8 @@ impl<E: Element> Rope<E> {
         let input = x.as_slice().expect("standard layout");
         let mut out = vec![E::zero(); input.len()];
         let head_dim = 2 * self.half;
-        let (time, row) = (shape[1], shape[2..].iter().product::<usize>());
+        // A row is one position of one sequence (at least 1 wide, so an empty tensor chunks).
+        let (time, row) = (shape[1], shape[2..].iter().product::<usize>().max(1));
         let rotate_row = |(position, (src, dst)): (usize, (&[E], &mut [E]))| {
             let t = position % time;
             let cos = &self.cos[t * self.half..(t + 1) * self.half];
