@@ -130,6 +130,23 @@ mod tests {
     }
 
     #[test]
+    fn the_run_time_choice_and_the_portable_loop_agree_bit_for_bit() {
+        // On a machine with AVX2 this compares the two code paths.
+        let xs: Vec<f32> = (0..100_000)
+            .map(|i| (i as f32 - 60_000.0) * 0.0017)
+            .collect();
+        let (mut chosen, mut portable) = (xs.clone(), xs);
+        exp_in_place(&mut chosen);
+        exp_loop(&mut portable);
+        assert!(
+            chosen
+                .iter()
+                .zip(&portable)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        );
+    }
+
+    #[test]
     fn the_slice_and_the_single_value_agree_bit_for_bit() {
         let xs: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.173).collect();
         let mut ys = xs.clone();
