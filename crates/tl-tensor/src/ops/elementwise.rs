@@ -132,8 +132,9 @@ impl<E: Element> Tensor<E> {
 }
 
 /// Arrays at least this long are mapped on the rayon pool; shorter ones are not worth the
-/// hand-off.
-pub(crate) const PARALLEL_MIN_LEN: usize = 1 << 15;
+/// hand-off. Public so that elementwise ops written outside this crate (the model's rotary
+/// embedding) split where the library's own do.
+pub const PARALLEL_MIN_LEN: usize = 1 << 15;
 
 /// `f` of every element, in a new array. Large arrays are split over the rayon pool; each
 /// element is computed alone, so the bits do not depend on the split.

@@ -2,10 +2,8 @@
 
 use ndarray::{ArrayD, IxDyn};
 use rayon::prelude::*;
+use tl_tensor::ops::elementwise::PARALLEL_MIN_LEN;
 use tl_tensor::{Element, Tensor};
-
-/// Arrays at least this long are rotated on the rayon pool (the capstone's q and k are 1.3M).
-const PARALLEL_MIN_LEN: usize = 1 << 15;
 
 /// The rotary tables of a model: for position `t` and pair `i` of a head of size `hd`, the
 /// angle `θ = t · base^(−2i/hd)`.
