@@ -96,3 +96,27 @@ pub fn round_to_fp16<E: Round>(x: E) -> E {
 pub fn round_slice<E: Round>(xs: &mut [E], f: Format) {
     E::round_slice_in_place(xs, f);
 }
+
+/// Writes every element of `src`, rounded to the nearest value of format `f`, to `dst`:
+/// [`round_slice`] on a copy, but in a single pass, and into memory that may be
+/// uninitialised (a fresh buffer's spare capacity).
+///
+/// # Panics
+/// If the slices differ in length.
+///
+/// # Examples
+///
+/// ```
+/// use std::mem::MaybeUninit;
+/// use tl_numerics::{round_slice_into, Format};
+///
+/// let src = [1.01_f32, 3.0e5];
+/// let mut dst = [MaybeUninit::<f32>::uninit(); 2];
+/// round_slice_into(&src, &mut dst, Format::Bf16);
+/// // 1 + 2^-7 is the bf16 value nearest 1.01; 3e5 is 299,008 + 992, nearer 299,008.
+/// let dst = dst.map(|x| unsafe { x.assume_init() });
+/// assert_eq!(dst, [1.0078125, 299_008.0]);
+/// ```
+pub fn round_slice_into<E: Round>(src: &[E], dst: &mut [std::mem::MaybeUninit<E>], f: Format) {
+    E::round_slice_into(src, dst, f);
+}

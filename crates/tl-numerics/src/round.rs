@@ -19,6 +19,8 @@
 //! multiples of the format's smallest subnormal, normal in f32/f64, and any input an FPU
 //! would flush is far below half of that, so it rounds to zero either way.
 
+use std::mem::MaybeUninit;
+
 use crate::format::Format;
 
 /// A floating-point type whose values can be rounded into a 16-bit [`Format`], keeping the
@@ -53,6 +55,18 @@ pub trait Round: Copy {
             *x = x.round_to(f);
         }
     }
+
+    /// Writes `src` rounded into format `f` to `dst`, element by element: a rounded copy in
+    /// one pass, into memory that need not be initialised.
+    ///
+    /// # Panics
+    /// If the slices differ in length.
+    fn round_slice_into(src: &[Self], dst: &mut [MaybeUninit<Self>], f: Format) {
+        assert_eq!(src.len(), dst.len(), "round_slice_into: lengths differ");
+        for (out, x) in dst.iter_mut().zip(src) {
+            out.write(x.round_to(f));
+        }
+    }
 }
 
 impl Round for f32 {
@@ -69,6 +83,19 @@ impl Round for f32 {
         match f {
             Format::Bf16 => xs.iter_mut().for_each(|x| *x = f32_to_bf16_value(*x)),
             Format::Fp16 => xs.iter_mut().for_each(|x| *x = f32_to_fp16_value(*x)),
+        }
+    }
+
+    fn round_slice_into(src: &[f32], dst: &mut [MaybeUninit<f32>], f: Format) {
+        assert_eq!(src.len(), dst.len(), "round_slice_into: lengths differ");
+        let pairs = dst.iter_mut().zip(src);
+        match f {
+            Format::Bf16 => pairs.for_each(|(out, &x)| {
+                out.write(f32_to_bf16_value(x));
+            }),
+            Format::Fp16 => pairs.for_each(|(out, &x)| {
+                out.write(f32_to_fp16_value(x));
+            }),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Hand-computed cases: the chapter's worked examples, the edges of both formats, and the
 //! inputs on which other converters are known to round wrongly.
 
-use tl_numerics::{Format, Round, round_slice, round_to_bf16, round_to_fp16};
+use tl_numerics::{Format, Round, round_slice, round_slice_into, round_to_bf16, round_to_fp16};
 
 fn p2(e: i32) -> f64 {
     2f64.powi(e)
@@ -141,6 +141,15 @@ fn round_slice_of(xs: &[f32], format: Format) -> Vec<f32> {
     out
 }
 
+/// `round_slice_into` of `xs`, into a fresh buffer.
+fn round_slice_into_of<E: Round>(xs: &[E], format: Format) -> Vec<E> {
+    let mut out = Vec::with_capacity(xs.len());
+    round_slice_into(xs, &mut out.spare_capacity_mut()[..xs.len()], format);
+    // SAFETY: round_slice_into wrote every one of the first xs.len() elements.
+    unsafe { out.set_len(xs.len()) };
+    out
+}
+
 #[test]
 fn round_slice_equals_elementwise_round_to() {
     let xs64: Vec<f64> = (-300..300)
@@ -157,7 +166,20 @@ fn round_slice_equals_elementwise_round_to() {
         for (x, r) in xs32.iter().zip(round_slice_of(&xs32, format)) {
             assert_eq!(r.to_bits(), x.round_to(format).to_bits(), "{format} {x:e}");
         }
+        for (x, r) in xs64.iter().zip(round_slice_into_of(&xs64, format)) {
+            assert_eq!(r.to_bits(), x.round_to(format).to_bits(), "{format} {x:e}");
+        }
+        for (x, r) in xs32.iter().zip(round_slice_into_of(&xs32, format)) {
+            assert_eq!(r.to_bits(), x.round_to(format).to_bits(), "{format} {x:e}");
+        }
     }
+}
+
+#[test]
+#[should_panic(expected = "lengths differ")]
+fn round_slice_into_rejects_a_destination_of_another_length() {
+    let mut dst = [std::mem::MaybeUninit::<f32>::uninit(); 3];
+    round_slice_into(&[1.0_f32, 2.0], &mut dst, Format::Bf16);
 }
 
 #[test]

@@ -12,7 +12,7 @@
 use std::cell::Cell;
 
 use rayon::prelude::*;
-use tl_numerics::{Format, round_slice};
+use tl_numerics::{Format, round_slice, round_slice_into};
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::{Element, Tensor};
 
@@ -47,8 +47,9 @@ pub fn cast<E: Element>(x: &Tensor<E>, format: Format) -> Tensor<E> {
     })
 }
 
-/// Elements per block of the backward rounding: small enough to stay in the L2 cache
-/// between counting and rounding a block, so the three passes cost about one.
+/// Elements per task when rounding on the rayon pool (64 KiB of f32): large enough that a
+/// task's bookkeeping is small next to its work, small enough for both threads to share
+/// the work of a modest tensor.
 const BLOCK: usize = 1 << 14;
 
 // Both directions round block by block on the rayon pool. Every element is rounded on its
@@ -56,13 +57,27 @@ const BLOCK: usize = 1 << 14;
 // do not depend on their order).
 
 /// A copy of `values`, in standard layout, with every element rounded into `format`.
+///
+/// A contiguous input is read once and each rounded element written once, straight into
+/// the new buffer (a copy followed by rounding in place would pass over memory twice).
 fn rounded_copy<E: Element>(values: &ArrayD<E>, format: Format) -> ArrayD<E> {
-    let mut copy = values.as_standard_layout().into_owned();
-    copy.as_slice_mut()
-        .expect("standard layout")
+    let Some(src) = values.as_slice() else {
+        let mut copy = values.as_standard_layout().into_owned();
+        let contiguous = copy.as_slice_mut().expect("standard layout");
+        contiguous
+            .par_chunks_mut(BLOCK)
+            .for_each(|block| round_slice(block, format));
+        return copy;
+    };
+    let mut rounded = Vec::with_capacity(src.len());
+    rounded.spare_capacity_mut()[..src.len()]
         .par_chunks_mut(BLOCK)
-        .for_each(|block| round_slice(block, format));
-    copy
+        .zip(src.par_chunks(BLOCK))
+        .for_each(|(out, block)| round_slice_into(block, out, format));
+    // SAFETY: the chunks above cover the first `src.len()` elements of the spare capacity,
+    // and `round_slice_into` initialised every element of each chunk.
+    unsafe { rounded.set_len(src.len()) };
+    ArrayD::from_shape_vec(values.raw_dim(), rounded).expect("as many elements as the input")
 }
 
 /// Rounds every element of `values` into `format`, in place, and counts the nonzero values
@@ -113,19 +128,27 @@ pub fn round_gradient<E: Element>(values: &mut [E], format: Format) -> u64 {
 }
 
 /// Rounds a block in place and returns the number of values it flushed to zero.
-///
-/// Rounding to nearest never turns a zero into a nonzero value, so the zeros gained are
-/// exactly the nonzero values flushed.
 fn round_block<E: Element>(block: &mut [E], format: Format) -> u64 {
-    let zeros_before = count_zeros(block);
-    round_slice(block, format);
-    u64::from(count_zeros(block) - zeros_before)
+    // One loop per format, so that the rounding kernel inside is fixed and the loop
+    // vectorizes: one pass over memory, rounding and counting together.
+    match format {
+        Format::Bf16 => round_block_counting(block, |v| v.round_to(Format::Bf16)),
+        Format::Fp16 => round_block_counting(block, |v| v.round_to(Format::Fp16)),
+    }
 }
 
-/// The number of zeros (of either sign) in a block; a fold the compiler vectorizes.
-fn count_zeros<E: Element>(block: &[E]) -> u32 {
+/// Replaces every value of `block` by `round(value)` and counts the nonzero values that
+/// became zero (of either sign).
+#[inline(always)]
+fn round_block_counting<E: Element>(block: &mut [E], round: impl Fn(E) -> E) -> u64 {
     let zero = E::zero();
-    block.iter().fold(0, |n, &v| n + u32::from(v == zero))
+    let flushed = block.iter_mut().fold(0_u32, |n, v| {
+        let rounded = round(*v);
+        let was_flushed = (*v != zero) & (rounded == zero);
+        *v = rounded;
+        n + u32::from(was_flushed)
+    });
+    u64::from(flushed)
 }
 
 /// Adds `count` gradient values flushed to zero to this thread's [`underflow_count`]: the
