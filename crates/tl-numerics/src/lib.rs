@@ -97,6 +97,24 @@ pub fn round_slice<E: Round>(xs: &mut [E], f: Format) {
     E::round_slice_in_place(xs, f);
 }
 
+/// Rounds every element of `xs` in place, like [`round_slice`], and returns how many
+/// nonzero values became zero (of either sign): the values flushed because they lie below
+/// half of the format's smallest subnormal. One pass over memory.
+///
+/// # Examples
+///
+/// ```
+/// use tl_numerics::{round_slice_counting_flushes, Format};
+///
+/// let mut xs = [1.01_f32, 1e-8, 0.0, -1e-9];
+/// // 1e-8 and -1e-9 lie below half of fp16's smallest subnormal 2^-24; the 0 was zero.
+/// assert_eq!(round_slice_counting_flushes(&mut xs, Format::Fp16), 2);
+/// assert_eq!(xs, [1.009765625, 0.0, 0.0, -0.0]);
+/// ```
+pub fn round_slice_counting_flushes<E: Round>(xs: &mut [E], f: Format) -> u64 {
+    E::round_slice_counting_flushes(xs, f)
+}
+
 /// Writes every element of `src`, rounded to the nearest value of format `f`, to `dst`:
 /// [`round_slice`] on a copy, but in a single pass, and into memory that may be
 /// uninitialised (a fresh buffer's spare capacity).

@@ -67,6 +67,10 @@ pub trait Round: Copy {
             out.write(x.round_to(f));
         }
     }
+
+    /// Rounds every element of `xs` into format `f`, in place, and returns how many nonzero
+    /// values became zero (of either sign): the values the format's range flushed.
+    fn round_slice_counting_flushes(xs: &mut [Self], f: Format) -> u64;
 }
 
 impl Round for f32 {
@@ -79,15 +83,58 @@ impl Round for f32 {
     }
 
     fn round_slice_in_place(xs: &mut [f32], f: Format) {
-        // Two monomorphic loops: with the format known, each body is straight-line code.
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            unsafe { f32_slices::in_place_avx2(xs, f) };
+            return;
+        }
+        f32_slices::in_place(xs, f);
+    }
+
+    fn round_slice_into(src: &[f32], dst: &mut [MaybeUninit<f32>], f: Format) {
+        assert_eq!(src.len(), dst.len(), "round_slice_into: lengths differ");
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            unsafe { f32_slices::into_avx2(src, dst, f) };
+            return;
+        }
+        f32_slices::into(src, dst, f);
+    }
+
+    fn round_slice_counting_flushes(xs: &mut [f32], f: Format) -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            return unsafe { f32_slices::counting_avx2(xs, f) };
+        }
+        f32_slices::counting(xs, f)
+    }
+}
+
+/// The f32 slice loops, each written once and compiled twice: for any x86-64 (SSE2, four
+/// lanes) and for AVX2 (eight lanes), chosen at run time. The kernels are pure integer and
+/// IEEE operations without fused multiply-adds, so both builds give the same bits.
+mod f32_slices {
+    use std::mem::MaybeUninit;
+
+    use super::{f32_to_bf16_value, f32_to_fp16_value};
+    use crate::format::Format;
+
+    // Each loop matches the format once, outside: with the kernel fixed, the body is
+    // straight-line code and the compiler vectorizes it.
+
+    #[inline(always)]
+    pub(super) fn in_place(xs: &mut [f32], f: Format) {
         match f {
             Format::Bf16 => xs.iter_mut().for_each(|x| *x = f32_to_bf16_value(*x)),
             Format::Fp16 => xs.iter_mut().for_each(|x| *x = f32_to_fp16_value(*x)),
         }
     }
 
-    fn round_slice_into(src: &[f32], dst: &mut [MaybeUninit<f32>], f: Format) {
-        assert_eq!(src.len(), dst.len(), "round_slice_into: lengths differ");
+    #[inline(always)]
+    pub(super) fn into(src: &[f32], dst: &mut [MaybeUninit<f32>], f: Format) {
         let pairs = dst.iter_mut().zip(src);
         match f {
             Format::Bf16 => pairs.for_each(|(out, &x)| {
@@ -98,12 +145,126 @@ impl Round for f32 {
             }),
         }
     }
+
+    #[inline(always)]
+    pub(super) fn counting(xs: &mut [f32], f: Format) -> u64 {
+        match f {
+            Format::Bf16 => counting_with(xs, f32_to_bf16_value),
+            Format::Fp16 => counting_with(xs, f32_to_fp16_value),
+        }
+    }
+
+    /// One pass: round each value and count it if it was nonzero and is zero now. The
+    /// count is per slice in a `u32` lane sum, which vectorizes; slices longer than
+    /// `u32::MAX` are counted in pieces.
+    #[inline(always)]
+    fn counting_with(xs: &mut [f32], round: impl Fn(f32) -> f32) -> u64 {
+        xs.chunks_mut(1 << 30)
+            .map(|piece| {
+                let flushed = piece.iter_mut().fold(0_u32, |n, x| {
+                    let rounded = round(*x);
+                    let was_flushed = (*x != 0.0) & (rounded == 0.0);
+                    *x = rounded;
+                    n + u32::from(was_flushed)
+                });
+                u64::from(flushed)
+            })
+            .sum()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn in_place_avx2(xs: &mut [f32], f: Format) {
+        in_place(xs, f);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn into_avx2(src: &[f32], dst: &mut [MaybeUninit<f32>], f: Format) {
+        into(src, dst, f);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn counting_avx2(xs: &mut [f32], f: Format) -> u64 {
+        counting(xs, f)
+    }
+
+    #[cfg(all(test, target_arch = "x86_64"))]
+    mod tests {
+        use super::*;
+
+        /// Every 4099th f32 pattern (a stride coprime with the layout's fields, so it meets
+        /// every exponent, both signs, NaNs and subnormals), with some zeros.
+        fn sweep() -> Vec<f32> {
+            (0..=u32::MAX)
+                .step_by(4099)
+                .map(f32::from_bits)
+                .chain([0.0, -0.0, 1e-30, -1e-30])
+                .collect()
+        }
+
+        #[test]
+        fn both_builds_of_every_loop_give_the_same_bits() {
+            if !std::arch::is_x86_feature_detected!("avx2") {
+                return; // only the portable build runs on this CPU
+            }
+            let bits = |xs: &[f32]| xs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let src = sweep();
+            for f in Format::ALL {
+                let (mut portable, mut avx2) = (src.clone(), src.clone());
+                in_place(&mut portable, f);
+                // SAFETY: AVX2 checked above.
+                unsafe { in_place_avx2(&mut avx2, f) };
+                assert_eq!(bits(&portable), bits(&avx2), "{f} in place");
+
+                let mut copied = vec![MaybeUninit::uninit(); src.len()];
+                let mut copied_avx2 = vec![MaybeUninit::uninit(); src.len()];
+                into(&src, &mut copied, f);
+                // SAFETY: AVX2 checked above.
+                unsafe { into_avx2(&src, &mut copied_avx2, f) };
+                // SAFETY: both loops wrote every element.
+                let copied: Vec<f32> = copied.iter().map(|x| unsafe { x.assume_init() }).collect();
+                // SAFETY: as above.
+                let copied_avx2: Vec<f32> = copied_avx2
+                    .iter()
+                    .map(|x| unsafe { x.assume_init() })
+                    .collect();
+                assert_eq!(bits(&copied), bits(&portable), "{f} into");
+                assert_eq!(bits(&copied_avx2), bits(&portable), "{f} into, AVX2");
+
+                let (mut counted, mut counted_avx2) = (src.clone(), src.clone());
+                let flushed = counting(&mut counted, f);
+                // SAFETY: AVX2 checked above.
+                let flushed_avx2 = unsafe { counting_avx2(&mut counted_avx2, f) };
+                assert_eq!(bits(&counted), bits(&portable), "{f} counting");
+                assert_eq!(bits(&counted_avx2), bits(&portable), "{f} counting, AVX2");
+                let expected = src
+                    .iter()
+                    .zip(&portable)
+                    .filter(|&(&x, &r)| x != 0.0 && r == 0.0)
+                    .count() as u64;
+                assert!(expected > 0, "{f}: the sweep flushes some values");
+                assert_eq!((flushed, flushed_avx2), (expected, expected), "{f} count");
+            }
+        }
+    }
 }
 
 impl Round for f64 {
     #[inline]
     fn round_to(self, f: Format) -> f64 {
         f64_to_format_value(self, f)
+    }
+
+    fn round_slice_counting_flushes(xs: &mut [f64], f: Format) -> u64 {
+        let mut flushed = 0;
+        for x in xs.iter_mut() {
+            let rounded = f64_to_format_value(*x, f);
+            flushed += u64::from(*x != 0.0 && rounded == 0.0);
+            *x = rounded;
+        }
+        flushed
     }
 
     fn round_slice_in_place(xs: &mut [f64], f: Format) {

@@ -12,7 +12,7 @@
 use std::cell::Cell;
 
 use rayon::prelude::*;
-use tl_numerics::{Format, round_slice, round_slice_into};
+use tl_numerics::{Format, round_slice, round_slice_counting_flushes, round_slice_into};
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::{Element, Tensor};
 
@@ -123,32 +123,8 @@ fn round_counting_flushes<E: Element>(mut values: ArrayD<E>, format: Format) -> 
 pub fn round_gradient<E: Element>(values: &mut [E], format: Format) -> u64 {
     values
         .par_chunks_mut(BLOCK)
-        .map(|block| round_block(block, format))
+        .map(|block| round_slice_counting_flushes(block, format))
         .sum()
-}
-
-/// Rounds a block in place and returns the number of values it flushed to zero.
-fn round_block<E: Element>(block: &mut [E], format: Format) -> u64 {
-    // One loop per format, so that the rounding kernel inside is fixed and the loop
-    // vectorizes: one pass over memory, rounding and counting together.
-    match format {
-        Format::Bf16 => round_block_counting(block, |v| v.round_to(Format::Bf16)),
-        Format::Fp16 => round_block_counting(block, |v| v.round_to(Format::Fp16)),
-    }
-}
-
-/// Replaces every value of `block` by `round(value)` and counts the nonzero values that
-/// became zero (of either sign).
-#[inline(always)]
-fn round_block_counting<E: Element>(block: &mut [E], round: impl Fn(E) -> E) -> u64 {
-    let zero = E::zero();
-    let flushed = block.iter_mut().fold(0_u32, |n, v| {
-        let rounded = round(*v);
-        let was_flushed = (*v != zero) & (rounded == zero);
-        *v = rounded;
-        n + u32::from(was_flushed)
-    });
-    u64::from(flushed)
 }
 
 /// Adds `count` gradient values flushed to zero to this thread's [`underflow_count`]: the
