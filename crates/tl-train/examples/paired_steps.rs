@@ -1,0 +1,122 @@
+//! Step times of two training recipes, measured in pairs: one capstone step of each,
+//! alternately, in one process.
+//!
+//! On a shared machine the speed drifts by more than the difference between two recipes
+//! within minutes, so benchmarks run one after the other (criterion's sittings) can rank
+//! them either way. Here both trainers live side by side and take turns, so each pair of
+//! steps sees the same machine; the median of the per-pair ratios is what a recipe costs.
+//!
+//! ```sh
+//! cargo run --release -p tl-train --example paired_steps -- 12 fp32 bf16
+//! ```
+//!
+//! Arguments: the number of pairs, then two modes out of `fp32`, `bf16`, `fp16`,
+//! `fp32+ckpt` and `bf16+ckpt` (micro-batch 8 × 512 tokens, accumulation 1, as
+//! `tinyllm train --preset capstone --micro-batch 8 --accum 1` with the mode's flags). Each
+//! trainer takes one untimed step first.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use tl_precision::Precision;
+use tl_train::model::{Checkpointing, Preset};
+use tl_train::train::{TrainConfig, Trainer};
+
+/// As in `src/main.rs`, so that the figures match the binary's.
+#[global_allocator]
+static ALLOCATOR: tl_tensor::alloc::CachingAllocator = tl_tensor::alloc::CachingAllocator;
+
+/// The modes by name.
+const MODES: [(&str, Precision, Checkpointing); 5] = [
+    ("fp32", Precision::Fp32, Checkpointing::Off),
+    ("bf16", Precision::Bf16, Checkpointing::Off),
+    ("fp16", Precision::Fp16, Checkpointing::Off),
+    ("fp32+ckpt", Precision::Fp32, Checkpointing::PerBlock),
+    ("bf16+ckpt", Precision::Bf16, Checkpointing::PerBlock),
+];
+
+/// Parses `PAIRS MODE MODE`.
+fn parse(args: &[String]) -> Result<(usize, [usize; 2]), String> {
+    let [pairs, first, second] = args else {
+        return Err("expected three arguments: PAIRS MODE MODE".into());
+    };
+    let pairs = pairs
+        .parse::<usize>()
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("PAIRS must be a positive whole number, not {pairs:?}"))?;
+    let mode = |name: &String| {
+        MODES.iter().position(|m| m.0 == name).ok_or_else(|| {
+            let known: Vec<&str> = MODES.iter().map(|m| m.0).collect();
+            format!("unknown mode {name:?}; the modes are {}", known.join(", "))
+        })
+    };
+    Ok((pairs, [mode(first)?, mode(second)?]))
+}
+
+/// The middle value (the upper one of the two middle values for an even count).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (pairs, modes) = match parse(&args) {
+        Ok(parsed) => parsed,
+        Err(message) => {
+            eprintln!("paired_steps: {message}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let dir = tempfile::tempdir().expect("a temporary directory for the two runs");
+    let mut trainers: Vec<Trainer> = modes
+        .iter()
+        .enumerate()
+        .map(|(i, &mode)| {
+            let (_, precision, checkpointing) = MODES[mode];
+            let mut config = TrainConfig::for_preset(Preset::Capstone);
+            config.precision = precision;
+            config.micro_batch = 8;
+            config.accum = 1;
+            config.checkpointing = checkpointing;
+            Trainer::new(config, &dir.path().join(format!("run{i}"))).expect("a new capstone run")
+        })
+        .collect();
+    let step = |trainer: &mut Trainer| {
+        let start = Instant::now();
+        trainer.train_step().expect("the step succeeds");
+        start.elapsed().as_secs_f64()
+    };
+    for trainer in &mut trainers {
+        step(trainer);
+    }
+    let [first, second] = modes.map(|mode| MODES[mode].0);
+    let (mut times, mut ratios) = ([Vec::new(), Vec::new()], Vec::new());
+    for pair in 1..=pairs {
+        let (a, b) = (step(&mut trainers[0]), step(&mut trainers[1]));
+        println!(
+            "pair {pair}: {first} {a:.3} s, {second} {b:.3} s, ratio {:.3}",
+            b / a
+        );
+        times[0].push(a);
+        times[1].push(b);
+        ratios.push(b / a);
+    }
+    for (name, times) in [first, second].iter().zip(times) {
+        let median = median(times);
+        println!(
+            "{name}: median {median:.3} s/step, {:.0} tokens/s",
+            4096.0 / median
+        );
+    }
+    let mut sorted = ratios.clone();
+    sorted.sort_by(f64::total_cmp);
+    println!(
+        "{second} / {first}: median ratio {:.3}, quartiles {:.3} to {:.3}",
+        median(ratios),
+        sorted[sorted.len() / 4],
+        sorted[(3 * sorted.len()) / 4],
+    );
+    ExitCode::SUCCESS
+}
