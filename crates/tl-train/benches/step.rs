@@ -29,40 +29,13 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
-use tl_precision::Precision;
-use tl_train::model::{Checkpointing, Preset};
-use tl_train::train::{Record, TrainConfig, Trainer};
+use tl_train::model::Preset;
+use tl_train::train::{Record, STEP_RECIPES, StepRecipe, Trainer};
 
 /// As in `src/main.rs`: large freed buffers are kept for the next step instead of being
 /// page-faulted in afresh.
 #[global_allocator]
 static ALLOCATOR: tl_tensor::alloc::CachingAllocator = tl_tensor::alloc::CachingAllocator;
-
-/// Sequences per micro-batch (`--micro-batch 8`).
-const MICRO_BATCH: usize = 8;
-/// Micro-batches per optimizer step (`--accum 1`).
-const ACCUM: usize = 1;
-
-/// The benchmarked modes: name, precision, checkpointing.
-const MODES: [(&str, Precision, Checkpointing); 5] = [
-    ("fp32", Precision::Fp32, Checkpointing::Off),
-    ("bf16", Precision::Bf16, Checkpointing::Off),
-    ("fp16", Precision::Fp16, Checkpointing::Off),
-    ("fp32+ckpt", Precision::Fp32, Checkpointing::PerBlock),
-    ("bf16+ckpt", Precision::Bf16, Checkpointing::PerBlock),
-];
-
-/// The config `tinyllm train` builds from `--preset capstone --micro-batch 8 --accum 1` and
-/// the mode's flags (`--bf16`/`--fp16`, `--checkpoint-activations`).
-fn capstone_config(precision: Precision, checkpointing: Checkpointing) -> TrainConfig {
-    let mut config = TrainConfig::for_preset(Preset::Capstone);
-    config.precision = precision;
-    config.micro_batch = MICRO_BATCH;
-    config.accum = ACCUM;
-    config.checkpointing = checkpointing;
-    config.validate().expect("the capstone recipe is valid");
-    config
-}
 
 /// A fresh run of the mode in a temporary directory (kept alive as long as the trainer).
 struct Run {
@@ -73,9 +46,9 @@ struct Run {
 }
 
 impl Run {
-    fn new(precision: Precision, checkpointing: Checkpointing) -> Self {
+    fn new(recipe: StepRecipe) -> Self {
         let dir = tempfile::tempdir().expect("a temporary run directory");
-        let config = capstone_config(precision, checkpointing);
+        let config = recipe.capstone_config();
         let trainer = Trainer::new(config, &dir.path().join("run")).expect("a new capstone run");
         Self {
             trainer,
@@ -97,7 +70,8 @@ impl Run {
 }
 
 fn training_step(c: &mut Criterion) {
-    let tokens = (MICRO_BATCH * ACCUM * Preset::Capstone.config().context) as u64;
+    let config = STEP_RECIPES[0].capstone_config();
+    let tokens = (config.micro_batch * config.accum * Preset::Capstone.config().context) as u64;
     let mut group = c.benchmark_group("capstone_step_8x512");
     group
         .throughput(Throughput::Elements(tokens))
@@ -107,12 +81,13 @@ fn training_step(c: &mut Criterion) {
         .warm_up_time(Duration::from_secs(1))
         // 2 s per sample: one step per sample for any step longer than 2 s.
         .measurement_time(Duration::from_secs(20));
-    for (name, precision, checkpointing) in MODES {
+    for recipe in STEP_RECIPES {
+        let name = recipe.name;
         // Built on the first call (criterion calls the routine once per sample, and not at
         // all for a mode the filter excludes), outside the timed region.
         let mut run: Option<Run> = None;
         group.bench_function(name, |b| {
-            let run = run.get_or_insert_with(|| Run::new(precision, checkpointing));
+            let run = run.get_or_insert_with(|| Run::new(recipe));
             b.iter(|| run.step());
         });
         if let Some(run) = run

@@ -10,33 +10,22 @@
 //! cargo run --release -p tl-train --example paired_steps -- 12 fp32 bf16
 //! ```
 //!
-//! Arguments: the number of pairs, then two modes out of `fp32`, `bf16`, `fp16`,
-//! `fp32+ckpt` and `bf16+ckpt` (micro-batch 8 × 512 tokens, accumulation 1, as
-//! `tinyllm train --preset capstone --micro-batch 8 --accum 1` with the mode's flags). Each
-//! trainer takes one untimed step first.
+//! Arguments: the number of pairs, then two of the step benchmark's modes
+//! (`tl_train::train::STEP_RECIPES`: `fp32`, `bf16`, `fp16`, `fp32+ckpt`, `bf16+ckpt`; each
+//! is `tinyllm train --preset capstone --micro-batch 8 --accum 1` with the mode's flags).
+//! Each trainer takes one untimed step first.
 
 use std::process::ExitCode;
 use std::time::Instant;
 
-use tl_precision::Precision;
-use tl_train::model::{Checkpointing, Preset};
-use tl_train::train::{TrainConfig, Trainer};
+use tl_train::train::{STEP_RECIPES, StepRecipe, Trainer};
 
 /// As in `src/main.rs`, so that the figures match the binary's.
 #[global_allocator]
 static ALLOCATOR: tl_tensor::alloc::CachingAllocator = tl_tensor::alloc::CachingAllocator;
 
-/// The modes by name.
-const MODES: [(&str, Precision, Checkpointing); 5] = [
-    ("fp32", Precision::Fp32, Checkpointing::Off),
-    ("bf16", Precision::Bf16, Checkpointing::Off),
-    ("fp16", Precision::Fp16, Checkpointing::Off),
-    ("fp32+ckpt", Precision::Fp32, Checkpointing::PerBlock),
-    ("bf16+ckpt", Precision::Bf16, Checkpointing::PerBlock),
-];
-
 /// Parses `PAIRS MODE MODE`.
-fn parse(args: &[String]) -> Result<(usize, [usize; 2]), String> {
+fn parse(args: &[String]) -> Result<(usize, [StepRecipe; 2]), String> {
     let [pairs, first, second] = args else {
         return Err("expected three arguments: PAIRS MODE MODE".into());
     };
@@ -46,8 +35,8 @@ fn parse(args: &[String]) -> Result<(usize, [usize; 2]), String> {
         .filter(|&n| n > 0)
         .ok_or_else(|| format!("PAIRS must be a positive whole number, not {pairs:?}"))?;
     let mode = |name: &String| {
-        MODES.iter().position(|m| m.0 == name).ok_or_else(|| {
-            let known: Vec<&str> = MODES.iter().map(|m| m.0).collect();
+        StepRecipe::named(name).ok_or_else(|| {
+            let known: Vec<&str> = STEP_RECIPES.iter().map(|recipe| recipe.name).collect();
             format!("unknown mode {name:?}; the modes are {}", known.join(", "))
         })
     };
@@ -73,14 +62,9 @@ fn main() -> ExitCode {
     let mut trainers: Vec<Trainer> = modes
         .iter()
         .enumerate()
-        .map(|(i, &mode)| {
-            let (_, precision, checkpointing) = MODES[mode];
-            let mut config = TrainConfig::for_preset(Preset::Capstone);
-            config.precision = precision;
-            config.micro_batch = 8;
-            config.accum = 1;
-            config.checkpointing = checkpointing;
-            Trainer::new(config, &dir.path().join(format!("run{i}"))).expect("a new capstone run")
+        .map(|(i, recipe)| {
+            let run = dir.path().join(format!("run{i}"));
+            Trainer::new(recipe.capstone_config(), &run).expect("a new capstone run")
         })
         .collect();
     let step = |trainer: &mut Trainer| {
@@ -91,7 +75,7 @@ fn main() -> ExitCode {
     for trainer in &mut trainers {
         step(trainer);
     }
-    let [first, second] = modes.map(|mode| MODES[mode].0);
+    let [first, second] = modes.map(|recipe| recipe.name);
     let (mut times, mut ratios) = ([Vec::new(), Vec::new()], Vec::new());
     for pair in 1..=pairs {
         let (a, b) = (step(&mut trainers[0]), step(&mut trainers[1]));

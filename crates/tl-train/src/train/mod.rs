@@ -3,6 +3,7 @@
 
 mod config;
 mod metrics;
+mod recipes;
 mod schedule;
 pub mod snapshot;
 mod summary;
@@ -10,6 +11,7 @@ mod trainer;
 
 pub use config::{DataSource, TrainConfig};
 pub use metrics::{MetricsLog, Record, read_records};
+pub use recipes::{STEP_RECIPES, StepRecipe};
 pub use schedule::LrSchedule;
 pub use summary::RunSummary;
 pub use trainer::{Event, Stop, Trainer, batch_loss, load_model};

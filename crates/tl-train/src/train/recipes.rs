@@ -1,0 +1,79 @@
+//! The recipes a capstone step is timed in, by name: what `cargo bench -p tl-train --bench
+//! step` measures and `examples/paired_steps.rs` compares.
+
+use tl_precision::Precision;
+
+use super::TrainConfig;
+use crate::model::{Checkpointing, Preset};
+
+/// One way to take a training step: the arithmetic of the matmuls and whether the blocks
+/// are checkpointed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepRecipe {
+    /// The name the benchmark reports and `paired_steps` accepts, e.g. `bf16+ckpt`.
+    pub name: &'static str,
+    /// fp32, or emulated bf16/fp16 autocast.
+    pub precision: Precision,
+    /// Per-block activation checkpointing, or none.
+    pub checkpointing: Checkpointing,
+}
+
+/// Every timed recipe: plain fp32, the two emulated 16-bit formats, and checkpointing with
+/// fp32 and with bf16.
+pub const STEP_RECIPES: [StepRecipe; 5] = [
+    StepRecipe::new("fp32", Precision::Fp32, Checkpointing::Off),
+    StepRecipe::new("bf16", Precision::Bf16, Checkpointing::Off),
+    StepRecipe::new("fp16", Precision::Fp16, Checkpointing::Off),
+    StepRecipe::new("fp32+ckpt", Precision::Fp32, Checkpointing::PerBlock),
+    StepRecipe::new("bf16+ckpt", Precision::Bf16, Checkpointing::PerBlock),
+];
+
+impl StepRecipe {
+    const fn new(name: &'static str, precision: Precision, checkpointing: Checkpointing) -> Self {
+        Self {
+            name,
+            precision,
+            checkpointing,
+        }
+    }
+
+    /// The recipe called `name` in [`STEP_RECIPES`], if there is one.
+    ///
+    /// ```
+    /// use tl_train::train::StepRecipe;
+    /// assert_eq!(StepRecipe::named("bf16+ckpt").unwrap().name, "bf16+ckpt");
+    /// assert!(StepRecipe::named("bf32").is_none());
+    /// ```
+    pub fn named(name: &str) -> Option<Self> {
+        STEP_RECIPES.into_iter().find(|recipe| recipe.name == name)
+    }
+
+    /// The config `tinyllm train --preset capstone --micro-batch 8 --accum 1` builds with
+    /// this recipe's flags (`--bf16`/`--fp16`, `--checkpoint-activations`): one optimizer
+    /// step of 8 × 512 = 4096 tokens.
+    pub fn capstone_config(&self) -> TrainConfig {
+        let mut config = TrainConfig::for_preset(Preset::Capstone);
+        config.precision = self.precision;
+        config.micro_batch = 8;
+        config.accum = 1;
+        config.checkpointing = self.checkpointing;
+        config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_recipe_is_valid_and_found_by_its_name() {
+        for recipe in STEP_RECIPES {
+            assert_eq!(StepRecipe::named(recipe.name), Some(recipe));
+            let config = recipe.capstone_config();
+            config.validate().expect("a valid recipe");
+            assert_eq!((config.micro_batch, config.accum), (8, 1));
+            assert_eq!(config.precision, recipe.precision);
+            assert_eq!(config.checkpointing, recipe.checkpointing);
+        }
+    }
+}
