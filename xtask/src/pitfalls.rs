@@ -60,8 +60,8 @@ pub(crate) const PITFALLS: &[Pitfall] = &[
         description: "the cast rounds an f64 through f32",
         package: PRECISION,
         file: "crates/tl-precision/src/cast.rs",
-        original: ".for_each(|block| round_slice(block, format));",
-        replacement: ".for_each(|block| block.iter_mut().for_each(|v| *v = E::from_f32(tl_numerics::Round::round_to(v.to_f32(), format))));",
+        original: ".for_each(|(out, block)| round_slice_into(block, out, format));",
+        replacement: ".for_each(|(out, block)| for (o, v) in out.iter_mut().zip(block) { o.write(E::from_f32(tl_numerics::Round::round_to(tl_tensor::Element::to_f32(*v), format))); });",
         course_test: "test_cast_rounds_both_directions",
     },
     Pitfall {
