@@ -183,7 +183,7 @@ impl<E: Element> Heads<E> {
                     .iter()
                     .fold(E::neg_infinity(), |m, &s| m.max(s * self.scale));
                 self.exponentials(live, max);
-                let sum = live.iter().fold(E::zero(), |sum, &e| sum + e);
+                let sum = lane_sum(live);
                 for p in live.iter_mut() {
                     *p /= sum;
                 }
@@ -209,7 +209,7 @@ impl<E: Element> Heads<E> {
         inputs: [ArrayView2<'_, E>; 3],
         d_out: ArrayView2<'_, E>,
         stats: &[E],
-        [mut dq, mut dk, mut dv]: [ArrayViewMut2<'_, E>; 3],
+        [mut dq, dk, dv]: [ArrayViewMut2<'_, E>; 3],
     ) -> u64 {
         let [q, k, v] = inputs.map(|x| self.operand(x));
         let mut flushed = 0;
@@ -250,10 +250,7 @@ impl<E: Element> Heads<E> {
             round_grad(d_rows); // dP (its masked zeros flush nothing)
             for (t, (p_row, d_row)) in row_pairs(p_rows, d_rows, start, end) {
                 let (p_live, d_live) = (&p_row[..=t], &mut d_row[..=t]);
-                let dot = d_live
-                    .iter()
-                    .zip(p_live)
-                    .fold(E::zero(), |acc, (&d, &p)| acc + d * p);
+                let dot = lane_dot(d_live, p_live);
                 for (d, &p) in d_live.iter_mut().zip(p_live) {
                     *d = self.scale * p * (*d - dot);
                 }
@@ -275,12 +272,12 @@ impl<E: Element> Heads<E> {
             let mut dq_rows = dq_block.slice_mut(s![..end - start, ..]);
             gemm_serial_into(&mut dq_rows, d_scores, k.slice(keys), false);
             round_grad(dq_rows.as_slice_mut().expect("the front rows of a matrix"));
-            dq.slice_mut(s![start..end, ..]).assign(&dq_rows);
+            copy_rows(dq.slice_mut(s![start..end, ..]), dq_rows.view());
         }
         round_grad(dk_sum.as_slice_mut().expect("standard layout"));
         round_grad(dv_sum.as_slice_mut().expect("standard layout"));
-        dk.assign(&dk_sum);
-        dv.assign(&dv_sum);
+        copy_rows(dk, dk_sum.view());
+        copy_rows(dv, dv_sum.view());
         flushed
     }
 
@@ -387,14 +384,64 @@ fn row_pairs<'a, E>(
         .map(move |(i, rows)| (start + i, rows))
 }
 
-/// A copy of a head's columns as a contiguous matrix. Each row of the view is a contiguous
-/// run of `hd` elements, and `assign` copies it as one tight loop; ndarray's copy of a
-/// non-standard view (`as_standard_layout`) walks a general element iterator instead, which
-/// cost about 30% of the attention's time at the capstone's shapes.
+/// A copy of a head's columns as a contiguous matrix.
 fn contiguous<E: Element>(x: ArrayView2<'_, E>) -> Array2<E> {
     let mut owned = Array2::zeros(x.raw_dim());
-    owned.assign(&x);
+    copy_rows(owned.view_mut(), x);
     owned
+}
+
+/// `dst = src` for matrices whose rows are contiguous (a head's `hd` columns of a `[T, d]`
+/// matrix, or a whole matrix): one `copy_from_slice` per row. At the capstone's shapes
+/// ndarray's general copies of such views cost far more: `as_standard_layout` (an element
+/// iterator) took about 30% of the attention's time, and `assign` still 9% in a profile.
+fn copy_rows<E: Element>(mut dst: ArrayViewMut2<'_, E>, src: ArrayView2<'_, E>) {
+    assert_eq!(dst.dim(), src.dim(), "copy_rows: shapes differ");
+    for (mut to, from) in dst.rows_mut().into_iter().zip(src.rows()) {
+        match (to.as_slice_mut(), from.as_slice()) {
+            (Some(to), Some(from)) => to.copy_from_slice(from),
+            _ => to.assign(&from),
+        }
+    }
+}
+
+/// Independent partial sums in [`lane_sum`] and [`lane_dot`]. One running sum is a chain of
+/// dependent additions, one every four cycles, and was half of the forward pass's softmax
+/// time; eight independent ones fill the vector registers.
+const LANES: usize = 8;
+
+/// `Σ_j a_j·b_j` in a fixed order: the `j`-th product of each full group of [`LANES`] goes
+/// to partial sum `j`, the partial sums are added in order, then the tail. Fixed, so the
+/// backward pass's recomputation of a row gives the forward pass's bits.
+fn lane_dot<E: Element>(a: &[E], b: &[E]) -> E {
+    assert_eq!(a.len(), b.len(), "lane_dot: lengths differ");
+    let mut lanes = [E::zero(); LANES];
+    let (a_groups, b_groups) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (a_tail, b_tail) = (a_groups.remainder(), b_groups.remainder());
+    for (a_group, b_group) in a_groups.zip(b_groups) {
+        for ((lane, &x), &y) in lanes.iter_mut().zip(a_group).zip(b_group) {
+            *lane += x * y;
+        }
+    }
+    let sum = lanes.iter().fold(E::zero(), |sum, &lane| sum + lane);
+    a_tail
+        .iter()
+        .zip(b_tail)
+        .fold(sum, |sum, (&x, &y)| sum + x * y)
+}
+
+/// `Σ_j x_j`, in the order of [`lane_dot`].
+fn lane_sum<E: Element>(xs: &[E]) -> E {
+    let mut lanes = [E::zero(); LANES];
+    let groups = xs.chunks_exact(LANES);
+    let tail = groups.remainder();
+    for group in groups {
+        for (lane, &x) in lanes.iter_mut().zip(group) {
+            *lane += x;
+        }
+    }
+    let sum = lanes.iter().fold(E::zero(), |sum, &lane| sum + lane);
+    tail.iter().fold(sum, |sum, &x| sum + x)
 }
 
 #[cfg(test)]
