@@ -406,13 +406,13 @@ fn copy_rows<E: Element>(mut dst: ArrayViewMut2<'_, E>, src: ArrayView2<'_, E>) 
 }
 
 /// Independent partial sums in [`lane_sum`] and [`lane_dot`]. One running sum is a chain of
-/// dependent additions, one every four cycles, and was half of the forward pass's softmax
-/// time; eight independent ones fill the vector registers.
+/// dependent additions, one every four cycles, and was half of the forward task's own time
+/// in a profile; eight independent ones fill the vector registers.
 const LANES: usize = 8;
 
 /// `Σ_j a_j·b_j` in a fixed order: the `j`-th product of each full group of [`LANES`] goes
-/// to partial sum `j`, the partial sums are added in order, then the tail. Fixed, so the
-/// backward pass's recomputation of a row gives the forward pass's bits.
+/// to partial sum `j`, the partial sums are added in order, then the tail. The result
+/// depends on the inputs alone (never on which thread runs the row).
 fn lane_dot<E: Element>(a: &[E], b: &[E]) -> E {
     assert_eq!(a.len(), b.len(), "lane_dot: lengths differ");
     let mut lanes = [E::zero(); LANES];
@@ -525,6 +525,32 @@ mod tests {
         let shape = [1, ROW_BLOCK + 2, 4];
         let xs = [(); 3].map(|()| random_array(&shape, &rng));
         assert_gradients(|xs| causal_attention(&xs[0], &xs[1], &xs[2], 2), &xs);
+    }
+
+    #[test]
+    fn lane_sums_add_every_element_once_tails_included() {
+        // Small whole numbers add exactly in any order, so a dropped, repeated or misplaced
+        // element (in the groups of eight or in the tail) changes the result.
+        for n in 0..=27_u32 {
+            let xs: Vec<f64> = (1..=n).map(f64::from).collect();
+            let ys: Vec<f64> = (1..=n).map(|i| f64::from(i % 5 + 1)).collect();
+            assert_eq!(lane_sum(&xs), f64::from(n * (n + 1) / 2), "sum of 1..={n}");
+            let dot: f64 = xs.iter().zip(&ys).map(|(x, y)| x * y).sum();
+            assert_eq!(lane_dot(&xs, &ys), dot, "dot of length {n}");
+        }
+    }
+
+    #[test]
+    fn copy_rows_copies_strided_columns_into_place() {
+        // Columns 2..5 of a 4 × 7 matrix, copied out and back into another matrix's columns.
+        let source = Array2::from_shape_fn((4, 7), |(i, j)| (10 * i + j) as f64);
+        let head = contiguous(source.slice(s![.., 2..5]));
+        assert_eq!(head, source.slice(s![.., 2..5]));
+        let mut target = Array2::<f64>::zeros((4, 7));
+        copy_rows(target.slice_mut(s![.., 2..5]), head.view());
+        assert_eq!(target.slice(s![.., 2..5]), source.slice(s![.., 2..5]));
+        assert!(target.slice(s![.., ..2]).iter().all(|&x| x == 0.0));
+        assert!(target.slice(s![.., 5..]).iter().all(|&x| x == 0.0));
     }
 
     #[test]
