@@ -1,7 +1,10 @@
 //! Hand-computed cases: the chapter's worked examples, the edges of both formats, and the
 //! inputs on which other converters are known to round wrongly.
 
-use tl_numerics::{Format, Round, round_slice, round_slice_into, round_to_bf16, round_to_fp16};
+use tl_numerics::{
+    Format, Round, round_slice, round_slice_counting_flushes, round_slice_into, round_to_bf16,
+    round_to_fp16,
+};
 
 fn p2(e: i32) -> f64 {
     2f64.powi(e)
@@ -170,6 +173,46 @@ fn round_slice_equals_elementwise_round_to() {
             assert_eq!(r.to_bits(), x.round_to(format).to_bits(), "{format} {x:e}");
         }
         for (x, r) in xs32.iter().zip(round_slice_into_of(&xs32, format)) {
+            assert_eq!(r.to_bits(), x.round_to(format).to_bits(), "{format} {x:e}");
+        }
+    }
+}
+
+#[test]
+fn round_slice_counting_flushes_rounds_and_counts_the_values_lost_to_zero() {
+    // Down to about 6e-15: fp16 flushes the 154 values below 2^-25 and the tie 2^-25 itself
+    // (to the even 0) and -2^-26, bf16 none of them; the zero and the NaN never count.
+    let xs64: Vec<f64> = (-300..300)
+        .map(|i| f64::from(i) * 1.37_f64.powi(i / 3) * 1e-3)
+        .chain([f64::NAN, -0.0, p2(-25), -p2(-26), p2(-24)])
+        .collect();
+    let xs32: Vec<f32> = xs64.iter().map(|&x| x as f32).collect();
+    let flushed = |xs: &[f64], format| {
+        xs.iter()
+            .filter(|&&x| x != 0.0 && x.round_to(format) == 0.0)
+            .count() as u64
+    };
+    let expected = [(Format::Bf16, 0), (Format::Fp16, 156)];
+    for (format, count) in expected {
+        let mut got64 = xs64.clone();
+        assert_eq!(
+            round_slice_counting_flushes(&mut got64, format),
+            count,
+            "{format} f64"
+        );
+        assert_eq!(
+            flushed(&xs64, format),
+            count,
+            "{format}: the reference count"
+        );
+        for (x, r) in xs64.iter().zip(&got64) {
+            assert_eq!(r.to_bits(), x.round_to(format).to_bits(), "{format} {x:e}");
+        }
+        let mut got32 = xs32.clone();
+        let widened: Vec<f64> = xs32.iter().map(|&x| f64::from(x)).collect();
+        let count32 = round_slice_counting_flushes(&mut got32, format);
+        assert_eq!(count32, flushed(&widened, format), "{format} f32");
+        for (x, r) in xs32.iter().zip(&got32) {
             assert_eq!(r.to_bits(), x.round_to(format).to_bits(), "{format} {x:e}");
         }
     }
