@@ -137,6 +137,41 @@ impl<E: Element> Tensor<E> {
         Self::with_node(value, Some(GradNode::op(shape, record)))
     }
 
+    /// [`Tensor::from_op`] for an op whose output is a value that `value` already holds: the
+    /// new tensor shares that storage, as [`Tensor::detach`] does, instead of allocating its
+    /// own. For an op that can hand back a result it computed before (a checkpointed
+    /// segment's rerun reusing its forward pass's result, see tl-recompute's
+    /// `keep_for_rerun`).
+    ///
+    /// ```
+    /// use tl_tensor::Tensor;
+    /// let x = Tensor::<f64>::param(ndarray::arr1(&[1.0, 2.0]).into_dyn());
+    /// let known = Tensor::from_array(x.value().mapv(|v| 3.0 * v)); // 3x, computed earlier
+    /// let y = Tensor::from_op_shared(&known, &[&x], |grad_out| vec![Some(grad_out * 3.0)]);
+    /// assert!(y.shares_storage(&known));
+    /// y.sum_all().backward();
+    /// assert_eq!(x.grad().unwrap().as_slice().unwrap(), &[3.0, 3.0]);
+    /// ```
+    pub fn from_op_shared(
+        value: &Tensor<E>,
+        parents: &[&Tensor<E>],
+        vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
+    ) -> Self {
+        if !is_grad_enabled() || !parents.iter().any(|p| p.requires_grad()) {
+            return value.detach();
+        }
+        let record = OpRecord {
+            parents: parents.iter().map(|p| p.node()).collect(),
+            vjp: Box::new(vjp),
+        };
+        Self {
+            inner: Rc::new(Inner {
+                value: Rc::clone(&value.inner.value),
+                node: RefCell::new(Some(GradNode::op(value.shape(), record))),
+            }),
+        }
+    }
+
     pub(crate) fn node(&self) -> Option<Rc<GradNode<E>>> {
         self.inner.node.borrow().clone()
     }

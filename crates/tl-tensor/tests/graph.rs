@@ -233,3 +233,25 @@ fn backward_frees_saved_activations_as_it_goes() {
     assert_eq!(memory::live_bytes(), baseline + all_param_grads);
     assert!(weights.iter().all(|w| w.grad().is_some()));
 }
+
+#[test]
+fn an_op_over_a_known_value_allocates_nothing_and_still_backpropagates() {
+    let x = param(&[1.0, -2.0]);
+    let known = Tensor::from_array(x.value().mapv(|v| v * v));
+    let before = memory::live_bytes();
+    let y = Tensor::from_op_shared(&known, &[&x], {
+        let x = x.clone();
+        move |grad| vec![Some(grad * x.value().mapv(|v| 2.0 * v))]
+    });
+    assert_eq!(memory::live_bytes(), before, "no new storage");
+    assert!(y.shares_storage(&known) && y.requires_grad() && !y.is_leaf());
+    y.sum_all().backward();
+    assert_eq!(x.grad().unwrap().as_slice().unwrap(), &[2.0, -4.0]);
+
+    // Without a graph, the result is a constant on the same storage.
+    let constant = {
+        let _off = no_grad();
+        Tensor::from_op_shared(&known, &[&x], |_| unreachable!("no node, no VJP"))
+    };
+    assert!(constant.shares_storage(&known) && !constant.requires_grad());
+}
