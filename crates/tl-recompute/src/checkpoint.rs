@@ -6,6 +6,7 @@ use tl_tensor::{
     Element, Generator, GeneratorState, ModeSnapshot, Tensor, enable_grad, is_grad_enabled, no_grad,
 };
 
+use crate::keep::FrameGuard;
 use crate::verify::{Fingerprint, report};
 
 /// How a checkpoint node behaves beyond the default.
@@ -70,6 +71,10 @@ impl CheckpointOptions {
 /// - Under [`no_grad`], or when neither an input nor a parameter requires grad, this is a
 ///   plain call of `f`.
 ///
+/// Results that the segment's ops mark with [`keep_for_rerun`](crate::keep_for_rerun) are
+/// kept by the node from the forward pass on and handed back to the rerun, which skips
+/// computing them (selective checkpointing).
+///
 /// The thread's modes at forward time (grad mode aside: the matmul override that autocast
 /// installs) are put back for the rerun, so a forward pass under autocast is recomputed
 /// under autocast even when backward is called outside it.
@@ -122,13 +127,16 @@ where
 {
     let needs_node = is_grad_enabled() && inputs.iter().chain(params).any(Tensor::requires_grad);
     if !needs_node {
+        let _nothing_kept = FrameGuard::plain();
         return f(inputs);
     }
     let modes = ModeSnapshot::capture();
     let recorded = rng_states(rngs);
-    let forward_output = {
+    let (forward_output, kept) = {
         let _graph_off = no_grad();
-        f(inputs)
+        let recording = FrameGuard::recording();
+        let output = f(inputs);
+        (output, recording.finish())
     };
     let fingerprint = options.verify.then(|| Fingerprint::of(&forward_output));
     // A copy: `from_op` owns its value. The segment's own output dies with this scope.
@@ -147,6 +155,7 @@ where
         let rerun_output = {
             let _forward_modes = modes.enter();
             let _graph_on = enable_grad();
+            let _replay = FrameGuard::replaying(kept);
             f(&leaves)
         };
         set_rng_states(&rngs, &reached);

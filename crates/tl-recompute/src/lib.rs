@@ -9,6 +9,8 @@
 //!   (in units of one layer's stored input), recomputing as few layers as possible;
 //!   [`uniform_schedule`] is the `√n` alternative and [`schedule_cost`] prices any schedule.
 //! - [`checkpoint_sequential`] runs a stack on such a schedule.
+//! - [`keep_for_rerun`] lets an expensive op inside a segment be computed once: the node
+//!   keeps its result and the rerun takes it back (selective checkpointing).
 //! - Verified mode ([`CheckpointOptions::verified`], [`backward_verified`]) checks that every
 //!   rerun reproduces its forward pass bit for bit, and names the segment that does not.
 //!
@@ -32,12 +34,14 @@
 
 mod checkpoint;
 mod error;
+mod keep;
 mod schedule;
 mod sequential;
 mod verify;
 
 pub use checkpoint::{CheckpointOptions, checkpoint, checkpoint_with};
 pub use error::{RecomputeError, Result};
+pub use keep::keep_for_rerun;
 pub use schedule::{
     ScheduleCost, checkpoint_schedule, schedule_cost, segment_sizes, uniform_schedule,
 };

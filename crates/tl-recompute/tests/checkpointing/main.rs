@@ -3,6 +3,7 @@
 
 mod common;
 mod dropout;
+mod kept;
 mod memory;
 mod node;
 mod sequential;
