@@ -19,6 +19,10 @@
 //!   sum; the backward pass recomputes the probabilities from them. It recomputes them with
 //!   the same products on the same operands and the same formula, so they are the forward
 //!   pass's bits exactly.
+//! - **Computed once under checkpointing.** The op's result is marked with tl-recompute's
+//!   `keep_for_rerun`: a checkpointed block keeps it (`N·d` values, a sixteenth of what a
+//!   capstone block saves without checkpointing) and its rerun during backward takes it
+//!   back instead of running this forward pass again.
 //!
 //! # Under autocast
 //!
@@ -36,10 +40,13 @@
 //! which the f32 products accumulate (blocks instead of whole rows), and that masked entries
 //! are never computed, so never counted.
 
+use std::rc::Rc;
+
 use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewMut2, Axis, Ix2, IxDyn, s};
 use rayon::prelude::*;
 use tl_numerics::{Format, round_slice};
 use tl_precision::{autocast_format, record_underflows, round_gradient};
+use tl_recompute::keep_for_rerun;
 use tl_tensor::kernels::gemm::gemm_serial_into;
 use tl_tensor::{Element, Tensor};
 
@@ -52,7 +59,8 @@ const ROW_BLOCK: usize = 64;
 /// diagonal, and the result is `[B, T, d]` laid out the same way.
 ///
 /// Saves `q`, `k` and `v` (shared, not copied) and two numbers per row; see the module
-/// documentation for how it computes, and for its rounding under autocast.
+/// documentation for how it computes, how a checkpointed block keeps its result, and for its
+/// rounding under autocast.
 ///
 /// # Panics
 /// If the three shapes differ, are not 3-D, or `d` is not a multiple of `n_heads`.
@@ -83,9 +91,14 @@ pub fn causal_attention<E: Element>(
         scale: E::from_f64(1.0 / (head_dim as f64).sqrt()),
         format: autocast_format(),
     };
-    let (value, row_stats) = heads.forward(&q.value(), &k.value(), &v.value());
+    // The most expensive part of a block's forward pass for one `[B, T, d]` result: a
+    // checkpointed block keeps it rather than computing it again in its rerun.
+    let (output, row_stats) = keep_for_rerun(|| {
+        let (value, row_stats) = heads.forward(&q.value(), &k.value(), &v.value());
+        (Tensor::from_array(value), Rc::new(row_stats))
+    });
     let saved = [q.clone(), k.clone(), v.clone()];
-    Tensor::from_op(value, &[q, k, v], move |grad| {
+    Tensor::from_op_shared(&output, &[q, k, v], move |grad| {
         let [q, k, v] = &saved;
         let (grads, flushed) =
             heads.backward(&q.value(), &k.value(), &v.value(), &row_stats, &grad);

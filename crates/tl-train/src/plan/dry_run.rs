@@ -18,7 +18,7 @@
 //! So the predicted timeline is the real one, event for event, as long as the replica's op
 //! scripts (`ops.rs`, `model.rs`) mirror the model's code. A test compares the two.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::rc::Rc;
 
 use tl_tensor::memory::EventKind;
@@ -59,12 +59,28 @@ pub(crate) enum Vjp {
     Saved(Vec<Handle>),
     /// tl-recompute's checkpoint: the segment's inputs and how to rerun it. Gradients go to
     /// the inputs only (the parameters' arrive in their `.grad` during the rerun).
-    Rerun {
-        inputs: Vec<Handle>,
-        segment: Segment,
-        autocast: bool,
-        layer: Layer,
-    },
+    Rerun(Rerun),
+}
+
+/// What a checkpoint node owns until backward reruns its segment.
+pub(crate) struct Rerun {
+    pub(crate) inputs: Vec<Handle>,
+    /// What the segment's ops kept for the rerun (`keep_for_rerun`), in call order.
+    pub(crate) kept: Vec<Handle>,
+    pub(crate) segment: Segment,
+    /// Autocast as it was during the forward pass.
+    pub(crate) autocast: bool,
+    pub(crate) layer: Layer,
+}
+
+/// tl-recompute's stack of keep frames: what `keep_for_rerun` does depends on the innermost.
+pub(crate) enum KeepFrame {
+    /// A checkpoint node's forward pass: marked results are kept.
+    Recording(Vec<Handle>),
+    /// Its rerun: the kept results are handed back, front first.
+    Replaying(VecDeque<Handle>),
+    /// A checkpoint that records no node: nothing kept or handed back.
+    Plain,
 }
 
 /// A tensor's storage: freed when its last handle is released.
@@ -115,6 +131,8 @@ pub(crate) struct DryRun {
     pub(crate) phase: Phase,
     /// Every allocation and free, as `memory::record` lists them, while recording.
     events: Option<Vec<(EventKind, usize)>>,
+    /// The keep frames of the checkpoints running now, innermost last.
+    pub(crate) keep_frames: Vec<KeepFrame>,
 }
 
 impl DryRun {
@@ -141,6 +159,7 @@ impl DryRun {
                 layer: Layer::Embedding,
             },
             events: None,
+            keep_frames: Vec::new(),
         }
     }
 
@@ -277,22 +296,57 @@ impl DryRun {
     fn release_vjp(&mut self, vjp: Vjp) {
         match vjp {
             Vjp::Saved(saved) => saved.into_iter().for_each(|h| self.release(h)),
-            Vjp::Rerun { inputs, .. } => inputs.into_iter().for_each(|h| self.release(h)),
+            Vjp::Rerun(Rerun { inputs, kept, .. }) => {
+                inputs.into_iter().for_each(|h| self.release(h));
+                kept.into_iter().for_each(|h| self.release(h));
+            }
+        }
+    }
+
+    /// `keep_for_rerun` after computing: in a checkpoint node's forward pass, the node keeps
+    /// another handle on `result`.
+    pub(crate) fn keep_for_rerun(&mut self, result: &Handle) {
+        if matches!(self.keep_frames.last(), Some(KeepFrame::Recording(_))) {
+            let kept = self.share(result);
+            if let Some(KeepFrame::Recording(frame)) = self.keep_frames.last_mut() {
+                frame.push(kept);
+            }
+        }
+    }
+
+    /// `keep_for_rerun` before computing: in a rerun, the result the forward pass kept.
+    pub(crate) fn take_kept(&mut self) -> Option<Handle> {
+        match self.keep_frames.last_mut() {
+            Some(KeepFrame::Replaying(kept)) => kept.pop_front(),
+            _ => None,
         }
     }
 
     /// `Tensor::from_op`: allocates the output, then records a node owning `vjp` if grad
     /// mode is on and a parent requires grad; otherwise the closure is dropped at once.
     pub(crate) fn record(&mut self, bytes: u64, tag: Tag, parents: &[&Handle], vjp: Vjp) -> Handle {
-        let mut output = self.constant(bytes, tag);
+        let output = self.constant(bytes, tag);
+        self.record_on(output, parents, vjp)
+    }
+
+    /// `Tensor::from_op_shared`: as [`record`](Self::record) with `output` as the op's
+    /// value, which is shared, not allocated.
+    pub(crate) fn record_on(
+        &mut self,
+        mut output: Handle,
+        parents: &[&Handle],
+        vjp: Vjp,
+    ) -> Handle {
+        let (bytes, layer) = (output.bytes, self.values[output.value].tag.layer);
         let parent_nodes: Vec<usize> = parents.iter().filter_map(|p| p.node).collect();
         if !self.grad_enabled || parent_nodes.is_empty() {
             self.release_vjp(vjp);
+            output.node = None;
             return output;
         }
         self.nodes.push(Node {
             bytes,
-            layer: tag.layer,
+            layer,
             kind: NodeKind::Op {
                 parents: parent_nodes,
                 vjp: Some(vjp),

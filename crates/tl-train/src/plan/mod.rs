@@ -27,8 +27,9 @@
 //! (`4d² + 3dh` per block, `dV` for the head). The fused attention rounds inside and keeps
 //! its f32 inputs, as in fp32. The storage stays f32, so emulated mixed precision *adds*
 //! memory here, where real hardware would halve it. Dropout adds one `N·d` mask per branch.
-//! With checkpointing, a checkpointed block keeps only its input (`N·d`); the last segment
-//! of a schedule is never checkpointed.
+//! With checkpointing, a checkpointed block keeps only its input and its attention output
+//! (`2·N·d`: the rerun takes the fused attention's result back rather than recomputing it);
+//! the last segment of a schedule is never checkpointed.
 //!
 //! # When the peak comes
 //!

@@ -78,10 +78,11 @@ fn autocast_adds_rounded_copies_of_the_projection_inputs_and_weights() {
 #[test]
 fn per_block_checkpointing_keeps_block_inputs_and_the_last_block_whole() {
     let prediction = predict(&micro_config(Precision::Fp32, Checkpointing::PerBlock, 0.0));
-    // Blocks 0..3 keep their inputs (512 floats each); the last segment is not
-    // checkpointed, so block 3 keeps all 6400 floats.
+    // Blocks 0..3 keep their inputs and their attention outputs, which the rerun reuses
+    // (512 floats each); the last segment is not checkpointed, so block 3 keeps all 6400
+    // floats.
     for i in 0..3 {
-        assert_eq!(saved_in(&prediction, |l| l == Layer::Block(i)), 2_048);
+        assert_eq!(saved_in(&prediction, |l| l == Layer::Block(i)), 2 * 2_048);
     }
     assert_eq!(saved_in(&prediction, |l| l == Layer::Block(3)), 25_600);
     assert!(

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
-use super::{DryRun, Handle, NodeKind, Segment, Vjp, tag};
+use super::{DryRun, Handle, KeepFrame, NodeKind, Rerun, Segment, Vjp, tag};
 use crate::plan::kind::{Layer, Stage, TensorKind};
 
 impl DryRun {
@@ -18,11 +18,18 @@ impl DryRun {
         segment: Segment,
     ) -> Handle {
         if !self.grad_enabled {
-            return segment(self, input);
+            self.keep_frames.push(KeepFrame::Plain);
+            let output = segment(self, input);
+            self.keep_frames.pop();
+            return output;
         }
         let autocast = self.autocast;
         self.grad_enabled = false;
+        self.keep_frames.push(KeepFrame::Recording(Vec::new()));
         let output = segment(self, input);
+        let Some(KeepFrame::Recording(kept)) = self.keep_frames.pop() else {
+            unreachable!("keep frames are pushed and popped in pairs")
+        };
         self.grad_enabled = true;
         // The node owns a copy of the output (made outside the meter); the segment's own
         // output is dropped before the copy becomes a tensor.
@@ -31,12 +38,13 @@ impl DryRun {
         let inputs = vec![self.share(input)];
         let mut parents = vec![input];
         parents.extend_from_slice(params);
-        let vjp = Vjp::Rerun {
+        let vjp = Vjp::Rerun(Rerun {
             inputs,
+            kept,
             segment,
             autocast,
             layer,
-        };
+        });
         self.record(bytes, tag(layer, TensorKind::ResidualStream), &parents, vjp)
     }
 
@@ -113,12 +121,7 @@ impl DryRun {
                     saved.into_iter().for_each(|h| self.release(h));
                     parents
                 }
-                Vjp::Rerun {
-                    inputs,
-                    segment,
-                    autocast,
-                    layer,
-                } => self.rerun(inputs, &segment, autocast, layer, bytes, &parents),
+                Vjp::Rerun(node) => self.rerun(node, bytes, &parents),
             };
             for parent in receivers {
                 if let Entry::Vacant(slot) = pending.entry(parent) {
@@ -137,10 +140,13 @@ impl DryRun {
     /// inputs' gradients on. Returns the parents that receive a gradient.
     fn rerun(
         &mut self,
-        inputs: Vec<Handle>,
-        segment: &Segment,
-        autocast: bool,
-        layer: Layer,
+        Rerun {
+            inputs,
+            kept,
+            segment,
+            autocast,
+            layer,
+        }: Rerun,
         grad_bytes: u64,
         parents: &[usize],
     ) -> Vec<usize> {
@@ -155,7 +161,11 @@ impl DryRun {
         let outer = (self.grad_enabled, self.autocast, self.phase);
         (self.grad_enabled, self.autocast) = (true, autocast);
         self.phase.stage = Stage::Recompute;
+        self.keep_frames.push(KeepFrame::Replaying(kept.into()));
         let output = segment(self, &leaves[0]);
+        if let Some(KeepFrame::Replaying(unused)) = self.keep_frames.pop() {
+            unused.into_iter().for_each(|h| self.release(h));
+        }
         (self.grad_enabled, self.autocast) = (outer.0, outer.1);
         self.backward(&output, grad_bytes);
         self.release(output);
