@@ -92,3 +92,36 @@ fn a_node_holds_its_kept_results_until_backward_frees_them() {
     assert_eq!(live_bytes() - base, gradients, "kept values are gone");
     assert_eq!(computed.get(), 4);
 }
+
+#[test]
+fn a_checkpoint_nested_in_a_segment_keeps_its_own_values() {
+    use tl_recompute::checkpoint;
+    // scale(x, c) = x · c, with c a "kept" scalar. The outer segment keeps 2 and 5; the inner
+    // checkpoint, which records no node in the outer forward pass (grad mode is off there) but
+    // does in the outer rerun, keeps 3. Were the inner call to reach the outer frame, the
+    // rerun would hand 3 to the outer's second call and the gradient would change.
+    fn scale(x: &Tensor<f64>, c: f64) -> Tensor<f64> {
+        x.mul_scalar(keep_for_rerun(move || c))
+    }
+    let run = |checkpointed: bool| {
+        let x = Tensor::<f64>::param(tl_tensor::ndarray::arr1(&[1.5, -0.5]).into_dyn());
+        let inner = |xs: &[Tensor<f64>]| scale(&xs[0], 3.0).tanh();
+        let outer = move |xs: &[Tensor<f64>]| {
+            let h = scale(&xs[0], 2.0).tanh();
+            let h = if checkpointed {
+                checkpoint(inner, &[h], &[], &[])
+            } else {
+                inner(&[h])
+            };
+            scale(&h, 5.0)
+        };
+        let y = if checkpointed {
+            checkpoint(outer, &[x.clone()], &[], &[])
+        } else {
+            outer(&[x.clone()])
+        };
+        y.sum_all().backward();
+        (y.to_vec(), x.grad().unwrap().into_raw_vec_and_offset().0)
+    };
+    assert_eq!(run(true), run(false));
+}
