@@ -116,9 +116,9 @@ fn a_checkpoint_nested_in_a_segment_keeps_its_own_values() {
             scale(&h, 5.0)
         };
         let y = if checkpointed {
-            checkpoint(outer, &[x.clone()], &[], &[])
+            checkpoint(outer, std::slice::from_ref(&x), &[], &[])
         } else {
-            outer(&[x.clone()])
+            outer(std::slice::from_ref(&x))
         };
         y.sum_all().backward();
         (y.to_vec(), x.grad().unwrap().into_raw_vec_and_offset().0)
