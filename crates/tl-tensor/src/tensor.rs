@@ -126,15 +126,8 @@ impl<E: Element> Tensor<E> {
         parents: &[&Tensor<E>],
         vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
     ) -> Self {
-        if !is_grad_enabled() || !parents.iter().any(|p| p.requires_grad()) {
-            return Self::from_array(value);
-        }
-        let record = OpRecord {
-            parents: parents.iter().map(|p| p.node()).collect(),
-            vjp: Box::new(vjp),
-        };
-        let shape = value.shape().to_vec();
-        Self::with_node(value, Some(GradNode::op(shape, record)))
+        let node = Self::op_node(value.shape(), parents, vjp);
+        Self::with_node(value, node)
     }
 
     /// [`Tensor::from_op`] for an op whose output is a value that `value` already holds: the
@@ -157,19 +150,31 @@ impl<E: Element> Tensor<E> {
         parents: &[&Tensor<E>],
         vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
     ) -> Self {
+        let node = Self::op_node(&value.shape(), parents, vjp);
+        Self {
+            inner: Rc::new(Inner {
+                value: Rc::clone(&value.inner.value),
+                node: RefCell::new(node),
+            }),
+        }
+    }
+
+    /// The graph node of an op's output of `shape`: recorded only when grad mode is on and
+    /// some parent requires grad (otherwise `vjp` is dropped unused and the output is a
+    /// constant).
+    fn op_node(
+        shape: &[usize],
+        parents: &[&Tensor<E>],
+        vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
+    ) -> Option<Rc<GradNode<E>>> {
         if !is_grad_enabled() || !parents.iter().any(|p| p.requires_grad()) {
-            return value.detach();
+            return None;
         }
         let record = OpRecord {
             parents: parents.iter().map(|p| p.node()).collect(),
             vjp: Box::new(vjp),
         };
-        Self {
-            inner: Rc::new(Inner {
-                value: Rc::clone(&value.inner.value),
-                node: RefCell::new(Some(GradNode::op(value.shape(), record))),
-            }),
-        }
+        Some(GradNode::op(shape.to_vec(), record))
     }
 
     pub(crate) fn node(&self) -> Option<Rc<GradNode<E>>> {

@@ -29,7 +29,6 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
-use tl_train::model::Preset;
 use tl_train::train::{Record, STEP_RECIPES, StepRecipe, Trainer};
 
 /// As in `src/main.rs`: large freed buffers are kept for the next step instead of being
@@ -70,8 +69,7 @@ impl Run {
 }
 
 fn training_step(c: &mut Criterion) {
-    let config = STEP_RECIPES[0].capstone_config();
-    let tokens = (config.micro_batch * config.accum * Preset::Capstone.config().context) as u64;
+    let tokens = STEP_RECIPES[0].capstone_config().tokens_per_step() as u64;
     let mut group = c.benchmark_group("capstone_step_8x512");
     group
         .throughput(Throughput::Elements(tokens))

@@ -43,10 +43,15 @@ fn parse(args: &[String]) -> Result<(usize, [StepRecipe; 2]), String> {
     Ok((pairs, [mode(first)?, mode(second)?]))
 }
 
-/// The middle value (the upper one of the two middle values for an even count).
-fn median(mut values: Vec<f64>) -> f64 {
+/// The value a fraction `q` of the way through `values`, which are sorted (for `q = 0.5`
+/// the median, the upper of the two middle values for an even count).
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    sorted[(q * sorted.len() as f64) as usize]
+}
+
+fn sorted(mut values: Vec<f64>) -> Vec<f64> {
     values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+    values
 }
 
 fn main() -> ExitCode {
@@ -58,6 +63,8 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Both recipes take steps of the same size.
+    let tokens = modes[0].capstone_config().tokens_per_step() as f64;
     let dir = tempfile::tempdir().expect("a temporary directory for the two runs");
     let mut trainers: Vec<Trainer> = modes
         .iter()
@@ -88,19 +95,18 @@ fn main() -> ExitCode {
         ratios.push(b / a);
     }
     for (name, times) in [first, second].iter().zip(times) {
-        let median = median(times);
+        let median = quantile(&sorted(times), 0.5);
         println!(
             "{name}: median {median:.3} s/step, {:.0} tokens/s",
-            4096.0 / median
+            tokens / median
         );
     }
-    let mut sorted = ratios.clone();
-    sorted.sort_by(f64::total_cmp);
+    let ratios = sorted(ratios);
     println!(
         "{second} / {first}: median ratio {:.3}, quartiles {:.3} to {:.3}",
-        median(ratios),
-        sorted[sorted.len() / 4],
-        sorted[(3 * sorted.len()) / 4],
+        quantile(&ratios, 0.5),
+        quantile(&ratios, 0.25),
+        quantile(&ratios, 0.75),
     );
     ExitCode::SUCCESS
 }

@@ -397,11 +397,17 @@ fn row_pairs<'a, E>(
         .map(move |(i, rows)| (start + i, rows))
 }
 
-/// A copy of a head's columns as a contiguous matrix.
+/// A copy of a head's columns as a contiguous matrix, a row at a time (nothing is written
+/// twice: the buffer is not zeroed first).
 fn contiguous<E: Element>(x: ArrayView2<'_, E>) -> Array2<E> {
-    let mut owned = Array2::zeros(x.raw_dim());
-    copy_rows(owned.view_mut(), x);
-    owned
+    let mut data = Vec::with_capacity(x.len());
+    for row in x.rows() {
+        match row.as_slice() {
+            Some(row) => data.extend_from_slice(row),
+            None => data.extend(row.iter().copied()),
+        }
+    }
+    Array2::from_shape_vec(x.raw_dim(), data).expect("one value per element")
 }
 
 /// `dst = src` for matrices whose rows are contiguous (a head's `hd` columns of a `[T, d]`
