@@ -126,8 +126,9 @@ impl<E: Element> Tensor<E> {
         parents: &[&Tensor<E>],
         vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
     ) -> Self {
-        let node = Self::op_node(value.shape(), parents, vjp);
-        Self::with_node(value, node)
+        let output = Self::from_array(value);
+        output.attach_op(parents, vjp);
+        output
     }
 
     /// [`Tensor::from_op`] for an op whose output is a value that `value` already holds: the
@@ -150,31 +151,28 @@ impl<E: Element> Tensor<E> {
         parents: &[&Tensor<E>],
         vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
     ) -> Self {
-        let node = Self::op_node(&value.shape(), parents, vjp);
-        Self {
-            inner: Rc::new(Inner {
-                value: Rc::clone(&value.inner.value),
-                node: RefCell::new(node),
-            }),
-        }
+        let output = value.detach();
+        output.attach_op(parents, vjp);
+        output
     }
 
-    /// The graph node of an op's output of `shape`: recorded only when grad mode is on and
-    /// some parent requires grad (otherwise `vjp` is dropped unused and the output is a
-    /// constant).
-    fn op_node(
-        shape: &[usize],
+    /// Makes this fresh constant the output of an op: records its node when grad mode is on
+    /// and some parent requires grad, and otherwise drops `vjp` unused. Either way after the
+    /// output's storage exists, so the memory meter sees the output allocated before what
+    /// an unused `vjp` held is freed.
+    fn attach_op(
+        &self,
         parents: &[&Tensor<E>],
         vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
-    ) -> Option<Rc<GradNode<E>>> {
+    ) {
         if !is_grad_enabled() || !parents.iter().any(|p| p.requires_grad()) {
-            return None;
+            return;
         }
         let record = OpRecord {
             parents: parents.iter().map(|p| p.node()).collect(),
             vjp: Box::new(vjp),
         };
-        Some(GradNode::op(shape.to_vec(), record))
+        *self.inner.node.borrow_mut() = Some(GradNode::op(self.shape(), record));
     }
 
     pub(crate) fn node(&self) -> Option<Rc<GradNode<E>>> {
