@@ -34,7 +34,7 @@ pub use nn::Module;
 pub use ops::matmul::{MatmulHook, matmul_hook, set_matmul_hook};
 pub use optim::Optimizer;
 pub use rng::{Generator, GeneratorState};
-pub use tensor::Tensor;
+pub use tensor::{Tensor, WeakValue};
 
 /// The `ndarray` this crate is built on, re-exported so users build arrays of the same version.
 pub use ndarray;

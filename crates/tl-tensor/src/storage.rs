@@ -9,17 +9,28 @@ use crate::memory;
 /// An array of tensor data, counted by the memory meter while it lives.
 ///
 /// The byte count is taken once, at creation: code holding a `&mut` may change values but
-/// never the number of elements.
+/// never the number of elements. Every such change bumps the buffer's version, so a
+/// [`WeakValue`](crate::tensor::WeakValue) taken before it no longer matches.
 pub(crate) struct Buffer<E: Element> {
     array: ArrayD<E>,
     bytes: usize,
+    version: u64,
 }
 
 impl<E: Element> Buffer<E> {
     pub(crate) fn new(array: ArrayD<E>) -> Self {
         let bytes = array.len() * std::mem::size_of::<E>();
         memory::on_alloc(bytes);
-        Self { array, bytes }
+        Self {
+            array,
+            bytes,
+            version: 0,
+        }
+    }
+
+    /// How many in-place updates the values have been through.
+    pub(crate) fn version(&self) -> u64 {
+        self.version
     }
 
     /// The bytes this buffer holds on the meter.
@@ -37,6 +48,7 @@ impl<E: Element> Buffer<E> {
     /// If the closure changes the number of elements, which would break the meter.
     pub(crate) fn update<T>(&mut self, f: impl FnOnce(&mut ArrayD<E>) -> T) -> T {
         let len = self.array.len();
+        self.version += 1;
         let out = f(&mut self.array);
         assert_eq!(
             self.array.len(),

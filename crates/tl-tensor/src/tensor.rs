@@ -2,7 +2,7 @@
 
 use std::cell::{Ref, RefCell};
 use std::fmt;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 
 use ndarray::{ArrayD, IxDyn};
 
@@ -39,6 +39,58 @@ impl<E: Element> Clone for Tensor<E> {
         Self {
             inner: Rc::clone(&self.inner),
         }
+    }
+}
+
+/// A reference to a tensor's value that does not keep it alive, and that stops matching
+/// as soon as the value is written in place: a key for caching something computed from a
+/// value (a rounded copy of it, say) without holding on to the value or trusting a stale
+/// result. Made by [`Tensor::downgrade`].
+///
+/// ```
+/// use tl_tensor::Tensor;
+/// let x = Tensor::<f64>::from_vec(vec![1.0, 2.0], &[2])?;
+/// let weak = x.downgrade();
+/// assert!(weak.refers_to(&x) && weak.refers_to(&x.detach())); // the same storage
+/// assert!(weak.upgrade().is_some_and(|value| value.shares_storage(&x)));
+/// x.update_value(|v| v[0] = 3.0);
+/// assert!(!weak.refers_to(&x) && weak.upgrade().is_none()); // written since
+/// # Ok::<(), tl_tensor::TensorError>(())
+/// ```
+pub struct WeakValue<E: Element> {
+    value: Weak<RefCell<Buffer<E>>>,
+    version: u64,
+}
+
+impl<E: Element> WeakValue<E> {
+    /// Whether `tensor` holds this value, unchanged since the reference was taken.
+    pub fn refers_to(&self, tensor: &Tensor<E>) -> bool {
+        self.value.ptr_eq(&Rc::downgrade(&tensor.inner.value))
+            && tensor.inner.value.borrow().version() == self.version
+    }
+
+    /// A constant (outside the graph) holding the value, if it is still alive and
+    /// unchanged since the reference was taken.
+    pub fn upgrade(&self) -> Option<Tensor<E>> {
+        let value = self.value.upgrade()?;
+        if value.borrow().version() != self.version {
+            return None;
+        }
+        Some(Tensor {
+            inner: Rc::new(Inner {
+                value,
+                node: RefCell::new(None),
+            }),
+        })
+    }
+}
+
+impl<E: Element> fmt::Debug for WeakValue<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WeakValue")
+            .field("alive", &(self.value.strong_count() > 0))
+            .field("version", &self.version)
+            .finish()
     }
 }
 
@@ -154,6 +206,52 @@ impl<E: Element> Tensor<E> {
         let output = value.detach();
         output.attach_op(parents, vjp);
         output
+    }
+
+    /// [`Tensor::from_op`] for an elementwise op that may overwrite its input: `input` is
+    /// consumed, and if nothing else holds its value (no clone, no `detach`, no saved
+    /// handle), `apply` rewrites that storage and the output takes it over, so no memory is
+    /// allocated and the values are passed over once. Otherwise `apply` runs on a copy and
+    /// the input is left as it was.
+    ///
+    /// The input's node stays the output's parent, so gradients flow through it as through
+    /// any op; the VJP receives the output's gradient. This is how an op rounds a result it
+    /// has just computed (autocast's rounding of a product) without a second buffer.
+    ///
+    /// ```
+    /// use tl_tensor::{Tensor, memory};
+    /// let x = Tensor::<f64>::param(ndarray::arr1(&[1.0, 2.0]).into_dyn());
+    /// let y = x.mul_scalar(2.0); // a fresh result only this code holds
+    /// let before = memory::live_bytes();
+    /// let z = Tensor::from_op_in_place(y, |v| v.mapv_inplace(|v| v + 1.0), |grad| vec![Some(grad)]);
+    /// assert_eq!(memory::live_bytes(), before, "written in place");
+    /// assert_eq!(z.to_vec(), vec![3.0, 5.0]);
+    /// z.sum_all().backward();
+    /// assert_eq!(x.grad().unwrap().as_slice().unwrap(), &[2.0, 2.0]);
+    /// ```
+    pub fn from_op_in_place(
+        input: Tensor<E>,
+        apply: impl FnOnce(&mut ArrayD<E>),
+        vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
+    ) -> Self {
+        let sole_holder =
+            Rc::strong_count(&input.inner) == 1 && Rc::strong_count(&input.inner.value) == 1;
+        let output = if sole_holder {
+            input.detach()
+        } else {
+            Self::from_array(input.to_array())
+        };
+        output.update_value(apply);
+        output.attach_op(&[&input], vjp);
+        output
+    }
+
+    /// A weak reference to this tensor's value as it is now: see [`WeakValue`].
+    pub fn downgrade(&self) -> WeakValue<E> {
+        WeakValue {
+            value: Rc::downgrade(&self.inner.value),
+            version: self.inner.value.borrow().version(),
+        }
     }
 
     /// Makes this fresh constant the output of an op: records its node when grad mode is on

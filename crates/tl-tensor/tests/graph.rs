@@ -255,3 +255,61 @@ fn an_op_over_a_known_value_allocates_nothing_and_still_backpropagates() {
     };
     assert!(constant.shares_storage(&known) && !constant.requires_grad());
 }
+
+#[test]
+fn an_in_place_op_rewrites_a_value_only_its_caller_holds() {
+    let x = param(&[1.0, -2.0]);
+    let square = |v: &mut ArrayD<f64>| v.mapv_inplace(|v| v * v);
+    let doubled = x.mul_scalar(2.0);
+    let before = memory::live_bytes();
+    let y = Tensor::from_op_in_place(doubled, square, |grad| vec![Some(grad)]);
+    assert_eq!(
+        memory::live_bytes(),
+        before,
+        "the input's storage was reused"
+    );
+    assert_eq!(y.to_vec(), vec![4.0, 16.0]);
+    assert!(y.requires_grad() && !y.is_leaf());
+    // The VJP's gradient reaches the input's node, and through it x: d(2x)/dx = 2.
+    y.sum_all().backward();
+    assert_eq!(x.grad().unwrap().as_slice().unwrap(), &[2.0, 2.0]);
+
+    // A value someone else still reads is copied, and that reader sees it unchanged.
+    for keep in [|t: &Tensor<f64>| t.clone(), |t: &Tensor<f64>| t.detach()] {
+        let doubled = x.mul_scalar(2.0);
+        let reader = keep(&doubled);
+        let before = memory::live_bytes();
+        let y = Tensor::from_op_in_place(doubled, square, |grad| vec![Some(grad)]);
+        assert_eq!(
+            memory::live_bytes(),
+            before + 16,
+            "a new buffer for the output"
+        );
+        assert_eq!(y.to_vec(), vec![4.0, 16.0]);
+        assert_eq!(reader.to_vec(), vec![2.0, -4.0]);
+    }
+}
+
+#[test]
+fn a_weak_value_follows_its_storage_and_lapses_when_freed_or_written() {
+    let x = Tensor::<f64>::from_array(arr1(&[1.0, 2.0]).into_dyn());
+    let weak = x.downgrade();
+    let other = Tensor::<f64>::from_array(arr1(&[1.0, 2.0]).into_dyn());
+    assert!(
+        weak.refers_to(&x) && !weak.refers_to(&other),
+        "storage, not equal values"
+    );
+    let alias = weak.upgrade().expect("alive");
+    assert!(alias.shares_storage(&x) && !alias.requires_grad());
+    drop(alias);
+
+    // An in-place op on a sole holder writes the storage: the old reference lapses.
+    let before_write = x.clone().downgrade();
+    let y = Tensor::from_op_in_place(x, |v| v.fill(0.0), |grad| vec![Some(grad)]);
+    assert!(!before_write.refers_to(&y) && before_write.upgrade().is_none());
+
+    let fresh = y.downgrade();
+    assert!(fresh.refers_to(&y));
+    drop(y);
+    assert!(fresh.upgrade().is_none(), "freed with its last holder");
+}
