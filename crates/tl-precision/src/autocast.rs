@@ -10,15 +10,16 @@
 //! whatever was installed before when it drops — at the end of the scope, on `?`, and while
 //! unwinding from a panic — so guards nest and the innermost format applies.
 
-use std::cell::Cell;
+use std::any::Any;
+use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 use tl_numerics::Format;
-use tl_tensor::{Element, MatmulHook, Tensor, set_matmul_hook};
+use tl_tensor::{Element, MatmulHook, Tensor, WeakValue, set_matmul_hook};
 
-use crate::cast::cast;
+use crate::cast::{cast, cast_owned, cast_sharing};
 use crate::error::Result;
 
 thread_local! {
@@ -62,10 +63,64 @@ struct RoundedMatmul {
 }
 
 impl RoundedMatmul {
+    /// `cast(cast(lhs)·cast(rhs))`, with two savings that change no bit of the values or
+    /// the gradients: an operand rounded for an earlier product is shared (see
+    /// [`rounded_operand`]), and the product, which nothing else reads, is rounded in
+    /// place.
     fn product<E: Element>(&self, lhs: &Tensor<E>, rhs: &Tensor<E>) -> Tensor<E> {
         let f = self.format;
-        cast(&cast(lhs, f).matmul_plain(&cast(rhs, f)), f)
+        let product = rounded_operand(lhs, f).matmul_plain(&rounded_operand(rhs, f));
+        cast_owned(product, f)
     }
+}
+
+thread_local! {
+    /// The activation this thread's autocast rounded last, as a [`LastRounded`] of the
+    /// element type it was in.
+    static LAST_ROUNDED: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+}
+
+/// An activation and its rounded copy, both held weakly: the entry keeps no memory alive,
+/// and lapses when either is freed or written in place.
+struct LastRounded<E: Element> {
+    source: WeakValue<E>,
+    format: Format,
+    rounded: WeakValue<E>,
+}
+
+/// `cast(x, format)` for a product's operand, sharing the rounded copy of the last
+/// activation rounded on this thread if `x` is that activation.
+///
+/// A layer often feeds one activation to several products (the norm's output to the q, k
+/// and v projections, or to the gate and up projections of the MLP). Each product gets its
+/// own cast node, so each rounds the gradient it sends back on its own, as separate casts
+/// do; only the forward value, identical by construction, is stored once instead of once
+/// per product (which also saves the copies the products keep for backward).
+///
+/// Parameters (leaves) are not remembered: each weight feeds one product, and the slot is
+/// kept for the activation that the next product may read again.
+fn rounded_operand<E: Element>(x: &Tensor<E>, format: Format) -> Tensor<E> {
+    if x.is_leaf() {
+        return cast(x, format);
+    }
+    let known = LAST_ROUNDED.with(|slot| {
+        let slot = slot.borrow();
+        let last = slot.as_ref()?.downcast_ref::<LastRounded<E>>()?;
+        (last.format == format && last.source.refers_to(x))
+            .then(|| last.rounded.upgrade())
+            .flatten()
+    });
+    if let Some(rounded) = known {
+        return cast_sharing(x, &rounded, format);
+    }
+    let rounded = cast(x, format);
+    let entry = LastRounded {
+        source: x.downgrade(),
+        format,
+        rounded: rounded.downgrade(),
+    };
+    LAST_ROUNDED.with(|slot| *slot.borrow_mut() = Some(Box::new(entry)));
+    rounded
 }
 
 impl MatmulHook for RoundedMatmul {

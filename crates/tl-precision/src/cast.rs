@@ -40,11 +40,35 @@ thread_local! {
 /// ```
 pub fn cast<E: Element>(x: &Tensor<E>, format: Format) -> Tensor<E> {
     let value = rounded_copy(&x.value(), format);
-    Tensor::from_op(value, &[x], move |grad_out| {
+    Tensor::from_op(value, &[x], cast_vjp(format))
+}
+
+/// [`cast`] of a tensor that the caller is done with (a product it has just computed):
+/// when nothing else holds `x`, its storage is rounded in place and becomes the result's,
+/// so no second buffer is made. The graph is the same as `cast`'s.
+pub(crate) fn cast_owned<E: Element>(x: Tensor<E>, format: Format) -> Tensor<E> {
+    Tensor::from_op_in_place(x, |values| round_in_place(values, format), cast_vjp(format))
+}
+
+/// [`cast`] of `x` when `rounded` already holds `rd(x)` (a cast of `x` made earlier and
+/// still alive): the result shares that storage instead of rounding again. Its node is its
+/// own, with `cast`'s VJP, so the gradient it passes to `x` is rounded on its own, exactly
+/// as a separate `cast` would round it.
+pub(crate) fn cast_sharing<E: Element>(
+    x: &Tensor<E>,
+    rounded: &Tensor<E>,
+    format: Format,
+) -> Tensor<E> {
+    Tensor::from_op_shared(rounded, &[x], cast_vjp(format))
+}
+
+/// The VJP of every cast: `x̄ = rd(ȳ)`, counting the values the rounding flushed to zero.
+fn cast_vjp<E: Element>(format: Format) -> impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> {
+    move |grad_out| {
         let (grad_in, flushed) = round_counting_flushes(grad_out, format);
         record_underflows(flushed);
         vec![Some(grad_in)]
-    })
+    }
 }
 
 /// Elements per task when rounding on the rayon pool (64 KiB of f32): large enough that a
@@ -78,6 +102,16 @@ fn rounded_copy<E: Element>(values: &ArrayD<E>, format: Format) -> ArrayD<E> {
     // and `round_slice_into` initialised every element of each chunk.
     unsafe { rounded.set_len(src.len()) };
     ArrayD::from_shape_vec(values.raw_dim(), rounded).expect("as many elements as the input")
+}
+
+/// Rounds every element of `values` into `format`, in place.
+fn round_in_place<E: Element>(values: &mut ArrayD<E>, format: Format) {
+    match values.as_slice_memory_order_mut() {
+        Some(contiguous) => contiguous
+            .par_chunks_mut(BLOCK)
+            .for_each(|block| round_slice(block, format)),
+        None => values.map_inplace(|v| *v = v.round_to(format)),
+    }
 }
 
 /// Rounds every element of `values` into `format`, in place, and counts the nonzero values

@@ -82,6 +82,100 @@ proptest! {
     }
 }
 
+/// Three products of one activation `x = 1·p` and three weights, under autocast and, by
+/// hand, with a separate `cast` of `x` for each (what autocast computed before it shared
+/// the rounded copy); backward from `Σ ȳᵢ·yᵢ`. Returns each run's outputs, `p`'s gradient
+/// and the underflow count.
+fn three_products_of_one_activation(
+    p: &ArrayD<f64>,
+    weights: &[ArrayD<f64>; 3],
+    grads: &[ArrayD<f64>; 3],
+    format: Format,
+) -> [(Vec<f64>, Vec<f64>, u64); 2] {
+    let run = |by_hand: bool| {
+        tl_precision::take_underflow_count();
+        let p = Tensor::param(p.clone());
+        let x = p.mul_scalar(1.0);
+        let mut loss = Tensor::scalar(0.0);
+        let mut outputs = Vec::new();
+        for (w, grad) in weights.iter().zip(grads) {
+            let w = Tensor::param(w.clone());
+            let y = if by_hand {
+                cast(&cast(&x, format).matmul_plain(&cast(&w, format)), format)
+            } else {
+                let _guard = autocast(format);
+                x.matmul(&w)
+            };
+            outputs.extend(y.to_vec());
+            loss = loss.add(&y.mul(&Tensor::from_array(grad.clone())).sum_all());
+        }
+        loss.backward();
+        (outputs, grad_of(&p), tl_precision::take_underflow_count())
+    };
+    [run(false), run(true)]
+}
+
+#[test]
+fn products_of_one_activation_share_its_rounded_copy_and_round_each_gradient() {
+    let rng = Generator::new(21);
+    let p: ArrayD<f64> = normal(&[4, 6], 1.0, &rng);
+    let weights = [0, 1, 2].map(|_| normal(&[6, 5], 1.0, &rng));
+    // Gradients spread over 2^-30..1, so that fp16 flushes some of each product's input
+    // gradient to zero and the flush counts are not trivial.
+    let grads = [0, 1, 2].map(|_| normal::<f64>(&[4, 5], 1.0, &rng).mapv(|v| v * 1e-7));
+    for format in Format::ALL {
+        let [shared, by_hand] = three_products_of_one_activation(&p, &weights, &grads, format);
+        assert_eq!(
+            shared, by_hand,
+            "{format}: outputs, gradient and flush count"
+        );
+        if format == Format::Fp16 {
+            assert!(by_hand.2 > 0, "the fp16 case flushes something");
+        }
+    }
+
+    // One rounded copy of x (4·6 f64), not three, is alive while the products are; each
+    // product rounds its own weight (6·5) and writes one output (4·5), rounded in place.
+    let x = Tensor::param(p.clone()).mul_scalar(1.0);
+    let weights = weights.map(Tensor::param);
+    let _guard = autocast(Format::Bf16);
+    let before = tl_tensor::memory::live_bytes();
+    let (products, peak) =
+        tl_tensor::memory::measure_peak(|| weights.iter().map(|w| x.matmul(w)).collect::<Vec<_>>());
+    let held = 8 * (24 + 3 * 30 + 3 * 20);
+    assert_eq!(tl_tensor::memory::live_bytes() - before, held);
+    assert_eq!(peak, held, "no unrounded product next to its rounded copy");
+    drop(products);
+}
+
+#[test]
+fn a_shared_rounded_copy_is_never_stale() {
+    let a = arr2(&[[1.01, -2.02], [0.3, 4.4]]).into_dyn();
+    let w = Tensor::param(arr2(&[[1.0, 0.5], [0.25, -1.0]]).into_dyn());
+    let x = Tensor::param(a.clone()).mul_scalar(1.0);
+    let expected = |a: &ArrayD<f64>, format| {
+        let a = a.clone().into_dimensionality::<Ix2>().unwrap();
+        let b = w.to_array().into_dimensionality::<Ix2>().unwrap();
+        reference_product(&a, &b, format)
+    };
+    // The products are kept, so that their rounded copies of x stay alive and could be
+    // shared.
+    let _bf16 = autocast(Format::Bf16);
+    let first = x.matmul(&w);
+    assert_eq!(first.to_vec(), expected(&a, Format::Bf16));
+    let second = {
+        // Another format rounds x afresh.
+        let _fp16 = autocast(Format::Fp16);
+        x.matmul(&w)
+    };
+    assert_eq!(second.to_vec(), expected(&a, Format::Fp16));
+    let third = x.matmul(&w);
+    assert_eq!(third.to_vec(), expected(&a, Format::Bf16));
+    // So does a value written in place since it was rounded.
+    x.update_value(|v| v.mapv_inplace(|v| v * 3.0));
+    assert_eq!(x.matmul(&w).to_vec(), expected(&(&a * 3.0), Format::Bf16));
+}
+
 #[test]
 fn batched_products_with_broadcast_batch_axes_are_rounded() {
     let rng = Generator::new(7);

@@ -133,6 +133,9 @@ pub(crate) struct DryRun {
     events: Option<Vec<(EventKind, usize)>>,
     /// The keep frames of the checkpoints running now, innermost last.
     pub(crate) keep_frames: Vec<KeepFrame>,
+    /// Autocast's memory of the last activation it rounded: the values of the activation
+    /// and of its rounded copy (held weakly, as tl-precision holds them).
+    last_rounded: Option<(usize, usize)>,
 }
 
 impl DryRun {
@@ -160,6 +163,7 @@ impl DryRun {
             },
             events: None,
             keep_frames: Vec::new(),
+            last_rounded: None,
         }
     }
 
@@ -354,6 +358,33 @@ impl DryRun {
         });
         output.node = Some(self.nodes.len() - 1);
         output
+    }
+
+    /// Autocast's `cast` of a product's operand: a rounded copy tagged `copy_tag`, or, when
+    /// `x` is the last activation rounded and that copy is still alive, a new cast node on
+    /// the copy's storage (tl-precision's `rounded_operand`). Leaves are never remembered.
+    pub(crate) fn rounded_operand(&mut self, x: &Handle, copy_tag: Tag) -> Handle {
+        let is_leaf = x
+            .node
+            .is_none_or(|node| matches!(self.nodes[node].kind, NodeKind::Leaf { .. }));
+        if is_leaf {
+            return self.layout(x, copy_tag);
+        }
+        if let Some((source, rounded)) = self.last_rounded
+            && source == x.value
+            && self.values[rounded].handles > 0
+        {
+            let copy = Handle {
+                value: rounded,
+                node: None,
+                bytes: x.bytes,
+            };
+            let copy = self.share(&copy);
+            return self.record_on(copy, &[x], Vjp::Saved(Vec::new()));
+        }
+        let copy = self.layout(x, copy_tag);
+        self.last_rounded = Some((x.value, copy.value));
+        copy
     }
 
     /// Whether `handle` is a parameter (a leaf that is not a rerun's input copy).

@@ -26,7 +26,7 @@ pub enum TensorKind {
     /// The residual stream: block inputs and the sum after attention (what the norms save).
     ResidualStream,
     /// RMSNorm outputs, saved by the projections that read them (in f32; under autocast
-    /// each projection saves its own rounded copy instead).
+    /// they save one rounded copy instead).
     NormOutputs,
     /// Outputs of the projections and of the fused attention; the attention's output is
     /// saved by the output projection, the others are short-lived.

@@ -22,8 +22,9 @@
 //! and recomputes its probabilities in the backward pass.
 //!
 //! Under bf16/fp16 autocast every projection rounds *copies* of its operands and saves
-//! those: each keeps its own rounded copy of its input (the norm output q, k and v share
-//! becomes three) and every weight matrix gets a rounded copy for the whole forward pass
+//! those: a rounded copy of its input, shared by the projections that read the same
+//! activation (q, k and v share one copy of the norm output, the gate and up projections
+//! another), and a rounded copy of every weight matrix for the whole forward pass
 //! (`4d² + 3dh` per block, `dV` for the head). The fused attention rounds inside and keeps
 //! its f32 inputs, as in fp32. The storage stays f32, so emulated mixed precision *adds*
 //! memory here, where real hardware would halve it. Dropout adds one `N·d` mask per branch.

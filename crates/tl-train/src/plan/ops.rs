@@ -49,8 +49,9 @@ impl DryRun {
     }
 
     /// `Tensor::matmul`: the plain product, or under autocast `cast(cast(lhs)·cast(rhs))`,
-    /// whose product saves the two rounded copies and whose unrounded result lives only
-    /// until it is rounded.
+    /// whose product saves the two rounded copies (an activation's shared with the products
+    /// that read it before, see [`DryRun::rounded_operand`]) and whose result is rounded in
+    /// place: the cast's output takes over the product's storage.
     pub(crate) fn matmul(
         &mut self,
         lhs: &Handle,
@@ -70,10 +71,11 @@ impl DryRun {
         };
         let lhs_kind = copy_kind(self.is_param(lhs));
         let rhs_kind = copy_kind(self.is_param(rhs));
-        let lhs_copy = self.layout(lhs, tag(out_tag.layer, lhs_kind));
-        let rhs_copy = self.layout(rhs, tag(out_tag.layer, rhs_kind));
+        let lhs_copy = self.rounded_operand(lhs, tag(out_tag.layer, lhs_kind));
+        let rhs_copy = self.rounded_operand(rhs, tag(out_tag.layer, rhs_kind));
         let product = self.matmul_plain(&lhs_copy, &rhs_copy, bytes, out_tag);
-        let rounded = self.layout(&product, out_tag);
+        let storage = self.share(&product);
+        let rounded = self.record_on(storage, &[&product], Vjp::Saved(Vec::new()));
         self.release(product);
         self.release(rhs_copy);
         self.release(lhs_copy);
@@ -174,7 +176,31 @@ mod tests {
         let kinds = dry.live_by_tag();
         assert_eq!(kinds[&activation(TensorKind::RoundedCopies)], 24);
         assert_eq!(kinds[&activation(TensorKind::WeightCopies)], 16);
-        // The peak held the unrounded product and its rounded copy at once.
-        assert_eq!(dry.peak().0, 16 + 24 + 24 + 16 + 48 + 48);
+        // The product was rounded in place: the peak held x and its copy, never two y.
+        assert_eq!(dry.peak().0, 16 + 24 + 24 + 16 + 48);
+    }
+
+    #[test]
+    fn products_of_one_activation_share_its_rounded_copy() {
+        let mut dry = DryRun::new();
+        dry.autocast = true;
+        let w = dry.param(4 * F32, Layer::Block(0));
+        let input = dry.constant(6 * F32, activation(TensorKind::ResidualStream));
+        let x = dry.saving(&[&input, &w], &[], 6 * F32, activation(TensorKind::Heads));
+        let _products =
+            [0, 1, 2].map(|_| dry.matmul(&x, &w, 12 * F32, activation(TensorKind::LinearOutputs)));
+        // input 24, x 24, one rounded x 24, three rounded w 48, three y 144
+        assert_eq!(dry.live(), 16 + 24 + 24 + 24 + 3 * 16 + 3 * 48);
+        assert_eq!(
+            dry.live_by_tag()[&activation(TensorKind::RoundedCopies)],
+            24
+        );
+        // A constant is not remembered: each product rounds its own copy.
+        let _more =
+            [0, 1].map(|_| dry.matmul(&input, &w, 12 * F32, activation(TensorKind::LinearOutputs)));
+        assert_eq!(
+            dry.live_by_tag()[&activation(TensorKind::RoundedCopies)],
+            24 + 2 * 24
+        );
     }
 }

@@ -65,11 +65,12 @@ fn an_fp32_block_saves_eight_nd_and_three_nh() {
 fn autocast_adds_rounded_copies_of_the_projection_inputs_and_weights() {
     let prediction = predict(&micro_config(Precision::Bf16, Checkpointing::Off, 0.0));
     // As in fp32, the norms' inputs (1024) and what the fused attention and gate keep in
-    // f32 (q, k, v: 1536; gate and up: 1536). But each of the seven projections keeps its
-    // own rounded copy of its input where fp32 shares one (6·512 + 768 = 3840: q, k and v
-    // each round the norm output), and the weights are rounded (4d² + 3dh = 2176):
-    // 10,112 floats.
-    assert_eq!(saved_in(&prediction, |l| l == Layer::Block(0)), 40_448);
+    // f32 (q, k, v: 1536; gate and up: 1536). But the projections keep rounded copies of
+    // their inputs where fp32 keeps the inputs: one of the first norm's output, shared by
+    // q, k and v, one of the attention's output, one of the second norm's output, shared by
+    // gate and up, and one of the gate's output (3·512 + 768 = 2304); and the weights are
+    // rounded (4d² + 3dh = 2176): 8,576 floats.
+    assert_eq!(saved_in(&prediction, |l| l == Layer::Block(0)), 34_304);
     // 512 + rounded head input 512 + rounded head weight d·V = 4096 + logits 8192 = 13,312
     // floats, and the two loss floats.
     assert_eq!(saved_in(&prediction, |l| l == Layer::Head), 53_256);
