@@ -97,12 +97,9 @@ struct LastRounded<E: Element> {
 /// do; only the forward value, identical by construction, is stored once instead of once
 /// per product (which also saves the copies the products keep for backward).
 ///
-/// Parameters (leaves) are not remembered: each weight feeds one product, and the slot is
-/// kept for the activation that the next product may read again.
+/// Parameters and constants (leaves) are not remembered: each weight feeds one product, and
+/// the slot is kept for the activation that the next product may read again.
 fn rounded_operand<E: Element>(x: &Tensor<E>, format: Format) -> Tensor<E> {
-    if x.is_leaf() {
-        return cast(x, format);
-    }
     let known = LAST_ROUNDED.with(|slot| {
         let slot = slot.borrow();
         let last = slot.as_ref()?.downcast_ref::<LastRounded<E>>()?;
@@ -114,13 +111,57 @@ fn rounded_operand<E: Element>(x: &Tensor<E>, format: Format) -> Tensor<E> {
         return cast_sharing(x, &rounded, format);
     }
     let rounded = cast(x, format);
+    if !x.is_leaf() {
+        remember(x, &rounded, format);
+    }
+    rounded
+}
+
+/// Puts `rounded`, holding `rd(x)` in `format`, in this thread's slot.
+fn remember<E: Element>(x: &Tensor<E>, rounded: &Tensor<E>, format: Format) {
     let entry = LastRounded {
         source: x.downgrade(),
         format,
         rounded: rounded.downgrade(),
     };
     LAST_ROUNDED.with(|slot| *slot.borrow_mut() = Some(Box::new(entry)));
-    rounded
+}
+
+/// Tells this thread's autocast that every value of `x` is already representable in
+/// `format`, so that the next products reading `x` under that format take its own storage
+/// as their rounded operand instead of rounding a copy of it. Each of them still records its
+/// own cast node, so the gradients are rounded as for any operand.
+///
+/// This is for an op that rounds its own result under autocast, as a fused attention does
+/// (its last product is a 16-bit one): the product after it, the output projection, would
+/// otherwise spend a pass over memory and a buffer on a copy equal to its input. Like any
+/// rounded copy, the mark lapses when `x` is freed or written in place, or when another
+/// activation is rounded.
+///
+/// # Panics
+/// In debug builds, if some value of `x` is not representable in `format`.
+///
+/// ```
+/// use tl_numerics::Format;
+/// use tl_precision::{autocast, mark_rounded};
+/// use tl_tensor::{Tensor, memory};
+///
+/// let w = Tensor::<f32>::param(tl_tensor::ndarray::arr2(&[[1.0], [2.0]]).into_dyn());
+/// let x = w.transpose(0, 1).mul_scalar(0.5); // [0.5, 1.0]: bf16 values
+/// let _bf16 = autocast(Format::Bf16);
+/// mark_rounded(&x, Format::Bf16);
+/// let before = memory::live_bytes();
+/// let y = x.matmul(&w);
+/// // The rounded weight and the result; no copy of x.
+/// assert_eq!(memory::live_bytes() - before, 4 * (2 + 1));
+/// assert_eq!(y.item(), 2.5);
+/// ```
+pub fn mark_rounded<E: Element>(x: &Tensor<E>, format: Format) {
+    debug_assert!(
+        x.value().iter().all(|v| v.round_to(format) == *v),
+        "mark_rounded: a value of the tensor is not a {format} value"
+    );
+    remember(x, x, format);
 }
 
 impl MatmulHook for RoundedMatmul {

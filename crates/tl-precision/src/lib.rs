@@ -30,7 +30,9 @@ mod scaler_state;
 mod step;
 
 pub use accumulate::{MicroBatch, grad_accumulate};
-pub use autocast::{AutocastGuard, autocast, autocast_bf16, autocast_format, parse_format};
+pub use autocast::{
+    AutocastGuard, autocast, autocast_bf16, autocast_format, mark_rounded, parse_format,
+};
 pub use cast::{cast, record_underflows, round_gradient, take_underflow_count, underflow_count};
 pub use error::{PrecisionError, Result};
 pub use precision::Precision;

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use tl_numerics::Round;
 use tl_precision::{
-    Format, PrecisionError, autocast, autocast_bf16, autocast_format, cast, parse_format,
+    Format, PrecisionError, autocast, autocast_bf16, autocast_format, cast, mark_rounded,
+    parse_format,
 };
 use tl_tensor::ndarray::{Array2, ArrayD, Ix2, arr2};
 use tl_tensor::nn::{Linear, Module};
@@ -146,6 +147,41 @@ fn products_of_one_activation_share_its_rounded_copy_and_round_each_gradient() {
     assert_eq!(tl_tensor::memory::live_bytes() - before, held);
     assert_eq!(peak, held, "no unrounded product next to its rounded copy");
     drop(products);
+}
+
+#[test]
+fn a_marked_activation_is_its_own_rounded_operand() {
+    // x = rd(p)·1 holds bf16 values; marked, the product reads its storage, and the values
+    // and gradients are those of a separate cast.
+    let rng = Generator::new(5);
+    let p = rounded(&normal::<f64>(&[3, 4], 1.0, &rng), Format::Bf16);
+    let w: ArrayD<f64> = normal(&[4, 2], 1.0, &rng);
+    let grad_y: ArrayD<f64> = normal(&[3, 2], 1.0, &rng);
+    let run = |mark: bool| {
+        let (p, w) = (Tensor::param(p.clone()), Tensor::param(w.clone()));
+        let x = p.mul_scalar(1.0);
+        let _bf16 = autocast(Format::Bf16);
+        if mark {
+            mark_rounded(&x, Format::Bf16);
+        }
+        let (y, peak) = tl_tensor::memory::measure_peak(|| x.matmul(&w));
+        y.backward_with(grad_y.clone());
+        (y.to_vec(), grad_of(&p), grad_of(&w), peak)
+    };
+    let (marked, plain) = (run(true), run(false));
+    assert_eq!(marked.0, plain.0);
+    assert_eq!(marked.1, plain.1);
+    assert_eq!(marked.2, plain.2);
+    // The plain run rounded a copy of x (12 values); the marked one did not.
+    assert_eq!((marked.3, plain.3), (8 * (8 + 6), 8 * (12 + 8 + 6)));
+}
+
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "not a bf16 value")]
+fn marking_values_that_are_not_rounded_is_caught_in_debug_builds() {
+    let x = Tensor::<f32>::from_vec(vec![1.0, 1.01], &[1, 2]).unwrap();
+    mark_rounded(&x, Format::Bf16);
 }
 
 #[test]

@@ -44,8 +44,8 @@ use std::rc::Rc;
 
 use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewMut2, Axis, Ix2, IxDyn, s};
 use rayon::prelude::*;
-use tl_numerics::{Format, round_slice};
-use tl_precision::{autocast_format, record_underflows, round_gradient};
+use tl_numerics::{Format, round_slice, round_slice_counting_flushes, round_slice_into};
+use tl_precision::{autocast_format, mark_rounded, record_underflows};
 use tl_recompute::keep_for_rerun;
 use tl_tensor::kernels::gemm::gemm_serial_into;
 use tl_tensor::{Element, Tensor};
@@ -98,7 +98,7 @@ pub fn causal_attention<E: Element>(
         (Tensor::from_array(value), Rc::new(row_stats))
     });
     let saved = [q.clone(), k.clone(), v.clone()];
-    Tensor::from_op_shared(&output, &[q, k, v], move |grad| {
+    let result = Tensor::from_op_shared(&output, &[q, k, v], move |grad| {
         let [q, k, v] = &saved;
         let (grads, flushed) =
             heads.backward(&q.value(), &k.value(), &v.value(), &row_stats, &grad);
@@ -108,7 +108,12 @@ pub fn causal_attention<E: Element>(
             .zip(grads)
             .map(|(input, grad)| input.requires_grad().then_some(grad))
             .collect()
-    })
+    });
+    // Its last product was rounded: the output projection can read it as it is.
+    if let Some(format) = heads.format {
+        mark_rounded(&result, format);
+    }
+    result
 }
 
 /// The geometry and numerics of one call.
@@ -210,7 +215,12 @@ impl<E: Element> Heads<E> {
             let mut out_rows = out.slice_mut(s![start..end, ..]);
             gemm_serial_into(&mut out_rows, probs.view(), v.slice(s![..end, ..]), false);
             if let Some(format) = self.format {
-                out_rows.map_inplace(|o| *o = o.round_to(format));
+                for mut row in out_rows.rows_mut() {
+                    match row.as_slice_mut() {
+                        Some(row) => round_slice(row, format),
+                        None => row.map_inplace(|o| *o = o.round_to(format)),
+                    }
+                }
             }
         }
     }
@@ -226,9 +236,10 @@ impl<E: Element> Heads<E> {
     ) -> u64 {
         let [q, k, v] = inputs.map(|x| self.operand(x));
         let mut flushed = 0;
+        // One head's blocks are small and this runs on a pool thread already: round on it.
         let mut round_grad = |values: &mut [E]| {
             if let Some(format) = self.format {
-                flushed += round_gradient(values, format);
+                flushed += round_slice_counting_flushes(values, format);
             }
         };
         let mut d_out = contiguous(d_out);
@@ -326,13 +337,26 @@ impl<E: Element> Heads<E> {
         block
     }
 
-    /// A head's `[T, hd]` operand as a contiguous matrix, rounded under autocast.
+    /// A head's `[T, hd]` operand as a contiguous matrix, rounded under autocast (as it is
+    /// copied, row by row: one pass).
     fn operand(&self, x: ArrayView2<'_, E>) -> Array2<E> {
-        let mut owned = contiguous(x);
-        if let Some(format) = self.format {
-            round_slice(owned.as_slice_mut().expect("standard layout"), format);
+        let Some(format) = self.format else {
+            return contiguous(x);
+        };
+        let mut data: Vec<E> = Vec::with_capacity(x.len());
+        for row in x.rows() {
+            match row.as_slice() {
+                Some(row) => {
+                    let filled = data.len();
+                    round_slice_into(row, &mut data.spare_capacity_mut()[..row.len()], format);
+                    // SAFETY: `round_slice_into` initialised the `row.len()` elements after
+                    // the `filled` ones, within the capacity reserved for all of `x`.
+                    unsafe { data.set_len(filled + row.len()) };
+                }
+                None => data.extend(row.iter().map(|v| v.round_to(format))),
+            }
         }
-        owned
+        Array2::from_shape_vec(x.raw_dim(), data).expect("one value per element")
     }
 
     /// The row statistics of one head: a maximum and a sum per position (at least 1, so that

@@ -364,12 +364,6 @@ impl DryRun {
     /// `x` is the last activation rounded and that copy is still alive, a new cast node on
     /// the copy's storage (tl-precision's `rounded_operand`). Leaves are never remembered.
     pub(crate) fn rounded_operand(&mut self, x: &Handle, copy_tag: Tag) -> Handle {
-        let is_leaf = x
-            .node
-            .is_none_or(|node| matches!(self.nodes[node].kind, NodeKind::Leaf { .. }));
-        if is_leaf {
-            return self.layout(x, copy_tag);
-        }
         if let Some((source, rounded)) = self.last_rounded
             && source == x.value
             && self.values[rounded].handles > 0
@@ -383,8 +377,18 @@ impl DryRun {
             return self.record_on(copy, &[x], Vjp::Saved(Vec::new()));
         }
         let copy = self.layout(x, copy_tag);
-        self.last_rounded = Some((x.value, copy.value));
+        let is_leaf = x
+            .node
+            .is_none_or(|node| matches!(self.nodes[node].kind, NodeKind::Leaf { .. }));
+        if !is_leaf {
+            self.last_rounded = Some((x.value, copy.value));
+        }
         copy
+    }
+
+    /// tl-precision's `mark_rounded`: `x` is its own rounded copy for the next products.
+    pub(crate) fn mark_rounded(&mut self, x: &Handle) {
+        self.last_rounded = Some((x.value, x.value));
     }
 
     /// Whether `handle` is a parameter (a leaf that is not a rerun's input copy).

@@ -84,9 +84,10 @@ impl DryRun {
 
     /// The model's fused `causal_attention`: saves its three inputs (never a `T×T` tensor;
     /// its row statistics are a plain array, outside the meter) and rounds inside under
-    /// autocast, so it keeps no rounded copies. Its result goes through `keep_for_rerun`: a
-    /// checkpoint node's forward pass keeps it, and the rerun takes it back without
-    /// allocating.
+    /// autocast, so it keeps no rounded copies; its result, rounded already, is marked as its
+    /// own rounded copy for the output projection. The result goes through
+    /// `keep_for_rerun`: a checkpoint node's forward pass keeps it, and the rerun takes it
+    /// back without allocating.
     pub(crate) fn causal_attention(
         &mut self,
         q: &Handle,
@@ -94,12 +95,20 @@ impl DryRun {
         v: &Handle,
         tag: Tag,
     ) -> Handle {
-        if let Some(kept) = self.take_kept() {
-            let saved = [q, k, v].map(|h| self.share(h)).into();
-            return self.record_on(kept, &[q, k, v], Vjp::Saved(saved));
+        let output = match self.take_kept() {
+            Some(kept) => {
+                let saved = [q, k, v].map(|h| self.share(h)).into();
+                self.record_on(kept, &[q, k, v], Vjp::Saved(saved))
+            }
+            None => {
+                let output = self.saving(&[q, k, v], &[q, k, v], q.bytes, tag);
+                self.keep_for_rerun(&output);
+                output
+            }
+        };
+        if self.autocast {
+            self.mark_rounded(&output);
         }
-        let output = self.saving(&[q, k, v], &[q, k, v], q.bytes, tag);
-        self.keep_for_rerun(&output);
         output
     }
 
