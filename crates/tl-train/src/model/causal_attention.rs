@@ -39,12 +39,16 @@
 //! underflow count, as `cast` does. What differs from the separate ops is only the order in
 //! which the f32 products accumulate (blocks instead of whole rows), and that masked entries
 //! are never computed, so never counted.
+//!
+//! Its result `O` is a rounded product, so the op marks it with tl-precision's
+//! `mark_rounded`: the output projection that reads it next takes it as its rounded operand
+//! as it is, instead of rounding a copy that would equal it.
 
 use std::rc::Rc;
 
 use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewMut2, Axis, Ix2, IxDyn, s};
 use rayon::prelude::*;
-use tl_numerics::{Format, round_slice, round_slice_counting_flushes, round_slice_into};
+use tl_numerics::{Format, round_slice, round_slice_counting_flushes};
 use tl_precision::{autocast_format, mark_rounded, record_underflows};
 use tl_recompute::keep_for_rerun;
 use tl_tensor::kernels::gemm::gemm_serial_into;
@@ -215,12 +219,7 @@ impl<E: Element> Heads<E> {
             let mut out_rows = out.slice_mut(s![start..end, ..]);
             gemm_serial_into(&mut out_rows, probs.view(), v.slice(s![..end, ..]), false);
             if let Some(format) = self.format {
-                for mut row in out_rows.rows_mut() {
-                    match row.as_slice_mut() {
-                        Some(row) => round_slice(row, format),
-                        None => row.map_inplace(|o| *o = o.round_to(format)),
-                    }
-                }
+                out_rows.map_inplace(|o| *o = o.round_to(format));
             }
         }
     }
@@ -337,26 +336,16 @@ impl<E: Element> Heads<E> {
         block
     }
 
-    /// A head's `[T, hd]` operand as a contiguous matrix, rounded under autocast (as it is
-    /// copied, row by row: one pass).
+    /// A head's `[T, hd]` operand as a contiguous matrix, rounded under autocast.
+    ///
+    /// Copied row by row, then rounded in one call: rounding each `hd`-element row as it is
+    /// copied saves a pass over cached data but pays a call per row, and measured slower.
     fn operand(&self, x: ArrayView2<'_, E>) -> Array2<E> {
-        let Some(format) = self.format else {
-            return contiguous(x);
-        };
-        let mut data: Vec<E> = Vec::with_capacity(x.len());
-        for row in x.rows() {
-            match row.as_slice() {
-                Some(row) => {
-                    let filled = data.len();
-                    round_slice_into(row, &mut data.spare_capacity_mut()[..row.len()], format);
-                    // SAFETY: `round_slice_into` initialised the `row.len()` elements after
-                    // the `filled` ones, within the capacity reserved for all of `x`.
-                    unsafe { data.set_len(filled + row.len()) };
-                }
-                None => data.extend(row.iter().map(|v| v.round_to(format))),
-            }
+        let mut owned = contiguous(x);
+        if let Some(format) = self.format {
+            round_slice(owned.as_slice_mut().expect("standard layout"), format);
         }
-        Array2::from_shape_vec(x.raw_dim(), data).expect("one value per element")
+        owned
     }
 
     /// The row statistics of one head: a maximum and a sum per position (at least 1, so that
