@@ -33,8 +33,8 @@ pub(crate) const PITFALLS: &[Pitfall] = &[
         description: "the matmul output is not rounded",
         package: PRECISION,
         file: "crates/tl-precision/src/autocast.rs",
-        original: "cast(&cast(lhs, f).matmul_plain(&cast(rhs, f)), f)",
-        replacement: "cast(lhs, f).matmul_plain(&cast(rhs, f))",
+        original: "cast_owned(product, f)",
+        replacement: "product",
         course_test: "test_hand_example_bf16_matmul",
     },
     Pitfall {
@@ -51,8 +51,8 @@ pub(crate) const PITFALLS: &[Pitfall] = &[
         description: "only one operand of the matmul is rounded",
         package: PRECISION,
         file: "crates/tl-precision/src/autocast.rs",
-        original: "cast(&cast(lhs, f).matmul_plain(&cast(rhs, f)), f)",
-        replacement: "cast(&cast(lhs, f).matmul_plain(rhs), f)",
+        original: "rounded_operand(lhs, f).matmul_plain(&rounded_operand(rhs, f))",
+        replacement: "rounded_operand(lhs, f).matmul_plain(rhs)",
         course_test: "test_autocast_matmul_matches_rounded_reference",
     },
     Pitfall {

@@ -139,7 +139,8 @@ fn remember<E: Element>(x: &Tensor<E>, rounded: &Tensor<E>, format: Format) {
 /// activation is rounded.
 ///
 /// # Panics
-/// In debug builds, if some value of `x` is not representable in `format`.
+/// In debug builds, if some value of `x` is not representable in `format` (a NaN, which
+/// rounds to a NaN, passes).
 ///
 /// ```
 /// use tl_numerics::Format;
@@ -158,7 +159,9 @@ fn remember<E: Element>(x: &Tensor<E>, rounded: &Tensor<E>, format: Format) {
 /// ```
 pub fn mark_rounded<E: Element>(x: &Tensor<E>, format: Format) {
     debug_assert!(
-        x.value().iter().all(|v| v.round_to(format) == *v),
+        x.value()
+            .iter()
+            .all(|v| v.is_nan() || v.round_to(format) == *v),
         "mark_rounded: a value of the tensor is not a {format} value"
     );
     remember(x, x, format);

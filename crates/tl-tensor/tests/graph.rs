@@ -310,6 +310,14 @@ fn a_weak_value_follows_its_storage_and_lapses_when_freed_or_written() {
 
     let fresh = y.downgrade();
     assert!(fresh.refers_to(&y));
+    assert_eq!(
+        format!("{fresh:?}"),
+        "WeakValue { alive: true, version: 1 }"
+    );
     drop(y);
     assert!(fresh.upgrade().is_none(), "freed with its last holder");
+    assert_eq!(
+        format!("{fresh:?}"),
+        "WeakValue { alive: false, version: 1 }"
+    );
 }

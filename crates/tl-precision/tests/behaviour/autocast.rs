@@ -180,6 +180,9 @@ fn a_marked_activation_is_its_own_rounded_operand() {
 #[cfg(debug_assertions)]
 #[should_panic(expected = "not a bf16 value")]
 fn marking_values_that_are_not_rounded_is_caught_in_debug_builds() {
+    // Infinities and NaNs (a step that overflowed) are rounded values; 1.01 is not.
+    let x = Tensor::<f32>::from_vec(vec![f32::NAN, f32::INFINITY, 1.0], &[1, 3]).unwrap();
+    mark_rounded(&x, Format::Fp16);
     let x = Tensor::<f32>::from_vec(vec![1.0, 1.01], &[1, 2]).unwrap();
     mark_rounded(&x, Format::Bf16);
 }
