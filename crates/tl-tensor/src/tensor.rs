@@ -65,7 +65,7 @@ pub struct WeakValue<E: Element> {
 impl<E: Element> WeakValue<E> {
     /// Whether `tensor` holds this value, unchanged since the reference was taken.
     pub fn refers_to(&self, tensor: &Tensor<E>) -> bool {
-        self.value.ptr_eq(&Rc::downgrade(&tensor.inner.value))
+        std::ptr::eq(self.value.as_ptr(), Rc::as_ptr(&tensor.inner.value))
             && tensor.inner.value.borrow().version() == self.version
     }
 
@@ -76,12 +76,7 @@ impl<E: Element> WeakValue<E> {
         if value.borrow().version() != self.version {
             return None;
         }
-        Some(Tensor {
-            inner: Rc::new(Inner {
-                value,
-                node: RefCell::new(None),
-            }),
-        })
+        Some(Tensor::on_storage(value, None))
     }
 }
 
@@ -96,9 +91,14 @@ impl<E: Element> fmt::Debug for WeakValue<E> {
 
 impl<E: Element> Tensor<E> {
     fn with_node(value: ArrayD<E>, node: Option<Rc<GradNode<E>>>) -> Self {
+        Self::on_storage(Rc::new(RefCell::new(Buffer::new(value))), node)
+    }
+
+    /// A tensor on existing storage (shared, not copied) with its own place in the graph.
+    fn on_storage(value: Rc<RefCell<Buffer<E>>>, node: Option<Rc<GradNode<E>>>) -> Self {
         Self {
             inner: Rc::new(Inner {
-                value: Rc::new(RefCell::new(Buffer::new(value))),
+                value,
                 node: RefCell::new(node),
             }),
         }
@@ -354,24 +354,14 @@ impl<E: Element> Tensor<E> {
 
     /// A constant sharing this tensor's value, cut from the graph.
     pub fn detach(&self) -> Self {
-        Self {
-            inner: Rc::new(Inner {
-                value: Rc::clone(&self.inner.value),
-                node: RefCell::new(None),
-            }),
-        }
+        Self::on_storage(Rc::clone(&self.inner.value), None)
     }
 
     /// A fresh leaf sharing this tensor's value, requiring grad: the starting point of a
     /// graph separate from the one this tensor belongs to.
     pub fn detach_leaf(&self) -> Self {
-        let shape = self.shape();
-        Self {
-            inner: Rc::new(Inner {
-                value: Rc::clone(&self.inner.value),
-                node: RefCell::new(Some(GradNode::leaf(shape))),
-            }),
-        }
+        let leaf = GradNode::leaf(self.shape());
+        Self::on_storage(Rc::clone(&self.inner.value), Some(leaf))
     }
 
     /// Whether two handles are the same tensor (not merely equal values).
