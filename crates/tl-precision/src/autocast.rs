@@ -19,7 +19,7 @@ use std::sync::Arc;
 use tl_numerics::Format;
 use tl_tensor::{Element, MatmulHook, Tensor, WeakValue, set_matmul_hook};
 
-use crate::cast::{cast, cast_owned, cast_sharing};
+use crate::cast::{cast, cast_owned, cast_sharing, round_in_place};
 use crate::error::Result;
 
 thread_local! {
@@ -165,6 +165,54 @@ pub fn mark_rounded<E: Element>(x: &Tensor<E>, format: Format) {
         "mark_rounded: a value of the tensor is not a {format} value"
     );
     remember(x, x, format);
+}
+
+/// Rounds an activation that only this thread's autocast products will read, in place,
+/// and marks it as its own rounded operand ([`mark_rounded`]); outside autocast, returns
+/// `x` as it is.
+///
+/// Each product rounds its operand anyway, so nothing they compute changes: the values and
+/// gradients are bit for bit those of the graph without this call. What changes is the
+/// cost. The products would round a copy of `x` into a second buffer, read `x` and write the
+/// copy; here `x`, which its producer has just written and nothing else holds, is rounded
+/// where it lies. (If something does hold it, a clone or a saved handle, a copy is rounded
+/// and the holder keeps the unrounded values.)
+///
+/// The node this adds passes its gradient back unchanged: the products' own casts round
+/// the gradients they send, as separate casts do, and their sum reaches `x`'s producer as
+/// before. So the contract is the caller's: **every reader of the result must be a product
+/// under the same autocast**. Anything else (a residual sum, a norm) would read rounded
+/// values where the unfused graph has f32 ones, and send back a gradient that no cast
+/// rounded. The model uses it on the outputs of its norms, which feed only the
+/// projections, and on the SwiGLU gate, which feeds only the down projection.
+///
+/// ```
+/// use tl_numerics::Format;
+/// use tl_precision::{autocast, round_for_products};
+/// use tl_tensor::{Tensor, memory, ndarray::arr2};
+///
+/// let w = Tensor::<f32>::param(arr2(&[[1.0], [1.0]]).into_dyn());
+/// let x = Tensor::<f32>::param(arr2(&[[1.01, 3.0]]).into_dyn()).mul_scalar(1.0);
+/// let _bf16 = autocast(Format::Bf16);
+/// let x = round_for_products(x);
+/// assert_eq!(x.to_vec(), vec![1.0078125, 3.0]); // rounded where it lies
+/// let before = memory::live_bytes();
+/// let y = x.matmul(&w);
+/// // The product's rounded weight and its result; no copy of x.
+/// assert_eq!(memory::live_bytes() - before, 4 * (2 + 1));
+/// assert_eq!(y.item(), 4.0); // rd(1.0078125 + 3)
+/// ```
+pub fn round_for_products<E: Element>(x: Tensor<E>) -> Tensor<E> {
+    let Some(format) = autocast_format() else {
+        return x;
+    };
+    let rounded = Tensor::from_op_in_place(
+        x,
+        |values| round_in_place(values, format),
+        |grad| vec![Some(grad)],
+    );
+    remember(&rounded, &rounded, format);
+    rounded
 }
 
 impl MatmulHook for RoundedMatmul {

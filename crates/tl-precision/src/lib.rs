@@ -32,6 +32,7 @@ mod step;
 pub use accumulate::{MicroBatch, grad_accumulate};
 pub use autocast::{
     AutocastGuard, autocast, autocast_bf16, autocast_format, mark_rounded, parse_format,
+    round_for_products,
 };
 pub use cast::{cast, record_underflows, round_gradient, take_underflow_count, underflow_count};
 pub use error::{PrecisionError, Result};

@@ -6,7 +6,7 @@ use proptest::prelude::*;
 use tl_numerics::Round;
 use tl_precision::{
     Format, PrecisionError, autocast, autocast_bf16, autocast_format, cast, mark_rounded,
-    parse_format,
+    parse_format, round_for_products,
 };
 use tl_tensor::ndarray::{Array2, ArrayD, Ix2, arr2};
 use tl_tensor::nn::{Linear, Module};
@@ -174,6 +174,83 @@ fn a_marked_activation_is_its_own_rounded_operand() {
     assert_eq!(marked.2, plain.2);
     // The plain run rounded a copy of x (12 values); the marked one did not.
     assert_eq!((marked.3, plain.3), (8 * (8 + 6), 8 * (12 + 8 + 6)));
+}
+
+/// Two products (a gate and an up projection) of the activation `x = 1·p`, with or without
+/// `round_for_products(x)` first; backward from `Σ ȳᵢ·yᵢ`. Returns the outputs, the
+/// gradients of `p` and of both weights, the underflow count, and the peak bytes of the two
+/// products.
+fn gate_and_up(
+    p: &ArrayD<f64>,
+    weights: &[ArrayD<f64>; 2],
+    grads: &[ArrayD<f64>; 2],
+    format: Format,
+    round_first: bool,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, u64, usize) {
+    tl_precision::take_underflow_count();
+    let p = Tensor::param(p.clone());
+    let weights = weights.clone().map(Tensor::param);
+    let _guard = autocast(format);
+    let mut x = p.mul_scalar(1.0);
+    if round_first {
+        x = round_for_products(x);
+    }
+    let (outputs, peak) =
+        tl_tensor::memory::measure_peak(|| weights.iter().map(|w| x.matmul(w)).collect::<Vec<_>>());
+    let loss = outputs
+        .iter()
+        .zip(grads)
+        .map(|(y, grad)| y.mul(&Tensor::from_array(grad.clone())).sum_all())
+        .reduce(|a, b| a.add(&b))
+        .unwrap();
+    loss.backward();
+    let values = outputs.iter().flat_map(Tensor::to_vec).collect();
+    let weight_grads = weights.iter().flat_map(grad_of).collect();
+    let flushed = tl_precision::take_underflow_count();
+    (values, grad_of(&p), weight_grads, flushed, peak)
+}
+
+#[test]
+fn rounding_for_products_changes_no_bit_and_copies_nothing() {
+    let rng = Generator::new(8);
+    let p: ArrayD<f64> = normal(&[4, 6], 1.0, &rng);
+    let weights = [0, 1].map(|_| normal(&[6, 5], 1.0, &rng));
+    // Small gradients, so that fp16 flushes some and the counts are compared too.
+    let grads = [0, 1].map(|_| normal::<f64>(&[4, 5], 1.0, &rng).mapv(|v| v * 1e-7));
+    for format in Format::ALL {
+        let (rounded_first, plain) = (
+            gate_and_up(&p, &weights, &grads, format, true),
+            gate_and_up(&p, &weights, &grads, format, false),
+        );
+        assert_eq!(rounded_first.0, plain.0, "{format}: outputs");
+        assert_eq!(
+            rounded_first.1, plain.1,
+            "{format}: the activation's gradient"
+        );
+        assert_eq!(rounded_first.2, plain.2, "{format}: the weights' gradients");
+        assert_eq!(rounded_first.3, plain.3, "{format}: flush counts");
+        if format == Format::Fp16 {
+            assert!(plain.3 > 0, "the fp16 case flushes something");
+        }
+        // Both products hold their rounded weights (2 · 30 values) and outputs (2 · 20);
+        // without the call, they also hold a rounded copy of x (24 values).
+        assert_eq!(rounded_first.4, 8 * (60 + 40), "{format}");
+        assert_eq!(plain.4, 8 * (24 + 60 + 40), "{format}");
+    }
+}
+
+#[test]
+fn rounding_for_products_leaves_other_holders_and_plain_runs_alone() {
+    let x = Tensor::<f32>::param(arr2(&[[1.01_f32, -3.0]]).into_dyn()).mul_scalar(1.0);
+    // Outside autocast there is nothing to round.
+    let x = round_for_products(x);
+    assert_eq!(x.to_vec(), vec![1.01, -3.0]);
+    // A clone still reads the values it had: the rounding goes to a copy.
+    let held = x.clone();
+    let _bf16 = autocast_bf16();
+    let rounded = round_for_products(x);
+    assert_eq!(rounded.to_vec(), vec![1.0078125, -3.0]);
+    assert_eq!(held.to_vec(), vec![1.01, -3.0]);
 }
 
 #[test]

@@ -2,6 +2,7 @@
 
 use std::rc::Rc;
 
+use tl_precision::round_for_products;
 use tl_tensor::nn::{Dropout, Linear, Module, RmsNorm};
 use tl_tensor::{Element, Generator, Tensor};
 
@@ -30,7 +31,8 @@ impl<E: Element> SwiGlu<E> {
 
 impl<E: Element> Module<E> for SwiGlu<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
-        let gated = self.w1.forward(x).swiglu(&self.w3.forward(x));
+        // The gate's only reader is W2: under autocast, round it where it lies.
+        let gated = round_for_products(self.w1.forward(x).swiglu(&self.w3.forward(x)));
         self.w2.forward(&gated)
     }
 
@@ -103,8 +105,13 @@ impl<E: Element> Block<E> {
 
 impl<E: Element> Module<E> for Block<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
-        let x = self.branch(x, self.attention.forward(&self.norm1.forward(x)));
-        self.branch(&x, self.mlp.forward(&self.norm2.forward(&x)))
+        // Each norm's output feeds only projections: under autocast, it is rounded where it
+        // lies rather than copied by them (see `round_for_products`).
+        let normed = round_for_products(self.norm1.forward(x));
+        let x = self.branch(x, self.attention.forward(&normed));
+        drop(normed);
+        let normed = round_for_products(self.norm2.forward(&x));
+        self.branch(&x, self.mlp.forward(&normed))
     }
 
     fn parameters(&self) -> Vec<Tensor<E>> {
@@ -118,6 +125,58 @@ impl<E: Element> Module<E> for Block<E> {
     fn set_training(&self, training: bool) {
         if let Some(dropout) = &self.dropout {
             Module::<E>::set_training(dropout, training);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tl_precision::{Format, autocast, cast, take_underflow_count};
+    use tl_tensor::testing::random_array;
+
+    /// Values, every gradient and the underflow count of one forward and backward pass.
+    type Run = (Vec<f64>, Vec<Vec<f64>>, u64);
+
+    #[test]
+    fn under_autocast_the_mlp_is_its_separate_casts_bit_for_bit() {
+        // The MLP rounds its gate where it lies for W2 (`round_for_products`); written out
+        // with a separate cast at every 16-bit boundary, the graph must give the same bits.
+        let rng = Generator::new(4);
+        let mlp = SwiGlu::<f64>::new(6, 10, &rng);
+        let input = random_array(&[5, 6], &rng);
+        // Gradients small enough that fp16 flushes some of them.
+        let grad_out = random_array(&[5, 6], &rng).mapv(|v| v * 1e-6);
+        for format in Format::ALL {
+            let run = |fused: bool| -> Run {
+                take_underflow_count();
+                let x = Tensor::param(input.clone());
+                let y = if fused {
+                    let _guard = autocast(format);
+                    mlp.forward(&x)
+                } else {
+                    let product = |a: &Tensor<f64>, w: &Tensor<f64>| {
+                        cast(&cast(a, format).matmul_plain(&cast(w, format)), format)
+                    };
+                    let gate = product(&x, mlp.w1.weight()).swiglu(&product(&x, mlp.w3.weight()));
+                    product(&gate, mlp.w2.weight())
+                };
+                y.backward_with(grad_out.clone());
+                let grads = std::iter::once(x)
+                    .chain(mlp.parameters())
+                    .map(|p| {
+                        let grad = p.grad().expect("a gradient").iter().copied().collect();
+                        p.zero_grad();
+                        grad
+                    })
+                    .collect();
+                (y.to_vec(), grads, take_underflow_count())
+            };
+            let (fused, separate) = (run(true), run(false));
+            assert_eq!(fused, separate, "{format}");
+            if format == Format::Fp16 {
+                assert!(separate.2 > 0, "the fp16 case flushes something");
+            }
         }
     }
 }

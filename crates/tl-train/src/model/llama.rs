@@ -3,6 +3,7 @@
 use std::cell::Cell;
 use std::rc::Rc;
 
+use tl_precision::round_for_products;
 use tl_recompute::{checkpoint_sequential, checkpoint_sequential_with};
 use tl_tensor::losses::cross_entropy;
 use tl_tensor::nn::{Embedding, Linear, Module, RmsNorm};
@@ -117,7 +118,9 @@ impl<E: Element> Llama<E> {
         );
         let x = self.embedding.forward_ids(ids, &[rows, time]);
         let x = self.run_blocks(&x)?;
-        Ok(self.head.forward(&self.norm.forward(&x)))
+        Ok(self
+            .head
+            .forward(&round_for_products(self.norm.forward(&x))))
     }
 
     /// The mean cross-entropy (nats per token) of predicting `targets` from `inputs`, both

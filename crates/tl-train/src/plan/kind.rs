@@ -9,9 +9,10 @@ use serde::Serialize;
 ///
 /// The first four kinds are the model state every step carries; the others are activations,
 /// either saved for backward or alive only for a moment of the forward pass. Under autocast
-/// the projections save rounded copies of their inputs instead of the inputs themselves, so
-/// the saved bytes move from [`NormOutputs`](Self::NormOutputs) and
-/// [`LinearOutputs`](Self::LinearOutputs) to [`RoundedCopies`](Self::RoundedCopies).
+/// a product saves rounded operands: the model's norm outputs and SwiGLU gate are rounded
+/// where they lie (so their bytes stay [`NormOutputs`](Self::NormOutputs) and
+/// [`MlpHidden`](Self::MlpHidden)), the attention's result is rounded already, and any other
+/// activation would be saved as a [`RoundedCopies`](Self::RoundedCopies) copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TensorKind {
@@ -25,8 +26,8 @@ pub enum TensorKind {
     GradientsInFlight,
     /// The residual stream: block inputs and the sum after attention (what the norms save).
     ResidualStream,
-    /// RMSNorm outputs, saved by the projections that read them (in f32; under autocast
-    /// they save one rounded copy instead).
+    /// RMSNorm outputs, saved by the projections that read them (under autocast, rounded in
+    /// place first).
     NormOutputs,
     /// Outputs of the projections and of the fused attention; the attention's output is
     /// saved by the output projection, the others are short-lived.

@@ -135,6 +135,7 @@ impl ShadowLlama {
         dry.phase.layer = Layer::Head;
         let head_tag = |kind| tag(Layer::Head, kind);
         let normed = dry.rms_norm(&last, &self.norm, head_tag(TensorKind::NormOutputs));
+        let normed = dry.round_for_products(normed);
         let logits = dry.linear(
             &normed,
             &self.head,
@@ -199,7 +200,8 @@ impl ShadowLlama {
         hidden
     }
 
-    /// `Block::forward`: `x + attn(norm1(x))`, then `+ mlp(norm2(·))`. Its output is
+    /// `Block::forward`: `x + attn(norm1(x))`, then `+ mlp(norm2(·))`, each norm's output
+    /// rounded for the projections that read it. Its output is
     /// counted in the layer that reads it next.
     fn block(&self, dry: &mut DryRun, i: usize, x: &Handle) -> Handle {
         dry.phase.layer = Layer::Block(i);
@@ -211,10 +213,12 @@ impl ShadowLlama {
             Layer::Block(i + 1)
         };
         let normed = dry.rms_norm(x, &params.norm1, here(TensorKind::NormOutputs));
+        let normed = dry.round_for_products(normed);
         let attended = self.attention(dry, i, &normed);
         let x1 = self.branch(dry, x, attended, here(TensorKind::ResidualStream));
         dry.release(normed);
         let normed = dry.rms_norm(&x1, &params.norm2, here(TensorKind::NormOutputs));
+        let normed = dry.round_for_products(normed);
         let mlp = self.mlp(dry, i, &normed);
         let x2 = self.branch(dry, &x1, mlp, tag(next, TensorKind::ResidualStream));
         dry.release(normed);
@@ -259,7 +263,7 @@ impl ShadowLlama {
         output
     }
 
-    /// `SwiGlu::forward`: `w2(swiglu(w1·x, w3·x))`.
+    /// `SwiGlu::forward`: `w2(swiglu(w1·x, w3·x))`, the gate rounded for `w2`.
     fn mlp(&self, dry: &mut DryRun, i: usize, x: &Handle) -> Handle {
         let (c, params) = (&self.config, &self.blocks[i]);
         let here = |kind| tag(Layer::Block(i), kind);
@@ -267,6 +271,7 @@ impl ShadowLlama {
         let gate_in = dry.linear(x, &params.w1, hidden, here(TensorKind::MlpHidden));
         let up = dry.linear(x, &params.w3, hidden, here(TensorKind::MlpHidden));
         let product = dry.swiglu(&gate_in, &up, here(TensorKind::MlpHidden));
+        let product = dry.round_for_products(product);
         // Both projections are temporaries of the model's one statement, dropped at its end
         // in reverse order of creation.
         dry.release(up);

@@ -82,6 +82,20 @@ impl DryRun {
         rounded
     }
 
+    /// tl-precision's `round_for_products`: under autocast, `x`, which only the caller holds,
+    /// is rounded where it lies behind a node that saves nothing, and marked as its own
+    /// rounded operand for the products that read it next.
+    pub(crate) fn round_for_products(&mut self, x: Handle) -> Handle {
+        if !self.autocast {
+            return x;
+        }
+        let storage = self.share(&x);
+        let rounded = self.record_on(storage, &[&x], Vjp::Saved(Vec::new()));
+        self.release(x);
+        self.mark_rounded(&rounded);
+        rounded
+    }
+
     /// The model's fused `causal_attention`: saves its three inputs (never a `T×T` tensor;
     /// its row statistics are a plain array, outside the meter) and rounds inside under
     /// autocast, so it keeps no rounded copies; its result, rounded already, is marked as its
