@@ -1,5 +1,5 @@
 //! Step times of two training recipes, measured in pairs: one capstone step of each,
-//! alternately, in one process.
+//! taking turns, in one process.
 //!
 //! On a shared machine the speed drifts by more than the difference between two recipes
 //! within minutes, so benchmarks run one after the other (criterion's sittings) can rank
@@ -9,6 +9,9 @@
 //! ```sh
 //! cargo run --release -p tl-train --example paired_steps -- 12 fp32 bf16
 //! ```
+//!
+//! The two recipes swap places from one pair to the next (A then B, B then A, ...), so that
+//! whatever running second costs is shared evenly.
 //!
 //! Arguments: the number of pairs, then two of the step benchmark's modes
 //! (`tl_train::train::STEP_RECIPES`: `fp32`, `bf16`, `fp16`, `fp32+ckpt`, `bf16+ckpt`; each
@@ -85,9 +88,18 @@ fn main() -> ExitCode {
     let [first, second] = modes.map(|recipe| recipe.name);
     let (mut times, mut ratios) = ([Vec::new(), Vec::new()], Vec::new());
     for pair in 1..=pairs {
-        let (a, b) = (step(&mut trainers[0]), step(&mut trainers[1]));
+        // Every other pair runs the second recipe first, so that a cost of running second
+        // (a cache or allocator state the other trainer left) falls on both alike.
+        let (a, b) = if pair % 2 == 1 {
+            let a = step(&mut trainers[0]);
+            (a, step(&mut trainers[1]))
+        } else {
+            let b = step(&mut trainers[1]);
+            (step(&mut trainers[0]), b)
+        };
+        let order = if pair % 2 == 1 { "" } else { " (second first)" };
         println!(
-            "pair {pair}: {first} {a:.3} s, {second} {b:.3} s, ratio {:.3}",
+            "pair {pair}: {first} {a:.3} s, {second} {b:.3} s, ratio {:.3}{order}",
             b / a
         );
         times[0].push(a);
