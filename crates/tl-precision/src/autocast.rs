@@ -16,10 +16,10 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use tl_numerics::Format;
+use tl_numerics::{Format, round_slice};
 use tl_tensor::{Element, MatmulHook, Tensor, WeakValue, set_matmul_hook};
 
-use crate::cast::{cast, cast_owned, cast_sharing, round_in_place};
+use crate::cast::{cast, cast_owned, cast_sharing};
 use crate::error::Result;
 
 thread_local! {
@@ -167,24 +167,34 @@ pub fn mark_rounded<E: Element>(x: &Tensor<E>, format: Format) {
     remember(x, x, format);
 }
 
-/// Rounds an activation that only this thread's autocast products will read, in place,
-/// and marks it as its own rounded operand ([`mark_rounded`]); outside autocast, returns
-/// `x` as it is.
+/// Makes an activation that only this thread's autocast products will read, rounded into
+/// the autocast format as it is produced, and marks it as its own rounded operand
+/// ([`mark_rounded`]); outside autocast, just makes it.
 ///
-/// Each product rounds its operand anyway, so nothing they compute changes: the values and
-/// gradients are bit for bit those of the graph without this call. What changes is the
-/// cost. The products would round a copy of `x` into a second buffer, read `x` and write the
-/// copy; here `x`, which its producer has just written and nothing else holds, is rounded
-/// where it lies. (If something does hold it, a clone or a saved handle, a copy is rounded
-/// and the holder keeps the unrounded values.)
+/// `produce` builds the activation with an op that applies a finisher to each block of its
+/// result as soon as the block is written (tl-tensor's `RmsNorm::forward_then` and
+/// `Tensor::swiglu_then`). Under autocast the finisher rounds the block where it lies, while
+/// it is in cache; outside autocast it does nothing.
 ///
-/// The node this adds passes its gradient back unchanged: the products' own casts round
-/// the gradients they send, as separate casts do, and their sum reaches `x`'s producer as
-/// before. So the contract is the caller's: **every reader of the result must be a product
-/// under the same autocast**. Anything else (a residual sum, a norm) would read rounded
-/// values where the unfused graph has f32 ones, and send back a gradient that no cast
-/// rounded. The model uses it on the outputs of its norms, which feed only the
-/// projections, and on the SwiGLU gate, which feeds only the down projection.
+/// Each product rounds its operand anyway, so nothing they compute changes: the values,
+/// the gradients and the underflow counts are bit for bit those of the graph without this
+/// call. What changes is the cost. The products would round a copy of the activation into
+/// a second buffer, another pass over memory; here no copy is made, and the rounding rides
+/// on the op's own pass.
+///
+/// Two conditions make that exact, and they are the caller's to keep:
+/// - **every reader of the result is a product under the same autocast** — anything else
+///   (a residual sum, a norm) would read rounded values where the unfused graph has f32 ones;
+/// - **the op's VJP does not read its own result**, so the gradient it sends back is the
+///   same whether or not the result was rounded (true of the norm and the SwiGLU gate, which
+///   save their inputs).
+///
+/// The model uses it on the outputs of its norms, which feed only the projections, and on
+/// the SwiGLU gate, which feeds only the down projection.
+///
+/// # Panics
+/// In debug builds, under autocast, if `produce` did not apply the finisher to every value
+/// (the check of [`mark_rounded`]).
 ///
 /// ```
 /// use tl_numerics::Format;
@@ -192,27 +202,26 @@ pub fn mark_rounded<E: Element>(x: &Tensor<E>, format: Format) {
 /// use tl_tensor::{Tensor, memory, ndarray::arr2};
 ///
 /// let w = Tensor::<f32>::param(arr2(&[[1.0], [1.0]]).into_dyn());
-/// let x = Tensor::<f32>::param(arr2(&[[1.01, 3.0]]).into_dyn()).mul_scalar(1.0);
+/// let gate = Tensor::<f32>::param(arr2(&[[1.5, 3.0]]).into_dyn());
+/// let up = Tensor::<f32>::param(arr2(&[[1.0, 1.0]]).into_dyn());
 /// let _bf16 = autocast(Format::Bf16);
-/// let x = round_for_products(x);
-/// assert_eq!(x.to_vec(), vec![1.0078125, 3.0]); // rounded where it lies
+/// let h = round_for_products(|finish| gate.swiglu_then(&up, finish));
+/// // silu(1.5) = 1.2263..., rounded to bf16 as the op wrote it
+/// assert_eq!(h.to_vec()[0], 1.2265625);
 /// let before = memory::live_bytes();
-/// let y = x.matmul(&w);
-/// // The product's rounded weight and its result; no copy of x.
+/// let y = h.matmul(&w);
+/// // The product's rounded weight and its result; no copy of h.
 /// assert_eq!(memory::live_bytes() - before, 4 * (2 + 1));
-/// assert_eq!(y.item(), 4.0); // rd(1.0078125 + 3)
 /// ```
-pub fn round_for_products<E: Element>(x: Tensor<E>) -> Tensor<E> {
+pub fn round_for_products<E: Element>(
+    produce: impl FnOnce(&(dyn Fn(&mut [E]) + Sync)) -> Tensor<E>,
+) -> Tensor<E> {
     let Some(format) = autocast_format() else {
-        return x;
+        return produce(&|_| {});
     };
-    let rounded = Tensor::from_op_in_place(
-        x,
-        |values| round_in_place(values, format),
-        |grad| vec![Some(grad)],
-    );
-    remember(&rounded, &rounded, format);
-    rounded
+    let result = produce(&|block: &mut [E]| round_slice(block, format));
+    mark_rounded(&result, format);
+    result
 }
 
 impl MatmulHook for RoundedMatmul {

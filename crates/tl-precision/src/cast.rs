@@ -105,7 +105,7 @@ fn rounded_copy<E: Element>(values: &ArrayD<E>, format: Format) -> ArrayD<E> {
 }
 
 /// Rounds every element of `values` into `format`, in place.
-pub(crate) fn round_in_place<E: Element>(values: &mut ArrayD<E>, format: Format) {
+fn round_in_place<E: Element>(values: &mut ArrayD<E>, format: Format) {
     match values.as_slice_memory_order_mut() {
         Some(contiguous) => contiguous
             .par_chunks_mut(BLOCK)

@@ -176,25 +176,25 @@ fn a_marked_activation_is_its_own_rounded_operand() {
     assert_eq!((marked.3, plain.3), (8 * (8 + 6), 8 * (12 + 8 + 6)));
 }
 
-/// Two products (a gate and an up projection) of the activation `x = 1·p`, with or without
-/// `round_for_products(x)` first; backward from `Σ ȳᵢ·yᵢ`. Returns the outputs, the
-/// gradients of `p` and of both weights, the underflow count, and the peak bytes of the two
-/// products.
-fn gate_and_up(
-    p: &ArrayD<f64>,
+/// Two products of the SwiGLU gate `x = silu(p) ⊙ u`, made through `round_for_products`
+/// or plainly; backward from `Σ ȳᵢ·yᵢ`. Returns the outputs, the gradients of `p` and of
+/// both weights, the underflow count, and the peak bytes of the two products.
+fn two_products_of_a_gate(
+    [p, u]: &[ArrayD<f64>; 2],
     weights: &[ArrayD<f64>; 2],
     grads: &[ArrayD<f64>; 2],
     format: Format,
-    round_first: bool,
+    rounded_as_produced: bool,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>, u64, usize) {
     tl_precision::take_underflow_count();
-    let p = Tensor::param(p.clone());
+    let (p, u) = (Tensor::param(p.clone()), Tensor::param(u.clone()));
     let weights = weights.clone().map(Tensor::param);
     let _guard = autocast(format);
-    let mut x = p.mul_scalar(1.0);
-    if round_first {
-        x = round_for_products(x);
-    }
+    let x = if rounded_as_produced {
+        round_for_products(|finish| p.swiglu_then(&u, finish))
+    } else {
+        p.swiglu(&u)
+    };
     let (outputs, peak) =
         tl_tensor::memory::measure_peak(|| weights.iter().map(|w| x.matmul(w)).collect::<Vec<_>>());
     let loss = outputs
@@ -213,14 +213,14 @@ fn gate_and_up(
 #[test]
 fn rounding_for_products_changes_no_bit_and_copies_nothing() {
     let rng = Generator::new(8);
-    let p: ArrayD<f64> = normal(&[4, 6], 1.0, &rng);
+    let inputs = [0, 1].map(|_| normal::<f64>(&[4, 6], 1.0, &rng));
     let weights = [0, 1].map(|_| normal(&[6, 5], 1.0, &rng));
     // Small gradients, so that fp16 flushes some and the counts are compared too.
     let grads = [0, 1].map(|_| normal::<f64>(&[4, 5], 1.0, &rng).mapv(|v| v * 1e-7));
     for format in Format::ALL {
         let (rounded_first, plain) = (
-            gate_and_up(&p, &weights, &grads, format, true),
-            gate_and_up(&p, &weights, &grads, format, false),
+            two_products_of_a_gate(&inputs, &weights, &grads, format, true),
+            two_products_of_a_gate(&inputs, &weights, &grads, format, false),
         );
         assert_eq!(rounded_first.0, plain.0, "{format}: outputs");
         assert_eq!(
@@ -240,17 +240,26 @@ fn rounding_for_products_changes_no_bit_and_copies_nothing() {
 }
 
 #[test]
-fn rounding_for_products_leaves_other_holders_and_plain_runs_alone() {
-    let x = Tensor::<f32>::param(arr2(&[[1.01_f32, -3.0]]).into_dyn()).mul_scalar(1.0);
-    // Outside autocast there is nothing to round.
-    let x = round_for_products(x);
-    assert_eq!(x.to_vec(), vec![1.01, -3.0]);
-    // A clone still reads the values it had: the rounding goes to a copy.
-    let held = x.clone();
+fn rounding_for_products_rounds_only_under_autocast() {
+    let gate = Tensor::<f32>::from_vec(vec![1.5, -0.7, 2.2], &[1, 3]).unwrap();
+    let up = Tensor::<f32>::from_vec(vec![1.01, 3.0, -0.3], &[1, 3]).unwrap();
+    let plain = gate.swiglu(&up).to_vec();
+    let produce = |finish: &(dyn Fn(&mut [f32]) + Sync)| gate.swiglu_then(&up, finish);
+    // Outside autocast the finisher does nothing.
+    assert_eq!(round_for_products(produce).to_vec(), plain);
+    let _fp16 = autocast(Format::Fp16);
+    let rounded: Vec<f32> = plain.iter().map(|v| v.round_to(Format::Fp16)).collect();
+    assert_ne!(rounded, plain, "the values do round in fp16");
+    assert_eq!(round_for_products(produce).to_vec(), rounded);
+}
+
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "not a bf16 value")]
+fn a_producer_that_skips_the_finisher_is_caught_in_debug_builds() {
+    let x = Tensor::<f32>::from_vec(vec![1.01], &[1, 1]).unwrap();
     let _bf16 = autocast_bf16();
-    let rounded = round_for_products(x);
-    assert_eq!(rounded.to_vec(), vec![1.0078125, -3.0]);
-    assert_eq!(held.to_vec(), vec![1.01, -3.0]);
+    round_for_products(|_finish| x.mul_scalar(1.0));
 }
 
 #[test]

@@ -60,19 +60,29 @@ impl<E: Element> RmsNorm<E> {
     pub fn eps(&self) -> f64 {
         self.eps
     }
-}
 
-/// Rows per rayon task, in both directions. It is also the block of rows whose gain
-/// gradients are summed first: the blocks' partial sums are then added in order, so the
-/// result does not depend on the number of threads.
-const ROWS_PER_TASK: usize = 256;
-
-impl<E: Element> Module<E> for RmsNorm<E> {
-    /// Normalises `x` of shape `[.., dim]`; the output has the same shape.
+    /// [`forward`](Module::forward), with `finish` applied to each block of output rows as
+    /// soon as the block is computed, on the thread that computed it, while it is in cache.
+    ///
+    /// The VJP reads the op's input, never its output, so `finish` changes what the output's
+    /// readers see and not the gradient the norm sends back. That is what autocast wants when
+    /// only 16-bit products read the output: they would round it anyway, and rounding it here
+    /// saves them a copy (tl-precision's `round_for_products`).
+    ///
+    /// ```
+    /// use tl_tensor::nn::{Module, RmsNorm};
+    /// use tl_tensor::Tensor;
+    /// let norm = RmsNorm::<f64>::new(2, 0.0);
+    /// let x = Tensor::from_vec(vec![3.0, 4.0], &[1, 2])?;
+    /// let plain = norm.forward(&x).to_vec();
+    /// let doubled = norm.forward_then(&x, &|rows| rows.iter_mut().for_each(|y| *y *= 2.0));
+    /// assert_eq!(doubled.to_vec(), vec![2.0 * plain[0], 2.0 * plain[1]]);
+    /// # Ok::<(), tl_tensor::TensorError>(())
+    /// ```
     ///
     /// # Panics
     /// If the last axis of `x` is not `dim`.
-    fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
+    pub fn forward_then(&self, x: &Tensor<E>, finish: &(dyn Fn(&mut [E]) + Sync)) -> Tensor<E> {
         let shape = x.shape();
         let dim = self.gain.numel();
         assert!(
@@ -105,6 +115,7 @@ impl<E: Element> Module<E> for RmsNorm<E> {
                             *y = x * *r * g;
                         }
                     }
+                    finish(out);
                 });
             let value = ArrayD::from_shape_vec(IxDyn(&shape), out).expect("same count");
             (value, inv_rms)
@@ -163,6 +174,21 @@ impl<E: Element> Module<E> for RmsNorm<E> {
             });
             vec![x_grad, gain_grad]
         })
+    }
+}
+
+/// Rows per rayon task, in both directions. It is also the block of rows whose gain
+/// gradients are summed first: the blocks' partial sums are then added in order, so the
+/// result does not depend on the number of threads.
+const ROWS_PER_TASK: usize = 256;
+
+impl<E: Element> Module<E> for RmsNorm<E> {
+    /// Normalises `x` of shape `[.., dim]`; the output has the same shape.
+    ///
+    /// # Panics
+    /// If the last axis of `x` is not `dim`.
+    fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
+        self.forward_then(x, &|_| {})
     }
 
     fn parameters(&self) -> Vec<Tensor<E>> {
@@ -273,6 +299,32 @@ mod tests {
                 "{g} vs {e}"
             );
         }
+    }
+
+    #[test]
+    fn the_finisher_sees_each_row_once_and_leaves_the_gradients_alone() {
+        // Several blocks of rows: the finisher adds 1 to what it is given, so a row it
+        // skipped or saw twice shows; the gradients are the plain norm's, since the VJP
+        // reads the input and the gain.
+        let rng = Generator::new(9);
+        let rows = 2 * ROWS_PER_TASK + 3;
+        let x = random_array(&[rows, 4], &rng);
+        let norm = RmsNorm::<f64>::new(4, 1e-5);
+        let run = |finish: &(dyn Fn(&mut [f64]) + Sync)| {
+            let xt = Tensor::param(x.clone());
+            let y = norm.forward_then(&xt, finish);
+            y.sum_all().backward();
+            let grads = (xt.grad().unwrap(), norm.weight().grad().unwrap());
+            norm.weight().zero_grad();
+            (y.to_vec(), grads)
+        };
+        let (plain, finished) = (
+            run(&|_| {}),
+            run(&|rows| rows.iter_mut().for_each(|y| *y += 1.0)),
+        );
+        let shifted: Vec<f64> = plain.0.iter().map(|y| y + 1.0).collect();
+        assert_eq!(finished.0, shifted);
+        assert_eq!(finished.1, plain.1);
     }
 
     #[test]

@@ -49,6 +49,30 @@ impl<E: Element> Tensor<E> {
     /// # Ok::<(), tl_tensor::TensorError>(())
     /// ```
     pub fn swiglu(&self, up: &Tensor<E>) -> Tensor<E> {
+        self.swiglu_then(up, &|_| {})
+    }
+
+    /// [`swiglu`](Tensor::swiglu), with `finish` applied to each chunk of the result as soon
+    /// as the chunk is computed, on the thread that computed it, while it is in cache.
+    ///
+    /// The VJP reads the op's inputs, never its result, so `finish` changes what the result's
+    /// readers see and not the gradients the op sends back. That is what autocast wants when
+    /// only a 16-bit product reads the result (the MLP's down projection): it would round the
+    /// result anyway, and rounding it here saves it a copy (tl-precision's
+    /// `round_for_products`).
+    ///
+    /// # Panics
+    /// If the shapes differ.
+    ///
+    /// ```
+    /// use tl_tensor::Tensor;
+    /// let g = Tensor::<f64>::from_vec(vec![0.0, 2.0], &[2])?;
+    /// let u = Tensor::<f64>::from_vec(vec![5.0, 3.0], &[2])?;
+    /// let negated = g.swiglu_then(&u, &|chunk| chunk.iter_mut().for_each(|y| *y = -*y));
+    /// assert_eq!(negated.to_vec(), g.swiglu(&u).mul_scalar(-1.0).to_vec());
+    /// # Ok::<(), tl_tensor::TensorError>(())
+    /// ```
+    pub fn swiglu_then(&self, up: &Tensor<E>, finish: &(dyn Fn(&mut [E]) + Sync)) -> Tensor<E> {
         let (gate_shape, up_shape) = (self.shape(), up.shape());
         assert!(
             gate_shape == up_shape,
@@ -66,6 +90,7 @@ impl<E: Element> Tensor<E> {
                     for ((y, &g), &u) in y.iter_mut().zip(gs).zip(us) {
                         *y = g * *y * u;
                     }
+                    finish(y);
                 });
             ArrayD::from_shape_vec(gate.raw_dim(), out).expect("same count")
         };
@@ -148,6 +173,28 @@ mod tests {
             assert_eq!(du[i], g[i] * s);
             assert_eq!(dg[i], u[i] * s * (1.0 + g[i] * (1.0 - s)));
         }
+    }
+
+    #[test]
+    fn the_finisher_sees_each_value_once_and_leaves_the_gradients_alone() {
+        // Several chunks: the finisher adds 1 to what it is given, so a value it skipped or
+        // saw twice shows; the gradients are the plain op's, since the VJP reads the inputs.
+        let rng = Generator::new(6);
+        let n = 2 * CHUNK + 5;
+        let [g, u] = [0, 1].map(|_| random_array(&[n], &rng));
+        let run = |finish: &(dyn Fn(&mut [f64]) + Sync)| {
+            let (gt, ut) = (Tensor::param(g.clone()), Tensor::param(u.clone()));
+            let y = gt.swiglu_then(&ut, finish);
+            y.sum_all().backward();
+            (y.to_vec(), gt.grad().unwrap(), ut.grad().unwrap())
+        };
+        let (plain, finished) = (
+            run(&|_| {}),
+            run(&|chunk| chunk.iter_mut().for_each(|y| *y += 1.0)),
+        );
+        let shifted: Vec<f64> = plain.0.iter().map(|y| y + 1.0).collect();
+        assert_eq!(finished.0, shifted);
+        assert_eq!((finished.1, finished.2), (plain.1, plain.2));
     }
 
     #[test]

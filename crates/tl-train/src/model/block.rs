@@ -31,8 +31,10 @@ impl<E: Element> SwiGlu<E> {
 
 impl<E: Element> Module<E> for SwiGlu<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
-        // The gate's only reader is W2: under autocast, round it where it lies.
-        let gated = round_for_products(self.w1.forward(x).swiglu(&self.w3.forward(x)));
+        // The gate's only reader is W2: under autocast, it is rounded as it is written.
+        let gated = round_for_products(|finish| {
+            self.w1.forward(x).swiglu_then(&self.w3.forward(x), finish)
+        });
         self.w2.forward(&gated)
     }
 
@@ -105,12 +107,12 @@ impl<E: Element> Block<E> {
 
 impl<E: Element> Module<E> for Block<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
-        // Each norm's output feeds only projections: under autocast, it is rounded where it
-        // lies rather than copied by them (see `round_for_products`).
-        let normed = round_for_products(self.norm1.forward(x));
+        // Each norm's output feeds only projections: under autocast, it is rounded as it is
+        // written rather than copied by them (see `round_for_products`).
+        let normed = round_for_products(|finish| self.norm1.forward_then(x, finish));
         let x = self.branch(x, self.attention.forward(&normed));
         drop(normed);
-        let normed = round_for_products(self.norm2.forward(&x));
+        let normed = round_for_products(|finish| self.norm2.forward_then(&x, finish));
         self.branch(&x, self.mlp.forward(&normed))
     }
 

@@ -118,9 +118,8 @@ impl<E: Element> Llama<E> {
         );
         let x = self.embedding.forward_ids(ids, &[rows, time]);
         let x = self.run_blocks(&x)?;
-        Ok(self
-            .head
-            .forward(&round_for_products(self.norm.forward(&x))))
+        let normed = round_for_products(|finish| self.norm.forward_then(&x, finish));
+        Ok(self.head.forward(&normed))
     }
 
     /// The mean cross-entropy (nats per token) of predicting `targets` from `inputs`, both

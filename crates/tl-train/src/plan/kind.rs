@@ -10,7 +10,7 @@ use serde::Serialize;
 /// The first four kinds are the model state every step carries; the others are activations,
 /// either saved for backward or alive only for a moment of the forward pass. Under autocast
 /// a product saves rounded operands: the model's norm outputs and SwiGLU gate are rounded
-/// where they lie (so their bytes stay [`NormOutputs`](Self::NormOutputs) and
+/// as they are written (so their bytes stay [`NormOutputs`](Self::NormOutputs) and
 /// [`MlpHidden`](Self::MlpHidden)), the attention's result is rounded already, and any other
 /// activation would be saved as a [`RoundedCopies`](Self::RoundedCopies) copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]

@@ -82,18 +82,14 @@ impl DryRun {
         rounded
     }
 
-    /// tl-precision's `round_for_products`: under autocast, `x`, which only the caller holds,
-    /// is rounded where it lies behind a node that saves nothing, and marked as its own
-    /// rounded operand for the products that read it next.
+    /// tl-precision's `round_for_products`: under autocast the op that made `x` rounded it
+    /// as it wrote it (no node, no bytes), and `x` is marked as its own rounded operand for
+    /// the products that read it next.
     pub(crate) fn round_for_products(&mut self, x: Handle) -> Handle {
-        if !self.autocast {
-            return x;
+        if self.autocast {
+            self.mark_rounded(&x);
         }
-        let storage = self.share(&x);
-        let rounded = self.record_on(storage, &[&x], Vjp::Saved(Vec::new()));
-        self.release(x);
-        self.mark_rounded(&rounded);
-        rounded
+        x
     }
 
     /// The model's fused `causal_attention`: saves its three inputs (never a `T×T` tensor;
