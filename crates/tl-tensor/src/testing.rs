@@ -87,7 +87,7 @@ impl std::error::Error for GradcheckFailure {}
 ///
 /// `f` receives the inputs as parameters (leaves requiring grad) and must be deterministic:
 /// it is called once with the graph recorded and twice per input element under
-/// [`no_grad`](crate::no_grad).
+/// [`no_grad`].
 ///
 /// # Errors
 /// The first element (input by input, in row-major order) where the two gradients differ by
