@@ -17,7 +17,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use tl_numerics::{Format, round_slice};
-use tl_tensor::{Element, MatmulHook, Tensor, WeakValue, set_matmul_hook};
+use tl_tensor::{Element, Finisher, MatmulHook, Tensor, WeakValue, set_matmul_hook};
 
 use crate::cast::{cast, cast_owned, cast_sharing};
 use crate::error::Result;
@@ -214,7 +214,7 @@ pub fn mark_rounded<E: Element>(x: &Tensor<E>, format: Format) {
 /// assert_eq!(memory::live_bytes() - before, 4 * (2 + 1));
 /// ```
 pub fn round_for_products<E: Element>(
-    produce: impl FnOnce(&(dyn Fn(&mut [E]) + Sync)) -> Tensor<E>,
+    produce: impl FnOnce(&Finisher<'_, E>) -> Tensor<E>,
 ) -> Tensor<E> {
     let Some(format) = autocast_format() else {
         return produce(&|_| {});

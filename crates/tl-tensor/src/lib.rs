@@ -36,5 +36,11 @@ pub use optim::Optimizer;
 pub use rng::{Generator, GeneratorState};
 pub use tensor::{Tensor, WeakValue};
 
+/// What an op applies to each block of its result as soon as the block is written, on the
+/// thread that wrote it, while the block is in cache (see [`nn::RmsNorm::forward_then`] and
+/// [`Tensor::swiglu_then`]). Only for ops whose VJP never reads their result, so that the
+/// finisher changes what the result's readers see and not the gradients.
+pub type Finisher<'a, E> = dyn Fn(&mut [E]) + Sync + 'a;
+
 /// The `ndarray` this crate is built on, re-exported so users build arrays of the same version.
 pub use ndarray;

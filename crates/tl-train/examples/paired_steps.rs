@@ -90,14 +90,15 @@ fn main() -> ExitCode {
     for pair in 1..=pairs {
         // Every other pair runs the second recipe first, so that a cost of running second
         // (a cache or allocator state the other trainer left) falls on both alike.
-        let (a, b) = if pair % 2 == 1 {
-            let a = step(&mut trainers[0]);
-            (a, step(&mut trainers[1]))
-        } else {
+        let second_first = pair % 2 == 0;
+        let (a, b) = if second_first {
             let b = step(&mut trainers[1]);
             (step(&mut trainers[0]), b)
+        } else {
+            let a = step(&mut trainers[0]);
+            (a, step(&mut trainers[1]))
         };
-        let order = if pair % 2 == 1 { "" } else { " (second first)" };
+        let order = if second_first { " (second first)" } else { "" };
         println!(
             "pair {pair}: {first} {a:.3} s, {second} {b:.3} s, ratio {:.3}{order}",
             b / a

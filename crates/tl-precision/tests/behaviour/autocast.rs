@@ -244,7 +244,7 @@ fn rounding_for_products_rounds_only_under_autocast() {
     let gate = Tensor::<f32>::from_vec(vec![1.5, -0.7, 2.2], &[1, 3]).unwrap();
     let up = Tensor::<f32>::from_vec(vec![1.01, 3.0, -0.3], &[1, 3]).unwrap();
     let plain = gate.swiglu(&up).to_vec();
-    let produce = |finish: &(dyn Fn(&mut [f32]) + Sync)| gate.swiglu_then(&up, finish);
+    let produce = |finish: &tl_tensor::Finisher<'_, f32>| gate.swiglu_then(&up, finish);
     // Outside autocast the finisher does nothing.
     assert_eq!(round_for_products(produce).to_vec(), plain);
     let _fp16 = autocast(Format::Fp16);

@@ -4,7 +4,7 @@ use ndarray::{Array1, ArrayD, IxDyn};
 use rayon::prelude::*;
 
 use super::Module;
-use crate::{Element, Tensor};
+use crate::{Element, Finisher, Tensor};
 
 /// Root-mean-square layer normalisation over the last axis (Zhang & Sennrich, 2019), the
 /// normalisation of Llama:
@@ -82,7 +82,7 @@ impl<E: Element> RmsNorm<E> {
     ///
     /// # Panics
     /// If the last axis of `x` is not `dim`.
-    pub fn forward_then(&self, x: &Tensor<E>, finish: &(dyn Fn(&mut [E]) + Sync)) -> Tensor<E> {
+    pub fn forward_then(&self, x: &Tensor<E>, finish: &Finisher<'_, E>) -> Tensor<E> {
         let shape = x.shape();
         let dim = self.gain.numel();
         assert!(
@@ -310,7 +310,7 @@ mod tests {
         let rows = 2 * ROWS_PER_TASK + 3;
         let x = random_array(&[rows, 4], &rng);
         let norm = RmsNorm::<f64>::new(4, 1e-5);
-        let run = |finish: &(dyn Fn(&mut [f64]) + Sync)| {
+        let run = |finish: &Finisher<'_, f64>| {
             let xt = Tensor::param(x.clone());
             let y = norm.forward_then(&xt, finish);
             y.sum_all().backward();

@@ -8,7 +8,7 @@
 use ndarray::ArrayD;
 use rayon::prelude::*;
 
-use crate::{Element, Tensor};
+use crate::{Element, Finisher, Tensor};
 
 /// Elements per rayon task: a few pages of each operand, and the buffer of logistic values
 /// stays in the L1 cache.
@@ -72,7 +72,7 @@ impl<E: Element> Tensor<E> {
     /// assert_eq!(negated.to_vec(), g.swiglu(&u).mul_scalar(-1.0).to_vec());
     /// # Ok::<(), tl_tensor::TensorError>(())
     /// ```
-    pub fn swiglu_then(&self, up: &Tensor<E>, finish: &(dyn Fn(&mut [E]) + Sync)) -> Tensor<E> {
+    pub fn swiglu_then(&self, up: &Tensor<E>, finish: &Finisher<'_, E>) -> Tensor<E> {
         let (gate_shape, up_shape) = (self.shape(), up.shape());
         assert!(
             gate_shape == up_shape,
@@ -182,7 +182,7 @@ mod tests {
         let rng = Generator::new(6);
         let n = 2 * CHUNK + 5;
         let [g, u] = [0, 1].map(|_| random_array(&[n], &rng));
-        let run = |finish: &(dyn Fn(&mut [f64]) + Sync)| {
+        let run = |finish: &Finisher<'_, f64>| {
             let (gt, ut) = (Tensor::param(g.clone()), Tensor::param(u.clone()));
             let y = gt.swiglu_then(&ut, finish);
             y.sum_all().backward();

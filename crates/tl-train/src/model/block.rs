@@ -111,7 +111,8 @@ impl<E: Element> Module<E> for Block<E> {
         // written rather than copied by them (see `round_for_products`).
         let normed = round_for_products(|finish| self.norm1.forward_then(x, finish));
         let x = self.branch(x, self.attention.forward(&normed));
-        drop(normed);
+        drop(normed); // freed before the MLP's norm, as the memory plan has it
+
         let normed = round_for_products(|finish| self.norm2.forward_then(&x, finish));
         self.branch(&x, self.mlp.forward(&normed))
     }
@@ -142,7 +143,7 @@ mod tests {
 
     #[test]
     fn under_autocast_the_mlp_is_its_separate_casts_bit_for_bit() {
-        // The MLP rounds its gate where it lies for W2 (`round_for_products`); written out
+        // The MLP rounds its gate as it writes it, for W2 (`round_for_products`); written out
         // with a separate cast at every 16-bit boundary, the graph must give the same bits.
         let rng = Generator::new(4);
         let mlp = SwiGlu::<f64>::new(6, 10, &rng);
