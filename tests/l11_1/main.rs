@@ -2,5 +2,6 @@
 //! names. They are the course's view of tl-precision and tl-recompute; each crate's own tests
 //! are what the mutation grade measures.
 
+mod composition;
 mod precision;
 mod recompute;

@@ -69,8 +69,8 @@ pub(crate) const PITFALLS: &[Pitfall] = &[
         description: "a panic inside autocast leaves the rounded matmul installed",
         package: PRECISION,
         file: "crates/tl-precision/src/autocast.rs",
-        original: "swap_state(std::mem::take(&mut self.previous));",
-        replacement: "if !std::thread::panicking() { swap_state(std::mem::take(&mut self.previous)); }",
+        original: "set_matmul_hook(self.previous.take());",
+        replacement: "if !std::thread::panicking() { set_matmul_hook(self.previous.take()); }",
         course_test: "test_autocast_restores_matmul",
     },
     Pitfall {
@@ -78,8 +78,8 @@ pub(crate) const PITFALLS: &[Pitfall] = &[
         description: "leaving an inner autocast ends the outer one",
         package: PRECISION,
         file: "crates/tl-precision/src/autocast.rs",
-        original: "swap_state(std::mem::take(&mut self.previous));",
-        replacement: "swap_state(AutocastState::default());",
+        original: "set_matmul_hook(self.previous.take());",
+        replacement: "set_matmul_hook(None);",
         course_test: "test_autocast_restores_matmul",
     },
     Pitfall {

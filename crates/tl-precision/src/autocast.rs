@@ -11,22 +11,25 @@
 //! unwinding from a panic — so guards nest and the innermost format applies.
 
 use std::any::Any;
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 use tl_numerics::{Format, round_slice};
-use tl_tensor::{Element, Finisher, MatmulHook, Tensor, WeakValue, set_matmul_hook};
+use tl_tensor::{Element, Finisher, MatmulHook, Tensor, WeakValue, matmul_hook, set_matmul_hook};
 
 use crate::cast::{cast, cast_owned, cast_sharing};
 use crate::error::Result;
 
-thread_local! {
-    static AUTOCAST_FORMAT: Cell<Option<Format>> = const { Cell::new(None) };
-}
-
 /// The format every matmul on this thread rounds to, or `None` outside autocast.
+///
+/// It is read off the installed matmul hook, the one piece of state autocast keeps: a
+/// checkpointed segment that reruns during backward enters the modes its forward pass
+/// captured ([`ModeSnapshot`](tl_tensor::ModeSnapshot)), hook included, so an op that asks
+/// for the format in the rerun gets the forward's answer even when backward runs after the
+/// guard has dropped. Another hook installed over autocast's (a test's counting hook) means
+/// the matmul no longer rounds, and this says `None`.
 ///
 /// ```
 /// use tl_numerics::Format;
@@ -37,7 +40,14 @@ thread_local! {
 /// assert_eq!(autocast_format(), Some(Format::Bf16));
 /// ```
 pub fn autocast_format() -> Option<Format> {
-    AUTOCAST_FORMAT.with(Cell::get)
+    format_of(matmul_hook().as_deref())
+}
+
+/// The format of `hook` if it is autocast's.
+fn format_of(hook: Option<&(dyn MatmulHook + 'static)>) -> Option<Format> {
+    let hook: &dyn Any = hook?;
+    hook.downcast_ref::<RoundedMatmul>()
+        .map(|rounded| rounded.format)
 }
 
 /// Parses a 16-bit format name: exactly `"bf16"` or `"fp16"`.
@@ -77,6 +87,13 @@ impl RoundedMatmul {
 thread_local! {
     /// The activation this thread's autocast rounded last, as a [`LastRounded`] of the
     /// element type it was in.
+    ///
+    /// It is a cache, not a mode: no result depends on it. An entry lives until the next
+    /// activation is rounded (or marked) on this thread, and answers only while both of its
+    /// tensors' storages are alive and unwritten ([`WeakValue`]) and for its own format; a
+    /// miss rounds the operand again and gets the same bits. That is why it needs no place
+    /// in [`ModeSnapshot`](tl_tensor::ModeSnapshot): a checkpoint's rerun on this thread, or
+    /// a worker thread, that finds no entry (or another activation's) only rounds once more.
     static LAST_ROUNDED: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
 }
 
@@ -234,20 +251,6 @@ impl MatmulHook for RoundedMatmul {
     }
 }
 
-/// Everything autocast changes on a thread: its own format and tl-tensor's matmul hook.
-#[derive(Default)]
-struct AutocastState {
-    format: Option<Format>,
-    hook: Option<Arc<dyn MatmulHook>>,
-}
-
-/// Puts `next` in force on this thread and returns the state it replaces.
-fn swap_state(next: AutocastState) -> AutocastState {
-    let hook = set_matmul_hook(next.hook);
-    let format = AUTOCAST_FORMAT.with(|slot| slot.replace(next.format));
-    AutocastState { format, hook }
-}
-
 /// Keeps autocast on while it lives; dropping it restores the state that was in force
 /// when it was made (the outer autocast's format, or the plain matmul).
 ///
@@ -256,21 +259,21 @@ fn swap_state(next: AutocastState) -> AutocastState {
 /// an outer guard by hand while an inner one lives would restore the states out of order.
 #[must_use = "autocast ends as soon as the guard is dropped"]
 pub struct AutocastGuard {
-    previous: AutocastState,
+    previous: Option<Arc<dyn MatmulHook>>,
     _same_thread: PhantomData<*const ()>,
 }
 
 impl fmt::Debug for AutocastGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AutocastGuard")
-            .field("restores_format", &self.previous.format)
+            .field("restores_format", &format_of(self.previous.as_deref()))
             .finish_non_exhaustive()
     }
 }
 
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
-        swap_state(std::mem::take(&mut self.previous));
+        set_matmul_hook(self.previous.take());
     }
 }
 
@@ -303,10 +306,7 @@ impl Drop for AutocastGuard {
 /// ```
 pub fn autocast(format: Format) -> AutocastGuard {
     let hook: Arc<dyn MatmulHook> = Arc::new(RoundedMatmul { format });
-    let previous = swap_state(AutocastState {
-        format: Some(format),
-        hook: Some(hook),
-    });
+    let previous = set_matmul_hook(Some(hook));
     AutocastGuard {
         previous,
         _same_thread: PhantomData,

@@ -5,6 +5,7 @@
 //! plain product; tl-precision's autocast installs one that rounds operands and result. This
 //! crate itself knows nothing about number formats.
 
+use std::any::Any;
 use std::cell::RefCell;
 use std::sync::Arc;
 
@@ -18,7 +19,12 @@ use crate::{Element, Tensor};
 ///
 /// Implementations compute their product with [`Tensor::matmul_plain`] (calling `matmul`
 /// from inside the hook would call the hook again).
-pub trait MatmulHook: Send + Sync {
+///
+/// A hook is [`Any`], so the crate that installed it can recognise its own hook among those
+/// installed and read its settings back (autocast's format is the installed hook's, not a
+/// second piece of thread-local state). Since the hook is part of [`ModeSnapshot`](crate::ModeSnapshot),
+/// whatever it carries follows a checkpoint's rerun and a worker thread.
+pub trait MatmulHook: Any + Send + Sync {
     /// The product of two `f32` tensors.
     fn matmul_f32(&self, lhs: &Tensor<f32>, rhs: &Tensor<f32>) -> Tensor<f32>;
     /// The product of two `f64` tensors.

@@ -368,6 +368,67 @@ mod tests {
         }
     }
 
+    /// [`loss_and_gradients`] with the forward pass (loss included) under autocast, and
+    /// the backward pass inside the guard or after it has dropped.
+    fn loss_and_gradients_under(
+        model: &Llama<f32>,
+        format: tl_precision::Format,
+        backward_inside: bool,
+    ) -> (u32, Vec<Vec<u32>>) {
+        model.zero_grad();
+        let guard = tl_precision::autocast(format);
+        let loss = model.loss(&INPUTS, &TARGETS, 2, 4).unwrap();
+        if !backward_inside {
+            drop(guard);
+            loss.backward();
+        } else {
+            loss.backward();
+            drop(guard);
+        }
+        let grads = model
+            .parameters()
+            .iter()
+            .map(|p| p.grad().unwrap().iter().map(|g| g.to_bits()).collect())
+            .collect();
+        (loss.item().to_bits(), grads)
+    }
+
+    /// The way PyTorch users write it: the loss under autocast, `backward` after the guard.
+    /// A checkpointed block reruns during that backward, and must round as its forward did
+    /// (the fused attention asks for the autocast format again in the rerun).
+    #[test]
+    fn checkpointed_runs_under_autocast_match_the_plain_run_wherever_backward_runs() {
+        use tl_precision::Format;
+        let config = ModelConfig {
+            n_layers: 4,
+            ..micro_config(0.25)
+        };
+        let model = Llama::<f32>::new(&config, 3).unwrap();
+        let start = model.dropout_generator().state();
+        for format in [Format::Bf16, Format::Fp16] {
+            model.set_checkpointing(Checkpointing::Off);
+            model.dropout_generator().set_state(&start);
+            let plain = loss_and_gradients_under(&model, format, true);
+            model.dropout_generator().set_state(&start);
+            let no_autocast = loss_and_gradients(&model);
+            assert_ne!(
+                plain, no_autocast,
+                "{format}: autocast changes the gradients"
+            );
+            for checkpointing in [Checkpointing::PerBlock, Checkpointing::Budget(3)] {
+                model.set_checkpointing(checkpointing);
+                for backward_inside in [true, false] {
+                    model.dropout_generator().set_state(&start);
+                    assert_eq!(
+                        loss_and_gradients_under(&model, format, backward_inside),
+                        plain,
+                        "{format}, {checkpointing:?}, backward inside the guard: {backward_inside}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_budget_with_no_schedule_is_an_error() {
         let model = Llama::<f32>::new(&micro_config(0.0), 0).unwrap();
