@@ -51,6 +51,45 @@ pub enum TrainError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A line of a run's `metrics.jsonl` that is not a record (a torn last line, as a crash
+    /// leaves, is not an error).
+    #[error("{}, line {line}: {reason}", path.display())]
+    Metrics {
+        /// The metrics file.
+        path: PathBuf,
+        /// The line, counting from 1.
+        line: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Another process holds the run directory's lock.
+    #[error("{} is in use by another tinyllm ({holder}); wait for it to finish or stop it", path.display())]
+    Locked {
+        /// The run directory.
+        path: PathBuf,
+        /// The holder, as its lock file names it (process id and command).
+        holder: String,
+    },
+    /// The run diverged: training stopped and the last checkpoint was left as it was.
+    #[error("diverged at step {step}: {what}; the last good checkpoint is {}", checkpoint.as_ref().map_or("none (no checkpoint was written yet)".to_string(), |c| c.display().to_string()))]
+    Diverged {
+        /// The step whose result was refused (the first step not taken).
+        step: u64,
+        /// What was seen, naming the parameter where there is one.
+        what: String,
+        /// The checkpoint a resume would continue from.
+        checkpoint: Option<PathBuf>,
+    },
+    /// The training file is not the one the run started on.
+    #[error("{} changed since the run began (was {expected}, now {found}); resume with --data-changed-ok to continue on it anyway", path.display())]
+    DataChanged {
+        /// The data file.
+        path: PathBuf,
+        /// Its size and SHA-256 when the run began.
+        expected: String,
+        /// Its size and SHA-256 now.
+        found: String,
+    },
     /// A chart that could not be drawn.
     #[error(transparent)]
     Chart(#[from] crate::chart::ChartError),

@@ -1,6 +1,9 @@
 //! The capstone of tinyllm: a Llama-style decoder, the built-in corpus, and the trainer
 //! behind the `tinyllm` command.
 
+// First, so that its `say!` is in scope in every module after it.
+#[macro_use]
+pub mod output;
 pub mod chart;
 pub mod cli;
 pub mod compare;

@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use tl_tensor::alloc::CachingAllocator;
+use tl_train::TrainError;
 use tl_train::cli::{CliError, Exit, run};
 
 /// Large freed buffers are kept for the next micro-batch instead of going back to the
@@ -13,12 +14,25 @@ static ALLOCATOR: CachingAllocator = CachingAllocator;
 fn main() -> ExitCode {
     match run(std::env::args_os()) {
         Ok(Exit::Success) => ExitCode::SUCCESS,
-        Ok(Exit::Interrupted) => ExitCode::from(130),
+        Ok(Exit::Interrupted { signal }) => ExitCode::from(128 + signal as u8),
         Ok(Exit::MilestoneMissed) => ExitCode::from(3),
         Err(CliError::Usage(error)) => error.exit(),
         Err(CliError::Run(error)) => {
-            eprintln!("error: {error}");
-            ExitCode::FAILURE
+            tl_train::output::line(&format!("error: {error}"));
+            ExitCode::from(exit_status(&error))
         }
+    }
+}
+
+/// The exit status of a failed command: 2 for arguments that were refused before anything
+/// ran (as for a usage error), 4 for a run that diverged, 1 for anything else.
+fn exit_status(error: &TrainError) -> u8 {
+    match error {
+        TrainError::InvalidArgument { .. }
+        | TrainError::InvalidConfig(_)
+        | TrainError::UnknownPreset { .. }
+        | TrainError::Recompute(_) => 2,
+        TrainError::Diverged { .. } => 4,
+        _ => 1,
     }
 }

@@ -12,6 +12,15 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// The machine's physical memory (`MemTotal` of `/proc/meminfo`), in bytes; `None` where
+/// it is not available.
+pub fn total_memory_bytes() -> Option<u64> {
+    let meminfo = fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|line| line.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// Resets the peak resident set size to the current one, so that [`peak_rss_bytes`]
 /// measures from now (Linux ≥ 4.0: writing 5 to `/proc/self/clear_refs`). Returns whether it
 /// worked; when it did not, later peaks include what came before.

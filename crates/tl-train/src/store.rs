@@ -13,16 +13,24 @@ use crate::error::{Result, TrainError};
 /// a mix: write a temporary file in the same directory, flush it to disk, then rename it over
 /// `path` (a rename within one file system is atomic).
 ///
+/// The temporary file's name carries the process id, so two processes writing the same file
+/// never write into each other's temporary (the run directory's lock keeps two trainers out
+/// of one run; this is the second line of defence).
+///
 /// # Errors
 /// [`TrainError::Io`] naming the file that failed.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
-    let temporary = path.with_file_name(format!(".{name}.tmp"));
+    let temporary = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
     let write = || -> std::io::Result<()> {
+        fault_point();
         let mut file = fs::File::create(&temporary)?;
+        fault_point();
         file.write_all(bytes)?;
         file.sync_all()?;
+        fault_point();
         fs::rename(&temporary, path)?;
+        fault_point();
         if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             // Make the rename itself durable.
             fs::File::open(dir)?.sync_all()?;
@@ -35,13 +43,37 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
-/// A 64-bit FNV-1a hash of `bytes`, as 16 hex digits: enough to notice a file that changed or
-/// was damaged since it was written (not a defence against tampering).
+/// Whether `name` is one of [`write_atomic`]'s temporary files.
+pub(crate) fn is_temporary(name: &str) -> bool {
+    name.starts_with('.') && name.ends_with(".tmp")
+}
+
+/// The environment variable that makes the checkpoint writer abort the process: set to `N`,
+/// the process aborts (as SIGKILL would end it) just before the `N`-th filesystem operation
+/// of the run's file writers. For crash-consistency tests only.
+pub const FAULT_ENV: &str = "TINYLLM_FAULT_AFTER_FS_OPS";
+
+/// Counts a filesystem operation of the writers, and aborts the process when
+/// [`FAULT_ENV`] asks for it here.
+pub(crate) fn fault_point() {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LIMIT: OnceLock<Option<u64>> = OnceLock::new();
+    static DONE: AtomicU64 = AtomicU64::new(0);
+    let limit = LIMIT.get_or_init(|| std::env::var(FAULT_ENV).ok()?.parse().ok());
+    if let Some(limit) = *limit
+        && DONE.fetch_add(1, Ordering::SeqCst) + 1 >= limit
+    {
+        std::process::abort();
+    }
+}
+
+/// The SHA-256 of `bytes` as 64 lowercase hex digits, the form `sha256sum` prints: a
+/// checkpoint's files can be checked by hand with `sha256sum -c SHA256SUMS`.
 pub fn fingerprint(bytes: &[u8]) -> String {
-    let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |hash, &byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
-    format!("{hash:016x}")
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(bytes);
+    digest.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 /// A named `f32` tensor: its shape and row-major values.
@@ -126,10 +158,16 @@ mod tests {
     }
 
     #[test]
-    fn fingerprints_are_fnv1a_and_notice_one_flipped_bit() {
-        // FNV-1a of the empty input is its offset basis; of "a" the published 0xaf63dc4c8601ec8c.
-        assert_eq!(fingerprint(b""), "cbf29ce484222325");
-        assert_eq!(fingerprint(b"a"), "af63dc4c8601ec8c");
+    fn fingerprints_are_sha256_and_notice_one_flipped_bit() {
+        // The published SHA-256 of the empty input and of "abc" (FIPS 180-2, appendix B.1).
+        assert_eq!(
+            fingerprint(b""),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+        assert_eq!(
+            fingerprint(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
         assert_ne!(fingerprint(&[0, 0, 0]), fingerprint(&[0, 1, 0]));
     }
 

@@ -163,7 +163,7 @@ fn resuming_with_different_flags_or_a_damaged_checkpoint_is_refused() {
         "--resume",
         dir.path().join("nothing").to_str().unwrap(),
     ]);
-    assert!(error.to_string().contains("no checkpoint"), "{error}");
+    assert!(error.to_string().contains("not a run directory"), "{error}");
 }
 
 #[test]
@@ -225,52 +225,4 @@ fn a_new_run_never_overwrites_an_existing_one() {
         fs::read(latest_checkpoint(&out).join("model.safetensors")).unwrap(),
         before
     );
-}
-
-#[test]
-fn ctrl_c_checkpoints_the_last_finished_step_and_exits_130() {
-    use std::process::{Command, Stdio};
-    use std::time::{Duration, Instant};
-
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tinyllm"))
-        .args(tiny_args(
-            out.to_str().unwrap(),
-            &["--steps", "100000", "--save-interval", "100000"],
-        ))
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    // Wait for the first step to be logged, so the handler is installed and a step is done.
-    let started = Instant::now();
-    while train_losses(&out).is_empty() {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "no step logged in 60 s"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let interrupt = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status();
-    assert!(interrupt.unwrap().success());
-    let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(130));
-    let checkpoint = latest_checkpoint(&out);
-    let steps = train_losses(&out).len();
-    assert!(
-        checkpoint.ends_with(format!("checkpoint-{steps:06}")),
-        "{checkpoint:?} after {steps} steps"
-    );
-    // And the run continues from there.
-    let resume = [
-        "train",
-        "--resume",
-        out.to_str().unwrap(),
-        "--quiet",
-        "--until-step",
-        &(steps + 1).to_string(),
-    ];
-    assert_eq!(tinyllm(&resume).unwrap(), Exit::Success);
 }

@@ -88,7 +88,7 @@ pub(super) fn compare_command(args: &CompareArgs) -> Result<Exit> {
         let preset = recipe.preset.map_or("custom", Preset::name);
         PathBuf::from("runs").join(format!("compare-{preset}-seed{}", recipe.seed))
     });
-    eprintln!(
+    say!(
         "MS-L11 on {} ({} steps of {} tokens): fp32 baseline, then the recipe",
         recipe.preset.map_or("custom", Preset::name),
         recipe.steps,
@@ -135,7 +135,7 @@ pub(super) fn compare_command(args: &CompareArgs) -> Result<Exit> {
         true,
     )?;
     print_table(&comparison);
-    eprintln!(
+    say!(
         "report: {}  chart: {}",
         out.join("comparison.json").display(),
         chart.display()
@@ -194,18 +194,20 @@ fn print_table(c: &Comparison) {
             format!("{:.2}×", c.recipe.tokens_per_s / c.baseline.tokens_per_s),
         ),
     ];
-    eprintln!(
+    say!(
         "\n{:<24} {:>16} {:>16}   {label}",
-        "", "fp32 baseline", "recipe"
+        "",
+        "fp32 baseline",
+        "recipe"
     );
     for (name, baseline, recipe, relation) in rows {
-        eprintln!("{name:<24} {baseline:>16} {recipe:>16}   {relation}");
+        say!("{name:<24} {baseline:>16} {recipe:>16}   {relation}");
     }
     if let Some(floor) = c.recipe.entropy_floor {
-        eprintln!("{:<24} {floor:>16.4}", "entropy floor");
+        say!("{:<24} {floor:>16.4}", "entropy floor");
     }
     let verdict = if c.passes { "PASSES" } else { "FAILS" };
-    eprintln!(
+    say!(
         "\nMS-L11 {verdict}: validation gap {:+.2}% (≤ +2% needed), peak live tensors {:.2}× the baseline's (< 1 needed)",
         100.0 * c.val_gap,
         c.peak_live_ratio

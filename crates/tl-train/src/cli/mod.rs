@@ -128,6 +128,20 @@ pub struct TrainArgs {
     /// No progress bar (one line per evaluation instead).
     #[arg(long)]
     pub quiet: bool,
+    /// Checkpoints to keep, newest first [default: 2].
+    #[arg(long, value_name = "N")]
+    pub keep_checkpoints: Option<usize>,
+    /// Stop as diverged when a step's loss exceeds this, nats per token
+    /// [default: 2 ln(vocab)].
+    #[arg(long, value_name = "LOSS", allow_negative_numbers = true)]
+    pub max_loss: Option<f64>,
+    /// Stop as diverged after this many consecutive fp16 steps skipped at the loss
+    /// scale's floor of 1 [default: 10].
+    #[arg(long, value_name = "K")]
+    pub max_skipped: Option<u32>,
+    /// With --resume: continue even if the --data file changed since the run began.
+    #[arg(long, requires = "resume")]
+    pub data_changed_ok: bool,
 }
 
 /// Options of `tinyllm sample`.
@@ -160,8 +174,11 @@ pub struct SampleArgs {
 pub enum Exit {
     /// Done.
     Success,
-    /// Training was interrupted and checkpointed.
-    Interrupted,
+    /// Training was stopped by a signal and checkpointed.
+    Interrupted {
+        /// The signal (SIGINT, SIGTERM or SIGHUP): the process exits with `128 + signal`.
+        signal: i32,
+    },
     /// `tinyllm compare` ran, and the recipe missed MS-L11.
     MilestoneMissed,
 }

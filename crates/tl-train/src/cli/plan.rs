@@ -49,7 +49,7 @@ pub(super) fn plan(args: &PlanArgs) -> Result<Exit> {
     }
     let measured = if args.measure {
         if !args.json {
-            eprintln!("\nmeasuring two real steps of the chosen recipe...");
+            say!("\nmeasuring two real steps of the chosen recipe...");
         }
         Some(measure_steps(&config)?)
     } else {

@@ -52,10 +52,10 @@ pub(super) fn profile(args: &ProfileArgs) -> Result<Exit> {
     for checkpointing in [Checkpointing::Off, config.train.checkpointing] {
         let mut run = config.clone();
         run.train.checkpointing = checkpointing;
-        eprintln!("recording {} ...", run_label(checkpointing));
+        say!("recording {} ...", run_label(checkpointing));
         let started = Instant::now();
         runs.push(record_run(&run)?);
-        eprintln!("  done in {:.1} s", started.elapsed().as_secs_f64());
+        say!("  done in {:.1} s", started.elapsed().as_secs_f64());
     }
     let profile = Profile { config, runs };
     let json = write_profile(&profile, &out)?;
@@ -129,7 +129,7 @@ fn check_out(out: &Path) -> Result<()> {
 
 fn print_header(config: &ProfileConfig) {
     let train = &config.train;
-    eprintln!(
+    say!(
         "tinyllm profile: {} ({} parameters), {}, micro-batch {} x accum {} x context {}, plain vs {}",
         train.preset.map_or("custom", Preset::name),
         train.model.num_parameters(),
@@ -139,7 +139,7 @@ fn print_header(config: &ProfileConfig) {
         train.model.context,
         run_label(train.checkpointing),
     );
-    eprintln!(
+    say!(
         "each run: one warm-up step (AdamW's moments appear), then {} recorded step{}; x axis: {X_AXIS}",
         config.steps,
         if config.steps == 1 { "" } else { "s" },

@@ -25,6 +25,13 @@ pub(super) fn sample(args: &SampleArgs) -> Result<()> {
             reason: "must hold at least one byte".into(),
         });
     }
+    if !(1..=MAX_SAMPLE_TOKENS).contains(&args.tokens) {
+        return Err(TrainError::InvalidArgument {
+            name: "tokens",
+            value: args.tokens.to_string(),
+            reason: format!("must be in 1..={MAX_SAMPLE_TOKENS}"),
+        });
+    }
     let (_, model) = load_model(&args.from)?;
     let ids: Vec<usize> = prompt.bytes().map(usize::from).collect();
     let generated = model.generate(
@@ -36,8 +43,16 @@ pub(super) fn sample(args: &SampleArgs) -> Result<()> {
     let bytes: Vec<u8> = generated.into_iter().map(|id| id as u8).collect();
     let mut stdout = std::io::stdout().lock();
     let text = format!("{prompt}{}", String::from_utf8_lossy(&bytes));
-    stdout
+    match stdout
         .write_all(text.as_bytes())
         .and_then(|()| stdout.write_all(b"\n"))
-        .map_err(|source| TrainError::io("stdout", source))
+        .and_then(|()| stdout.flush())
+    {
+        // A reader that stopped reading (`| head`) has what it wanted.
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        result => result.map_err(|source| TrainError::io("stdout", source)),
+    }
 }
+
+/// The most bytes one `tinyllm sample` generates.
+const MAX_SAMPLE_TOKENS: usize = 1 << 20;

@@ -2,9 +2,11 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Once;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use indicatif::{ProgressBar, ProgressStyle};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
 use tl_precision::Precision;
 use tl_tensor::memory;
 
@@ -15,14 +17,17 @@ use crate::model::{Checkpointing, Preset};
 use crate::process_memory::{peak_rss_bytes, reset_peak_rss};
 use crate::store::write_atomic;
 use crate::train::{
-    DataSource, Event, LrSchedule, Record, Stop, TrainConfig, Trainer, read_records,
+    DataSource, Event, LrSchedule, Record, ResumeOptions, Stop, TrainConfig, Trainer, read_records,
 };
 
 /// Runs `tinyllm train`.
 pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
     let mut trainer = match &args.resume {
         Some(dir) => {
-            let trainer = Trainer::resume(dir)?;
+            let options = ResumeOptions {
+                data_changed_ok: args.data_changed_ok,
+            };
+            let trainer = Trainer::resume(dir, options)?;
             check_resume_flags(args, trainer.config(), dir)?;
             trainer
         }
@@ -33,14 +38,28 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
         }
     };
     let config = trainer.config().clone();
+    let until = args.until_step.unwrap_or(config.steps).min(config.steps);
+    if trainer.step() >= until {
+        let what = if trainer.is_finished() {
+            "finished"
+        } else {
+            "already at that step"
+        };
+        say!(
+            "{}: the run is {what} (step {} of {}); nothing to do",
+            trainer.run_dir().display(),
+            trainer.step(),
+            config.steps
+        );
+        return Ok(Exit::Success);
+    }
     memory::reset_peak();
     reset_peak_rss();
-    let until = args.until_step.unwrap_or(config.steps);
     print_header(&trainer);
 
-    install_interrupt_handler();
+    install_stop_handler();
 
-    let bar = progress_bar(args.quiet, trainer.step(), until.min(config.steps));
+    let bar = progress_bar(args.quiet, trainer.step(), until);
     let mut last_val = None;
     let outcome = trainer.run(until, &INTERRUPTED, &mut |event| match event {
         Event::Metric(Record::Train {
@@ -74,32 +93,63 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
     Ok(match stop {
         Stop::Finished => Exit::Success,
         Stop::Interrupted => {
-            eprintln!(
-                "interrupted at step {}: continue with  tinyllm train --resume {}",
+            let signal = STOP_SIGNAL.load(Ordering::SeqCst);
+            say!(
+                "stopped by {} at step {}: continue with  tinyllm train --resume {}",
+                signal_name(signal),
                 trainer.step(),
                 trainer.run_dir().display()
             );
-            Exit::Interrupted
+            Exit::Interrupted { signal }
         }
     })
 }
 
-/// Raised by Ctrl-C; the training loop checks it after every step.
+/// Raised by a stopping signal; the training loop checks it after every step.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// The signal that raised [`INTERRUPTED`].
+static STOP_SIGNAL: AtomicI32 = AtomicI32::new(SIGINT);
 
-/// Installs the process's Ctrl-C handler once: the first Ctrl-C asks the loop to checkpoint
-/// and stop, a second one (while that checkpoint is written) quits at once.
-fn install_interrupt_handler() {
+/// The conventional name of the stopping signals.
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        SIGINT => "SIGINT (Ctrl-C)",
+        SIGTERM => "SIGTERM",
+        SIGHUP => "SIGHUP",
+        _ => "a signal",
+    }
+}
+
+/// Installs the process's handler of the stopping signals once. SIGINT (Ctrl-C), SIGTERM (a
+/// scheduler's stop, `timeout`, `kill`) and SIGHUP (a closed terminal) all ask the loop to
+/// finish its step, checkpoint and exit with `128 + signal`; a second signal while that
+/// checkpoint is written quits at once (the previous checkpoint is still whole).
+fn install_stop_handler() {
     static INSTALL: Once = Once::new();
     INSTALL.call_once(|| {
-        let installed = ctrlc::set_handler(|| {
-            if INTERRUPTED.swap(true, Ordering::SeqCst) {
-                std::process::exit(130);
+        let signals = match Signals::new([SIGINT, SIGTERM, SIGHUP]) {
+            Ok(signals) => signals,
+            Err(error) => {
+                crate::output::warn(&format!(
+                    "stopping signals will not checkpoint before exiting ({error})"
+                ));
+                return;
+            }
+        };
+        std::thread::spawn(move || {
+            let mut signals = signals;
+            for signal in signals.forever() {
+                if INTERRUPTED.load(Ordering::SeqCst) {
+                    std::process::exit(128 + signal);
+                }
+                STOP_SIGNAL.store(signal, Ordering::SeqCst);
+                INTERRUPTED.store(true, Ordering::SeqCst);
+                say!(
+                    "{}: checkpointing after the current step (send it again to quit at once)",
+                    signal_name(signal)
+                );
             }
         });
-        if let Err(error) = installed {
-            eprintln!("warning: Ctrl-C will not checkpoint before exiting ({error})");
-        }
     });
 }
 
@@ -120,7 +170,9 @@ pub(super) fn config_from_args(
         config.model.dropout = base.map_or(0.0, |b| b.model.dropout);
     }
     if let Some(path) = &args.data {
-        config.data = DataSource::File { path: path.clone() };
+        // Absolute, so that a resume started from another directory finds it.
+        let path = std::path::absolute(path).map_err(|source| TrainError::io(path, source))?;
+        config.data = DataSource::File { path };
     }
     if let DataSource::Builtin { seed, bytes } = &mut config.data {
         *seed = args.corpus_seed.unwrap_or(*seed);
@@ -163,6 +215,11 @@ pub(super) fn config_from_args(
     config.seed = args.seed.unwrap_or(config.seed);
     config.eval_interval = args.eval_interval.unwrap_or(config.eval_interval);
     config.save_interval = args.save_interval.unwrap_or(config.save_interval);
+    config.keep_checkpoints = args.keep_checkpoints.unwrap_or(config.keep_checkpoints);
+    if args.max_loss.is_some() {
+        config.divergence.max_loss = args.max_loss;
+    }
+    config.divergence.max_skipped = args.max_skipped.unwrap_or(config.divergence.max_skipped);
     config.validate()?;
     Ok(config)
 }
@@ -211,7 +268,7 @@ fn default_out(config: &TrainConfig) -> PathBuf {
 /// stderr is not a terminal).
 fn say(bar: &ProgressBar, line: String) {
     if bar.is_hidden() {
-        eprintln!("{line}");
+        say!("{line}");
     } else {
         bar.println(line);
     }
@@ -234,7 +291,7 @@ pub(super) fn progress_bar(quiet: bool, position: u64, length: u64) -> ProgressB
 fn print_header(trainer: &Trainer) {
     let config = trainer.config();
     let corpus = trainer.corpus();
-    eprintln!(
+    say!(
         "tinyllm train: {} ({} parameters), {}, micro-batch {} x accum {} x context {} = {} tokens/step, checkpointing {:?}",
         config.preset.map_or("custom", Preset::name),
         config.model.num_parameters(),
@@ -245,7 +302,7 @@ fn print_header(trainer: &Trainer) {
         config.tokens_per_step(),
         config.checkpointing,
     );
-    eprintln!(
+    say!(
         "data: {} ({} train / {} validation bytes){}",
         corpus.source,
         corpus.train.len(),
@@ -255,7 +312,7 @@ fn print_header(trainer: &Trainer) {
             .map(|h| format!(", entropy floor {h:.4} nats/byte"))
             .unwrap_or_default()
     );
-    eprintln!(
+    say!(
         "run directory: {}  (from step {} of {})",
         trainer.run_dir().display(),
         trainer.step(),
@@ -276,18 +333,19 @@ fn report(trainer: &Trainer) -> Result<()> {
         summary.entropy_floor,
         false,
     )?;
-    eprintln!(
+    say!(
         "step {}: train loss {:.4} (mean of the last steps)",
-        summary.steps, summary.train_loss
+        summary.steps,
+        summary.train_loss
     );
     if let Some(val) = summary.val_loss {
         let gap = summary
             .entropy_floor
             .map(|h| format!(", entropy floor {h:.4} (gap {:.4})", val - h))
             .unwrap_or_default();
-        eprintln!("validation loss {val:.4}{gap}");
+        say!("validation loss {val:.4}{gap}");
     }
-    eprintln!(
+    say!(
         "median {:.0} tokens/s ({:.2} s/step); peak live tensors {:.1} MiB{}",
         summary.tokens_per_s,
         summary.step_s,
@@ -297,7 +355,7 @@ fn report(trainer: &Trainer) -> Result<()> {
             .map(|rss| format!(", peak process memory {:.1} MiB", mib(rss)))
             .unwrap_or_default()
     );
-    eprintln!("loss chart: {}", chart_path.display());
+    say!("loss chart: {}", chart_path.display());
     Ok(())
 }
 

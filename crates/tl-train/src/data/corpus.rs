@@ -59,10 +59,7 @@ impl Corpus {
     /// or is shorter than `10 · (context + 1)` bytes: both the validation tenth and the rest
     /// must hold one window of `context` inputs and their next-byte targets.
     pub fn from_file(path: &Path, context: usize) -> Result<Corpus, DataError> {
-        let text = std::fs::read(path).map_err(|source| DataError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = read_limited(path, crate::train::limits::MAX_CORPUS_BYTES)?;
         if text.is_empty() {
             return Err(DataError::Empty {
                 path: path.to_path_buf(),
@@ -93,6 +90,28 @@ impl Corpus {
             entropy_nats_per_byte: None,
         })
     }
+}
+
+/// The bytes of `path`, refusing a file longer than `limit` without reading past it (a
+/// device such as `/dev/zero` never ends).
+fn read_limited(path: &Path, limit: usize) -> Result<Vec<u8>, DataError> {
+    use std::io::Read;
+    let io = |source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let mut text = Vec::new();
+    file.take(limit as u64 + 1)
+        .read_to_end(&mut text)
+        .map_err(io)?;
+    if text.len() > limit {
+        return Err(DataError::TooLarge {
+            path: path.to_path_buf(),
+            limit,
+        });
+    }
+    Ok(text)
 }
 
 fn split(mut text: Vec<u8>) -> (Vec<u8>, Vec<u8>) {

@@ -46,4 +46,12 @@ pub enum DataError {
         /// The model's context length, in bytes.
         context: usize,
     },
+    /// A data file longer than the trainer reads (it holds the whole text in memory).
+    #[error("{}: longer than {limit} bytes, the most a run reads", path.display())]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// The limit, bytes.
+        limit: usize,
+    },
 }

@@ -64,6 +64,88 @@ pub struct TrainConfig {
     pub eval_batches: usize,
     /// Steps between checkpoints (and the last step always).
     pub save_interval: u64,
+    /// How many of the newest checkpoints a run keeps (at least 1). More than one keeps an
+    /// older state to go back to when a run diverges after its last save.
+    #[serde(default = "default_keep_checkpoints")]
+    pub keep_checkpoints: usize,
+    /// What counts as divergence.
+    #[serde(default)]
+    pub divergence: Divergence,
+    /// The training file's size and SHA-256 when the run began (`data` is a file), so that a
+    /// resume notices a file that changed under the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_file: Option<FileFingerprint>,
+}
+
+/// When a run stops as diverged instead of training on.
+///
+/// A taken step whose loss is NaN, infinite or above `max_loss`, or a weight that is no
+/// longer finite, stops the run; so do `max_skipped` consecutive fp16 steps skipped with the
+/// loss scale at its floor of 1 (the scale can fall no further: the gradients overflow
+/// whatever it is).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Divergence {
+    /// A loss above this, nats per token, is divergence; `None`: twice the loss of guessing
+    /// uniformly, `2·ln(vocab)` (11.1 for bytes), which no run that learns comes near.
+    pub max_loss: Option<f64>,
+    /// Consecutive skipped fp16 steps at the floor scale that stop the run.
+    pub max_skipped: u32,
+}
+
+impl Default for Divergence {
+    fn default() -> Self {
+        Self {
+            max_loss: None,
+            max_skipped: 10,
+        }
+    }
+}
+
+fn default_keep_checkpoints() -> usize {
+    2
+}
+
+/// A file's size and SHA-256.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileFingerprint {
+    /// Bytes in the file.
+    pub bytes: u64,
+    /// Its SHA-256, as `sha256sum` prints it.
+    pub sha256: String,
+}
+
+impl FileFingerprint {
+    /// The fingerprint of `bytes`.
+    pub fn of(bytes: &[u8]) -> Self {
+        Self {
+            bytes: bytes.len() as u64,
+            sha256: crate::store::fingerprint(bytes),
+        }
+    }
+}
+
+/// Bounds that keep a flag from overflowing a size or asking for more memory than any
+/// machine of the kind this trains on has; the memory a step needs is checked against the
+/// machine separately (`Trainer::new`).
+pub mod limits {
+    /// Tokens in one micro-batch (`micro_batch · context`).
+    pub const MAX_MICRO_BATCH_TOKENS: usize = 1 << 24;
+    /// Micro-batches per step.
+    pub const MAX_ACCUM: usize = 1 << 16;
+    /// Bytes of training text (built-in or read from a file).
+    pub const MAX_CORPUS_BYTES: usize = 1 << 30;
+    /// Checkpoints kept.
+    pub const MAX_KEEP_CHECKPOINTS: usize = 1000;
+    /// Optimizer steps of a run (and the eval and save intervals).
+    pub const MAX_STEPS: u64 = 1 << 40;
+    /// Peak learning rate: far past any that trains, so only a typo crosses it.
+    pub const MAX_LR: f64 = 1e6;
+    /// AdamW's decoupled weight decay.
+    pub const MAX_WEIGHT_DECAY: f64 = 1e6;
+    /// Gradient-norm clip.
+    pub const MAX_CLIP: f64 = 1e12;
+    /// `--max-loss`, nats per token.
+    pub const MAX_LOSS_LIMIT: f64 = 1e6;
 }
 
 impl TrainConfig {
@@ -100,12 +182,23 @@ impl TrainConfig {
             eval_interval: (steps / 10).max(1),
             eval_batches: 4,
             save_interval: (steps / 4).max(1),
+            keep_checkpoints: default_keep_checkpoints(),
+            divergence: Divergence::default(),
+            data_file: None,
         }
     }
 
     /// Tokens per optimizer step.
     pub fn tokens_per_step(&self) -> usize {
         self.micro_batch * self.accum * self.model.context
+    }
+
+    /// The loss above which a step counts as divergence: [`Divergence::max_loss`], or
+    /// `2·ln(vocab)`.
+    pub fn max_loss(&self) -> f64 {
+        self.divergence
+            .max_loss
+            .unwrap_or(2.0 * (self.model.vocab as f64).ln())
     }
 
     /// Checks every option, naming the first that is out of range.
@@ -124,33 +217,107 @@ impl TrainConfig {
         if self.micro_batch == 0 {
             return invalid("micro-batch", "0".into(), "must be at least 1");
         }
-        if self.accum == 0 {
-            return invalid("accum", "0".into(), "must be at least 1");
+        let micro_batch_tokens = self.micro_batch.checked_mul(self.model.context);
+        if micro_batch_tokens.is_none_or(|t| t > limits::MAX_MICRO_BATCH_TOKENS) {
+            return invalid(
+                "micro-batch",
+                self.micro_batch.to_string(),
+                &format!(
+                    "micro-batch x context must be at most {} tokens",
+                    limits::MAX_MICRO_BATCH_TOKENS
+                ),
+            );
         }
-        if self.steps == 0 {
-            return invalid("steps", "0".into(), "must be at least 1");
+        if !(1..=limits::MAX_ACCUM).contains(&self.accum) {
+            return invalid(
+                "accum",
+                self.accum.to_string(),
+                &format!("must be in 1..={}", limits::MAX_ACCUM),
+            );
+        }
+        if !(1..=limits::MAX_STEPS).contains(&self.steps) {
+            return invalid(
+                "steps",
+                self.steps.to_string(),
+                &format!("must be in 1..={}", limits::MAX_STEPS),
+            );
+        }
+        if self.lr.warmup > self.steps {
+            return invalid(
+                "warmup",
+                self.lr.warmup.to_string(),
+                &format!("must not exceed the run's {} steps", self.steps),
+            );
+        }
+        if !(1..=limits::MAX_KEEP_CHECKPOINTS).contains(&self.keep_checkpoints) {
+            return invalid(
+                "keep-checkpoints",
+                self.keep_checkpoints.to_string(),
+                &format!("must be in 1..={}", limits::MAX_KEEP_CHECKPOINTS),
+            );
+        }
+        if let Some(max_loss) = self.divergence.max_loss
+            && !(max_loss > 0.0 && max_loss <= limits::MAX_LOSS_LIMIT)
+        {
+            return invalid(
+                "max-loss",
+                max_loss.to_string(),
+                &format!("must be positive and at most {}", limits::MAX_LOSS_LIMIT),
+            );
+        }
+        if self.divergence.max_skipped == 0 {
+            return invalid("max-skipped", "0".into(), "must be at least 1");
         }
         let LrSchedule { peak, min, .. } = self.lr;
-        if !(peak.is_finite() && peak > 0.0) {
-            return invalid("lr", peak.to_string(), "must be finite and positive");
+        if !(peak > 0.0 && peak <= limits::MAX_LR) {
+            return invalid(
+                "lr",
+                peak.to_string(),
+                &format!("must be positive and at most {}", limits::MAX_LR),
+            );
         }
         if !(min.is_finite() && (0.0..=peak).contains(&min)) {
             return invalid("min-lr", min.to_string(), "must be in [0, lr]");
         }
-        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+        if !(0.0..=limits::MAX_WEIGHT_DECAY).contains(&self.weight_decay) {
             return invalid(
                 "weight-decay",
                 self.weight_decay.to_string(),
-                "must be finite and >= 0",
+                &format!("must be in [0, {}]", limits::MAX_WEIGHT_DECAY),
             );
         }
         if let Some(clip) = self.clip
-            && !(clip.is_finite() && clip > 0.0)
+            && !(clip > 0.0 && clip <= limits::MAX_CLIP)
         {
-            return invalid("clip", clip.to_string(), "must be finite and positive");
+            return invalid(
+                "clip",
+                clip.to_string(),
+                &format!("must be positive and at most {}", limits::MAX_CLIP),
+            );
         }
-        if self.eval_interval == 0 || self.save_interval == 0 || self.eval_batches == 0 {
-            return invalid("eval/save interval", "0".into(), "must be at least 1");
+        for (name, interval) in [
+            ("eval-interval", self.eval_interval),
+            ("save-interval", self.save_interval),
+        ] {
+            if !(1..=limits::MAX_STEPS).contains(&interval) {
+                return invalid(
+                    name,
+                    interval.to_string(),
+                    &format!("must be in 1..={}", limits::MAX_STEPS),
+                );
+            }
+        }
+        if self.eval_batches == 0 {
+            return invalid("eval-batches", "0".into(), "must be at least 1");
+        }
+        if let DataSource::Builtin { bytes, .. } = self.data
+            && bytes > limits::MAX_CORPUS_BYTES
+        {
+            return invalid(
+                "corpus-bytes",
+                bytes.to_string(),
+                &format!("must be at most {} (1 GiB)", limits::MAX_CORPUS_BYTES),
+            );
         }
         if let DataSource::Builtin { bytes, .. } = self.data
             && bytes < 20 * (self.model.context + 1)
@@ -162,6 +329,13 @@ impl TrainConfig {
             );
         }
         if let Checkpointing::Budget(budget) = self.checkpointing {
+            if budget > self.model.n_layers {
+                return invalid(
+                    "checkpoint-budget",
+                    budget.to_string(),
+                    &format!("must be at most the model's {} layers", self.model.n_layers),
+                );
+            }
             checkpoint_schedule(self.model.n_layers, budget)?;
         }
         Ok(())

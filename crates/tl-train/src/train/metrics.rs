@@ -1,7 +1,11 @@
 //! The run's metrics, one JSON object per line in `metrics.jsonl`.
+//!
+//! JSON has no NaN or infinity, and a diverging run produces both; a number that is not
+//! finite is written as one of the strings `"NaN"`, `"inf"` and `"-inf"` (see [`float`]),
+//! so every record reads back as it was written.
 
 use std::fs;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -17,20 +21,26 @@ pub enum Record {
         /// Optimizer steps taken so far.
         step: u64,
         /// The batch's mean loss, nats per token.
+        #[serde(with = "float")]
         loss: f64,
         /// The learning rate the step used.
+        #[serde(with = "float")]
         lr: f64,
         /// Gradient norm before clipping, when clipping is on and the step was taken.
+        #[serde(with = "float::option")]
         grad_norm: Option<f64>,
         /// The loss scale after the step (fp16).
+        #[serde(with = "float::option")]
         scale: Option<f64>,
         /// Whether an overflow skipped the update.
         skipped: bool,
         /// Gradient values the fp16 casts flushed to zero.
         underflows: u64,
         /// Throughput of this step.
+        #[serde(with = "float")]
         tokens_per_s: f64,
         /// Wall-clock seconds of this step.
+        #[serde(with = "float")]
         step_s: f64,
     },
     /// A validation loss.
@@ -38,6 +48,7 @@ pub enum Record {
         /// Optimizer steps taken so far.
         step: u64,
         /// Mean validation loss, nats per token.
+        #[serde(with = "float")]
         val_loss: f64,
     },
 }
@@ -97,25 +108,139 @@ impl MetricsLog {
     }
 }
 
-/// Every record of a `metrics.jsonl` (none if the file does not exist); a torn last line, as
-/// a crash mid-write leaves, is ignored.
+/// Every record of a `metrics.jsonl` (none if the file does not exist).
+///
+/// A last line without its newline is what a crash in the middle of [`MetricsLog::append`]
+/// leaves: it is ignored. Any other line that is not a record is an error, since dropping
+/// it would lose a step's figures.
 ///
 /// # Errors
-/// [`TrainError::Io`] if the file exists but cannot be read.
+/// [`TrainError::Io`] if the file exists but cannot be read; [`TrainError::Metrics`] naming
+/// the first line that is not valid UTF-8 or not a record.
 pub fn read_records(path: &Path) -> Result<Vec<Record>> {
-    let file = match fs::File::open(path) {
-        Ok(file) => file,
+    let bytes = match fs::read(path) {
+        Ok(bytes) => bytes,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(source) => return Err(TrainError::io(path, source)),
     };
     let mut records = Vec::new();
-    for line in BufReader::new(file).lines() {
-        let line = line.map_err(|source| TrainError::io(path, source))?;
-        if let Ok(record) = serde_json::from_str(&line) {
-            records.push(record);
+    let mut lines = bytes.split(|&byte| byte == b'\n').enumerate().peekable();
+    while let Some((index, line)) = lines.next() {
+        let last = lines.peek().is_none();
+        if last {
+            // After the final newline (empty), or a torn line: nothing was complete there.
+            break;
         }
+        let damaged = |reason: String| TrainError::Metrics {
+            path: path.to_path_buf(),
+            line: index + 1,
+            reason,
+        };
+        let text = std::str::from_utf8(line)
+            .map_err(|error| damaged(format!("not UTF-8 text ({error})")))?;
+        let record = serde_json::from_str(text)
+            .map_err(|error| damaged(format!("not a metrics record ({error})")))?;
+        records.push(record);
     }
     Ok(records)
+}
+
+/// Serde for an `f64` that may be NaN or infinite: finite values as JSON numbers, the others
+/// as the strings `"NaN"`, `"inf"` and `"-inf"`.
+pub mod float {
+    use serde::Serializer;
+    use serde::de::{self, Deserializer, Visitor};
+    use std::fmt;
+
+    /// Writes `value` as a number, or as its name when it is not finite.
+    ///
+    /// # Errors
+    /// Those of the serializer.
+    pub fn serialize<S: Serializer>(value: &f64, serializer: S) -> Result<S::Ok, S::Error> {
+        if value.is_finite() {
+            serializer.serialize_f64(*value)
+        } else if value.is_nan() {
+            serializer.serialize_str("NaN")
+        } else if *value > 0.0 {
+            serializer.serialize_str("inf")
+        } else {
+            serializer.serialize_str("-inf")
+        }
+    }
+
+    /// Reads a number, or one of the names [`serialize`] writes.
+    ///
+    /// # Errors
+    /// Anything else.
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
+        deserializer.deserialize_any(FloatVisitor)
+    }
+
+    struct FloatVisitor;
+
+    impl Visitor<'_> for FloatVisitor {
+        type Value = f64;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a number, \"NaN\", \"inf\" or \"-inf\"")
+        }
+
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<f64, E> {
+            Ok(v)
+        }
+
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<f64, E> {
+            Ok(v as f64)
+        }
+
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<f64, E> {
+            Ok(v as f64)
+        }
+
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<f64, E> {
+            match v {
+                "NaN" => Ok(f64::NAN),
+                "inf" => Ok(f64::INFINITY),
+                "-inf" => Ok(f64::NEG_INFINITY),
+                _ => Err(E::invalid_value(de::Unexpected::Str(v), &self)),
+            }
+        }
+    }
+
+    /// The same for an `Option<f64>`: `null` for `None`.
+    pub mod option {
+        use super::FloatVisitor;
+        use serde::{Deserialize, Deserializer, Serializer};
+
+        /// Writes `None` as `null`, a value as [`super::serialize`] does.
+        ///
+        /// # Errors
+        /// Those of the serializer.
+        pub fn serialize<S: Serializer>(
+            value: &Option<f64>,
+            serializer: S,
+        ) -> Result<S::Ok, S::Error> {
+            match value {
+                Some(value) => super::serialize(value, serializer),
+                None => serializer.serialize_none(),
+            }
+        }
+
+        /// Reads `null` as `None`, anything else as [`super::deserialize`] does.
+        ///
+        /// # Errors
+        /// Anything that is neither.
+        pub fn deserialize<'de, D: Deserializer<'de>>(
+            deserializer: D,
+        ) -> Result<Option<f64>, D::Error> {
+            #[derive(Deserialize)]
+            struct Wrapped(#[serde(deserialize_with = "deserialize_float")] f64);
+            fn deserialize_float<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+                d.deserialize_any(FloatVisitor)
+            }
+            Ok(Option::<Wrapped>::deserialize(deserializer)?.map(|Wrapped(v)| v))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -149,6 +274,87 @@ mod tests {
             .map(Record::step)
             .collect();
         assert_eq!(steps, [1, 2, 3]);
+    }
+
+    /// The record of an fp16 step whose gradients overflowed: the loss is not finite.
+    fn skipped(step: u64, loss: f64) -> Record {
+        Record::Train {
+            step,
+            loss,
+            lr: 1e-3,
+            grad_norm: None,
+            scale: Some(f64::INFINITY),
+            skipped: true,
+            underflows: 0,
+            tokens_per_s: 10.0,
+            step_s: f64::NEG_INFINITY,
+        }
+    }
+
+    #[test]
+    fn records_with_nan_and_infinities_round_trip_and_survive_a_resume() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let mut log = MetricsLog::open(dir.path(), 0).unwrap();
+        let records = [skipped(1, f64::NAN), skipped(2, f64::INFINITY), eval(2)];
+        for record in &records {
+            log.append(record).unwrap();
+        }
+        drop(log);
+        let text = fs::read_to_string(&path).unwrap();
+        assert!(text.contains(r#""loss":"NaN""#), "{text}");
+        assert!(text.contains(r#""step_s":"-inf""#), "{text}");
+        // Reopened as a resume from step 2 does: nothing before the step is lost.
+        drop(MetricsLog::open(dir.path(), 2).unwrap());
+        let back = read_records(&path).unwrap();
+        assert_eq!(back.len(), 3);
+        // NaN != NaN: compare the bits of the loss.
+        match (&back[0], &back[1]) {
+            (Record::Train { loss: a, .. }, Record::Train { loss: b, scale, .. }) => {
+                assert!(a.is_nan());
+                assert_eq!(*b, f64::INFINITY);
+                assert_eq!(*scale, Some(f64::INFINITY));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(back[2], eval(2));
+        let summary = super::super::RunSummary::from_records(&back, None, 0, None);
+        assert_eq!(summary.skipped_steps, 2);
+    }
+
+    #[test]
+    fn a_damaged_line_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let good = serde_json::to_string(&eval(1)).unwrap();
+        for (damage, what) in [
+            (
+                b"{\"kind\":\"eval\",\"step\":2}".to_vec(),
+                "not a metrics record",
+            ),
+            (vec![b'{', 0xff, b'}'], "not UTF-8"),
+            (b"\"loss\": null".to_vec(), "not a metrics record"),
+        ] {
+            let mut bytes = format!("{good}\n").into_bytes();
+            bytes.extend_from_slice(&damage);
+            bytes.extend_from_slice(format!("\n{good}\n").as_bytes());
+            fs::write(&path, &bytes).unwrap();
+            let error = read_records(&path).unwrap_err();
+            match &error {
+                TrainError::Metrics { line, reason, .. } => {
+                    assert_eq!(*line, 2);
+                    assert!(reason.contains(what), "{reason}");
+                }
+                other => panic!("{other:?}"),
+            }
+            assert!(
+                error.to_string().contains("metrics.jsonl, line 2"),
+                "{error}"
+            );
+            // And a resume refuses to rewrite the log without that line.
+            assert!(MetricsLog::open(dir.path(), 10).is_err());
+            assert_eq!(fs::read(&path).unwrap(), bytes, "the log is left as it was");
+        }
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! checkpoints.
 
 mod config;
+pub mod lock;
 mod metrics;
 mod recipes;
 mod schedule;
@@ -9,10 +10,10 @@ pub mod snapshot;
 mod summary;
 mod trainer;
 
-pub use config::{DataSource, TrainConfig};
+pub use config::{DataSource, Divergence, FileFingerprint, TrainConfig, limits};
 pub use metrics::{MetricsLog, Record, read_records};
 pub use recipes::{STEP_RECIPES, StepRecipe};
 pub use schedule::LrSchedule;
 pub use summary::RunSummary;
-pub use trainer::{Event, Stop, Trainer, batch_loss, load_model};
+pub use trainer::{Event, ResumeOptions, Stop, Trainer, batch_loss, load_model};
 pub(crate) use trainer::{load_corpus, mixed_step, new_optimizer, new_scaler};

@@ -1,18 +1,22 @@
 //! Saving and loading everything a run needs to continue bit for bit.
 //!
-//! A run directory holds at most one complete checkpoint, `checkpoint-NNNNNN/`, named by the
-//! file `LATEST`:
+//! A run directory holds its last few complete checkpoints, `checkpoint-NNNNNN/`, the
+//! newest named by the file `LATEST`:
 //!
 //! - `model.safetensors`: the weights, by their `llama_ref.py` names;
 //! - `optimizer.safetensors`: AdamW's two moments of every weight (`NAME.exp_avg`,
 //!   `NAME.exp_avg_sq`);
 //! - `state.json`: the step, the config, AdamW's hyperparameters and step counts, the loss
-//!   scaler, both generators' states (batches and dropout), and a fingerprint of each
-//!   tensor file.
+//!   scaler, both generators' states (batches and dropout);
+//! - `SHA256SUMS`: the SHA-256 of each of the three, as `sha256sum` writes it (so
+//!   `sha256sum -c SHA256SUMS` checks a checkpoint by hand). Loading checks every file
+//!   against it: a damaged or edited file is refused, never half-trusted.
 //!
-//! Saving writes a new directory beside the old one, flushes it, renames it into place, then
-//! points `LATEST` at it with an atomic rename, and only then deletes the old one: a crash at
-//! any moment leaves `LATEST` naming a complete checkpoint.
+//! Saving writes a new directory beside the old ones, flushes it, renames it into place, then
+//! points `LATEST` at it with an atomic rename, and only then deletes the checkpoints past
+//! the number kept: a crash at any moment leaves `LATEST` naming a complete checkpoint.
+//! Whatever a crash leaves behind (a staging directory, a temporary file, a complete
+//! checkpoint that `LATEST` never came to name) is removed by [`clean`] at the next start.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -26,11 +30,12 @@ use tl_tensor::optim::{AdamWParamState, AdamWState};
 use super::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::store::{
-    NamedTensor, TensorMap, decode_tensors, encode_tensors, fingerprint, write_atomic,
+    NamedTensor, TensorMap, decode_tensors, encode_tensors, fault_point, fingerprint, is_temporary,
+    write_atomic,
 };
 
 /// The version of the checkpoint layout this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// AdamW's state apart from its moments.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -66,8 +71,6 @@ pub struct RunState {
     pub data_rng: GeneratorState,
     /// The generator dropout draws from.
     pub dropout_rng: GeneratorState,
-    /// Fingerprint of each tensor file, by file name.
-    pub files: BTreeMap<String, String>,
 }
 
 /// A loaded checkpoint.
@@ -85,24 +88,115 @@ pub struct Snapshot {
 const MODEL_FILE: &str = "model.safetensors";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const STATE_FILE: &str = "state.json";
+const SUMS_FILE: &str = "SHA256SUMS";
 const LATEST_FILE: &str = "LATEST";
+const PREFIX: &str = "checkpoint-";
+
+/// The name of the checkpoint of `step`.
+fn checkpoint_name(step: u64) -> String {
+    format!("{PREFIX}{step:06}")
+}
+
+/// The step of a checkpoint directory's name, if `name` is one: `checkpoint-` and digits,
+/// nothing else (no path separators, so `LATEST` cannot lead out of the run directory).
+fn checkpoint_step(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix(PREFIX)?;
+    if digits.len() < 6 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// The steps of the complete checkpoints in `run_dir`, in increasing order.
+///
+/// # Errors
+/// [`TrainError::Io`] if the directory cannot be listed.
+pub fn checkpoint_steps(run_dir: &Path) -> Result<Vec<u64>> {
+    let mut steps = Vec::new();
+    for entry in fs::read_dir(run_dir).map_err(|source| TrainError::io(run_dir, source))? {
+        let entry = entry.map_err(|source| TrainError::io(run_dir, source))?;
+        if let Some(step) = entry.file_name().to_str().and_then(checkpoint_step) {
+            steps.push(step);
+        }
+    }
+    steps.sort_unstable();
+    Ok(steps)
+}
+
+/// The step `LATEST` names, or `None` when the run has no checkpoint yet.
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] when `LATEST` exists but does not name a checkpoint of this
+/// run; [`TrainError::Io`] when it cannot be read.
+pub fn latest_step(run_dir: &Path) -> Result<Option<u64>> {
+    let latest = run_dir.join(LATEST_FILE);
+    let bytes = match fs::read(&latest) {
+        Ok(bytes) => bytes,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(TrainError::io(latest, source)),
+    };
+    let name = std::str::from_utf8(&bytes).unwrap_or("").trim();
+    match checkpoint_step(name) {
+        Some(step) => Ok(Some(step)),
+        None => Err(TrainError::checkpoint(
+            &latest,
+            format!(
+                "names {:?}, which is not a checkpoint of this run (expected checkpoint-NNNNNN)",
+                String::from_utf8_lossy(&bytes)
+            ),
+        )),
+    }
+}
+
+/// Removes what an interrupted writer left in `run_dir`: staging directories and temporary
+/// files, and complete checkpoints newer than the one `LATEST` names (a crash between the
+/// rename and the update of `LATEST`; the metrics of their steps are dropped on resume too).
+/// Returns what was removed. Call it only while holding the run's lock.
+///
+/// # Errors
+/// [`TrainError::Io`] for an entry that cannot be removed; [`TrainError::Checkpoint`] for a
+/// `LATEST` that names no checkpoint of the run (nothing is removed then).
+pub fn clean(run_dir: &Path) -> Result<Vec<PathBuf>> {
+    let latest = latest_step(run_dir)?;
+    let mut removed = Vec::new();
+    for entry in fs::read_dir(run_dir).map_err(|source| TrainError::io(run_dir, source))? {
+        let entry = entry.map_err(|source| TrainError::io(run_dir, source))?;
+        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        let orphan = checkpoint_step(&name).is_some_and(|step| latest.is_none_or(|l| step > l));
+        if !(is_temporary(&name) || orphan) {
+            continue;
+        }
+        let path = entry.path();
+        let result = if path.is_dir() {
+            fs::remove_dir_all(&path)
+        } else {
+            fs::remove_file(&path)
+        };
+        result.map_err(|source| TrainError::io(&path, source))?;
+        removed.push(path);
+    }
+    Ok(removed)
+}
 
 /// Writes a checkpoint of `state` with `weights` and the optimizer's `adamw` state into
-/// `run_dir`, replacing the previous one only once the new one is complete. Returns its
-/// directory.
+/// `run_dir`, makes it the latest only once it is complete, then keeps the newest `keep`
+/// checkpoints (at least this one) and removes the older ones. Returns its directory.
 ///
 /// # Errors
 /// [`TrainError::Io`] for a file that could not be written; the previous checkpoint is then
 /// still the one `LATEST` names.
 pub fn save(
     run_dir: &Path,
-    mut state: RunState,
+    state: RunState,
     weights: &[NamedTensor],
     adamw: &AdamWState,
+    keep: usize,
 ) -> Result<PathBuf> {
-    let name = format!("checkpoint-{:06}", state.step);
+    let name = checkpoint_name(state.step);
     let final_dir = run_dir.join(&name);
-    let staging = run_dir.join(format!(".{name}.tmp"));
+    let staging = run_dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| TrainError::io(path, source)
@@ -110,35 +204,42 @@ pub fn save(
     if staging.exists() {
         fs::remove_dir_all(&staging).map_err(io(&staging))?;
     }
+    fault_point();
     fs::create_dir_all(&staging).map_err(io(&staging))?;
 
-    let model_bytes = encode_tensors(weights);
-    let optimizer_bytes = encode_tensors(&moment_tensors(weights, adamw));
-    state.files = BTreeMap::from([
-        (MODEL_FILE.to_string(), fingerprint(&model_bytes)),
-        (OPTIMIZER_FILE.to_string(), fingerprint(&optimizer_bytes)),
-    ]);
-    write_atomic(&staging.join(MODEL_FILE), &model_bytes)?;
-    write_atomic(&staging.join(OPTIMIZER_FILE), &optimizer_bytes)?;
-    let json = serde_json::to_vec_pretty(&state).expect("the state serializes");
-    write_atomic(&staging.join(STATE_FILE), &json)?;
+    let files = [
+        (MODEL_FILE, encode_tensors(weights)),
+        (
+            OPTIMIZER_FILE,
+            encode_tensors(&moment_tensors(weights, adamw)),
+        ),
+        (
+            STATE_FILE,
+            serde_json::to_vec_pretty(&state).expect("the state serializes"),
+        ),
+    ];
+    let mut sums = String::new();
+    for (file, bytes) in &files {
+        write_atomic(&staging.join(file), bytes)?;
+        sums.push_str(&format!("{}  {file}\n", fingerprint(bytes)));
+    }
+    write_atomic(&staging.join(SUMS_FILE), sums.as_bytes())?;
 
+    fault_point();
     if final_dir.exists() {
         // The same step saved again (an interrupt right after a periodic save): the staged
         // copy is identical, so nothing is lost in the gap.
         fs::remove_dir_all(&final_dir).map_err(io(&final_dir))?;
     }
+    fault_point();
     fs::rename(&staging, &final_dir).map_err(io(&final_dir))?;
     write_atomic(&run_dir.join(LATEST_FILE), name.as_bytes())?;
-    for entry in fs::read_dir(run_dir).map_err(io(run_dir))? {
-        let entry = entry.map_err(io(run_dir))?;
-        let stale = entry
-            .file_name()
-            .to_str()
-            .is_some_and(|n| n.starts_with("checkpoint-") && n != name);
-        if stale {
-            fs::remove_dir_all(entry.path()).map_err(io(&entry.path()))?;
-        }
+    let steps = checkpoint_steps(run_dir)?;
+    let kept_from = steps.len().saturating_sub(keep.max(1));
+    for &step in &steps[..kept_from] {
+        let stale = run_dir.join(checkpoint_name(step));
+        fault_point();
+        fs::remove_dir_all(&stale).map_err(io(&stale))?;
     }
     Ok(final_dir)
 }
@@ -162,30 +263,44 @@ fn moment_tensors(weights: &[NamedTensor], adamw: &AdamWState) -> Vec<NamedTenso
 }
 
 /// Reads the checkpoint `LATEST` names in `run_dir`, checking every file against its
-/// fingerprint.
+/// SHA-256 in `SHA256SUMS`.
 ///
 /// # Errors
-/// [`TrainError::Checkpoint`] when there is no checkpoint, a file is missing, damaged or
-/// from another format version.
+/// [`TrainError::Checkpoint`] when there is no checkpoint, `LATEST` names something that is
+/// not a checkpoint of this run, or a file is missing, damaged or from another format
+/// version.
 pub fn load(run_dir: &Path) -> Result<Snapshot> {
-    let latest = run_dir.join(LATEST_FILE);
-    let name = fs::read_to_string(&latest).map_err(|error| {
-        TrainError::checkpoint(
+    let Some(step) = latest_step(run_dir)? else {
+        return Err(TrainError::checkpoint(
             run_dir,
-            format!(
-                "no checkpoint to resume from ({}: {error})",
-                latest.display()
-            ),
-        )
-    })?;
-    let dir = run_dir.join(name.trim());
+            "has no checkpoint yet (no LATEST file)",
+        ));
+    };
+    let dir = run_dir.join(checkpoint_name(step));
     let read = |file: &str| {
         let path = dir.join(file);
         fs::read(&path)
             .map_err(|error| TrainError::checkpoint(&path, format!("cannot be read: {error}")))
     };
+    let sums = parse_sums(&dir.join(SUMS_FILE), &read(SUMS_FILE)?)?;
+    let mut verified = BTreeMap::new();
+    for file in [STATE_FILE, MODEL_FILE, OPTIMIZER_FILE] {
+        let path = dir.join(file);
+        let bytes = read(file)?;
+        let expected = sums.get(file).ok_or_else(|| {
+            TrainError::checkpoint(dir.join(SUMS_FILE), format!("lists no SHA-256 of {file}"))
+        })?;
+        let actual = fingerprint(&bytes);
+        if &actual != expected {
+            return Err(TrainError::checkpoint(
+                &path,
+                format!("damaged: its SHA-256 is {actual}, SHA256SUMS records {expected}"),
+            ));
+        }
+        verified.insert(file, bytes);
+    }
     let state_path = dir.join(STATE_FILE);
-    let state: RunState = serde_json::from_slice(&read(STATE_FILE)?)
+    let state: RunState = serde_json::from_slice(&verified[STATE_FILE])
         .map_err(|error| TrainError::checkpoint(&state_path, format!("malformed: {error}")))?;
     if state.format != FORMAT_VERSION {
         return Err(TrainError::checkpoint(
@@ -196,28 +311,37 @@ pub fn load(run_dir: &Path) -> Result<Snapshot> {
             ),
         ));
     }
-    let mut tensors = Vec::new();
-    for file in [MODEL_FILE, OPTIMIZER_FILE] {
-        let path = dir.join(file);
-        let bytes = read(file)?;
-        let expected = state.files.get(file).map(String::as_str).unwrap_or("none");
-        let actual = fingerprint(&bytes);
-        if actual != expected {
-            return Err(TrainError::checkpoint(
-                &path,
-                format!("damaged: its fingerprint is {actual}, state.json recorded {expected}"),
-            ));
-        }
-        tensors.push(decode_tensors(&path, &bytes)?);
+    if state.step != step {
+        return Err(TrainError::checkpoint(
+            &state_path,
+            format!("is the state of step {}, not of step {step}", state.step),
+        ));
     }
-    let moments = tensors.pop().expect("two files");
-    let weights = tensors.pop().expect("two files");
+    let weights = decode_tensors(&dir.join(MODEL_FILE), &verified[MODEL_FILE])?;
+    let moments = decode_tensors(&dir.join(OPTIMIZER_FILE), &verified[OPTIMIZER_FILE])?;
     Ok(Snapshot {
         dir,
         state,
         weights,
         moments,
     })
+}
+
+/// The `sha256sum`-format lines of a `SHA256SUMS` file, by file name.
+fn parse_sums(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, String>> {
+    let malformed = |reason: &str| TrainError::checkpoint(path, format!("malformed: {reason}"));
+    let text = std::str::from_utf8(bytes).map_err(|_| malformed("not UTF-8 text"))?;
+    let mut sums = BTreeMap::new();
+    for line in text.lines() {
+        let (hash, file) = line
+            .split_once("  ")
+            .ok_or_else(|| malformed("a line is not `HASH  FILE`"))?;
+        if hash.len() != 64 || !hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+            return Err(malformed("a hash is not 64 lowercase hex digits"));
+        }
+        sums.insert(file.to_string(), hash.to_string());
+    }
+    Ok(sums)
 }
 
 impl Snapshot {

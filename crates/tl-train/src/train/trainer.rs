@@ -11,7 +11,8 @@ use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, Optimizer};
 use tl_tensor::{Generator, no_grad};
 
-use super::config::{DataSource, TrainConfig};
+use super::config::{DataSource, FileFingerprint, TrainConfig};
+use super::lock::RunLock;
 use super::metrics::{MetricsLog, Record, read_records};
 use super::snapshot::{self, AdamWMeta, FORMAT_VERSION, RunState};
 use super::summary::RunSummary;
@@ -19,6 +20,9 @@ use crate::data::{Batch, Corpus, sample_batch, sequential_batches};
 use crate::error::{Result, TrainError};
 use crate::model::Llama;
 use crate::store::{NamedTensor, write_atomic};
+
+/// The run's config file in its directory.
+const CONFIG_FILE: &str = "config.json";
 
 impl MicroBatch for Batch {
     fn rows(&self) -> usize {
@@ -60,6 +64,16 @@ pub struct Trainer {
     step: u64,
     tokens_seen: u64,
     metrics: MetricsLog,
+    /// Held for the trainer's life: no other process writes this run meanwhile.
+    _lock: RunLock,
+}
+
+/// Choices of [`Trainer::resume`] that are not part of the run's config.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ResumeOptions {
+    /// Continue even though the training file is not the one the run started on (its new
+    /// fingerprint becomes the run's).
+    pub data_changed_ok: bool,
 }
 
 /// Loads the corpus a config names.
@@ -70,31 +84,146 @@ pub(crate) fn load_corpus(config: &TrainConfig) -> Result<Corpus> {
     })
 }
 
+/// The size and SHA-256 of a corpus read from a file (its two parts are the file's bytes in
+/// order), `None` for the built-in one.
+fn data_fingerprint(config: &TrainConfig, corpus: &Corpus) -> Option<FileFingerprint> {
+    matches!(config.data, DataSource::File { .. })
+        .then(|| FileFingerprint::of(&[&corpus.train[..], &corpus.validation[..]].concat()))
+}
+
+/// Refuses a config whose training step would need more tensor memory than this machine
+/// has, before anything is allocated (the memory plan predicts it exactly).
+fn check_memory(config: &TrainConfig) -> Result<()> {
+    let Some(machine) = crate::process_memory::total_memory_bytes() else {
+        return Ok(());
+    };
+    let recipe = crate::plan::Recipe::from(config);
+    let needed = crate::plan::predict_step(&recipe)?
+        .peak_bytes
+        .max(config.model.num_parameters() as u64 * 16);
+    if needed > machine {
+        let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
+        return Err(TrainError::InvalidArgument {
+            name: "micro-batch",
+            value: config.micro_batch.to_string(),
+            reason: format!(
+                "a step of this recipe needs {:.1} GiB of tensor memory (tinyllm plan), \
+                 more than this machine's {:.1} GiB",
+                gib(needed),
+                gib(machine)
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The run's config as its `config.json` holds it.
+fn read_config(run_dir: &Path) -> Result<TrainConfig> {
+    let path = run_dir.join(CONFIG_FILE);
+    let bytes = fs::read(&path).map_err(|source| TrainError::io(&path, source))?;
+    serde_json::from_slice(&bytes)
+        .map_err(|error| TrainError::checkpoint(&path, format!("malformed: {error}")))
+}
+
+/// The first field in which two configs differ, as `name: a vs b`, the data file's
+/// fingerprint aside (it is checked against the file itself).
+fn config_difference(left: &TrainConfig, right: &TrainConfig) -> Option<String> {
+    let strip = |config: &TrainConfig| {
+        let mut value = serde_json::to_value(TrainConfig {
+            data_file: None,
+            ..config.clone()
+        })
+        .expect("serializes");
+        std::mem::take(value.as_object_mut().expect("a struct"))
+    };
+    let (left, right) = (strip(left), strip(right));
+    left.iter()
+        .find(|(key, value)| right.get(key.as_str()) != Some(value))
+        .map(|(key, value)| format!("{key}: {value} vs {}", right[key.as_str()]))
+}
+
+/// Checks that the training file is the one the run started on: the same size and SHA-256.
+/// With `data_changed_ok`, the new file's fingerprint becomes the run's (written to its
+/// `config.json`), with a warning.
+fn check_data(
+    run_dir: &Path,
+    config: &mut TrainConfig,
+    corpus: &Corpus,
+    options: ResumeOptions,
+) -> Result<()> {
+    let DataSource::File { path } = &config.data else {
+        return Ok(());
+    };
+    let found = data_fingerprint(config, corpus);
+    if found == config.data_file {
+        return Ok(());
+    }
+    let describe = |fingerprint: &Option<FileFingerprint>| {
+        fingerprint.as_ref().map_or("unknown".to_string(), |f| {
+            format!("{} bytes, SHA-256 {}", f.bytes, f.sha256)
+        })
+    };
+    if !options.data_changed_ok {
+        return Err(TrainError::DataChanged {
+            path: path.clone(),
+            expected: describe(&config.data_file),
+            found: describe(&found),
+        });
+    }
+    crate::output::warn(&format!(
+        "{} changed since the run began (was {}, now {}); continuing on the new data as asked",
+        path.display(),
+        describe(&config.data_file),
+        describe(&found)
+    ));
+    config.data_file = found;
+    let json = serde_json::to_vec_pretty(&*config).expect("the config serializes");
+    write_atomic(&run_dir.join(CONFIG_FILE), &json)
+}
+
 impl Trainer {
-    /// A new run of `config` in `run_dir`, which must not hold a checkpoint already.
+    /// A new run of `config` in `run_dir`, which must not hold a run already.
     ///
-    /// Everything that can be wrong with the inputs (options, data file) is checked before
-    /// the directory is created or written.
+    /// Everything that can be wrong with the inputs (options, data file, the memory the
+    /// step needs) is checked before the directory is created or written.
     ///
     /// # Errors
     /// [`TrainError::InvalidArgument`]/[`TrainError::InvalidConfig`] for the config,
     /// [`TrainError::Data`] for the data, [`TrainError::Checkpoint`] when `run_dir` already
-    /// holds a run, [`TrainError::Io`] when it cannot be written.
-    pub fn new(config: TrainConfig, run_dir: &Path) -> Result<Self> {
+    /// holds a run, [`TrainError::Locked`] when another process is using it,
+    /// [`TrainError::Io`] when it cannot be written.
+    pub fn new(mut config: TrainConfig, run_dir: &Path) -> Result<Self> {
         config.validate()?;
+        check_memory(&config)?;
         let corpus = load_corpus(&config)?;
-        if run_dir.join("LATEST").exists() || run_dir.join("config.json").exists() {
+        config.data_file = data_fingerprint(&config, &corpus);
+        fs::create_dir_all(run_dir).map_err(|source| TrainError::io(run_dir, source))?;
+        let lock = RunLock::acquire(run_dir)?;
+        if run_dir.join("LATEST").exists() || run_dir.join(CONFIG_FILE).exists() {
             return Err(TrainError::checkpoint(
                 run_dir,
                 "already holds a run: resume it with --resume, or choose another --out",
             ));
         }
+        snapshot::clean(run_dir)?;
         let model = Llama::new(&config.model, config.seed)?;
         let optimizer = new_optimizer(&model, &config)?;
-        fs::create_dir_all(run_dir).map_err(|source| TrainError::io(run_dir, source))?;
         let json = serde_json::to_vec_pretty(&config).expect("the config serializes");
-        write_atomic(&run_dir.join("config.json"), &json)?;
-        let trainer = Self {
+        write_atomic(&run_dir.join(CONFIG_FILE), &json)?;
+        Self::start(config, run_dir, lock, corpus, model, optimizer)
+    }
+
+    /// A trainer at step 0 of `config`, in `run_dir` (locked).
+    fn start(
+        config: TrainConfig,
+        run_dir: &Path,
+        lock: RunLock,
+        corpus: Corpus,
+        model: Llama<f32>,
+        optimizer: AdamW<f32>,
+    ) -> Result<Self> {
+        model.set_checkpointing(config.checkpointing);
+        Ok(Self {
             scaler: new_scaler(&config),
             validation: validation_batches(&corpus, &config),
             data_rng: Generator::new(config.seed ^ DATA_STREAM),
@@ -106,26 +235,50 @@ impl Trainer {
             corpus,
             step: 0,
             tokens_seen: 0,
-        };
-        trainer
-            .model
-            .set_checkpointing(trainer.config.checkpointing);
-        Ok(trainer)
+            _lock: lock,
+        })
     }
 
     /// Continues the run in `run_dir` from its latest checkpoint: weights, optimizer
     /// moments, loss scale, the batch stream and dropout's stream are all restored, so the
-    /// continued run is bit for bit the uninterrupted one.
+    /// continued run is bit for bit the uninterrupted one. A run that stopped before its
+    /// first checkpoint starts again from step 0 of its `config.json`.
     ///
     /// # Errors
-    /// [`TrainError::Checkpoint`] when there is no checkpoint or it is damaged or does not
-    /// fit its config; [`TrainError::Data`] when the data file can no longer be read.
-    pub fn resume(run_dir: &Path) -> Result<Self> {
+    /// [`TrainError::Checkpoint`] when the checkpoint is damaged or does not fit the run's
+    /// config; [`TrainError::Data`] when the data file can no longer be read, and
+    /// [`TrainError::DataChanged`] when it changed (unless `options` allow it);
+    /// [`TrainError::Locked`] when another process is using the run.
+    pub fn resume(run_dir: &Path, options: ResumeOptions) -> Result<Self> {
+        if !run_dir.is_dir() {
+            return Err(TrainError::checkpoint(run_dir, "is not a run directory"));
+        }
+        let lock = RunLock::acquire(run_dir)?;
+        let run_config = read_config(run_dir)?;
+        snapshot::clean(run_dir)?;
+        if snapshot::latest_step(run_dir)?.is_none() {
+            let mut config = run_config;
+            config.validate()?;
+            check_memory(&config)?;
+            let corpus = load_corpus(&config)?;
+            check_data(run_dir, &mut config, &corpus, options)?;
+            let model = Llama::new(&config.model, config.seed)?;
+            let optimizer = new_optimizer(&model, &config)?;
+            return Self::start(config, run_dir, lock, corpus, model, optimizer);
+        }
         let snapshot = snapshot::load(run_dir)?;
         let state = &snapshot.state;
-        let config = state.config.clone();
+        let mut config = state.config.clone();
+        if let Some(difference) = config_difference(&config, &run_config) {
+            return Err(TrainError::checkpoint(
+                snapshot.dir.join("state.json"),
+                format!("its config differs from the run's config.json ({difference})"),
+            ));
+        }
         config.validate()?;
+        check_memory(&config)?;
         let corpus = load_corpus(&config)?;
+        check_data(run_dir, &mut config, &corpus, options)?;
         let model = restore_model(&snapshot)?;
         let named = model.named_parameters();
         let names: Vec<String> = named.iter().map(|(name, _)| name.clone()).collect();
@@ -147,6 +300,18 @@ impl Trainer {
                 ));
             }
         }
+        let tokens = state.step.checked_mul(config.tokens_per_step() as u64);
+        if tokens != Some(state.tokens_seen) {
+            return Err(TrainError::checkpoint(
+                snapshot.dir.join("state.json"),
+                format!(
+                    "says {} tokens were seen in {} steps of {} tokens",
+                    state.tokens_seen,
+                    state.step,
+                    config.tokens_per_step()
+                ),
+            ));
+        }
         let data_rng = Generator::new(0);
         data_rng.set_state(&state.data_rng);
         model.dropout_generator().set_state(&state.dropout_rng);
@@ -163,7 +328,13 @@ impl Trainer {
             model,
             optimizer,
             corpus,
+            _lock: lock,
         })
+    }
+
+    /// Whether the run has done all the steps of its config.
+    pub fn is_finished(&self) -> bool {
+        self.step >= self.config.steps
     }
 
     /// The run's config.
@@ -208,8 +379,10 @@ impl Trainer {
     /// One optimizer step on `accum` fresh micro-batches: returns its record.
     ///
     /// # Errors
-    /// Those of [`train_step_mixed`]: a non-finite loss or gradient in fp32/bf16, or a loss
-    /// scale stuck at its floor in fp16. The weights are then unchanged.
+    /// [`TrainError::Diverged`] when the step is refused (a non-finite loss or gradient in
+    /// fp32/bf16, a loss scale stuck at its floor in fp16: the weights are then unchanged)
+    /// or its result is (a loss above the config's limit, a weight no longer finite: the
+    /// step is not counted and nothing is saved).
     pub fn train_step(&mut self) -> Result<Record> {
         let lr = self.config.lr.at(self.step);
         self.optimizer.set_learning_rate(lr);
@@ -228,8 +401,10 @@ impl Trainer {
             &mut self.optimizer,
             self.scaler.as_mut(),
             &self.config,
-        )?;
+        )
+        .map_err(|error| self.diverged_from(error))?;
         let step_s = started.elapsed().as_secs_f64();
+        self.check_divergence(&report)?;
         self.step += 1;
         let tokens = self.config.tokens_per_step();
         self.tokens_seen += tokens as u64;
@@ -246,6 +421,65 @@ impl Trainer {
         };
         self.metrics.append(&record)?;
         Ok(record)
+    }
+
+    /// The name of the parameter at `index` in the optimizer's list.
+    fn parameter_name(&self, index: usize) -> String {
+        self.model
+            .named_parameters()
+            .into_iter()
+            .nth(index)
+            .map_or_else(|| format!("#{index}"), |(name, _)| name)
+    }
+
+    /// [`TrainError::Diverged`] at the step being taken.
+    fn diverged(&self, what: String) -> TrainError {
+        let checkpoint = snapshot::latest_step(&self.run_dir)
+            .ok()
+            .flatten()
+            .map(|step| self.run_dir.join(format!("checkpoint-{step:06}")));
+        TrainError::Diverged {
+            step: self.step + 1,
+            what,
+            checkpoint,
+        }
+    }
+
+    /// The refusals of a mixed-precision step, as divergence of this run.
+    fn diverged_from(&self, error: TrainError) -> TrainError {
+        use tl_precision::PrecisionError as P;
+        match error {
+            TrainError::Precision(P::NonFiniteLoss { loss }) => {
+                self.diverged(format!("the loss is {loss}"))
+            }
+            TrainError::Precision(P::NonFiniteGradient { index }) => self.diverged(format!(
+                "the gradient of {} is not finite",
+                self.parameter_name(index)
+            )),
+            TrainError::Precision(P::ScaleStuckAtFloor { scale, skips }) => self.diverged(format!(
+                "{skips} consecutive fp16 steps overflowed with the loss scale at its floor {scale}"
+            )),
+            other => other,
+        }
+    }
+
+    /// Refuses a step whose loss exploded or whose update left a weight that is not finite.
+    fn check_divergence(&self, report: &StepReport) -> Result<()> {
+        let limit = self.config.max_loss();
+        let within = report.loss.is_finite() && report.loss <= limit;
+        if !report.skipped && !within {
+            return Err(self.diverged(format!(
+                "the loss is {:.4}, above the limit {limit:.4} (--max-loss)",
+                report.loss
+            )));
+        }
+        for (name, tensor) in self.model.named_parameters() {
+            let value = tensor.value();
+            if let Some(bad) = value.iter().find(|v| !v.is_finite()) {
+                return Err(self.diverged(format!("weight {name} holds {bad}")));
+            }
+        }
+        Ok(())
     }
 
     /// The mean loss over the fixed validation windows, without dropout, under the run's
@@ -311,9 +545,14 @@ impl Trainer {
             scaler: self.scaler.as_ref().map(DynamicLossScaler::state_dict),
             data_rng: self.data_rng.state(),
             dropout_rng: self.model.dropout_generator().state(),
-            files: Default::default(),
         };
-        snapshot::save(&self.run_dir, state, &weights, &adamw)
+        snapshot::save(
+            &self.run_dir,
+            state,
+            &weights,
+            &adamw,
+            self.config.keep_checkpoints,
+        )
     }
 
     /// Trains until `until` steps are done (at most the config's `steps`), evaluating and
@@ -379,6 +618,14 @@ pub fn batch_loss(model: &Llama<f32>, batch: &Batch) -> tl_tensor::Tensor<f32> {
 pub fn load_model(run_dir: &Path) -> Result<(TrainConfig, Llama<f32>)> {
     let snapshot = snapshot::load(run_dir)?;
     let model = restore_model(&snapshot)?;
+    for (name, tensor) in model.named_parameters() {
+        if let Some(bad) = tensor.value().iter().find(|v| !v.is_finite()) {
+            return Err(TrainError::checkpoint(
+                snapshot.dir.join("model.safetensors"),
+                format!("weight {name} holds {bad}: the run diverged before this checkpoint"),
+            ));
+        }
+    }
     Ok((snapshot.state.config, model))
 }
 
@@ -428,8 +675,16 @@ pub(crate) fn new_optimizer(model: &Llama<f32>, config: &TrainConfig) -> Result<
 }
 
 /// The dynamic loss scaler an fp16 run needs, and none otherwise.
+///
+/// Its scale never falls below 1: below that the gradients are no longer lifted but
+/// shrunk, and a scale that keeps halving only hides divergence (a run whose every step
+/// overflows). `max_skipped` overflows in a row at the floor stop the run.
 pub(crate) fn new_scaler(config: &TrainConfig) -> Option<DynamicLossScaler> {
-    (config.precision == Precision::Fp16).then(DynamicLossScaler::default)
+    (config.precision == Precision::Fp16).then(|| {
+        DynamicLossScaler::default()
+            .with_floor(1.0, config.divergence.max_skipped)
+            .expect("a floor of 1 below the initial scale is valid")
+    })
 }
 
 fn validation_batches(corpus: &Corpus, config: &TrainConfig) -> Vec<Batch> {
