@@ -15,5 +15,5 @@ pub use metrics::{MetricsLog, Record, read_records};
 pub use recipes::{STEP_RECIPES, StepRecipe};
 pub use schedule::LrSchedule;
 pub use summary::RunSummary;
-pub use trainer::{Event, ResumeOptions, Stop, Trainer, batch_loss, load_model};
+pub use trainer::{Event, ResumeOptions, Stop, Trainer, batch_loss, load_model, read_config};
 pub(crate) use trainer::{load_corpus, mixed_step, new_optimizer, new_scaler};

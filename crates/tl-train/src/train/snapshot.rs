@@ -277,6 +277,15 @@ pub fn load(run_dir: &Path) -> Result<Snapshot> {
         ));
     };
     let dir = run_dir.join(checkpoint_name(step));
+    if !fs::symlink_metadata(&dir).is_ok_and(|meta| meta.is_dir()) {
+        return Err(TrainError::checkpoint(
+            run_dir.join(LATEST_FILE),
+            format!(
+                "names {}, which is not a directory of this run",
+                checkpoint_name(step)
+            ),
+        ));
+    }
     let read = |file: &str| {
         let path = dir.join(file);
         fs::read(&path)

@@ -118,7 +118,11 @@ fn check_memory(config: &TrainConfig) -> Result<()> {
 }
 
 /// The run's config as its `config.json` holds it.
-fn read_config(run_dir: &Path) -> Result<TrainConfig> {
+///
+/// # Errors
+/// [`TrainError::Io`] when the file cannot be read, [`TrainError::Checkpoint`] naming it
+/// when it is not a config.
+pub fn read_config(run_dir: &Path) -> Result<TrainConfig> {
     let path = run_dir.join(CONFIG_FILE);
     let bytes = fs::read(&path).map_err(|source| TrainError::io(&path, source))?;
     serde_json::from_slice(&bytes)
