@@ -18,7 +18,7 @@ pub(crate) enum Verdict {
     Missed,
     /// The mutated code does not compile: the catalog entry is wrong.
     Unviable,
-    /// The original text is not in the file exactly once: the catalog has rotted.
+    /// The function or the pattern inside it is not found exactly once: the catalog has rotted.
     Rotted,
 }
 
@@ -53,11 +53,6 @@ impl PlantedResult {
     pub(crate) fn passes(&self) -> bool {
         self.own.is_caught() && self.course_caught == Some(true)
     }
-}
-
-/// How many times the original text occurs in `source`.
-pub(crate) fn occurrences(source: &str, original: &str) -> usize {
-    source.matches(original).count()
 }
 
 const BUILD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -134,13 +129,15 @@ pub(crate) fn run_one(
         course_caught,
         seconds: start.elapsed().as_secs_f64(),
     };
-    if occurrences(&original, pitfall.original) != 1 {
+    let Ok(mutated) = crate::anchor::replace_in(
+        &original,
+        pitfall.function,
+        pitfall.pattern,
+        pitfall.replacement,
+    ) else {
         return Ok(result(Verdict::Rotted, None));
-    }
-    scratch.write(
-        pitfall.file,
-        &original.replacen(pitfall.original, pitfall.replacement, 1),
-    )?;
+    };
+    scratch.write(pitfall.file, &mutated)?;
     let outcome = (|| {
         if !cargo_in(scratch, &own_test_args(pitfall, true), BUILD_TIMEOUT)?.success {
             return Ok((Verdict::Unviable, None));

@@ -11,6 +11,7 @@ use tl_tensor::nn::Module;
 use tl_tensor::{Element, Tensor};
 
 use crate::error::{PrecisionError, Result};
+use crate::observer::{StepObserver, StepPhase};
 use crate::scaler::DynamicLossScaler;
 
 /// A micro-batch: something with a number of rows, the weight of its mean loss.
@@ -89,7 +90,7 @@ impl<B: MicroBatch + ?Sized> MicroBatch for &B {
 pub fn grad_accumulate<E, M, B, F>(
     model: &M,
     micro_batches: &[B],
-    mut loss_fn: F,
+    loss_fn: F,
     scaler: Option<&DynamicLossScaler>,
 ) -> Result<f64>
 where
@@ -97,6 +98,25 @@ where
     M: Module<E> + ?Sized,
     B: MicroBatch,
     F: FnMut(&M, &B) -> Tensor<E>,
+{
+    grad_accumulate_observed(model, micro_batches, loss_fn, scaler, &mut ())
+}
+
+/// [`grad_accumulate`] with each micro-batch's forward and backward run as a
+/// [`StepPhase::Forward`] and a [`StepPhase::Backward`] of `observer`.
+pub(crate) fn grad_accumulate_observed<E, M, B, F, S>(
+    model: &M,
+    micro_batches: &[B],
+    mut loss_fn: F,
+    scaler: Option<&DynamicLossScaler>,
+    observer: &mut S,
+) -> Result<f64>
+where
+    E: Element,
+    M: Module<E> + ?Sized,
+    B: MicroBatch,
+    F: FnMut(&M, &B) -> Tensor<E>,
+    S: StepObserver<E>,
 {
     if micro_batches.is_empty() {
         return Err(PrecisionError::NoMicroBatches);
@@ -108,12 +128,21 @@ where
     let total_rows: usize = rows.iter().sum();
     let loss_scale = scaler.map_or(1.0, DynamicLossScaler::loss_scale);
     let mut batch_loss = 0.0;
-    for (micro_batch, &n) in micro_batches.iter().zip(&rows) {
-        let loss = loss_fn(model, micro_batch);
-        let weight = n as f64 / total_rows as f64;
-        batch_loss += weight * loss.item().to_f64();
-        let weighted = loss.mul_scalar(E::from_f64(weight * loss_scale));
-        weighted.backward();
+    for (index, (micro_batch, &n)) in micro_batches.iter().zip(&rows).enumerate() {
+        let (loss, weighted) = observer.phase(StepPhase::Forward { micro_batch: index }, |_| {
+            let loss = loss_fn(model, micro_batch);
+            let weight = n as f64 / total_rows as f64;
+            batch_loss += weight * loss.item().to_f64();
+            let weighted = loss.mul_scalar(E::from_f64(weight * loss_scale));
+            (loss, weighted)
+        });
+        // Both losses are moved in and dropped there, the weighted one first, so that the
+        // release of the graph belongs to the backward phase.
+        observer.phase(StepPhase::Backward { micro_batch: index }, move |_| {
+            weighted.backward();
+            drop(weighted);
+            drop(loss);
+        });
     }
     Ok(batch_loss)
 }

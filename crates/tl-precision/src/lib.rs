@@ -7,7 +7,8 @@
 //! - [`DynamicLossScaler`] keeps fp16 gradients from underflowing, skipping the steps whose
 //!   gradients overflow.
 //! - [`grad_accumulate`] builds the gradient of a big batch from micro-batches of any sizes.
-//! - [`train_step_mixed`] puts them together into one optimizer step.
+//! - [`train_step_mixed`] puts them together into one optimizer step;
+//!   [`train_step_mixed_observed`] is the same step with a [`StepObserver`] between its phases.
 //!
 //! ```
 //! use tl_precision::{autocast_bf16, cast, Format};
@@ -24,6 +25,7 @@ mod accumulate;
 mod autocast;
 mod cast;
 mod error;
+mod observer;
 mod precision;
 mod scaler;
 mod scaler_state;
@@ -36,9 +38,10 @@ pub use autocast::{
 };
 pub use cast::{cast, record_underflows, round_gradient, take_underflow_count, underflow_count};
 pub use error::{PrecisionError, Result};
+pub use observer::{StepObserver, StepPhase};
 pub use precision::Precision;
 pub use scaler::{DynamicLossScaler, StepOutcome, grad_is_finite};
 pub use scaler_state::ScalerState;
-pub use step::{StepReport, train_step_mixed};
+pub use step::{StepReport, train_step_mixed, train_step_mixed_observed};
 /// The 16-bit formats, re-exported from tl-numerics.
 pub use tl_numerics::Format;

@@ -8,11 +8,12 @@
 //! `S` is multiplied by the growth factor to probe upward again.
 
 use serde::Serialize;
-use tl_tensor::optim::Optimizer;
+use tl_tensor::optim::{Optimizer, grad_sum_squares};
 use tl_tensor::{Element, Tensor};
 
 use crate::cast::take_underflow_count;
 use crate::error::{PrecisionError, Result};
+use crate::observer::StepObserver;
 
 /// A dynamic loss scale for fp16 training, with the state machine of `torch.amp.GradScaler`
 /// plus an optional floor and ceiling and underflow telemetry.
@@ -202,11 +203,32 @@ impl DynamicLossScaler {
         params: &[Tensor<E>],
         clip: Option<f64>,
     ) -> Result<StepOutcome> {
+        self.step_observed(opt, params, clip, &mut ())
+    }
+
+    /// [`step`](Self::step) with the overflow decision and the clip norm made global by
+    /// `observer` ([`StepObserver::all_finite`], [`StepObserver::total_sum_squares`]), so
+    /// that processes holding parts of the gradients skip, clip and step alike.
+    ///
+    /// # Errors
+    /// As [`step`](Self::step).
+    pub fn step_observed<E, O, S>(
+        &mut self,
+        opt: &mut O,
+        params: &[Tensor<E>],
+        clip: Option<f64>,
+        observer: &mut S,
+    ) -> Result<StepOutcome>
+    where
+        E: Element,
+        O: Optimizer<E> + ?Sized,
+        S: StepObserver<E>,
+    {
         if let Some(max_norm) = clip.filter(|&c| !(c.is_finite() && c > 0.0)) {
             return Err(invalid("clip", max_norm, "must be positive and finite"));
         }
         let underflows = take_underflow_count();
-        let finite = params.iter().all(grad_is_finite);
+        let finite = observer.all_finite(params.iter().all(grad_is_finite));
         if !finite {
             params.iter().for_each(Tensor::zero_grad);
             self.record_overflow()?;
@@ -219,7 +241,7 @@ impl DynamicLossScaler {
         }
         let inv_scale = 1.0 / self.scale;
         // The clip bound is a norm of the true gradient, so measure the norm unscaled.
-        let grad_norm = clip.map(|_| total_norm(params) * inv_scale);
+        let grad_norm = clip.map(|_| total_norm(params, observer) * inv_scale);
         let clip_coef = clip
             .zip(grad_norm)
             .map_or(1.0, |(max, n)| (max / (n + 1e-6)).min(1.0));
@@ -278,16 +300,9 @@ pub fn grad_is_finite<E: Element>(param: &Tensor<E>) -> bool {
     param.with_grad(|grad| grad.is_none_or(|g| g.iter().all(|v| v.is_finite())))
 }
 
-/// The 2-norm of all gradients together, summed in f64.
-fn total_norm<E: Element>(params: &[Tensor<E>]) -> f64 {
-    let squares = |grad: &tl_tensor::ndarray::ArrayD<E>| {
-        grad.iter().map(|&v| v.to_f64() * v.to_f64()).sum::<f64>()
-    };
-    let sum_squares: f64 = params
-        .iter()
-        .map(|p| p.with_grad(|grad| grad.map_or(0.0, squares)))
-        .sum();
-    sum_squares.sqrt()
+/// The 2-norm of all gradients together, summed in f64 and made global by `observer`.
+fn total_norm<E: Element>(params: &[Tensor<E>], observer: &mut impl StepObserver<E>) -> f64 {
+    observer.total_sum_squares(grad_sum_squares(params)).sqrt()
 }
 
 fn multiply_grads<E: Element>(params: &[Tensor<E>], factor: f64) {

@@ -3,12 +3,13 @@
 
 use serde::Serialize;
 use tl_tensor::nn::Module;
-use tl_tensor::optim::{Optimizer, clip_grad_norm};
+use tl_tensor::optim::{Optimizer, clip_grad_norm_reduced};
 use tl_tensor::{Element, Tensor};
 
-use crate::accumulate::{MicroBatch, grad_accumulate};
+use crate::accumulate::{MicroBatch, grad_accumulate_observed};
 use crate::cast::take_underflow_count;
 use crate::error::{PrecisionError, Result};
+use crate::observer::{StepObserver, StepPhase};
 use crate::precision::Precision;
 use crate::scaler::{DynamicLossScaler, grad_is_finite};
 
@@ -36,7 +37,8 @@ pub struct StepReport {
 /// checks, unscales, clips and steps (or skips). Without one, a non-finite loss or gradient
 /// is an error returned before any parameter changes; otherwise the gradients are clipped to
 /// `clip` if asked and the optimizer steps. The parameters checked, clipped and updated are
-/// the optimizer's.
+/// the optimizer's. [`train_step_mixed_observed`] is the same step with a
+/// [`StepObserver`] between its phases.
 ///
 /// # Errors
 /// Those of [`grad_accumulate`] (no update happens); [`PrecisionError::NonFiniteLoss`] and
@@ -84,17 +86,105 @@ where
     F: FnMut(&M, &B) -> Tensor<E>,
     O: Optimizer<E> + ?Sized,
 {
-    model.zero_grad();
-    opt.zero_grad();
-    // Count only this step's underflows.
-    take_underflow_count();
+    train_step_mixed_observed(
+        model,
+        micro_batches,
+        loss_fn,
+        opt,
+        precision,
+        scaler,
+        clip,
+        &mut (),
+    )
+}
+
+/// [`train_step_mixed`] with `observer` called around and between its phases (see
+/// [`StepObserver`] for the order): the one training step, for callers that must see a
+/// phase or change what happens between two of them. With `&mut ()` it is
+/// `train_step_mixed`, bit for bit.
+///
+/// # Errors
+/// As [`train_step_mixed`].
+///
+/// ```
+/// use tl_precision::{Precision, StepObserver, train_step_mixed_observed};
+/// use tl_tensor::losses::mse;
+/// use tl_tensor::nn::{Linear, Module};
+/// use tl_tensor::optim::Sgd;
+/// use tl_tensor::{Generator, Tensor};
+///
+/// /// Halves the gradients before the update, as an average over two processes would.
+/// struct Halve;
+/// impl StepObserver<f32> for Halve {
+///     fn gradients_ready(&mut self, params: &[Tensor<f32>]) {
+///         params.iter().for_each(|p| p.update_grad(|g| g.mapv_inplace(|v| v / 2.0)));
+///     }
+/// }
+///
+/// let model = Linear::<f32>::new(2, 1, false, &Generator::new(0));
+/// let mut opt = Sgd::new(model.parameters(), 0.1)?;
+/// let batch = [(Tensor::from_vec(vec![1.0, 2.0], &[1, 2])?, Tensor::ones(&[1, 1]))];
+/// let loss_fn = |m: &Linear<f32>, (x, t): &(Tensor<f32>, Tensor<f32>)| mse(&m.forward(x), t);
+/// let report = train_step_mixed_observed(
+///     &model, &batch, loss_fn, &mut opt, Precision::Fp32, None, Some(100.0), &mut Halve,
+/// )?;
+/// let grad = model.weight().grad().unwrap();
+/// let norm = grad.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>().sqrt();
+/// assert_eq!(report.grad_norm, Some(norm)); // the norm of the halved gradient
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn train_step_mixed_observed<E, M, B, F, O, S>(
+    model: &M,
+    micro_batches: &[B],
+    loss_fn: F,
+    opt: &mut O,
+    precision: Precision,
+    scaler: Option<&mut DynamicLossScaler>,
+    clip: Option<f64>,
+    observer: &mut S,
+) -> Result<StepReport>
+where
+    E: Element,
+    M: Module<E> + ?Sized,
+    B: MicroBatch,
+    F: FnMut(&M, &B) -> Tensor<E>,
+    O: Optimizer<E> + ?Sized,
+    S: StepObserver<E>,
+{
+    observer.phase(StepPhase::ZeroGrad, |_| {
+        model.zero_grad();
+        opt.zero_grad();
+        // Count only this step's underflows.
+        take_underflow_count();
+    });
     let loss = {
         let _autocast = precision.autocast();
-        grad_accumulate(model, micro_batches, loss_fn, scaler.as_deref())?
+        grad_accumulate_observed(model, micro_batches, loss_fn, scaler.as_deref(), observer)?
     };
     let params = opt.parameters().to_vec();
+    observer.gradients_ready(&params);
+    observer.phase(StepPhase::Update, |observer| {
+        update(opt, &params, loss, scaler, clip, observer)
+    })
+}
+
+/// The end of a step whose gradients are all there: check, unscale and clip, step.
+fn update<E, O, S>(
+    opt: &mut O,
+    params: &[Tensor<E>],
+    loss: f64,
+    scaler: Option<&mut DynamicLossScaler>,
+    clip: Option<f64>,
+    observer: &mut S,
+) -> Result<StepReport>
+where
+    E: Element,
+    O: Optimizer<E> + ?Sized,
+    S: StepObserver<E>,
+{
     if let Some(scaler) = scaler {
-        let outcome = scaler.step(opt, &params, clip)?;
+        let outcome = scaler.step_observed(opt, params, clip, observer)?;
         return Ok(StepReport {
             loss,
             skipped: !outcome.stepped,
@@ -110,7 +200,9 @@ where
         return Err(PrecisionError::NonFiniteGradient { index });
     }
     let grad_norm = clip
-        .map(|max_norm| clip_grad_norm(&params, max_norm))
+        .map(|max_norm| {
+            clip_grad_norm_reduced(params, max_norm, |local| observer.total_sum_squares(local))
+        })
         .transpose()?;
     opt.step();
     Ok(StepReport {

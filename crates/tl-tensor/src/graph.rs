@@ -84,35 +84,21 @@ impl<E: Element> Drop for GradNode<E> {
     }
 }
 
-/// Nodes reachable from `root`, each after all nodes that consume it (root first).
+/// Nodes reachable from `root`, each before all nodes it consumes (root first), in the
+/// one order every sweep of this engine — and the memory plan's replica of it — uses.
 fn topological_order<E: Element>(root: &Rc<GradNode<E>>) -> Vec<Rc<GradNode<E>>> {
-    let mut post_order = Vec::new();
-    let mut visited = std::collections::HashSet::new();
-    // (node, children pushed?) — an explicit stack: a 10,000-op chain must not overflow.
-    let mut stack = vec![(Rc::clone(root), false)];
-    while let Some((node, expanded)) = stack.pop() {
-        if expanded {
-            post_order.push(node);
-            continue;
-        }
-        if !visited.insert(node.key()) {
-            continue;
-        }
-        stack.push((Rc::clone(&node), true));
-        if let NodeKind::Op(record) = &node.kind {
-            let record = record.borrow();
-            let record = record
-                .as_ref()
-                .expect("backward through a graph that a previous backward already freed");
-            for parent in record.parents.iter().flatten() {
-                if !visited.contains(&parent.key()) {
-                    stack.push((Rc::clone(parent), false));
-                }
-            }
-        }
-    }
-    post_order.reverse();
-    post_order
+    crate::order::topological_order(Rc::clone(root), GradNode::key, |node| match &node.kind {
+        NodeKind::Leaf { .. } => Vec::new(),
+        NodeKind::Op(record) => record
+            .borrow()
+            .as_ref()
+            .expect("backward through a graph that a previous backward already freed")
+            .parents
+            .iter()
+            .flatten()
+            .cloned()
+            .collect(),
+    })
 }
 
 fn add_into<E: Element>(acc: &mut Buffer<E>, grad: &ArrayD<E>) {

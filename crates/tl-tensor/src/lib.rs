@@ -18,6 +18,7 @@ mod mode;
 pub mod nn;
 pub mod ops;
 pub mod optim;
+mod order;
 mod rng;
 mod storage;
 mod tensor;
@@ -33,6 +34,7 @@ pub use mode::{
 pub use nn::Module;
 pub use ops::matmul::{MatmulHook, matmul_hook, set_matmul_hook};
 pub use optim::Optimizer;
+pub use order::topological_order;
 pub use rng::{Generator, GeneratorState};
 pub use tensor::{Tensor, WeakValue};
 

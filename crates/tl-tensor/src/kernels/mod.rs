@@ -1,7 +1,9 @@
 //! Compute kernels below the Tensor API: plain arrays in, plain arrays out, no graph.
 //! Parallelism lives here, where the thread-local modes of the Tensor API cannot be missed.
 
+pub mod attention;
 pub mod batched;
 pub mod exp;
 pub mod gemm;
+pub mod rows;
 mod split;

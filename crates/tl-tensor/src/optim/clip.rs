@@ -1,4 +1,5 @@
-//! Gradient clipping by global norm: [`clip_grad_norm`], PyTorch's `clip_grad_norm_`.
+//! Gradient clipping by global norm: [`clip_grad_norm`], PyTorch's `clip_grad_norm_`, and
+//! [`clip_grad_norm_reduced`] for gradients split over several processes.
 
 use crate::{Element, Result, Tensor, TensorError};
 
@@ -29,6 +30,32 @@ use crate::{Element, Result, Tensor, TensorError};
 /// # Ok::<(), tl_tensor::TensorError>(())
 /// ```
 pub fn clip_grad_norm<E: Element>(parameters: &[Tensor<E>], max_norm: f64) -> Result<f64> {
+    clip_grad_norm_reduced(parameters, max_norm, |local| local)
+}
+
+/// [`clip_grad_norm`] where `total` turns this process's sum of squares into the sum over
+/// every process that holds a part of the gradients (an all-reduce under sharded data
+/// parallelism), so that every process clips by the same global norm. `total` is called
+/// once, after `max_norm` has been checked.
+///
+/// # Errors
+/// As [`clip_grad_norm`].
+///
+/// ```
+/// use tl_tensor::optim::clip_grad_norm_reduced;
+/// use tl_tensor::Tensor;
+/// let w = Tensor::<f64>::param(ndarray::arr1(&[3.0]).into_dyn());
+/// w.set_grad(Some(ndarray::arr1(&[3.0]).into_dyn()));
+/// // Another process holds the gradient 4: the global norm is 5.
+/// let norm = clip_grad_norm_reduced(&[w.clone()], 10.0, |local| local + 16.0)?;
+/// assert_eq!(norm, 5.0);
+/// # Ok::<(), tl_tensor::TensorError>(())
+/// ```
+pub fn clip_grad_norm_reduced<E: Element>(
+    parameters: &[Tensor<E>],
+    max_norm: f64,
+    total: impl FnOnce(f64) -> f64,
+) -> Result<f64> {
     if !(max_norm.is_finite() && max_norm > 0.0) {
         return Err(TensorError::InvalidArgument {
             name: "max_norm",
@@ -36,15 +63,7 @@ pub fn clip_grad_norm<E: Element>(parameters: &[Tensor<E>], max_norm: f64) -> Re
             reason: "must be positive and finite",
         });
     }
-    let sum_squares: f64 = parameters
-        .iter()
-        .map(|p| {
-            p.with_grad(|grad| {
-                grad.map_or(0.0, |g| g.iter().map(|&x| x.to_f64() * x.to_f64()).sum())
-            })
-        })
-        .sum();
-    let norm = sum_squares.sqrt();
+    let norm = total(grad_sum_squares(parameters)).sqrt();
     if !norm.is_finite() {
         return Ok(norm);
     }
@@ -56,6 +75,29 @@ pub fn clip_grad_norm<E: Element>(parameters: &[Tensor<E>], max_norm: f64) -> Re
         }
     }
     Ok(norm)
+}
+
+/// `Σ g²` over every element of every parameter's gradient, accumulated in `f64` in
+/// parameter order (parameters without a gradient contribute nothing): the square of the
+/// norm that clipping and the loss scaler measure.
+///
+/// ```
+/// use tl_tensor::optim::grad_sum_squares;
+/// use tl_tensor::Tensor;
+/// let w = Tensor::<f32>::param(ndarray::arr1(&[0.0, 0.0]).into_dyn());
+/// assert_eq!(grad_sum_squares(&[w.clone()]), 0.0);
+/// w.set_grad(Some(ndarray::arr1(&[3.0, 4.0]).into_dyn()));
+/// assert_eq!(grad_sum_squares(&[w]), 25.0);
+/// ```
+pub fn grad_sum_squares<E: Element>(parameters: &[Tensor<E>]) -> f64 {
+    parameters
+        .iter()
+        .map(|p| {
+            p.with_grad(|grad| {
+                grad.map_or(0.0, |g| g.iter().map(|&x| x.to_f64() * x.to_f64()).sum())
+            })
+        })
+        .sum()
 }
 
 #[cfg(test)]

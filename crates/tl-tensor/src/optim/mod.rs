@@ -5,7 +5,7 @@ mod clip;
 mod sgd;
 
 pub use adamw::{AdamW, AdamWParamState, AdamWState};
-pub use clip::clip_grad_norm;
+pub use clip::{clip_grad_norm, clip_grad_norm_reduced, grad_sum_squares};
 pub use sgd::{Sgd, SgdState};
 
 use ndarray::{ArrayD, IxDyn};

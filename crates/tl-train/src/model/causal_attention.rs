@@ -6,19 +6,13 @@
 //! copies the heads back together. At the capstone's shapes the two `T×T` tensors are
 //! 84 MB each per block, and half of every product is spent on entries the mask throws away.
 //!
-//! This op does what flash attention does on a GPU, for a CPU's caches:
+//! This op does what flash attention does on a GPU, for a CPU's caches. The kernel — one
+//! task per (sequence, head) reading its columns where the projections wrote them, blocks of
+//! query rows against only the keys they may see, no `T×T` tensor kept — is tl-tensor's
+//! [`CausalAttention`], which takes where and how to round as a parameter. This file is the
+//! op around it: the autograd node, the autocast format and what it rounds to, the marks,
+//! and the underflow count.
 //!
-//! - **One task per (sequence, head).** Each reads its head's columns of `q`, `k` and `v`
-//!   (`[B, T, d]`, heads side by side) straight from the projections' output, and writes its
-//!   columns of the `[B, T, d]` result: no head-split or merge copies. The `B·H` tasks go to
-//!   the rayon pool; each runs its products on one thread ([`gemm_serial_into`]).
-//! - **Blocks of query rows.** Rows `r0..r1` only see keys `0..r1`, so a block multiplies
-//!   `q[r0..r1]` by `k[..r1]ᵀ` — the upper triangle past the block is never computed — and its
-//!   `(r1−r0)×r1` scores stay in cache through the softmax and the product with `v[..r1]`.
-//! - **Nothing of size `T×T` is saved.** The forward pass keeps only each row's maximum and
-//!   sum; the backward pass recomputes the probabilities from them. It recomputes them with
-//!   the same products on the same operands and the same formula, so they are the forward
-//!   pass's bits exactly.
 //! - **Computed once under checkpointing.** The op's result is marked with tl-recompute's
 //!   `keep_for_rerun`: a checkpointed block keeps it (`N·d` values, a sixteenth of what a
 //!   capstone block saves without checkpointing) and its rerun during backward takes it
@@ -46,17 +40,11 @@
 
 use std::rc::Rc;
 
-use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewMut2, Axis, Ix2, IxDyn, s};
-use rayon::prelude::*;
 use tl_numerics::{Format, round_slice, round_slice_counting_flushes};
 use tl_precision::{autocast_format, mark_rounded, record_underflows};
 use tl_recompute::keep_for_rerun;
-use tl_tensor::kernels::gemm::gemm_serial_into;
+use tl_tensor::kernels::attention::{CausalAttention, Rounding};
 use tl_tensor::{Element, Tensor};
-
-/// Query rows per block: 64 rows of up to 512 scores (128 KiB in f32) and their gradient
-/// fit in a core's L2 cache next to the head's keys and values.
-const ROW_BLOCK: usize = 64;
 
 /// `softmax(q·kᵀ/√hd + M)·v` for each of `n_heads` heads, where `q`, `k`, `v` are `[B, T, d]`
 /// with head `h` in columns `h·hd..(h+1)·hd` (`hd = d / n_heads`), `M = −∞` above the
@@ -87,25 +75,34 @@ pub fn causal_attention<E: Element>(
         v.shape()
     );
     let head_dim = shape[2] / n_heads;
-    let heads = Heads {
+    let kernel = CausalAttention {
         batch: shape[0],
         time: shape[1],
         n_heads,
         head_dim,
         scale: E::from_f64(1.0 / (head_dim as f64).sqrt()),
-        format: autocast_format(),
     };
+    // The format in force now; the backward pass rounds to it too, wherever it runs.
+    let format = autocast_format();
     // The most expensive part of a block's forward pass for one `[B, T, d]` result: a
     // checkpointed block keeps it rather than computing it again in its rerun.
     let (output, row_stats) = keep_for_rerun(|| {
-        let (value, row_stats) = heads.forward(&q.value(), &k.value(), &v.value());
+        let (value, row_stats) = with_rounding(format, |rounding| {
+            kernel.forward(&q.value(), &k.value(), &v.value(), rounding)
+        });
         (Tensor::from_array(value), Rc::new(row_stats))
     });
     let saved = [q.clone(), k.clone(), v.clone()];
     let result = Tensor::from_op_shared(&output, &[q, k, v], move |grad| {
         let [q, k, v] = &saved;
-        let (grads, flushed) =
-            heads.backward(&q.value(), &k.value(), &v.value(), &row_stats, &grad);
+        let (grads, flushed) = with_rounding(format, |rounding| {
+            kernel.backward(
+                [&q.value(), &k.value(), &v.value()],
+                &row_stats,
+                &grad,
+                rounding,
+            )
+        });
         record_underflows(flushed);
         saved
             .iter()
@@ -114,366 +111,27 @@ pub fn causal_attention<E: Element>(
             .collect()
     });
     // Its last product was rounded: the output projection can read it as it is.
-    if let Some(format) = heads.format {
+    if let Some(format) = format {
         mark_rounded(&result, format);
     }
     result
 }
 
-/// The geometry and numerics of one call.
-#[derive(Clone, Copy)]
-struct Heads<E> {
-    batch: usize,
-    time: usize,
-    n_heads: usize,
-    head_dim: usize,
-    scale: E,
-    /// The autocast format in force when the forward pass ran.
+/// Runs `f` with the kernel's rounding into `format` (tl-numerics' rounding, and its count
+/// of gradient values flushed to zero, as tl-precision's `cast` counts them), or none.
+fn with_rounding<E: Element, T>(
     format: Option<Format>,
-}
-
-/// Each row's softmax maximum and sum, `[B, H, T, 2]` flattened.
-type RowStats<E> = Vec<E>;
-
-impl<E: Element> Heads<E> {
-    fn forward(&self, q: &ArrayD<E>, k: &ArrayD<E>, v: &ArrayD<E>) -> (ArrayD<E>, RowStats<E>) {
-        let mut out = ArrayD::zeros(IxDyn(&[
-            self.batch,
-            self.time,
-            self.n_heads * self.head_dim,
-        ]));
-        let mut row_stats = vec![E::zero(); self.batch * self.n_heads * self.time * 2];
-        self.columns_mut(&mut out)
-            .into_par_iter()
-            .zip(row_stats.par_chunks_mut(self.stats_per_head()))
-            .enumerate()
-            .for_each(|(task, (out, stats))| {
-                let [q, k, v] = [q, k, v].map(|x| self.head(x, task));
-                self.forward_head(q, k, v, out, stats);
-            });
-        (out, row_stats)
-    }
-
-    /// The gradients of `q`, `k` and `v`, and how many values their rounding flushed to zero.
-    fn backward(
-        &self,
-        q: &ArrayD<E>,
-        k: &ArrayD<E>,
-        v: &ArrayD<E>,
-        row_stats: &[E],
-        d_out: &ArrayD<E>,
-    ) -> ([ArrayD<E>; 3], u64) {
-        let shape = IxDyn(&[self.batch, self.time, self.n_heads * self.head_dim]);
-        let mut grads = [(); 3].map(|()| ArrayD::zeros(shape.clone()));
-        let [dq, dk, dv] = &mut grads;
-        let heads: Vec<_> = self
-            .columns_mut(dq)
-            .into_iter()
-            .zip(self.columns_mut(dk))
-            .zip(self.columns_mut(dv))
-            .collect();
-        let flushed = heads
-            .into_par_iter()
-            .zip(row_stats.par_chunks(self.stats_per_head()))
-            .enumerate()
-            .map(|(task, (((dq, dk), dv), stats))| {
-                let [q, k, v, d_out] = [q, k, v, d_out].map(|x| self.head(x, task));
-                self.backward_head([q, k, v], d_out, stats, [dq, dk, dv])
-            })
-            .sum();
-        (grads, flushed)
-    }
-
-    /// One head's forward pass; `stats` receives each row's maximum and sum.
-    fn forward_head(
-        &self,
-        q: ArrayView2<'_, E>,
-        k: ArrayView2<'_, E>,
-        v: ArrayView2<'_, E>,
-        mut out: ArrayViewMut2<'_, E>,
-        stats: &mut [E],
-    ) {
-        let [q, k, v] = [q, k, v].map(|x| self.operand(x));
-        let mut scratch = self.block_scratch();
-        for (start, end) in self.row_blocks() {
-            let mut probs = self.scores(&mut scratch, &q, &k, start, end);
-            let rows = probs.as_slice_mut().expect("contiguous block");
-            for (i, row) in rows.chunks_exact_mut(end).enumerate() {
-                let t = start + i;
-                let (live, masked) = row.split_at_mut(t + 1);
-                let max = live
-                    .iter()
-                    .fold(E::neg_infinity(), |m, &s| m.max(s * self.scale));
-                self.exponentials(live, max);
-                let sum = lane_sum(live);
-                for p in live.iter_mut() {
-                    *p /= sum;
-                }
-                masked.fill(E::zero());
-                stats[2 * t] = max;
-                stats[2 * t + 1] = sum;
-            }
-            if let Some(format) = self.format {
-                round_slice(rows, format);
-            }
-            let mut out_rows = out.slice_mut(s![start..end, ..]);
-            gemm_serial_into(&mut out_rows, probs.view(), v.slice(s![..end, ..]), false);
-            if let Some(format) = self.format {
-                out_rows.map_inplace(|o| *o = o.round_to(format));
-            }
-        }
-    }
-
-    /// One head's backward pass, writing the gradients of its columns of `q`, `k` and `v`;
-    /// returns the number of gradient values rounded to zero.
-    fn backward_head(
-        &self,
-        inputs: [ArrayView2<'_, E>; 3],
-        d_out: ArrayView2<'_, E>,
-        stats: &[E],
-        [mut dq, dk, dv]: [ArrayViewMut2<'_, E>; 3],
-    ) -> u64 {
-        let [q, k, v] = inputs.map(|x| self.operand(x));
-        let mut flushed = 0;
-        // One head's blocks are small and this runs on a pool thread already: round on it.
-        let mut round_grad = |values: &mut [E]| {
-            if let Some(format) = self.format {
-                flushed += round_slice_counting_flushes(values, format);
-            }
-        };
-        let mut d_out = contiguous(d_out);
-        round_grad(d_out.as_slice_mut().expect("standard layout"));
-        let mut dk_sum = Array2::zeros((self.time, self.head_dim));
-        let mut dv_sum = Array2::zeros((self.time, self.head_dim));
-        let mut dq_block = Array2::zeros((ROW_BLOCK.min(self.time), self.head_dim));
-        let (mut scratch, mut d_scratch) = (self.block_scratch(), self.block_scratch());
-        for (start, end) in self.row_blocks() {
-            let d_out_rows = d_out.slice(s![start..end, ..]);
-            let mut probs = self.scores(&mut scratch, &q, &k, start, end);
-            let mut d_scores = ArrayViewMut2::from_shape(
-                (end - start, end),
-                &mut d_scratch[..(end - start) * end],
-            )
-            .expect("the scratch holds a block");
-            // dP = dO·vᵀ, then dS = scale·P ⊙ (dP − Σ_j dP_j P_j), row by row.
-            gemm_serial_into(&mut d_scores, d_out_rows, v.slice(s![..end, ..]).t(), false);
-            let p_rows = probs.as_slice_mut().expect("contiguous block");
-            let d_rows = d_scores.as_slice_mut().expect("contiguous block");
-            for (t, (p_row, d_row)) in row_pairs(p_rows, d_rows, start, end) {
-                let (max, sum) = (stats[2 * t], stats[2 * t + 1]);
-                let (p_live, p_masked) = p_row.split_at_mut(t + 1);
-                // The forward pass's formula on the forward pass's scores: the same bits.
-                self.exponentials(p_live, max);
-                for p in p_live.iter_mut() {
-                    *p /= sum;
-                }
-                p_masked.fill(E::zero());
-                d_row[t + 1..].fill(E::zero());
-            }
-            round_grad(d_rows); // dP (its masked zeros flush nothing)
-            for (t, (p_row, d_row)) in row_pairs(p_rows, d_rows, start, end) {
-                let (p_live, d_live) = (&p_row[..=t], &mut d_row[..=t]);
-                let dot = lane_dot(d_live, p_live);
-                for (d, &p) in d_live.iter_mut().zip(p_live) {
-                    *d = self.scale * p * (*d - dot);
-                }
-            }
-            round_grad(d_rows); // dS
-            if let Some(format) = self.format {
-                round_slice(p_rows, format); // P·V read rd(P)
-            }
-            let (probs, d_scores) = (probs.view(), d_scores.view());
-            // dv[..end] += Pᵀ·dO, dk[..end] += dSᵀ·q, dq[rows] = dS·k.
-            let keys = s![..end, ..];
-            gemm_serial_into(&mut dv_sum.slice_mut(keys), probs.t(), d_out_rows, true);
-            gemm_serial_into(
-                &mut dk_sum.slice_mut(keys),
-                d_scores.t(),
-                q.slice(s![start..end, ..]),
-                true,
-            );
-            let mut dq_rows = dq_block.slice_mut(s![..end - start, ..]);
-            gemm_serial_into(&mut dq_rows, d_scores, k.slice(keys), false);
-            round_grad(dq_rows.as_slice_mut().expect("the front rows of a matrix"));
-            copy_rows(dq.slice_mut(s![start..end, ..]), dq_rows.view());
-        }
-        round_grad(dk_sum.as_slice_mut().expect("standard layout"));
-        round_grad(dv_sum.as_slice_mut().expect("standard layout"));
-        copy_rows(dk, dk_sum.view());
-        copy_rows(dv, dv_sum.view());
-        flushed
-    }
-
-    /// `e^(scale·s − max)` for each score `s` of a row, in place: the softmax's numerators.
-    fn exponentials(&self, row: &mut [E], max: E) {
-        for s in row.iter_mut() {
-            *s = *s * self.scale - max;
-        }
-        E::exp_in_place(row);
-    }
-
-    /// `S = q[start..end]·k[..end]ᵀ` (rounded under autocast) in the front of `scratch`.
-    fn scores<'s>(
-        &self,
-        scratch: &'s mut [E],
-        q: &Array2<E>,
-        k: &Array2<E>,
-        start: usize,
-        end: usize,
-    ) -> ArrayViewMut2<'s, E> {
-        let mut block =
-            ArrayViewMut2::from_shape((end - start, end), &mut scratch[..(end - start) * end])
-                .expect("the scratch holds a block");
-        gemm_serial_into(
-            &mut block,
-            q.slice(s![start..end, ..]),
-            k.slice(s![..end, ..]).t(),
-            false,
-        );
-        if let Some(format) = self.format {
-            round_slice(block.as_slice_mut().expect("contiguous block"), format);
-        }
-        block
-    }
-
-    /// A head's `[T, hd]` operand as a contiguous matrix, rounded under autocast.
-    ///
-    /// Copied row by row, then rounded in one call: rounding each `hd`-element row as it is
-    /// copied saves a pass over cached data but pays a call per row, and measured slower.
-    fn operand(&self, x: ArrayView2<'_, E>) -> Array2<E> {
-        let mut owned = contiguous(x);
-        if let Some(format) = self.format {
-            round_slice(owned.as_slice_mut().expect("standard layout"), format);
-        }
-        owned
-    }
-
-    /// The row statistics of one head: a maximum and a sum per position (at least 1, so that
-    /// chunking an empty sequence's statistics is well defined).
-    fn stats_per_head(&self) -> usize {
-        (2 * self.time).max(1)
-    }
-
-    /// Room for one block of scores.
-    fn block_scratch(&self) -> Vec<E> {
-        vec![E::zero(); ROW_BLOCK.min(self.time) * self.time]
-    }
-
-    /// The `(start, end)` of each block of query rows.
-    fn row_blocks(&self) -> impl Iterator<Item = (usize, usize)> + use<E> {
-        let time = self.time;
-        (0..time)
-            .step_by(ROW_BLOCK)
-            .map(move |start| (start, (start + ROW_BLOCK).min(time)))
-    }
-
-    /// Task `task`'s `[T, hd]` head of a `[B, T, d]` array: sequence `task / H`, head
-    /// `task % H`.
-    fn head<'a>(&self, x: &'a ArrayD<E>, task: usize) -> ArrayView2<'a, E> {
-        let (b, h) = (task / self.n_heads, task % self.n_heads);
-        let columns = h * self.head_dim..(h + 1) * self.head_dim;
-        x.slice(s![b, .., columns])
-            .into_dimensionality::<Ix2>()
-            .expect("a sequence's head is 2-D")
-    }
-
-    /// Every task's head of a `[B, T, d]` array, writable, in task order.
-    fn columns_mut<'a>(&self, x: &'a mut ArrayD<E>) -> Vec<ArrayViewMut2<'a, E>> {
-        let mut heads = Vec::with_capacity(self.batch * self.n_heads);
-        for sequence in x.axis_iter_mut(Axis(0)) {
-            let mut rest = sequence
-                .into_dimensionality::<Ix2>()
-                .expect("a sequence is 2-D");
-            for _ in 1..self.n_heads {
-                let (head, tail) = rest.split_at(Axis(1), self.head_dim);
-                heads.push(head);
-                rest = tail;
-            }
-            heads.push(rest);
-        }
-        heads
-    }
-}
-
-/// The rows of a block of probabilities and of their gradient, side by side, with the
-/// position `t` of each (rows `start..end`, each `end` wide).
-fn row_pairs<'a, E>(
-    probs: &'a mut [E],
-    grads: &'a mut [E],
-    start: usize,
-    end: usize,
-) -> impl Iterator<Item = (usize, (&'a mut [E], &'a mut [E]))> {
-    probs
-        .chunks_exact_mut(end)
-        .zip(grads.chunks_exact_mut(end))
-        .enumerate()
-        .map(move |(i, rows)| (start + i, rows))
-}
-
-/// A copy of a head's columns as a contiguous matrix, a row at a time (nothing is written
-/// twice: the buffer is not zeroed first).
-fn contiguous<E: Element>(x: ArrayView2<'_, E>) -> Array2<E> {
-    let mut data = Vec::with_capacity(x.len());
-    for row in x.rows() {
-        match row.as_slice() {
-            Some(row) => data.extend_from_slice(row),
-            None => data.extend(row.iter().copied()),
-        }
-    }
-    Array2::from_shape_vec(x.raw_dim(), data).expect("one value per element")
-}
-
-/// `dst = src` for matrices whose rows are contiguous (a head's `hd` columns of a `[T, d]`
-/// matrix, or a whole matrix): one `copy_from_slice` per row. At the capstone's shapes
-/// ndarray's general copies of such views cost far more: `as_standard_layout` (an element
-/// iterator) took about 30% of the attention's time, and `assign` still 9% in a profile.
-fn copy_rows<E: Element>(mut dst: ArrayViewMut2<'_, E>, src: ArrayView2<'_, E>) {
-    assert_eq!(dst.dim(), src.dim(), "copy_rows: shapes differ");
-    for (mut to, from) in dst.rows_mut().into_iter().zip(src.rows()) {
-        match (to.as_slice_mut(), from.as_slice()) {
-            (Some(to), Some(from)) => to.copy_from_slice(from),
-            _ => to.assign(&from),
-        }
-    }
-}
-
-/// Independent partial sums in [`lane_sum`] and [`lane_dot`]. One running sum is a chain of
-/// dependent additions, one every four cycles, and was half of the forward task's own time
-/// in a profile; eight independent ones fill the vector registers.
-const LANES: usize = 8;
-
-/// `Σ_j a_j·b_j` in a fixed order: the `j`-th product of each full group of [`LANES`] goes
-/// to partial sum `j`, the partial sums are added in order, then the tail. The result
-/// depends on the inputs alone (never on which thread runs the row).
-fn lane_dot<E: Element>(a: &[E], b: &[E]) -> E {
-    assert_eq!(a.len(), b.len(), "lane_dot: lengths differ");
-    let mut lanes = [E::zero(); LANES];
-    let (a_groups, b_groups) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let (a_tail, b_tail) = (a_groups.remainder(), b_groups.remainder());
-    for (a_group, b_group) in a_groups.zip(b_groups) {
-        for ((lane, &x), &y) in lanes.iter_mut().zip(a_group).zip(b_group) {
-            *lane += x * y;
-        }
-    }
-    let sum = lanes.iter().fold(E::zero(), |sum, &lane| sum + lane);
-    a_tail
-        .iter()
-        .zip(b_tail)
-        .fold(sum, |sum, (&x, &y)| sum + x * y)
-}
-
-/// `Σ_j x_j`, in the order of [`lane_dot`].
-fn lane_sum<E: Element>(xs: &[E]) -> E {
-    let mut lanes = [E::zero(); LANES];
-    let groups = xs.chunks_exact(LANES);
-    let tail = groups.remainder();
-    for group in groups {
-        for (lane, &x) in lanes.iter_mut().zip(group) {
-            *lane += x;
-        }
-    }
-    let sum = lanes.iter().fold(E::zero(), |sum, &lane| sum + lane);
-    tail.iter().fold(sum, |sum, &x| sum + x)
+    f: impl FnOnce(Option<&Rounding<'_, E>>) -> T,
+) -> T {
+    let Some(format) = format else {
+        return f(None);
+    };
+    let values = move |xs: &mut [E]| round_slice(xs, format);
+    let gradients = move |xs: &mut [E]| round_slice_counting_flushes(xs, format);
+    f(Some(&Rounding {
+        values: &values,
+        gradients: &gradients,
+    }))
 }
 
 #[cfg(test)]
@@ -481,6 +139,8 @@ mod tests {
     use super::*;
     use tl_numerics::Round;
     use tl_precision::{autocast, take_underflow_count};
+    use tl_tensor::kernels::attention::ROW_BLOCK;
+    use tl_tensor::ndarray::IxDyn;
     use tl_tensor::testing::{assert_gradients, random_array};
     use tl_tensor::{Generator, ndarray::ArrayD};
 
@@ -557,32 +217,6 @@ mod tests {
         let shape = [1, ROW_BLOCK + 2, 4];
         let xs = [(); 3].map(|()| random_array(&shape, &rng));
         assert_gradients(|xs| causal_attention(&xs[0], &xs[1], &xs[2], 2), &xs);
-    }
-
-    #[test]
-    fn lane_sums_add_every_element_once_tails_included() {
-        // Small whole numbers add exactly in any order, so a dropped, repeated or misplaced
-        // element (in the groups of eight or in the tail) changes the result.
-        for n in 0..=27_u32 {
-            let xs: Vec<f64> = (1..=n).map(f64::from).collect();
-            let ys: Vec<f64> = (1..=n).map(|i| f64::from(i % 5 + 1)).collect();
-            assert_eq!(lane_sum(&xs), f64::from(n * (n + 1) / 2), "sum of 1..={n}");
-            let dot: f64 = xs.iter().zip(&ys).map(|(x, y)| x * y).sum();
-            assert_eq!(lane_dot(&xs, &ys), dot, "dot of length {n}");
-        }
-    }
-
-    #[test]
-    fn copy_rows_copies_strided_columns_into_place() {
-        // Columns 2..5 of a 4 × 7 matrix, copied out and back into another matrix's columns.
-        let source = Array2::from_shape_fn((4, 7), |(i, j)| (10 * i + j) as f64);
-        let head = contiguous(source.slice(s![.., 2..5]));
-        assert_eq!(head, source.slice(s![.., 2..5]));
-        let mut target = Array2::<f64>::zeros((4, 7));
-        copy_rows(target.slice_mut(s![.., 2..5]), head.view());
-        assert_eq!(target.slice(s![.., 2..5]), source.slice(s![.., 2..5]));
-        assert!(target.slice(s![.., ..2]).iter().all(|&x| x == 0.0));
-        assert!(target.slice(s![.., 5..]).iter().all(|&x| x == 0.0));
     }
 
     #[test]

@@ -6,8 +6,9 @@
 //!
 //! - a value is counted from its allocation until its last handle drops; a VJP closure
 //!   holds handles on what it saved, so saved activations live until backward runs the op;
-//! - `backward` orders the nodes as tl-tensor does (reverse post-order of a depth-first
-//!   walk that explores an op's *last* parent first), keeps one in-flight gradient per node
+//! - `backward` orders the nodes with tl-tensor's own `topological_order` (reverse
+//!   post-order of a depth-first walk that explores an op's *last* parent first, one function
+//!   for both sweeps, not a copy of it), keeps one in-flight gradient per node
 //!   until the node runs, counts the incoming gradient while the VJP runs, frees what the
 //!   VJP saved when it returns and only then allocates the gradients it hands to parents;
 //! - a leaf's first gradient becomes its `.grad`; later ones are added in place and freed;

@@ -21,16 +21,18 @@
 //! No `T×T` attention matrix is saved: the fused attention keeps two numbers per query row
 //! and recomputes its probabilities in the backward pass.
 //!
-//! Under bf16/fp16 autocast every projection rounds *copies* of its operands and saves
-//! those: a rounded copy of its input, shared by the projections that read the same
-//! activation (q, k and v share one copy of the norm output, the gate and up projections
-//! another), and a rounded copy of every weight matrix for the whole forward pass
-//! (`4d² + 3dh` per block, `dV` for the head). The fused attention rounds inside and keeps
-//! its f32 inputs, as in fp32. The storage stays f32, so emulated mixed precision *adds*
-//! memory here, where real hardware would halve it. Dropout adds one `N·d` mask per branch.
-//! With checkpointing, a checkpointed block keeps only its input and its attention output
-//! (`2·N·d`: the rerun takes the fused attention's result back rather than recomputing it);
-//! the last segment of a schedule is never checkpointed.
+//! Under bf16/fp16 autocast a product reads 16-bit values, and saves what it read. The
+//! activations the projections read are rounded where they are made, not copied: the norms
+//! and the SwiGLU gate round their results as they write them (`round_for_products`), and the
+//! fused attention's result is rounded already, so the projections save those tensors
+//! themselves and an activation costs what it costs in fp32. What a product still copies is
+//! each weight matrix, rounded once per product and held until its backward (`4d² + 3dh`
+//! per block, `dV` for the head); a product's own result is rounded in place. The storage
+//! stays f32, so emulated mixed precision *adds* the weight copies here, where real hardware
+//! would halve the activations. Dropout adds one `N·d` mask per branch. With checkpointing, a
+//! checkpointed block keeps only its input and its attention output (`2·N·d`: the rerun takes
+//! the fused attention's result back rather than recomputing it); the last segment of a
+//! schedule is never checkpointed.
 //!
 //! # When the peak comes
 //!
@@ -54,6 +56,11 @@
 //! Rather than a formula per case, the plan runs the step's ops through a replica of the
 //! engine that tracks sizes, owners and order only (`dry_run.rs`, `ops.rs`, `model.rs`,
 //! `step.rs`): the closed forms above are what it yields, and unit tests check them by hand.
+//! The replica exists because the meter counts bytes, not owners: it cannot say which layer
+//! or which kind of tensor a byte belongs to, and it can only measure a step that fits this
+//! machine. The backward order is not replicated: the replica sweeps its nodes with
+//! tl-tensor's own `topological_order`. What it does replicate, and must follow when the
+//! engine changes, is listed in `docs/architecture.md`.
 //! Against `tl_tensor::memory` the replica is exact: its allocations and frees are the real
 //! step's, event for event, and [`measure_steps`] reads the meter around real
 //! [`Trainer`](crate::train::Trainer) steps for `tinyllm plan --measure`. Like the meter, the

@@ -215,9 +215,12 @@ pub fn predict_step(recipe: &Recipe) -> Result<StepPrediction> {
     })
 }
 
-/// `train_step_mixed`: drop the gradients, accumulate every micro-batch (forward under
-/// autocast, then backward of the weighted loss), update. Returns what was alive when the
-/// first micro-batch's backward began.
+/// `train_step_mixed`'s phases, in the order `tl_precision::StepPhase` lists them, on the
+/// replica: drop the gradients, accumulate every micro-batch (forward under autocast, then
+/// backward of the weighted loss, releasing it and then the loss), update. Returns what was
+/// alive when the first micro-batch's backward began. The replica cannot call the real step
+/// (it runs no values), so the order is followed here and checked against the meter's
+/// timeline of a real step, event for event.
 fn run_step(
     dry: &mut DryRun,
     model: &Rc<ShadowLlama>,

@@ -65,14 +65,15 @@ fn an_fp32_block_saves_eight_nd_and_three_nh() {
 fn autocast_adds_rounded_copies_of_the_projection_inputs_and_weights() {
     let prediction = predict(&micro_config(Precision::Bf16, Checkpointing::Off, 0.0));
     // As in fp32, the norms' inputs (1024) and what the fused attention and gate keep in
-    // f32 (q, k, v: 1536; gate and up: 1536). But the projections keep rounded copies of
-    // their inputs where fp32 keeps the inputs: one of the first norm's output, shared by
-    // q, k and v, one of the attention's output, one of the second norm's output, shared by
-    // gate and up, and one of the gate's output (3·512 + 768 = 2304); and the weights are
-    // rounded (4d² + 3dh = 2176): 8,576 floats.
+    // f32 (q, k, v: 1536; gate and up: 1536), and what the projections read, rounded where
+    // it was made rather than copied: the first norm's output, shared by q, k and v, the
+    // attention's output, the second norm's output, shared by gate and up, and the gate's
+    // output (3·512 + 768 = 2304). Only the weights are copied, rounded
+    // (4d² + 3dh = 2176): 8,576 floats.
     assert_eq!(saved_in(&prediction, |l| l == Layer::Block(0)), 34_304);
-    // 512 + rounded head input 512 + rounded head weight d·V = 4096 + logits 8192 = 13,312
-    // floats, and the two loss floats.
+    // 512 + the head input (the final norm's output, rounded as it is written) 512 + the
+    // rounded copy of the head weight d·V = 4096 + logits 8192 = 13,312 floats, and the two
+    // loss floats.
     assert_eq!(saved_in(&prediction, |l| l == Layer::Head), 53_256);
 }
 

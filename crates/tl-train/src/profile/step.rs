@@ -1,23 +1,40 @@
-//! One training step run from its parts, each phase recorded by the memory meter.
-//!
-//! `train_step_mixed` runs a step as one call, which leaves no seam to tell forward from
-//! backward in the meter's events. This runs the same parts in the same order — zero the
-//! gradients; per micro-batch, the loss weighted by its share of the rows (times the loss
-//! scale) and its backward, under the step's autocast; then the checks, clipping and the
-//! AdamW update — with one recording per phase. The events' live counts are absolute, so
-//! the recordings join into one timeline. A test checks that the weights come out bit for
-//! bit as `train_step_mixed` leaves them.
+//! One training step recorded phase by phase by the memory meter: tl-precision's
+//! `train_step_mixed_observed` with an observer that records each phase (zero the
+//! gradients; per micro-batch, the weighted loss and its backward; the update). The events'
+//! live counts are absolute, so the recordings join into one timeline. A test checks that
+//! the weights come out bit for bit as `train_step_mixed` leaves them.
 
-use tl_precision::{PrecisionError, grad_is_finite};
+use tl_precision::{StepObserver, StepPhase, train_step_mixed_observed};
 use tl_tensor::memory;
-use tl_tensor::nn::Module;
-use tl_tensor::optim::{Optimizer, clip_grad_norm};
-use tl_tensor::{Element, Tensor};
 
 use super::session::Session;
 use super::timeline::{Phase, Timeline};
 use crate::data::Batch;
 use crate::error::Result;
+use crate::train::batch_loss;
+
+/// Records each phase of a step into a timeline, as step `step`.
+struct PhaseRecorder<'a> {
+    timeline: &'a mut Timeline,
+    step: usize,
+    /// The session's zero of live bytes.
+    base: usize,
+}
+
+impl StepObserver<f32> for PhaseRecorder<'_> {
+    fn phase<R>(&mut self, phase: StepPhase, run: impl FnOnce(&mut Self) -> R) -> R {
+        let (out, events) = memory::record(|| run(self));
+        let (phase, micro_batch) = match phase {
+            StepPhase::ZeroGrad => (Phase::ZeroGrad, None),
+            StepPhase::Forward { micro_batch } => (Phase::Forward, Some(micro_batch)),
+            StepPhase::Backward { micro_batch } => (Phase::Backward, Some(micro_batch)),
+            StepPhase::Update => (Phase::Optimizer, None),
+        };
+        self.timeline
+            .push_phase(self.step, phase, micro_batch, &events, self.base);
+        out
+    }
+}
 
 impl Session {
     /// Runs one optimizer step on `micro_batches`, appending its phases to `timeline` as
@@ -33,76 +50,33 @@ impl Session {
         micro_batches: &[Batch],
         timeline: &mut Timeline,
     ) -> Result<()> {
-        let base = self.base_live;
-        let ((), events) = memory::record(|| {
-            self.model.zero_grad();
-            self.optimizer.zero_grad();
-        });
-        timeline.push_phase(step, Phase::ZeroGrad, None, &events, base);
-
-        let total_rows: usize = micro_batches.iter().map(|batch| batch.rows).sum();
-        let loss_scale = self
-            .scaler
-            .as_ref()
-            .map_or(1.0, |scaler| scaler.loss_scale());
-        let precision = self.config.precision;
-        let mut step_loss = 0.0;
-        for (index, batch) in micro_batches.iter().enumerate() {
-            let weight = batch.rows as f64 / total_rows as f64;
-            let (weighted, events) = memory::record(|| -> Result<Tensor<f32>> {
-                let _autocast = precision.autocast();
-                let loss =
-                    self.model
-                        .loss(&batch.inputs, &batch.targets, batch.rows, batch.context)?;
-                step_loss += weight * f64::from(loss.item());
-                Ok(loss.mul_scalar(f32::from_f64(weight * loss_scale)))
-            });
-            timeline.push_phase(step, Phase::Forward, Some(index), &events, base);
-            let weighted = weighted?;
-            // The loss is moved in and dropped inside, so the release of the graph's last
-            // handle is part of the backward phase.
-            let ((), events) = memory::record(move || {
-                let _autocast = precision.autocast();
-                weighted.backward();
-            });
-            timeline.push_phase(step, Phase::Backward, Some(index), &events, base);
-        }
-
-        let (updated, events) = memory::record(|| self.update(step_loss));
-        timeline.push_phase(step, Phase::Optimizer, None, &events, base);
-        updated?;
-        timeline.losses.push(step_loss);
-        Ok(())
-    }
-
-    /// The end of the step, as `train_step_mixed` ends it.
-    fn update(&mut self, loss: f64) -> Result<()> {
-        let params = self.optimizer.parameters().to_vec();
-        if let Some(scaler) = self.scaler.as_mut() {
-            scaler.step(&mut self.optimizer, &params, self.config.clip)?;
-            return Ok(());
-        }
-        if !loss.is_finite() {
-            return Err(PrecisionError::NonFiniteLoss { loss }.into());
-        }
-        if let Some(index) = params.iter().position(|param| !grad_is_finite(param)) {
-            return Err(PrecisionError::NonFiniteGradient { index }.into());
-        }
-        if let Some(max_norm) = self.config.clip {
-            clip_grad_norm(&params, max_norm)?;
-        }
-        self.optimizer.step();
+        let mut recorder = PhaseRecorder {
+            step,
+            base: self.base_live,
+            timeline,
+        };
+        let report = train_step_mixed_observed(
+            &self.model,
+            micro_batches,
+            batch_loss,
+            &mut self.optimizer,
+            self.config.precision,
+            self.scaler.as_mut(),
+            self.config.clip,
+            &mut recorder,
+        )?;
+        timeline.losses.push(report.loss);
         Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use tl_precision::{Precision, train_step_mixed};
+    use tl_precision::{Precision, PrecisionError, train_step_mixed};
 
     use super::*;
     use crate::TrainError;
-    use crate::model::{Checkpointing, Llama};
+    use crate::model::Checkpointing;
     use crate::train::TrainConfig;
 
     fn tiny_config(precision: Precision, checkpointing: Checkpointing) -> TrainConfig {
@@ -123,7 +97,7 @@ mod tests {
     }
 
     /// Warms up two sessions of `config`, then takes one step in each: recorded in one, with
-    /// `train_step_mixed` in the other.
+    /// `train_step_mixed` under the meter's recorder in the other.
     fn recorded_and_reference(config: &TrainConfig) -> (Session, Session, Timeline) {
         let mut recorded = Session::new(config).unwrap();
         let mut reference = Session::new(config).unwrap();
@@ -133,20 +107,29 @@ mod tests {
         assert_eq!(batches, reference.next_micro_batches());
         let mut timeline = Timeline::new("t".into(), config.checkpointing, recorded.live());
         recorded.recorded_step(0, &batches, &mut timeline).unwrap();
-        let report = train_step_mixed(
-            &reference.model,
-            &batches,
-            |model: &Llama<f32>, b: &Batch| {
-                model
-                    .loss(&b.inputs, &b.targets, b.rows, b.context)
-                    .unwrap()
-            },
-            &mut reference.optimizer,
-            config.precision,
-            reference.scaler.as_mut(),
-            config.clip,
-        )
-        .unwrap();
+        let (report, events) = memory::record(|| {
+            train_step_mixed(
+                &reference.model,
+                &batches,
+                batch_loss,
+                &mut reference.optimizer,
+                config.precision,
+                reference.scaler.as_mut(),
+                config.clip,
+            )
+            .unwrap()
+        });
+        // The recording is the step itself: the same allocations and frees, in order.
+        let sizes: Vec<(bool, u64)> = events
+            .iter()
+            .map(|e| (e.kind == memory::EventKind::Alloc, e.bytes as u64))
+            .collect();
+        let recorded_sizes: Vec<(bool, u64)> = timeline
+            .events
+            .iter()
+            .map(|e| (e.kind == super::super::EventKind::Alloc, e.bytes))
+            .collect();
+        assert!(sizes == recorded_sizes, "the recorded step's events differ");
         assert_eq!(timeline.losses, [report.loss]);
         (recorded, reference, timeline)
     }

@@ -1,5 +1,5 @@
-//! The backward sweep of the [`DryRun`]: tl-tensor's order, in-flight gradients, and the
-//! checkpoint node that reruns its segment.
+//! The backward sweep of the [`DryRun`]: tl-tensor's order (the same function), in-flight
+//! gradients, and the checkpoint node that reruns its segment.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -48,32 +48,20 @@ impl DryRun {
         self.record(bytes, tag(layer, TensorKind::ResidualStream), &parents, vjp)
     }
 
-    /// The nodes reachable from `root`, each before its parents, in tl-tensor's order.
+    /// The nodes reachable from `root`, each before its parents: tl-tensor's own order
+    /// ([`tl_tensor::topological_order`]), run on the replica's nodes.
     fn topological_order(&self, root: usize) -> Vec<usize> {
-        let mut post_order = Vec::new();
-        let mut visited = vec![false; self.nodes.len()];
-        let mut stack = vec![(root, false)];
-        while let Some((node, expanded)) = stack.pop() {
-            if expanded {
-                post_order.push(node);
-                continue;
-            }
-            if std::mem::replace(&mut visited[node], true) {
-                continue;
-            }
-            stack.push((node, true));
-            if let NodeKind::Op { parents, vjp } = &self.nodes[node].kind {
-                assert!(vjp.is_some(), "backward through a swept graph");
-                stack.extend(
-                    parents
-                        .iter()
-                        .filter(|&&p| !visited[p])
-                        .map(|&p| (p, false)),
-                );
-            }
-        }
-        post_order.reverse();
-        post_order
+        tl_tensor::topological_order(
+            root,
+            |&node| node,
+            |&node| match &self.nodes[node].kind {
+                NodeKind::Leaf { .. } => Vec::new(),
+                NodeKind::Op { parents, vjp } => {
+                    assert!(vjp.is_some(), "backward through a swept graph");
+                    parents.clone()
+                }
+            },
+        )
     }
 
     /// `backward_with`: sweeps the graph behind `root`, starting from a gradient of

@@ -1,0 +1,454 @@
+//! The fused causal attention kernel, `softmax(q·kᵀ·scale + M)·v` for every head, forward
+//! and backward, as flash attention computes it but for a CPU's caches:
+//!
+//! - **One task per (sequence, head).** Each reads its head's columns of `q`, `k` and `v`
+//!   (`[B, T, d]`, heads side by side) where they are, and writes its columns of the
+//!   `[B, T, d]` result: no head-split or merge copies. The `B·H` tasks go to the rayon pool;
+//!   each runs its products on one thread ([`gemm_serial_into`]).
+//! - **Blocks of query rows.** Rows `r0..r1` only see keys `0..r1`, so a block multiplies
+//!   `q[r0..r1]` by `k[..r1]ᵀ` — the upper triangle past the block is never computed — and its
+//!   `(r1−r0)×r1` scores stay in cache through the softmax and the product with `v[..r1]`.
+//! - **Nothing of size `T×T` is kept.** The forward pass returns each row's maximum and sum;
+//!   the backward pass recomputes the probabilities from them, with the same products on the
+//!   same operands and the same formula, so they are the forward pass's bits exactly.
+//! - **Where it rounds is a parameter.** This crate knows nothing of number formats: a
+//!   [`Rounding`] says how to round values and gradients, and the kernel applies it exactly
+//!   where the separate ops' casts would stand under autocast (see tinyllm's model for the
+//!   op that wires it to tl-precision).
+//!
+//! Every split is a function of the shape, so the result has the same bits on any number of
+//! threads.
+
+use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewMut2, Axis, Ix2, IxDyn, s};
+use rayon::prelude::*;
+
+use super::gemm::gemm_serial_into;
+use super::rows::{contiguous, copy_rows, lane_dot, lane_sum};
+use crate::{Element, Finisher};
+
+/// Query rows per block: 64 rows of up to 512 scores (128 KiB in f32) and their gradient
+/// fit in a core's L2 cache next to the head's keys and values.
+pub const ROW_BLOCK: usize = 64;
+
+/// How the kernel rounds, when it emulates 16-bit products: `values` rounds operands, scores,
+/// probabilities and the output in place; `gradients` rounds a gradient in place and returns
+/// how many of its values it flushed to zero. Both are called from the pool's threads, on
+/// blocks the kernel has in cache.
+pub struct Rounding<'a, E> {
+    /// Rounds values in place.
+    pub values: &'a Finisher<'a, E>,
+    /// Rounds gradient values in place; returns how many became zero.
+    pub gradients: &'a (dyn Fn(&mut [E]) -> u64 + Sync + 'a),
+}
+
+/// The geometry of one fused attention: `batch` sequences of `time` positions, `n_heads`
+/// heads of `head_dim` columns each, scores multiplied by `scale` (usually `1/√head_dim`)
+/// before the causal mask and the softmax.
+///
+/// ```
+/// use tl_tensor::kernels::attention::CausalAttention;
+/// use tl_tensor::ndarray::{ArrayD, IxDyn};
+///
+/// let kernel = CausalAttention { batch: 1, time: 2, n_heads: 1, head_dim: 1, scale: 1.0_f64 };
+/// let q = ArrayD::from_shape_vec(IxDyn(&[1, 2, 1]), vec![0.0, 0.0]).unwrap();
+/// let v = ArrayD::from_shape_vec(IxDyn(&[1, 2, 1]), vec![1.0, 3.0]).unwrap();
+/// let (out, _row_stats) = kernel.forward(&q, &q, &v, None);
+/// // Equal scores: row 0 sees v₀, row 1 the mean of v₀ and v₁.
+/// assert_eq!(out.iter().copied().collect::<Vec<_>>(), [1.0, 2.0]);
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct CausalAttention<E> {
+    /// Sequences.
+    pub batch: usize,
+    /// Positions per sequence.
+    pub time: usize,
+    /// Heads, side by side in the last axis.
+    pub n_heads: usize,
+    /// Columns per head.
+    pub head_dim: usize,
+    /// The factor applied to every score.
+    pub scale: E,
+}
+
+impl<E: Element> CausalAttention<E> {
+    /// The attention of every head of `q`, `k`, `v` (each `[B, T, d]`, heads side by side),
+    /// `[B, T, d]` laid out the same way, and each row's softmax maximum and sum for
+    /// [`backward`](Self::backward) (`[B, H, T, 2]` flattened). With `rounding`, the operands,
+    /// the scores, the probabilities and the output are rounded where 16-bit products would
+    /// round them.
+    ///
+    /// # Panics
+    /// If an array is not `[B, T, d]` of this geometry.
+    pub fn forward(
+        &self,
+        q: &ArrayD<E>,
+        k: &ArrayD<E>,
+        v: &ArrayD<E>,
+        rounding: Option<&Rounding<'_, E>>,
+    ) -> (ArrayD<E>, Vec<E>) {
+        let mut out = ArrayD::zeros(IxDyn(&[
+            self.batch,
+            self.time,
+            self.n_heads * self.head_dim,
+        ]));
+        let mut row_stats = vec![E::zero(); self.batch * self.n_heads * self.time * 2];
+        self.columns_mut(&mut out)
+            .into_par_iter()
+            .zip(row_stats.par_chunks_mut(self.stats_per_head()))
+            .enumerate()
+            .for_each(|(task, (out, stats))| {
+                let [q, k, v] = [q, k, v].map(|x| self.head(x, task));
+                self.forward_head([q, k, v], out, stats, rounding);
+            });
+        (out, row_stats)
+    }
+
+    /// The gradients of `q`, `k` and `v` for the output gradient `d_out`, from the inputs
+    /// and the row statistics of [`forward`](Self::forward), and how many gradient values
+    /// `rounding` flushed to zero. The probabilities are recomputed with the forward pass's
+    /// products and formula, so they are its bits; with `rounding`, every gradient is rounded
+    /// where a cast stands in the separate ops' graph (`dO`, `dP`, `dS`, `dq`, `dk`, `dv`).
+    ///
+    /// # Panics
+    /// If an array is not `[B, T, d]` of this geometry, or `row_stats` not the forward
+    /// pass's.
+    pub fn backward(
+        &self,
+        [q, k, v]: [&ArrayD<E>; 3],
+        row_stats: &[E],
+        d_out: &ArrayD<E>,
+        rounding: Option<&Rounding<'_, E>>,
+    ) -> ([ArrayD<E>; 3], u64) {
+        let shape = IxDyn(&[self.batch, self.time, self.n_heads * self.head_dim]);
+        let mut grads = [(); 3].map(|()| ArrayD::zeros(shape.clone()));
+        let [dq, dk, dv] = &mut grads;
+        let heads: Vec<_> = self
+            .columns_mut(dq)
+            .into_iter()
+            .zip(self.columns_mut(dk))
+            .zip(self.columns_mut(dv))
+            .collect();
+        let flushed = heads
+            .into_par_iter()
+            .zip(row_stats.par_chunks(self.stats_per_head()))
+            .enumerate()
+            .map(|(task, (((dq, dk), dv), stats))| {
+                let [q, k, v, d_out] = [q, k, v, d_out].map(|x| self.head(x, task));
+                self.backward_head([q, k, v], d_out, stats, [dq, dk, dv], rounding)
+            })
+            .sum();
+        (grads, flushed)
+    }
+
+    /// One head's forward pass; `stats` receives each row's maximum and sum.
+    fn forward_head(
+        &self,
+        inputs: [ArrayView2<'_, E>; 3],
+        mut out: ArrayViewMut2<'_, E>,
+        stats: &mut [E],
+        rounding: Option<&Rounding<'_, E>>,
+    ) {
+        let [q, k, v] = inputs.map(|x| operand(x, rounding));
+        let mut scratch = self.block_scratch();
+        for (start, end) in self.row_blocks() {
+            let mut probs = self.scores(&mut scratch, &q, &k, start, end, rounding);
+            let rows = probs.as_slice_mut().expect("contiguous block");
+            for (i, row) in rows.chunks_exact_mut(end).enumerate() {
+                let t = start + i;
+                let (live, masked) = row.split_at_mut(t + 1);
+                let max = live
+                    .iter()
+                    .fold(E::neg_infinity(), |m, &s| m.max(s * self.scale));
+                self.exponentials(live, max);
+                let sum = lane_sum(live);
+                for p in live.iter_mut() {
+                    *p /= sum;
+                }
+                masked.fill(E::zero());
+                stats[2 * t] = max;
+                stats[2 * t + 1] = sum;
+            }
+            if let Some(rounding) = rounding {
+                (rounding.values)(rows);
+            }
+            let mut out_rows = out.slice_mut(s![start..end, ..]);
+            gemm_serial_into(&mut out_rows, probs.view(), v.slice(s![..end, ..]), false);
+            if let Some(rounding) = rounding {
+                // A head's output rows are slices of the `[T, d]` result, `hd` apart.
+                for mut row in out_rows.rows_mut() {
+                    (rounding.values)(row.as_slice_mut().expect("a row of a head"));
+                }
+            }
+        }
+    }
+
+    /// One head's backward pass, writing the gradients of its columns of `q`, `k` and `v`;
+    /// returns the number of gradient values rounded to zero.
+    fn backward_head(
+        &self,
+        inputs: [ArrayView2<'_, E>; 3],
+        d_out: ArrayView2<'_, E>,
+        stats: &[E],
+        [mut dq, dk, dv]: [ArrayViewMut2<'_, E>; 3],
+        rounding: Option<&Rounding<'_, E>>,
+    ) -> u64 {
+        let [q, k, v] = inputs.map(|x| operand(x, rounding));
+        let mut flushed = 0;
+        // One head's blocks are small and this runs on a pool thread already: round on it.
+        let mut round_grad = |values: &mut [E]| {
+            if let Some(rounding) = rounding {
+                flushed += (rounding.gradients)(values);
+            }
+        };
+        let mut d_out = contiguous(d_out);
+        round_grad(d_out.as_slice_mut().expect("standard layout"));
+        let mut dk_sum = Array2::zeros((self.time, self.head_dim));
+        let mut dv_sum = Array2::zeros((self.time, self.head_dim));
+        let mut dq_block = Array2::zeros((ROW_BLOCK.min(self.time), self.head_dim));
+        let (mut scratch, mut d_scratch) = (self.block_scratch(), self.block_scratch());
+        for (start, end) in self.row_blocks() {
+            let d_out_rows = d_out.slice(s![start..end, ..]);
+            let mut probs = self.scores(&mut scratch, &q, &k, start, end, rounding);
+            let mut d_scores = ArrayViewMut2::from_shape(
+                (end - start, end),
+                &mut d_scratch[..(end - start) * end],
+            )
+            .expect("the scratch holds a block");
+            // dP = dO·vᵀ, then dS = scale·P ⊙ (dP − Σ_j dP_j P_j), row by row.
+            gemm_serial_into(&mut d_scores, d_out_rows, v.slice(s![..end, ..]).t(), false);
+            let p_rows = probs.as_slice_mut().expect("contiguous block");
+            let d_rows = d_scores.as_slice_mut().expect("contiguous block");
+            for (t, (p_row, d_row)) in row_pairs(p_rows, d_rows, start, end) {
+                let (max, sum) = (stats[2 * t], stats[2 * t + 1]);
+                let (p_live, p_masked) = p_row.split_at_mut(t + 1);
+                // The forward pass's formula on the forward pass's scores: the same bits.
+                self.exponentials(p_live, max);
+                for p in p_live.iter_mut() {
+                    *p /= sum;
+                }
+                p_masked.fill(E::zero());
+                d_row[t + 1..].fill(E::zero());
+            }
+            round_grad(d_rows); // dP (its masked zeros flush nothing)
+            for (t, (p_row, d_row)) in row_pairs(p_rows, d_rows, start, end) {
+                let (p_live, d_live) = (&p_row[..=t], &mut d_row[..=t]);
+                let dot = lane_dot(d_live, p_live);
+                for (d, &p) in d_live.iter_mut().zip(p_live) {
+                    *d = self.scale * p * (*d - dot);
+                }
+            }
+            round_grad(d_rows); // dS
+            if let Some(rounding) = rounding {
+                (rounding.values)(p_rows); // P·V read rd(P)
+            }
+            let (probs, d_scores) = (probs.view(), d_scores.view());
+            // dv[..end] += Pᵀ·dO, dk[..end] += dSᵀ·q, dq[rows] = dS·k.
+            let keys = s![..end, ..];
+            gemm_serial_into(&mut dv_sum.slice_mut(keys), probs.t(), d_out_rows, true);
+            gemm_serial_into(
+                &mut dk_sum.slice_mut(keys),
+                d_scores.t(),
+                q.slice(s![start..end, ..]),
+                true,
+            );
+            let mut dq_rows = dq_block.slice_mut(s![..end - start, ..]);
+            gemm_serial_into(&mut dq_rows, d_scores, k.slice(keys), false);
+            round_grad(dq_rows.as_slice_mut().expect("the front rows of a matrix"));
+            copy_rows(dq.slice_mut(s![start..end, ..]), dq_rows.view());
+        }
+        round_grad(dk_sum.as_slice_mut().expect("standard layout"));
+        round_grad(dv_sum.as_slice_mut().expect("standard layout"));
+        copy_rows(dk, dk_sum.view());
+        copy_rows(dv, dv_sum.view());
+        flushed
+    }
+
+    /// `e^(scale·s − max)` for each score `s` of a row, in place: the softmax's numerators.
+    fn exponentials(&self, row: &mut [E], max: E) {
+        for s in row.iter_mut() {
+            *s = *s * self.scale - max;
+        }
+        E::exp_in_place(row);
+    }
+
+    /// `S = q[start..end]·k[..end]ᵀ` (rounded under autocast) in the front of `scratch`.
+    fn scores<'s>(
+        &self,
+        scratch: &'s mut [E],
+        q: &Array2<E>,
+        k: &Array2<E>,
+        start: usize,
+        end: usize,
+        rounding: Option<&Rounding<'_, E>>,
+    ) -> ArrayViewMut2<'s, E> {
+        let mut block =
+            ArrayViewMut2::from_shape((end - start, end), &mut scratch[..(end - start) * end])
+                .expect("the scratch holds a block");
+        gemm_serial_into(
+            &mut block,
+            q.slice(s![start..end, ..]),
+            k.slice(s![..end, ..]).t(),
+            false,
+        );
+        if let Some(rounding) = rounding {
+            (rounding.values)(block.as_slice_mut().expect("contiguous block"));
+        }
+        block
+    }
+
+    /// The row statistics of one head: a maximum and a sum per position (at least 1, so that
+    /// chunking an empty sequence's statistics is well defined).
+    fn stats_per_head(&self) -> usize {
+        (2 * self.time).max(1)
+    }
+
+    /// Room for one block of scores.
+    fn block_scratch(&self) -> Vec<E> {
+        vec![E::zero(); ROW_BLOCK.min(self.time) * self.time]
+    }
+
+    /// The `(start, end)` of each block of query rows.
+    fn row_blocks(&self) -> impl Iterator<Item = (usize, usize)> + use<E> {
+        let time = self.time;
+        (0..time)
+            .step_by(ROW_BLOCK)
+            .map(move |start| (start, (start + ROW_BLOCK).min(time)))
+    }
+
+    /// Task `task`'s `[T, hd]` head of a `[B, T, d]` array: sequence `task / H`, head
+    /// `task % H`.
+    fn head<'a>(&self, x: &'a ArrayD<E>, task: usize) -> ArrayView2<'a, E> {
+        let (b, h) = (task / self.n_heads, task % self.n_heads);
+        let columns = h * self.head_dim..(h + 1) * self.head_dim;
+        x.slice(s![b, .., columns])
+            .into_dimensionality::<Ix2>()
+            .expect("a sequence's head is 2-D")
+    }
+
+    /// Every task's head of a `[B, T, d]` array, writable, in task order.
+    fn columns_mut<'a>(&self, x: &'a mut ArrayD<E>) -> Vec<ArrayViewMut2<'a, E>> {
+        let mut heads = Vec::with_capacity(self.batch * self.n_heads);
+        for sequence in x.axis_iter_mut(Axis(0)) {
+            let mut rest = sequence
+                .into_dimensionality::<Ix2>()
+                .expect("a sequence is 2-D");
+            for _ in 1..self.n_heads {
+                let (head, tail) = rest.split_at(Axis(1), self.head_dim);
+                heads.push(head);
+                rest = tail;
+            }
+            heads.push(rest);
+        }
+        heads
+    }
+}
+
+/// The rows of a block of probabilities and of their gradient, side by side, with the
+/// position `t` of each (rows `start..end`, each `end` wide).
+fn row_pairs<'a, E>(
+    probs: &'a mut [E],
+    grads: &'a mut [E],
+    start: usize,
+    end: usize,
+) -> impl Iterator<Item = (usize, (&'a mut [E], &'a mut [E]))> {
+    probs
+        .chunks_exact_mut(end)
+        .zip(grads.chunks_exact_mut(end))
+        .enumerate()
+        .map(move |(i, rows)| (start + i, rows))
+}
+
+/// A head's `[T, hd]` operand as a contiguous matrix, rounded if asked.
+///
+/// Copied row by row, then rounded in one call: rounding each `hd`-element row as it is
+/// copied saves a pass over cached data but pays a call per row, and measured slower.
+fn operand<E: Element>(x: ArrayView2<'_, E>, rounding: Option<&Rounding<'_, E>>) -> Array2<E> {
+    let mut owned = contiguous(x);
+    if let Some(rounding) = rounding {
+        (rounding.values)(owned.as_slice_mut().expect("standard layout"));
+    }
+    owned
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Generator;
+    use crate::testing::random_array;
+
+    /// `softmax(q·kᵀ·scale + M)·v` one row at a time, the textbook way.
+    fn naive(kernel: &CausalAttention<f64>, [q, k, v]: [&ArrayD<f64>; 3]) -> ArrayD<f64> {
+        let mut out = ArrayD::zeros(q.raw_dim());
+        let hd = kernel.head_dim;
+        for (b, h, t) in (0..kernel.batch).flat_map(|b| {
+            (0..kernel.n_heads).flat_map(move |h| (0..kernel.time).map(move |t| (b, h, t)))
+        }) {
+            let cols = h * hd..(h + 1) * hd;
+            let score = |j: usize| {
+                cols.clone()
+                    .map(|c| q[[b, t, c]] * k[[b, j, c]])
+                    .sum::<f64>()
+                    * kernel.scale
+            };
+            let scores: Vec<f64> = (0..=t).map(score).collect();
+            let max = scores.iter().fold(f64::NEG_INFINITY, |m, &s| m.max(s));
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = weights.iter().sum();
+            for c in cols.clone() {
+                out[[b, t, c]] = (0..=t).map(|j| weights[j] / sum * v[[b, j, c]]).sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_blocked_forward_pass_is_the_textbook_attention() {
+        let rng = Generator::new(7);
+        // 70 positions: a full block of 64 rows and a partial one.
+        let kernel = CausalAttention {
+            batch: 2,
+            time: ROW_BLOCK + 6,
+            n_heads: 2,
+            head_dim: 4,
+            scale: 0.5,
+        };
+        let shape = [2, ROW_BLOCK + 6, 8];
+        let [q, k, v] = [(); 3].map(|()| random_array(&shape, &rng));
+        let (out, _) = kernel.forward(&q, &k, &v, None);
+        let expected = naive(&kernel, [&q, &k, &v]);
+        for (x, y) in out.iter().zip(&expected) {
+            assert!((x - y).abs() < 1e-12, "{x} vs {y}");
+        }
+    }
+
+    #[test]
+    fn rounding_is_applied_and_gradient_flushes_are_counted() {
+        let rng = Generator::new(8);
+        let kernel = CausalAttention {
+            batch: 1,
+            time: 5,
+            n_heads: 1,
+            head_dim: 3,
+            scale: 1.0,
+        };
+        let shape = [1, 5, 3];
+        let [q, k, v, d_out] = [(); 4].map(|()| random_array(&shape, &rng));
+        // A "format" that keeps only whole numbers, and flushes every gradient to zero.
+        let values = |xs: &mut [f64]| xs.iter_mut().for_each(|x| *x = x.round());
+        let gradients = |xs: &mut [f64]| {
+            xs.fill(0.0);
+            xs.len() as u64
+        };
+        let rounding = Rounding {
+            values: &values,
+            gradients: &gradients,
+        };
+        let (out, stats) = kernel.forward(&q, &k, &v, Some(&rounding));
+        assert!(out.iter().all(|x| x.fract() == 0.0));
+        let (grads, flushed) = kernel.backward([&q, &k, &v], &stats, &d_out, Some(&rounding));
+        assert!(grads.iter().flatten().all(|&g| g == 0.0));
+        // dO first (15 values), then per block dP and dS (the 5×5 block twice), dq (15),
+        // and dk, dv (15 each).
+        assert_eq!(flushed, 15 + 2 * 25 + 15 + 2 * 15);
+    }
+}
