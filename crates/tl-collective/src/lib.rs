@@ -13,7 +13,7 @@
 //! - [`RingComm`]: the course's ring over Unix-domain sockets between processes of one
 //!   machine, written by hand: reduce-scatter then all-gather, bandwidth-optimal, in a fixed
 //!   summation order (the same bits on every rank and every run), failing with a typed error
-//!   within a bound when a rank dies.
+//!   within a bound when a rank dies. [`launch::launch`] starts the ranks.
 //! - `MpiComm` (feature `mpi`): MPI's own collectives, or the ring over MPI point-to-point for
 //!   deterministic sums, for runs across machines under `mpirun`.
 //!
@@ -38,10 +38,14 @@
 //! # Ok::<(), tl_collective::CollectiveError>(())
 //! ```
 
+pub mod bandwidth;
 mod communicator;
 mod element;
 mod env;
 mod error;
+pub mod launch;
+#[cfg(feature = "mpi")]
+mod mpi_comm;
 mod ring;
 mod schedule;
 mod shard;
@@ -54,6 +58,8 @@ pub use env::{
     RingConfig, format_secret, timeout_from_env,
 };
 pub use error::{CallHeader, CollectiveError, Result};
+#[cfg(feature = "mpi")]
+pub use mpi_comm::{MpiComm, MpiMode};
 pub use ring::{RingComm, socket_path};
 pub use schedule::reference_all_reduce;
 pub use shard::shard_range;

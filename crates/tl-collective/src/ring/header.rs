@@ -57,6 +57,30 @@ fn decode(bytes: &[u8]) -> CallHeader {
     }
 }
 
+/// The header as five words (op and element, len, root, seq, magic), for backends that gather words.
+pub(crate) fn to_words(header: &CallHeader) -> [u64; 5] {
+    let bytes = encode(header);
+    [
+        u64::from(bytes[0]) | (u64::from(bytes[1]) << 8),
+        header.len as u64,
+        header.root as u64,
+        header.seq,
+        MAGIC,
+    ]
+}
+
+/// The inverse of [`to_words`].
+pub(crate) fn from_words(words: &[u64]) -> CallHeader {
+    let mut bytes = [0u8; HEADER_LEN];
+    bytes[0] = words[0] as u8;
+    bytes[1] = (words[0] >> 8) as u8;
+    bytes[8..16].copy_from_slice(&words[1].to_le_bytes());
+    bytes[16..24].copy_from_slice(&words[2].to_le_bytes());
+    bytes[24..32].copy_from_slice(&words[3].to_le_bytes());
+    bytes[32..40].copy_from_slice(&words[4].to_le_bytes());
+    decode(&bytes)
+}
+
 /// Gathers every rank's header round the ring; identical headers pass, anything else is a
 /// [`CollectiveError::Mismatch`] listing them all (the same error on every rank).
 pub(crate) fn exchange_headers(
@@ -94,6 +118,7 @@ mod tests {
             seq: 7,
         };
         assert_eq!(decode(&encode(&header)), header);
+        assert_eq!(from_words(&to_words(&header)), header);
         assert_eq!(decode(&[0xff; HEADER_LEN]).op, "<garbled>");
     }
 }

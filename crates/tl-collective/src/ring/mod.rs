@@ -6,7 +6,7 @@
 //! disagree all fail with the same [`CollectiveError::Mismatch`]; that costs N−1 small
 //! hops of latency per call, nothing in bandwidth.
 
-mod header;
+pub(crate) mod header;
 mod link;
 mod setup;
 
@@ -121,7 +121,11 @@ impl RingComm {
 }
 
 /// Two disjoint parts of `data`: one to read, one to write.
-fn split_pair<T>(data: &mut [T], read: Range<usize>, write: Range<usize>) -> (&[T], &mut [T]) {
+pub(crate) fn split_pair<T>(
+    data: &mut [T],
+    read: Range<usize>,
+    write: Range<usize>,
+) -> (&[T], &mut [T]) {
     if read.end <= write.start {
         let (low, high) = data.split_at_mut(write.start);
         (&low[read], &mut high[..write.len()])
