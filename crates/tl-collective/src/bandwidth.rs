@@ -54,7 +54,7 @@ pub fn memcpy_bandwidth(bytes: usize, budget: Duration) -> f64 {
 }
 
 /// All-reduces `bytes` of f32 for about `budget` on every rank (which must all call this),
-/// after one warm-up call; the ranks agree on the count of calls.
+/// after two warm-up calls; the ranks agree on the count of calls.
 ///
 /// # Errors
 /// The communicator's.
@@ -72,6 +72,8 @@ pub fn measure_all_reduce(
     let memcpy = comm.all_reduce_max_f32(memcpy as f32)? as f64;
     // Zeros stay zeros, so repeated sums never reach infinities or subnormals.
     let mut buf = vec![0.0f32; bytes / 4];
+    // The first call pays for page faults; the second one sets the pace.
+    comm.all_reduce_sum((&mut buf).into())?;
     let warm = Instant::now();
     comm.all_reduce_sum((&mut buf).into())?;
     let once = warm.elapsed().as_secs_f64().max(1e-6);

@@ -206,8 +206,11 @@ fn rank_entry() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
     };
-    let config = RingConfig::from_env().unwrap().expect("a ring environment");
-    let comm = RingComm::connect(config).unwrap();
+    // Errors as their messages, which the tests read from stderr.
+    let config = RingConfig::from_env()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("a ring environment");
+    let comm = RingComm::connect(config).unwrap_or_else(|e| panic!("{e}"));
     match scenario.as_str() {
         "reference" => scenario_reference(comm),
         "kill" => scenario_kill(comm),
@@ -289,4 +292,22 @@ fn lengths_that_disagree_fail_on_every_rank() {
     let runs = run_world(3, "mismatch", &[], DEADLINE);
     assert_all_succeeded(&runs);
     assert!(runs.iter().all(|r| r.get("error") == Some("Mismatch")));
+}
+
+#[test]
+fn a_malformed_variable_is_an_error_naming_it() {
+    let runs = run_world(
+        1,
+        "reference",
+        &[("TINYLLM_RANK", "first".into())],
+        DEADLINE,
+    );
+    assert!(!runs[0].status.success());
+    assert!(
+        runs[0]
+            .stderr
+            .contains("environment variable TINYLLM_RANK=\"first\""),
+        "{}",
+        runs[0].stderr
+    );
 }

@@ -58,6 +58,7 @@ fn decode(bytes: &[u8]) -> CallHeader {
 }
 
 /// The header as five words (op and element, len, root, seq, magic), for backends that gather words.
+#[cfg(any(test, feature = "mpi"))]
 pub(crate) fn to_words(header: &CallHeader) -> [u64; 5] {
     let bytes = encode(header);
     [
@@ -70,6 +71,7 @@ pub(crate) fn to_words(header: &CallHeader) -> [u64; 5] {
 }
 
 /// The inverse of [`to_words`].
+#[cfg(any(test, feature = "mpi"))]
 pub(crate) fn from_words(words: &[u64]) -> CallHeader {
     let mut bytes = [0u8; HEADER_LEN];
     bytes[0] = words[0] as u8;
