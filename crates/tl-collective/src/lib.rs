@@ -21,9 +21,9 @@
 //! [`Single`]; code written against `Box<dyn Communicator>` runs unchanged on one process:
 //!
 //! ```
-//! use tl_collective::{Communicator, shard_range};
+//! use tl_collective::{Communicator, Single, shard_range};
 //!
-//! let mut comm = tl_collective::from_env()?; // no launcher here: a world of one
+//! let mut comm: Box<dyn Communicator> = Box::new(Single::new()); // or tl_collective::from_env()?
 //! let (rank, n) = (comm.rank(), comm.world_size());
 //! let mut grads = vec![0.5f32; 10];
 //! comm.all_reduce_sum((&mut grads).into())?;
@@ -64,6 +64,11 @@ pub use ring::{RingComm, socket_path};
 pub use schedule::reference_all_reduce;
 pub use shard::shard_range;
 pub use single::Single;
+
+/// The user guide `docs/collectives.md`, compiled as a doctest so its examples stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/collectives.md")]
+pub struct CollectivesGuide;
 
 /// The communicator the environment describes: the ring when a launcher set
 /// [`ENV_WORLD_SIZE`] (and the other `TINYLLM_*` variables), else a world of one.
