@@ -100,6 +100,9 @@ pub enum TrainError {
     /// A checkpointing schedule that cannot be built.
     #[error(transparent)]
     Recompute(#[from] RecomputeError),
+    /// A collective or a launched rank failed.
+    #[error(transparent)]
+    Collective(#[from] tl_collective::CollectiveError),
     /// An optimizer argument or state the tensor library rejected.
     #[error(transparent)]
     Tensor(#[from] TensorError),

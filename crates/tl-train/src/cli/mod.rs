@@ -1,6 +1,8 @@
 //! The `tinyllm` command line: argument parsing (clap) and the subcommands.
 
+mod comm_bench;
 mod compare;
+mod launch;
 mod plan;
 mod profile;
 mod sample;
@@ -31,6 +33,10 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Record live tensor memory over a training step and draw the timeline.
     Profile(profile::ProfileArgs),
+    /// Run a tinyllm command as N ranks on this machine (the ring backend): launch -n N -- CMD.
+    Launch(launch::LaunchArgs),
+    /// Measure all-reduce bandwidth (under `tinyllm launch`, or mpirun with --backend mpi).
+    CommBench(comm_bench::CommBenchArgs),
 }
 
 /// The model and the recipe of a training step, as `tinyllm train`, `plan` and `profile`
@@ -200,6 +206,8 @@ where
         Command::Compare(args) => compare::compare_command(&args),
         Command::Plan(args) => plan::plan(&args),
         Command::Profile(args) => profile::profile(&args),
+        Command::Launch(args) => launch::launch(&args),
+        Command::CommBench(args) => comm_bench::comm_bench(&args),
     };
     outcome.map_err(CliError::Run)
 }

@@ -1,0 +1,172 @@
+//! The MPI backend's tests, run as the ranks of `mpirun -np N`: every collective in both
+//! modes against the sequential reference (bit for bit in the ring mode, to a tolerance in
+//! the native one, identical on every rank in both), and ranks that disagree. Exits non-zero
+//! (and so does mpirun) on the first failure.
+//!
+//! ```text
+//! cargo build -p tl-collective --features mpi --examples
+//! mpirun --allow-run-as-root -np 4 --oversubscribe target/debug/examples/mpi_check
+//! ```
+
+use tl_collective::{
+    CollectiveError, Communicator, Element, MpiComm, MpiMode, ReduceOp, reference_all_reduce,
+    shard_range,
+};
+
+fn values(seed: u64, len: usize) -> Vec<f64> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
+            unit * [1.0, 1e-3, 1e4, 1e-7][(state % 4) as usize]
+        })
+        .collect()
+}
+
+trait Value: Element + Into<f64> {
+    fn from_f64(x: f64) -> Self;
+    fn bits(self) -> u64;
+}
+
+impl Value for f32 {
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+    fn bits(self) -> u64 {
+        u64::from(self.to_bits())
+    }
+}
+
+impl Value for f64 {
+    fn from_f64(x: f64) -> Self {
+        x
+    }
+    fn bits(self) -> u64 {
+        self.to_bits()
+    }
+}
+
+fn bits<T: Value>(xs: &[T]) -> Vec<u64> {
+    xs.iter().map(|&x| x.bits()).collect()
+}
+
+/// Every rank holds the same bits as rank 0.
+fn assert_same_on_every_rank<T: Value>(comm: &mut MpiComm, xs: &[T], what: &str) {
+    let mut root_copy = xs.to_vec();
+    comm.broadcast((&mut root_copy).into(), 0).unwrap();
+    assert_eq!(
+        bits(xs),
+        bits(&root_copy),
+        "{what}: rank {} differs from rank 0",
+        comm.rank()
+    );
+}
+
+fn check<T: Value>(comm: &mut MpiComm, len: usize) {
+    let (rank, n, mode) = (comm.rank(), comm.world_size(), comm.mode());
+    let what = format!("{mode:?} {} len {len}", T::NAME);
+    let inputs: Vec<Vec<T>> = (0..n)
+        .map(|q| {
+            values((q * 1000 + len) as u64, len)
+                .into_iter()
+                .map(T::from_f64)
+                .collect()
+        })
+        .collect();
+    let refs: Vec<&[T]> = inputs.iter().map(Vec::as_slice).collect();
+    let expected = reference_all_reduce(&refs, ReduceOp::Sum);
+    let close = |got: &[T], want: &[T], i0: usize| {
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            let magnitude: f64 = inputs.iter().map(|x| x[i0 + i].into().abs()).sum();
+            let eps = if T::NAME == "f32" { 1e-6 } else { 1e-14 };
+            let (g, w): (f64, f64) = (g.into(), w.into());
+            assert!(
+                (g - w).abs() <= eps * magnitude * n as f64,
+                "{what}: element {i}: {g} vs {w}"
+            );
+        }
+    };
+
+    let mut buf = inputs[rank].clone();
+    comm.all_reduce_sum((&mut buf).into()).unwrap();
+    match mode {
+        MpiMode::Ring => assert_eq!(bits(&buf), bits(&expected), "{what}: all_reduce_sum"),
+        MpiMode::Native => close(&buf, &expected, 0),
+    }
+    assert_same_on_every_rank(comm, &buf, &what);
+
+    let mut buf = inputs[rank].clone();
+    comm.all_reduce((&mut buf).into(), ReduceOp::Max).unwrap();
+    assert_eq!(
+        bits(&buf),
+        bits(&reference_all_reduce(&refs, ReduceOp::Max)),
+        "{what}: max"
+    );
+
+    let own = shard_range(len, n, rank);
+    let mut shard = vec![T::zeroed(); own.len()];
+    comm.reduce_scatter_sum((&inputs[rank]).into(), (&mut shard).into())
+        .unwrap();
+    match mode {
+        MpiMode::Ring => assert_eq!(
+            bits(&shard),
+            bits(&expected[own.clone()]),
+            "{what}: reduce_scatter"
+        ),
+        MpiMode::Native => close(&shard, &expected[own.clone()], own.start),
+    }
+
+    let mut gathered = vec![T::zeroed(); len];
+    comm.all_gather((&inputs[rank][own]).into(), (&mut gathered).into())
+        .unwrap();
+    let concatenated: Vec<T> = (0..n)
+        .flat_map(|q| inputs[q][shard_range(len, n, q)].to_vec())
+        .collect();
+    assert_eq!(bits(&gathered), bits(&concatenated), "{what}: all_gather");
+
+    let root = len % n;
+    let mut buf = inputs[rank].clone();
+    comm.broadcast((&mut buf).into(), root).unwrap();
+    assert_eq!(bits(&buf), bits(&inputs[root]), "{what}: broadcast");
+}
+
+fn main() {
+    let mut comm = MpiComm::init(MpiMode::Ring).expect("MPI");
+    let n = comm.world_size();
+    for mode in [MpiMode::Ring, MpiMode::Native] {
+        comm.set_mode(mode);
+        for len in [
+            0,
+            1,
+            n.saturating_sub(1),
+            n + 1,
+            37 * n + n / 2 + 1,
+            786_433,
+        ] {
+            check::<f32>(&mut comm, len);
+            check::<f64>(&mut comm, len);
+        }
+        assert_eq!(
+            comm.all_reduce_max_f32(comm.rank() as f32).unwrap(),
+            (n - 1) as f32
+        );
+        let total = comm.all_reduce_sum_f64(1.0).unwrap();
+        assert_eq!(total, n as f64);
+        comm.barrier().unwrap();
+    }
+    // Lengths that disagree: the same typed error on every rank, and the communicator
+    // still works afterwards (every rank stopped at the header).
+    let mut buf = vec![0.0f64; if comm.rank() == 0 { 10 } else { 12 }];
+    match comm.all_reduce_sum((&mut buf).into()) {
+        Err(CollectiveError::Mismatch { calls }) if n > 1 => assert_eq!(calls[0].len, 10),
+        Ok(()) if n == 1 => {}
+        other => panic!("rank {}: expected a mismatch, got {other:?}", comm.rank()),
+    }
+    comm.barrier().unwrap();
+    if comm.rank() == 0 {
+        println!("mpi_check: {n} ranks, ring and native modes: ok");
+    }
+}

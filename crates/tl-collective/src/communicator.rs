@@ -1,0 +1,169 @@
+//! The [`Communicator`] trait every backend implements, and its counters.
+
+use crate::element::{ReduceOp, Slice, SliceMut};
+use crate::error::{CollectiveError, Result};
+use crate::shard::shard_range;
+
+/// Counters of a communicator, for tests and reports ("no collective during the first
+/// micro-batches", "bytes sent per step"). Take two readings and subtract.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CommStats {
+    /// Collective calls made (including barriers and the scalar helpers).
+    pub collectives: u64,
+    /// Bytes this rank wrote to its peers, headers included (0 for [`Single`](crate::Single);
+    /// for MPI's own collectives, the bytes the bandwidth-optimal algorithm would send, since
+    /// MPI does not say what it sent).
+    pub bytes_sent: u64,
+}
+
+/// A group of `world_size()` processes that run collectives together: every rank must make
+/// the same calls, in the same order, with the same lengths (a disagreement is detected and
+/// reported on every rank as [`CollectiveError::Mismatch`]).
+///
+/// Buffers are type-erased [`Slice`]/[`SliceMut`] views of `&[f32]`/`&[f64]`, made with
+/// `.into()`, so that the trait is object-safe and a run can hold a `Box<dyn Communicator>`
+/// whatever the backend.
+///
+/// Sharded collectives use [`shard_range`]: the input of [`all_gather`](Self::all_gather)
+/// and the output of [`reduce_scatter`](Self::reduce_scatter) are this rank's shard of the
+/// full buffer.
+///
+/// ```
+/// use tl_collective::{Communicator, Single};
+///
+/// let mut comm: Box<dyn Communicator> = Box::new(Single::new());
+/// let mut grads = vec![1.0f32, 2.0, 3.0];
+/// comm.all_reduce_sum((&mut grads).into())?;
+/// assert_eq!(grads, [1.0, 2.0, 3.0]);
+/// assert_eq!(comm.all_reduce_sum_f64(0.5)?, 0.5);
+/// # Ok::<(), tl_collective::CollectiveError>(())
+/// ```
+pub trait Communicator {
+    /// This process's rank, in `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// Number of processes in the group.
+    fn world_size(&self) -> usize;
+
+    /// Reduces `data` elementwise over all ranks, in place: every rank ends with the same
+    /// values.
+    ///
+    /// # Errors
+    /// [`CollectiveError::Mismatch`] if the ranks' calls disagree; a peer that exited or a
+    /// timeout; [`CollectiveError::Closed`] after an earlier failure.
+    fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> Result<()>;
+
+    /// Reduces `input` (the full buffer, same length on every rank) elementwise over all
+    /// ranks and writes this rank's shard of the result ([`shard_range`]) to `output`.
+    ///
+    /// # Errors
+    /// [`CollectiveError::BadBuffer`] if `output` is not this rank's shard long or the
+    /// element types differ; otherwise as [`all_reduce`](Self::all_reduce).
+    fn reduce_scatter(
+        &mut self,
+        input: Slice<'_>,
+        output: SliceMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()>;
+
+    /// Concatenates every rank's shard: `input` is this rank's shard ([`shard_range`]) of
+    /// `output`, which every rank receives whole.
+    ///
+    /// # Errors
+    /// [`CollectiveError::BadBuffer`] if `input` is not this rank's shard of `output` or the
+    /// element types differ; otherwise as [`all_reduce`](Self::all_reduce).
+    fn all_gather(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> Result<()>;
+
+    /// Copies `data` of rank `root` to every rank.
+    ///
+    /// # Errors
+    /// [`CollectiveError::InvalidRank`] for a root outside the world; otherwise as
+    /// [`all_reduce`](Self::all_reduce).
+    fn broadcast(&mut self, data: SliceMut<'_>, root: usize) -> Result<()>;
+
+    /// Returns once every rank has entered the barrier.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    fn barrier(&mut self) -> Result<()>;
+
+    /// The counters so far.
+    fn stats(&self) -> CommStats;
+
+    /// [`all_reduce`](Self::all_reduce) with [`ReduceOp::Sum`].
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    fn all_reduce_sum(&mut self, data: SliceMut<'_>) -> Result<()> {
+        self.all_reduce(data, ReduceOp::Sum)
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) with [`ReduceOp::Sum`].
+    ///
+    /// # Errors
+    /// As [`reduce_scatter`](Self::reduce_scatter).
+    fn reduce_scatter_sum(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> Result<()> {
+        self.reduce_scatter(input, output, ReduceOp::Sum)
+    }
+
+    /// The maximum of one value over all ranks (NaN if any rank has NaN): the global
+    /// "did any rank overflow" decision of a loss scaler.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    fn all_reduce_max_f32(&mut self, x: f32) -> Result<f32> {
+        let mut buf = [x];
+        self.all_reduce(SliceMut::F32(&mut buf), ReduceOp::Max)?;
+        Ok(buf[0])
+    }
+
+    /// The sum of one f64 over all ranks: the global squared gradient norm of clipping.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    fn all_reduce_sum_f64(&mut self, x: f64) -> Result<f64> {
+        let mut buf = [x];
+        self.all_reduce(SliceMut::F64(&mut buf), ReduceOp::Sum)?;
+        Ok(buf[0])
+    }
+}
+
+/// Checks the local shapes of a `reduce_scatter` (the output is this rank's shard).
+pub(crate) fn check_scatter(
+    op: &'static str,
+    full: usize,
+    shard: usize,
+    elements: (&'static str, &'static str),
+    world_size: usize,
+    rank: usize,
+) -> Result<()> {
+    if elements.0 != elements.1 {
+        return Err(CollectiveError::BadBuffer {
+            op,
+            reason: format!("input is {} but output is {}", elements.0, elements.1),
+        });
+    }
+    let expected = shard_range(full, world_size, rank).len();
+    if shard != expected {
+        return Err(CollectiveError::BadBuffer {
+            op,
+            reason: format!(
+                "the shard of rank {rank} of {full} elements over {world_size} ranks has \
+                 {expected} elements, got {shard}"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Checks a root.
+pub(crate) fn check_root(root: usize, world_size: usize) -> Result<()> {
+    if root >= world_size {
+        return Err(CollectiveError::InvalidRank {
+            what: "root",
+            value: root,
+            world_size,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,152 @@
+//! What can go wrong in a collective, as one typed error.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use thiserror::Error;
+
+/// Errors of tl-collective.
+///
+/// A collective that fails leaves its communicator unusable (the ring closes its sockets so
+/// that the neighbours learn of it at once instead of waiting for their timeout); every
+/// later call returns [`CollectiveError::Closed`].
+#[derive(Debug, Error)]
+pub enum CollectiveError {
+    /// A peer exited, was killed, or closed its end of the connection.
+    #[error("rank {rank} exited or closed its connection during {op}")]
+    PeerExited {
+        /// The neighbour whose connection closed (it may itself have stopped because another
+        /// rank failed first).
+        rank: usize,
+        /// The operation under way.
+        op: &'static str,
+    },
+    /// No byte moved for longer than the communicator's timeout.
+    #[error("{op} made no progress for {} ms (the communicator's timeout)", bound.as_millis())]
+    Timeout {
+        /// The operation under way.
+        op: &'static str,
+        /// The timeout that was exceeded.
+        bound: Duration,
+    },
+    /// The ranks called different collectives, on different element types or lengths.
+    #[error("ranks disagree on the collective: {}", describe(calls))]
+    Mismatch {
+        /// What each rank called, indexed by rank.
+        calls: Vec<CallHeader>,
+    },
+    /// A world size of zero, a rank outside it, or a root outside it.
+    #[error("invalid {what}: {value} (world size {world_size})")]
+    InvalidRank {
+        /// Which number is wrong (`rank`, `root`, `world size`).
+        what: &'static str,
+        /// The value given.
+        value: usize,
+        /// The world size.
+        world_size: usize,
+    },
+    /// Buffers whose lengths do not fit the collective on this rank (for example an
+    /// `all_gather` output that is not world-size shards long).
+    #[error("{op}: {reason}")]
+    BadBuffer {
+        /// The operation.
+        op: &'static str,
+        /// What does not fit.
+        reason: String,
+    },
+    /// An environment variable that is set but cannot be used.
+    #[error("environment variable {name}={value:?}: {reason}")]
+    BadEnv {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What was expected.
+        reason: String,
+    },
+    /// A connection to a rank's socket that did not present the run's secret (or did not
+    /// present itself as the expected neighbour). It was closed unread; this error is only
+    /// returned when no rightful neighbour connected before the timeout.
+    #[error("refused a connection on {}: {reason}", path.display())]
+    Refused {
+        /// The listening socket.
+        path: PathBuf,
+        /// What the connection got wrong.
+        reason: String,
+    },
+    /// A rank of a launched job failed.
+    #[error("rank {rank} failed: {status}{}", others_note(*others))]
+    RankFailed {
+        /// The first rank that failed.
+        rank: usize,
+        /// Its exit status or signal, as text.
+        status: String,
+        /// How many other ranks failed after it.
+        others: usize,
+    },
+    /// The communicator was used after an earlier collective failed.
+    #[error("the communicator is closed after an earlier error")]
+    Closed,
+    /// An error of the MPI backend.
+    #[error("MPI: {0}")]
+    Mpi(String),
+    /// An operating-system error, with what was being done.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
+}
+
+/// What one rank announced for a collective: every collective starts by exchanging these,
+/// so that a disagreement is an error on every rank and never a misread buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallHeader {
+    /// The collective's name (`all_reduce_sum`, `broadcast`, ...).
+    pub op: &'static str,
+    /// `f32` or `f64`.
+    pub element: &'static str,
+    /// The length that must agree between ranks (the full buffer's length).
+    pub len: usize,
+    /// The root of a broadcast, 0 otherwise.
+    pub root: usize,
+    /// How many collectives this rank made before this one.
+    pub seq: u64,
+}
+
+fn describe(calls: &[CallHeader]) -> String {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(rank, c)| {
+            format!(
+                "rank {rank}: {}<{}>(len {}, root {}) as call #{}",
+                c.op, c.element, c.len, c.root, c.seq
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn others_note(others: usize) -> String {
+    match others {
+        0 => String::new(),
+        1 => " (and 1 other rank after it)".to_string(),
+        n => format!(" (and {n} other ranks after it)"),
+    }
+}
+
+impl CollectiveError {
+    /// An [`CollectiveError::Io`] with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        CollectiveError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// The result of tl-collective's fallible functions.
+pub type Result<T> = std::result::Result<T, CollectiveError>;

@@ -1,0 +1,84 @@
+//! Collectives over processes: the communication layer of data-parallel training (L11.2).
+//!
+//! A [`Communicator`] joins `world_size()` processes; each has a `rank()`. Every rank calls
+//! the same collectives in the same order on slices of `f32` or `f64`:
+//! [`all_reduce_sum`](Communicator::all_reduce_sum),
+//! [`reduce_scatter_sum`](Communicator::reduce_scatter_sum) and
+//! [`all_gather`](Communicator::all_gather) (shards as [`shard_range`] lays them out),
+//! [`broadcast`](Communicator::broadcast), [`barrier`](Communicator::barrier), and the scalar
+//! helpers a trainer needs (the max of an overflow flag, the sum of a squared norm).
+//!
+//! Backends:
+//! - [`Single`]: a world of one, where every collective is a copy or nothing.
+//! - [`RingComm`]: the course's ring over Unix-domain sockets between processes of one
+//!   machine, written by hand: reduce-scatter then all-gather, bandwidth-optimal, in a fixed
+//!   summation order (the same bits on every rank and every run), failing with a typed error
+//!   within a bound when a rank dies. [`launch::launch`] starts the ranks.
+//! - `MpiComm` (feature `mpi`): MPI's own collectives, or the ring over MPI point-to-point for
+//!   deterministic sums, for runs across machines under `mpirun`.
+//!
+//! [`from_env`] picks the ring when a launcher set [`ENV_WORLD_SIZE`] and friends, else
+//! [`Single`]; code written against `Box<dyn Communicator>` runs unchanged on one process:
+//!
+//! ```
+//! use tl_collective::{Communicator, Single, shard_range};
+//!
+//! let mut comm: Box<dyn Communicator> = Box::new(Single::new()); // or tl_collective::from_env()?
+//! let (rank, n) = (comm.rank(), comm.world_size());
+//! let mut grads = vec![0.5f32; 10];
+//! comm.all_reduce_sum((&mut grads).into())?;
+//!
+//! // ZeRO-style: reduce to this rank's shard, update it, gather the full vector back.
+//! let mut shard = vec![0.0f32; shard_range(grads.len(), n, rank).len()];
+//! comm.reduce_scatter_sum((&grads).into(), (&mut shard).into())?;
+//! shard.iter_mut().for_each(|x| *x *= 2.0);
+//! comm.all_gather((&shard).into(), (&mut grads).into())?;
+//! assert_eq!(grads, vec![1.0; 10]);
+//! assert_eq!(comm.stats().collectives, 3);
+//! # Ok::<(), tl_collective::CollectiveError>(())
+//! ```
+
+pub mod bandwidth;
+mod communicator;
+mod element;
+mod env;
+mod error;
+pub mod launch;
+#[cfg(feature = "mpi")]
+mod mpi_comm;
+mod ring;
+mod schedule;
+mod shard;
+mod single;
+
+pub use communicator::{CommStats, Communicator};
+pub use element::{Element, ReduceOp, Slice, SliceMut};
+pub use env::{
+    DEFAULT_TIMEOUT, ENV_RANK, ENV_RENDEZVOUS, ENV_SECRET, ENV_TIMEOUT_MS, ENV_WORLD_SIZE,
+    RingConfig, format_secret, timeout_from_env,
+};
+pub use error::{CallHeader, CollectiveError, Result};
+#[cfg(feature = "mpi")]
+pub use mpi_comm::{MpiComm, MpiMode};
+pub use ring::{RingComm, socket_path};
+pub use schedule::reference_all_reduce;
+pub use shard::shard_range;
+pub use single::Single;
+
+/// The user guide `docs/collectives.md`, compiled as a doctest so its examples stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/collectives.md")]
+pub struct CollectivesGuide;
+
+/// The communicator the environment describes: the ring when a launcher set
+/// [`ENV_WORLD_SIZE`] (and the other `TINYLLM_*` variables), else a world of one.
+///
+/// # Errors
+/// [`CollectiveError::BadEnv`] naming a missing or malformed variable; the errors of
+/// [`RingComm::connect`].
+pub fn from_env() -> Result<Box<dyn Communicator>> {
+    match RingConfig::from_env()? {
+        Some(config) => Ok(Box::new(RingComm::connect(config)?)),
+        None => Ok(Box::new(Single::new())),
+    }
+}

@@ -1,0 +1,362 @@
+//! The MPI backend (feature `mpi`): rsmpi over Open MPI, for runs that span machines.
+//!
+//! [`MpiMode::Native`] calls MPI's own collectives (`MPI_Allreduce`,
+//! `MPI_Reduce_scatter_block`, `MPI_Allgatherv`, `MPI_Bcast`), which pick their algorithm by
+//! message size and topology, so sums may differ in the last bits between world sizes,
+//! message sizes or MPI versions. [`MpiMode::Ring`] runs the ring of
+//! [`schedule`](crate::reference_all_reduce) over `MPI_Sendrecv` instead: the same bits as
+//! the socket ring on every rank and every run, whatever MPI's tuning.
+//!
+//! Failures are MPI's: with its default error handler a dead rank aborts the whole job
+//! (mpirun reports it), so this backend has no timeout of its own.
+
+use mpi::collective::SystemOperation;
+use mpi::datatype::{Equivalence, PartitionMut};
+use mpi::environment::Universe;
+use mpi::point_to_point::send_receive_into;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::{Communicator as _, CommunicatorCollectives as _, Root as _};
+
+use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
+use crate::element::{Element, ReduceOp, Slice, SliceMut, reduce_into};
+use crate::error::{CallHeader, CollectiveError, Result};
+use crate::ring::header::{from_words, to_words};
+use crate::ring::split_pair;
+use crate::schedule::{all_gather_step, reduce_scatter_step};
+use crate::shard::shard_range;
+
+/// Which algorithms [`MpiComm`] uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MpiMode {
+    /// MPI's own collectives: fastest, but the summation order is MPI's.
+    Native,
+    /// The ring over MPI point-to-point: the socket ring's summation order, deterministic.
+    Ring,
+}
+
+/// A rank of an MPI job (`mpirun -np N program`).
+pub struct MpiComm {
+    // Dropping the universe finalises MPI, so it lives as long as the communicator.
+    _universe: Universe,
+    world: SimpleCommunicator,
+    mode: MpiMode,
+    rank: usize,
+    world_size: usize,
+    stats: CommStats,
+}
+
+impl std::fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiComm")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("mode", &self.mode)
+            .finish()
+    }
+}
+
+impl MpiComm {
+    /// Initialises MPI and joins `MPI_COMM_WORLD`.
+    ///
+    /// # Errors
+    /// [`CollectiveError::Mpi`] if MPI was already initialised in this process.
+    pub fn init(mode: MpiMode) -> Result<Self> {
+        let universe = mpi::initialize()
+            .ok_or_else(|| CollectiveError::Mpi("MPI is already initialised".into()))?;
+        let world = universe.world();
+        let (rank, world_size) = (world.rank() as usize, world.size() as usize);
+        Ok(MpiComm {
+            _universe: universe,
+            world,
+            mode,
+            rank,
+            world_size,
+            stats: CommStats::default(),
+        })
+    }
+
+    /// The mode in use.
+    pub fn mode(&self) -> MpiMode {
+        self.mode
+    }
+
+    /// Switches the algorithms for the following calls (every rank must switch alike).
+    pub fn set_mode(&mut self, mode: MpiMode) {
+        self.mode = mode;
+    }
+
+    /// Whether the job was started by an MPI launcher (Open MPI's or a PMI one).
+    pub fn launched_by_mpirun() -> bool {
+        ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some())
+    }
+
+    /// Checks that every rank makes the same call (an all-gather of five words each).
+    fn agree(
+        &mut self,
+        op: &'static str,
+        element: &'static str,
+        len: usize,
+        root: usize,
+    ) -> Result<()> {
+        let header = CallHeader {
+            op,
+            element,
+            len,
+            root,
+            seq: self.stats.collectives,
+        };
+        self.stats.collectives += 1;
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        let own = to_words(&header);
+        let mut all = vec![0u64; 5 * self.world_size];
+        self.world.all_gather_into(&own[..], &mut all[..]);
+        self.stats.bytes_sent += (40 * (self.world_size - 1)) as u64;
+        let calls: Vec<CallHeader> = all.chunks(5).map(from_words).collect();
+        if calls.iter().any(|c| *c != calls[0]) {
+            return Err(CollectiveError::Mismatch { calls });
+        }
+        Ok(())
+    }
+
+    fn optimal_bytes<T>(&mut self, len: usize, passes: usize) {
+        let n = self.world_size;
+        let bytes = len * size_of::<T>() * passes * (n - 1) / n;
+        self.stats.bytes_sent += bytes as u64;
+    }
+
+    fn all_reduce_t<T: Element + Equivalence>(
+        &mut self,
+        data: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let name = if op == ReduceOp::Sum {
+            "all_reduce_sum"
+        } else {
+            "all_reduce_max"
+        };
+        self.agree(name, T::NAME, data.len(), 0)?;
+        if self.world_size == 1 || data.is_empty() {
+            return Ok(());
+        }
+        match self.mode {
+            MpiMode::Native => {
+                let input = data.to_vec();
+                self.world.all_reduce_into(&input[..], data, system_op(op));
+                self.optimal_bytes::<T>(data.len(), 2);
+            }
+            MpiMode::Ring => {
+                self.ring_reduce_scatter(data, op);
+                self.ring_all_gather(data);
+            }
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter_t<T: Element + Equivalence>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let name = if op == ReduceOp::Sum {
+            "reduce_scatter_sum"
+        } else {
+            "reduce_scatter_max"
+        };
+        self.agree(name, T::NAME, input.len(), 0)?;
+        let (n, rank, len) = (self.world_size, self.rank, input.len());
+        if n == 1 {
+            output.copy_from_slice(input);
+            return Ok(());
+        }
+        match self.mode {
+            MpiMode::Native => {
+                // MPI_Reduce_scatter_block wants equal blocks: pad every shard to the longest.
+                let block = shard_range(len, n, 0).len();
+                let mut padded = vec![T::zeroed(); block * n];
+                for q in 0..n {
+                    let shard = shard_range(len, n, q);
+                    padded[q * block..q * block + shard.len()].copy_from_slice(&input[shard]);
+                }
+                let mut mine = vec![T::zeroed(); block];
+                if block > 0 {
+                    self.world
+                        .reduce_scatter_block_into(&padded[..], &mut mine[..], system_op(op));
+                }
+                output.copy_from_slice(&mine[..output.len()]);
+                self.optimal_bytes::<T>(len, 1);
+            }
+            MpiMode::Ring => {
+                let mut work = input.to_vec();
+                self.ring_reduce_scatter(&mut work, op);
+                output.copy_from_slice(&work[shard_range(len, n, rank)]);
+            }
+        }
+        Ok(())
+    }
+
+    fn all_gather_t<T: Element + Equivalence>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<()> {
+        self.agree("all_gather", T::NAME, output.len(), 0)?;
+        let (n, rank, len) = (self.world_size, self.rank, output.len());
+        match self.mode {
+            MpiMode::Native if n > 1 => {
+                let counts: Vec<mpi::Count> = (0..n)
+                    .map(|q| shard_range(len, n, q).len() as mpi::Count)
+                    .collect();
+                let displs: Vec<mpi::Count> = (0..n)
+                    .map(|q| shard_range(len, n, q).start as mpi::Count)
+                    .collect();
+                let mut partition = PartitionMut::new(output, counts, displs);
+                self.world.all_gather_varcount_into(input, &mut partition);
+                self.optimal_bytes::<T>(len, 1);
+            }
+            _ => {
+                output[shard_range(len, n, rank)].copy_from_slice(input);
+                if n > 1 {
+                    self.ring_all_gather(output);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn broadcast_t<T: Element + Equivalence>(&mut self, data: &mut [T], root: usize) -> Result<()> {
+        self.agree("broadcast", T::NAME, data.len(), root)?;
+        if self.world_size > 1 && !data.is_empty() {
+            // A broadcast only copies, so MPI's algorithm is deterministic in either mode.
+            self.world.process_at_rank(root as i32).broadcast_into(data);
+            if self.rank == root {
+                self.stats.bytes_sent += std::mem::size_of_val(data) as u64;
+            }
+        }
+        Ok(())
+    }
+
+    fn ring_reduce_scatter<T: Element + Equivalence>(&mut self, data: &mut [T], op: ReduceOp) {
+        let (n, rank, len) = (self.world_size, self.rank, data.len());
+        let right = self.world.process_at_rank(((rank + 1) % n) as i32);
+        let left = self.world.process_at_rank(((rank + n - 1) % n) as i32);
+        let mut scratch = vec![T::zeroed(); shard_range(len, n, 0).len()];
+        for step in 0..n - 1 {
+            let (send, recv) = reduce_scatter_step(rank, step, n);
+            let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
+            self.stats.bytes_sent += (send.len() * size_of::<T>()) as u64;
+            let into = &mut scratch[..recv.len()];
+            let (out, target) = split_pair(data, send, recv);
+            send_receive_into(out, &right, &mut *into, &left);
+            reduce_into(op, target, into);
+        }
+    }
+
+    fn ring_all_gather<T: Element + Equivalence>(&mut self, data: &mut [T]) {
+        let (n, rank, len) = (self.world_size, self.rank, data.len());
+        let right = self.world.process_at_rank(((rank + 1) % n) as i32);
+        let left = self.world.process_at_rank(((rank + n - 1) % n) as i32);
+        for step in 0..n - 1 {
+            let (send, recv) = all_gather_step(rank, step, n);
+            let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
+            self.stats.bytes_sent += (send.len() * size_of::<T>()) as u64;
+            let (out, into) = split_pair(data, send, recv);
+            send_receive_into(out, &right, into, &left);
+        }
+    }
+}
+
+fn system_op(op: ReduceOp) -> SystemOperation {
+    match op {
+        ReduceOp::Sum => SystemOperation::sum(),
+        // MPI_MAX with a NaN is implementation-defined: use MpiMode::Ring where NaN matters.
+        ReduceOp::Max => SystemOperation::max(),
+    }
+}
+
+fn mismatched(op: &'static str, input: &'static str, output: &'static str) -> CollectiveError {
+    CollectiveError::BadBuffer {
+        op,
+        reason: format!("input is {input} but output is {output}"),
+    }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> Result<()> {
+        match data {
+            SliceMut::F32(xs) => self.all_reduce_t(xs, op),
+            SliceMut::F64(xs) => self.all_reduce_t(xs, op),
+        }
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        input: Slice<'_>,
+        output: SliceMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let name = "reduce_scatter";
+        let elements = (input.element(), output.element());
+        check_scatter(
+            name,
+            input.len(),
+            output.len(),
+            elements,
+            self.world_size,
+            self.rank,
+        )?;
+        match (input, output) {
+            (Slice::F32(x), SliceMut::F32(y)) => self.reduce_scatter_t(x, y, op),
+            (Slice::F64(x), SliceMut::F64(y)) => self.reduce_scatter_t(x, y, op),
+            (x, y) => Err(mismatched(name, x.element(), y.element())),
+        }
+    }
+
+    fn all_gather(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> Result<()> {
+        let name = "all_gather";
+        let elements = (input.element(), output.element());
+        check_scatter(
+            name,
+            output.len(),
+            input.len(),
+            elements,
+            self.world_size,
+            self.rank,
+        )?;
+        match (input, output) {
+            (Slice::F32(x), SliceMut::F32(y)) => self.all_gather_t(x, y),
+            (Slice::F64(x), SliceMut::F64(y)) => self.all_gather_t(x, y),
+            (x, y) => Err(mismatched(name, x.element(), y.element())),
+        }
+    }
+
+    fn broadcast(&mut self, data: SliceMut<'_>, root: usize) -> Result<()> {
+        check_root(root, self.world_size)?;
+        match data {
+            SliceMut::F32(xs) => self.broadcast_t(xs, root),
+            SliceMut::F64(xs) => self.broadcast_t(xs, root),
+        }
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        self.agree("barrier", "-", 0, 0)?;
+        self.world.barrier();
+        Ok(())
+    }
+
+    fn stats(&self) -> CommStats {
+        self.stats
+    }
+}

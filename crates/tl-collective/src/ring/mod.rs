@@ -1,0 +1,341 @@
+//! The course's collective: N processes of one machine in a ring over Unix-domain sockets.
+//!
+//! See [`schedule`](crate::schedule) for the order of the steps (and so of the sums) and
+//! `link.rs` for how a step streams. Each collective starts with a ring all-gather of a
+//! 40-byte header (collective, element type, length, root, call number), so that ranks that
+//! disagree all fail with the same [`CollectiveError::Mismatch`]; that costs N−1 small
+//! hops of latency per call, nothing in bandwidth.
+
+pub(crate) mod header;
+mod link;
+mod setup;
+
+use std::ops::Range;
+
+use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
+use crate::element::{Element, ReduceOp, Slice, SliceMut, reduce_into};
+use crate::env::RingConfig;
+use crate::error::{CallHeader, CollectiveError, Result};
+use crate::schedule::{all_gather_step, reduce_scatter_step};
+use crate::shard::shard_range;
+use header::exchange_headers;
+use link::{Exchange, Link, ReduceExchange, Relay};
+pub use setup::socket_path;
+
+/// A rank of the hand-built ring (see the [crate docs](crate) for the environment a launcher
+/// sets, and [`RingConfig`] to set it up by hand).
+///
+/// Sums run in the ring's fixed order ([`reference_all_reduce`](crate::reference_all_reduce)),
+/// so every rank ends with the same bits, run after run.
+#[derive(Debug)]
+pub struct RingComm {
+    rank: usize,
+    world_size: usize,
+    /// `None` in a world of one.
+    link: Option<Link>,
+    seq: u64,
+    closed: bool,
+    refused: Vec<String>,
+}
+
+impl RingComm {
+    /// Joins the ring: listens on this rank's socket, connects to the right neighbour and
+    /// accepts the left one, refusing (and reporting) any connection without the secret.
+    ///
+    /// # Errors
+    /// [`CollectiveError::Timeout`] if the neighbours do not turn up within the config's
+    /// timeout; [`CollectiveError::Refused`] if only strangers did; I/O errors on the
+    /// rendezvous directory.
+    pub fn connect(config: RingConfig) -> Result<Self> {
+        let (link, refused) = if config.world_size == 1 {
+            (None, Vec::new())
+        } else {
+            let (link, refused) = setup::connect(&config)?;
+            (Some(link), refused)
+        };
+        Ok(RingComm {
+            rank: config.rank,
+            world_size: config.world_size,
+            link,
+            seq: 0,
+            closed: false,
+            refused,
+        })
+    }
+
+    /// Why each connection refused while the ring formed was refused.
+    pub fn refused(&self) -> &[String] {
+        &self.refused
+    }
+
+    /// Checks the ranks agree on the call, then runs `body`; any failure closes the
+    /// communicator (and its sockets, so the neighbours fail at once too).
+    fn collective(
+        &mut self,
+        header: CallHeader,
+        body: impl FnOnce(&mut Link, usize, usize) -> Result<()>,
+    ) -> Result<()> {
+        if self.closed {
+            return Err(CollectiveError::Closed);
+        }
+        self.seq += 1;
+        let Some(link) = self.link.as_mut() else {
+            return Ok(());
+        };
+        let (rank, n) = (self.rank, self.world_size);
+        let outcome = exchange_headers(link, rank, n, header).and_then(|()| body(link, rank, n));
+        if outcome.is_err() {
+            self.closed = true;
+            link.shutdown();
+        }
+        outcome
+    }
+
+    fn header(
+        &self,
+        op: &'static str,
+        element: &'static str,
+        len: usize,
+        root: usize,
+    ) -> CallHeader {
+        CallHeader {
+            op,
+            element,
+            len,
+            root,
+            seq: self.seq,
+        }
+    }
+
+    /// Fails and closes on a local misuse, so the neighbours do not wait for a call that will
+    /// not come.
+    fn local_check(&mut self, check: Result<()>) -> Result<()> {
+        if check.is_err() {
+            self.closed = true;
+            if let Some(link) = &self.link {
+                link.shutdown();
+            }
+        }
+        check
+    }
+}
+
+/// Two disjoint parts of `data`: one to read, one to write.
+pub(crate) fn split_pair<T>(
+    data: &mut [T],
+    read: Range<usize>,
+    write: Range<usize>,
+) -> (&[T], &mut [T]) {
+    if read.end <= write.start {
+        let (low, high) = data.split_at_mut(write.start);
+        (&low[read], &mut high[..write.len()])
+    } else {
+        debug_assert!(write.end <= read.start, "ring ranges overlap");
+        let (low, high) = data.split_at_mut(read.start);
+        (&high[..read.len()], &mut low[write])
+    }
+}
+
+/// Reduce-scatter in place: afterwards this rank's shard of `data` holds the reduction.
+fn reduce_scatter_in_place<T: Element>(
+    link: &mut Link,
+    rank: usize,
+    n: usize,
+    data: &mut [T],
+    op: ReduceOp,
+    name: &'static str,
+) -> Result<()> {
+    let len = data.len();
+    let size = std::mem::size_of::<T>();
+    let mut scratch: Vec<T> = vec![T::zeroed(); shard_range(len, n, 0).len()];
+    for step in 0..n - 1 {
+        let (send, recv) = reduce_scatter_step(rank, step, n);
+        let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
+        let into = &mut scratch[..recv.len()];
+        let (out, target) = split_pair(data, send, recv);
+        let mut flow = ReduceExchange {
+            inner: Exchange::new(bytemuck::cast_slice(out), bytemuck::cast_slice_mut(into)),
+            element: size,
+            reduced: 0,
+            reduce: |bytes: Range<usize>, received: &[u8]| {
+                let dst = &mut target[bytes.start / size..bytes.end / size];
+                reduce_into(op, dst, bytemuck::cast_slice(received));
+            },
+        };
+        link.pump(name, &mut flow)?;
+    }
+    Ok(())
+}
+
+/// All-gather in place: every rank starts with its own shard of `data` filled.
+fn all_gather_in_place<T: Element>(
+    link: &mut Link,
+    rank: usize,
+    n: usize,
+    data: &mut [T],
+    name: &'static str,
+) -> Result<()> {
+    let len = data.len();
+    for step in 0..n - 1 {
+        let (send, recv) = all_gather_step(rank, step, n);
+        let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
+        let (out, into) = split_pair(data, send, recv);
+        let mut flow = Exchange::new(bytemuck::cast_slice(out), bytemuck::cast_slice_mut(into));
+        link.pump(name, &mut flow)?;
+    }
+    Ok(())
+}
+
+fn reduce_name(base: &'static str, op: ReduceOp) -> &'static str {
+    match (base, op) {
+        ("all_reduce", ReduceOp::Sum) => "all_reduce_sum",
+        ("all_reduce", ReduceOp::Max) => "all_reduce_max",
+        (_, ReduceOp::Sum) => "reduce_scatter_sum",
+        (_, ReduceOp::Max) => "reduce_scatter_max",
+    }
+}
+
+impl RingComm {
+    fn all_reduce_t<T: Element>(&mut self, data: &mut [T], op: ReduceOp) -> Result<()> {
+        let name = reduce_name("all_reduce", op);
+        let header = self.header(name, T::NAME, data.len(), 0);
+        self.collective(header, |link, rank, n| {
+            reduce_scatter_in_place(link, rank, n, data, op, name)?;
+            all_gather_in_place(link, rank, n, data, name)
+        })
+    }
+
+    fn reduce_scatter_t<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let name = reduce_name("reduce_scatter", op);
+        let header = self.header(name, T::NAME, input.len(), 0);
+        self.collective(header, |link, rank, n| {
+            // The reduction happens in place, so on a copy of the input.
+            let mut work = input.to_vec();
+            reduce_scatter_in_place(link, rank, n, &mut work, op, name)?;
+            output.copy_from_slice(&work[shard_range(input.len(), n, rank)]);
+            Ok(())
+        })?;
+        if self.link.is_none() {
+            output.copy_from_slice(input);
+        }
+        Ok(())
+    }
+
+    fn all_gather_t<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
+        let header = self.header("all_gather", T::NAME, output.len(), 0);
+        let own = shard_range(output.len(), self.world_size, self.rank);
+        output[own].copy_from_slice(input);
+        self.collective(header, |link, rank, n| {
+            all_gather_in_place(link, rank, n, output, "all_gather")
+        })
+    }
+
+    fn broadcast_t<T: Element>(&mut self, data: &mut [T], root: usize) -> Result<()> {
+        let header = self.header("broadcast", T::NAME, data.len(), root);
+        self.collective(header, |link, rank, n| {
+            let mut flow = Relay {
+                buf: bytemuck::cast_slice_mut(data),
+                receive: rank != root,
+                send: (rank + 1) % n != root,
+                out_done: 0,
+                in_done: 0,
+            };
+            link.pump("broadcast", &mut flow)
+        })
+    }
+}
+
+fn mismatched_types(
+    op: &'static str,
+    input: &'static str,
+    output: &'static str,
+) -> CollectiveError {
+    CollectiveError::BadBuffer {
+        op,
+        reason: format!("input is {input} but output is {output}"),
+    }
+}
+
+impl Communicator for RingComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> Result<()> {
+        match data {
+            SliceMut::F32(xs) => self.all_reduce_t(xs, op),
+            SliceMut::F64(xs) => self.all_reduce_t(xs, op),
+        }
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        input: Slice<'_>,
+        output: SliceMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let name = reduce_name("reduce_scatter", op);
+        let check = check_scatter(
+            name,
+            input.len(),
+            output.len(),
+            (input.element(), output.element()),
+            self.world_size,
+            self.rank,
+        );
+        self.local_check(check)?;
+        match (input, output) {
+            (Slice::F32(x), SliceMut::F32(y)) => self.reduce_scatter_t(x, y, op),
+            (Slice::F64(x), SliceMut::F64(y)) => self.reduce_scatter_t(x, y, op),
+            (x, y) => Err(mismatched_types(name, x.element(), y.element())),
+        }
+    }
+
+    fn all_gather(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> Result<()> {
+        let check = check_scatter(
+            "all_gather",
+            output.len(),
+            input.len(),
+            (input.element(), output.element()),
+            self.world_size,
+            self.rank,
+        );
+        self.local_check(check)?;
+        match (input, output) {
+            (Slice::F32(x), SliceMut::F32(y)) => self.all_gather_t(x, y),
+            (Slice::F64(x), SliceMut::F64(y)) => self.all_gather_t(x, y),
+            (x, y) => Err(mismatched_types("all_gather", x.element(), y.element())),
+        }
+    }
+
+    fn broadcast(&mut self, data: SliceMut<'_>, root: usize) -> Result<()> {
+        let check = check_root(root, self.world_size);
+        self.local_check(check)?;
+        match data {
+            SliceMut::F32(xs) => self.broadcast_t(xs, root),
+            SliceMut::F64(xs) => self.broadcast_t(xs, root),
+        }
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        // The header all-gather alone: once it is done, every rank has entered.
+        let header = self.header("barrier", "-", 0, 0);
+        self.collective(header, |_, _, _| Ok(()))
+    }
+
+    fn stats(&self) -> CommStats {
+        CommStats {
+            collectives: self.seq,
+            bytes_sent: self.link.as_ref().map_or(0, |link| link.bytes_sent),
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! The ring's schedule (which shard each rank sends and receives at each step), shared by
+//! the socket ring and the ring over MPI, and the sequential reference it must match.
+//!
+//! Ranks sit in a ring, each sending to `rank + 1` and receiving from `rank - 1` (mod N).
+//! Reduce-scatter takes N−1 steps: at step k rank r sends shard r−k−1 and receives shard
+//! r−k−2, which it reduces into its own copy; so the partial sum of shard c starts at rank
+//! c+1, goes once round the ring, and ends, complete, at rank c — the owner that
+//! [`shard_range`](crate::shard_range) names. All-gather takes N−1 more steps: at step k rank
+//! r sends shard r−k and receives shard r−k−1. Each step moves one shard per rank, so an
+//! all-reduce sends 2(N−1)/N of the buffer per rank: bandwidth-optimal.
+
+use crate::element::{Element, ReduceOp};
+use crate::shard::shard_range;
+
+/// `(rank + world_size - back) mod world_size`.
+fn behind(rank: usize, back: usize, world_size: usize) -> usize {
+    (rank + world_size * 2 - back % world_size) % world_size
+}
+
+/// The shard rank `rank` sends at reduce-scatter step `step`, and the one it receives.
+pub(crate) fn reduce_scatter_step(rank: usize, step: usize, world_size: usize) -> (usize, usize) {
+    (
+        behind(rank, step + 1, world_size),
+        behind(rank, step + 2, world_size),
+    )
+}
+
+/// The shard rank `rank` sends at all-gather step `step`, and the one it receives.
+pub(crate) fn all_gather_step(rank: usize, step: usize, world_size: usize) -> (usize, usize) {
+    (
+        behind(rank, step, world_size),
+        behind(rank, step + 1, world_size),
+    )
+}
+
+/// What the ring's all-reduce computes from every rank's input, computed sequentially in the
+/// same order: element i of shard c is `x[c] ⊕ (… ⊕ (x[c+2] ⊕ x[c+1]))`, ranks taken
+/// mod N. Every rank of a ring all-reduce ends with exactly these bits.
+///
+/// ```
+/// use tl_collective::{ReduceOp, reference_all_reduce};
+///
+/// let inputs = [vec![1.0f32, 10.0], vec![2.0, 20.0], vec![4.0, 40.0]];
+/// let refs: Vec<&[f32]> = inputs.iter().map(|x| x.as_slice()).collect();
+/// assert_eq!(reference_all_reduce(&refs, ReduceOp::Sum), [7.0, 70.0]);
+/// ```
+///
+/// # Panics
+/// If `inputs` is empty or their lengths differ.
+pub fn reference_all_reduce<T: Element>(inputs: &[&[T]], op: ReduceOp) -> Vec<T> {
+    let world_size = inputs.len();
+    assert!(world_size > 0, "reference_all_reduce: no inputs");
+    let len = inputs[0].len();
+    assert!(
+        inputs.iter().all(|x| x.len() == len),
+        "reference_all_reduce: lengths differ"
+    );
+    let mut out = Vec::with_capacity(len);
+    for shard in 0..world_size {
+        for i in shard_range(len, world_size, shard) {
+            let mut acc = inputs[(shard + 1) % world_size][i];
+            for hop in 2..=world_size {
+                acc = T::reduce(op, inputs[(shard + hop) % world_size][i], acc);
+            }
+            out.push(acc);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_rank_receives_what_its_left_neighbour_sends() {
+        for n in 1usize..9 {
+            for step in 0..n.saturating_sub(1) {
+                for r in 0..n {
+                    let left = behind(r, 1, n);
+                    assert_eq!(
+                        reduce_scatter_step(r, step, n).1,
+                        reduce_scatter_step(left, step, n).0
+                    );
+                    assert_eq!(
+                        all_gather_step(r, step, n).1,
+                        all_gather_step(left, step, n).0
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reduce_scatter_ends_with_each_rank_owning_its_shard() {
+        for n in 2..9 {
+            for r in 0..n {
+                // The shard received at the last step is the one whose reduction completes here.
+                assert_eq!(reduce_scatter_step(r, n - 2, n).1, r);
+                // And a rank's first send is the shard it forwards onward.
+                assert_eq!(all_gather_step(r, 0, n).0, r);
+            }
+        }
+    }
+
+    #[test]
+    fn reference_sums_shard_c_starting_at_rank_c_plus_one() {
+        // Three ranks, one element each shard; 1e8 + 1 - 1e8 loses the 1 in f32 when the
+        // big values meet first.
+        let inputs = [
+            vec![1e8f32, 1e8, 1e8],
+            vec![1.0, 1.0, 1.0],
+            vec![-1e8, -1e8, -1e8],
+        ];
+        let refs: Vec<&[f32]> = inputs.iter().map(|x| x.as_slice()).collect();
+        let out = reference_all_reduce(&refs, ReduceOp::Sum);
+        // shard 0: x1 + x2 = -1e8 + 1 = -1e8 (f32), then + x0 -> 0
+        // shard 1: x2 + x0 = 0, then + x1 -> 1
+        // shard 2: x0 + x1 = 1e8, then + x2 -> 0
+        assert_eq!(out, [0.0, 1.0, 0.0]);
+    }
+}

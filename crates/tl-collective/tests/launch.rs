@@ -1,0 +1,172 @@
+//! The launcher on real processes: a job that succeeds, a rank that fails (named, the others
+//! stopped after the grace period), and Ctrl-C forwarded to every rank.
+
+mod support;
+
+use std::ffi::OsString;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::SCENARIO;
+use tl_collective::CollectiveError;
+use tl_collective::launch::{LaunchOptions, launch};
+
+fn rank_args() -> Vec<OsString> {
+    [
+        "--exact",
+        "launched_rank",
+        "--nocapture",
+        "--test-threads=1",
+        "--quiet",
+    ]
+    .map(OsString::from)
+    .to_vec()
+}
+
+fn options(scenario: &str) -> LaunchOptions {
+    LaunchOptions {
+        comm_timeout: Some(Duration::from_secs(5)),
+        grace: Duration::from_millis(500),
+        deadline: Some(Duration::from_secs(60)),
+        env: vec![(SCENARIO.into(), scenario.into())],
+    }
+}
+
+/// The rank program of these tests: does nothing in a normal test run.
+#[test]
+fn launched_rank() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    let mut comm = tl_collective::from_env().unwrap();
+    match scenario.as_str() {
+        "sum" => {
+            let mut x = [comm.rank() as f64 + 1.0];
+            comm.all_reduce_sum((&mut x[..]).into()).unwrap();
+            let n = comm.world_size() as f64;
+            assert_eq!(x[0], n * (n + 1.0) / 2.0);
+        }
+        "rank1_fails_rank0_lingers" => {
+            if comm.rank() == 1 {
+                std::process::exit(3);
+            }
+            // Not in a collective, so nothing tells this rank; the launcher must stop it.
+            std::thread::sleep(Duration::from_secs(30));
+        }
+        "sleep" => {
+            if let Ok(dir) = std::env::var("TL_TEST_READY_DIR") {
+                std::fs::write(format!("{dir}/ready-{}", comm.rank()), b"").unwrap();
+            }
+            std::thread::sleep(Duration::from_secs(30));
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+/// A launcher process for the signal test: does nothing in a normal test run.
+#[test]
+fn launcher_entry() {
+    if std::env::var("TL_TEST_LAUNCHER").is_err() {
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut options = options("sleep");
+    options.env.push((
+        "TL_TEST_READY_DIR".into(),
+        std::env::var_os("TL_TEST_READY_DIR").unwrap(),
+    ));
+    let outcome = launch(2, &exe, &rank_args(), &options).unwrap();
+    println!("RESULT forwarded={:?}", outcome.forwarded_signal);
+    for rank in &outcome.ranks {
+        println!("RESULT rank{}={:?}", rank.rank, rank.status.signal());
+    }
+}
+
+#[test]
+fn a_job_that_succeeds_succeeds() {
+    let exe = std::env::current_exe().unwrap();
+    let outcome = launch(3, &exe, &rank_args(), &options("sum")).unwrap();
+    assert!(outcome.success(), "{outcome:?}");
+    assert!(outcome.into_result().is_ok());
+}
+
+#[test]
+fn a_failing_rank_is_named_and_the_others_are_stopped() {
+    let exe = std::env::current_exe().unwrap();
+    let start = Instant::now();
+    let outcome = launch(2, &exe, &rank_args(), &options("rank1_fails_rank0_lingers")).unwrap();
+    // Rank 0 would sleep 30 s: it was stopped after the grace period.
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        start.elapsed()
+    );
+    assert!(!outcome.timed_out);
+    assert_eq!(outcome.ranks[0].status.signal(), Some(libc_sigterm()));
+    match outcome.into_result() {
+        Err(CollectiveError::RankFailed {
+            rank: 1,
+            status,
+            others: 1,
+        }) => {
+            assert_eq!(status, "exit code 3");
+        }
+        other => panic!("expected rank 1 to be named, got {other:?}"),
+    }
+}
+
+fn libc_sigterm() -> i32 {
+    rustix::process::Signal::TERM.as_raw()
+}
+
+#[test]
+fn sigint_reaches_every_rank() {
+    let ready = support::rendezvous();
+    let mut launcher = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "launcher_entry",
+            "--nocapture",
+            "--test-threads=1",
+            "--quiet",
+        ])
+        .env("TL_TEST_LAUNCHER", "1")
+        .env("TL_TEST_READY_DIR", ready.path())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !(ready.path().join("ready-0").exists() && ready.path().join("ready-1").exists()) {
+        if start.elapsed() > Duration::from_secs(30) {
+            let _ = launcher.kill();
+            panic!("the ranks never started");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pid = rustix::process::Pid::from_child(&launcher);
+    rustix::process::kill_process(pid, rustix::process::Signal::INT).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while launcher.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = launcher.kill();
+            panic!("the launcher did not end after SIGINT");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let output = launcher.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let sigint = rustix::process::Signal::INT.as_raw();
+    assert!(
+        stdout.contains(&format!("RESULT forwarded=Some({sigint})")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("RESULT rank0=Some({sigint})")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("RESULT rank1=Some({sigint})")),
+        "{stdout}"
+    );
+}

@@ -1,0 +1,63 @@
+//! `tinyllm launch -n N -- <command>`: runs a tinyllm command as N ranks on this machine,
+//! wired for the ring backend of tl-collective (torchrun's job, for tinyllm).
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use clap::Args;
+use tl_collective::launch::{LaunchOptions, launch as launch_ranks};
+
+use super::Exit;
+use crate::error::{Result, TrainError};
+
+/// Options of `tinyllm launch`.
+#[derive(Debug, Args)]
+pub struct LaunchArgs {
+    /// Number of ranks (processes) to start.
+    #[arg(short = 'n', long = "nproc", value_name = "N")]
+    pub nproc: usize,
+    /// A collective that moves no byte for this long fails on every rank
+    /// [default: $TINYLLM_COMM_TIMEOUT_MS, else 10000].
+    #[arg(long, value_name = "MS")]
+    pub timeout_ms: Option<u64>,
+    /// Once a rank fails, how long the others may go on before they are stopped.
+    #[arg(long, value_name = "MS", default_value_t = 5000)]
+    pub grace_ms: u64,
+    /// The tinyllm command and flags every rank runs, after `--`.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<OsString>,
+}
+
+/// Runs `tinyllm launch`: re-executes this program as every rank.
+pub(super) fn launch(args: &LaunchArgs) -> Result<Exit> {
+    if args.nproc == 0 {
+        return Err(TrainError::InvalidArgument {
+            name: "--nproc",
+            value: "0".into(),
+            reason: "at least one rank".into(),
+        });
+    }
+    if args.timeout_ms == Some(0) {
+        return Err(TrainError::InvalidArgument {
+            name: "--timeout-ms",
+            value: "0".into(),
+            reason: "at least 1 ms".into(),
+        });
+    }
+    let exe = std::env::current_exe().map_err(|e| TrainError::io("the tinyllm executable", e))?;
+    let options = LaunchOptions {
+        comm_timeout: args.timeout_ms.map(Duration::from_millis),
+        grace: Duration::from_millis(args.grace_ms),
+        ..LaunchOptions::default()
+    };
+    let outcome = launch_ranks(args.nproc, &exe, &args.command, &options)?;
+    // Ctrl-C: every rank stopped as `tinyllm train` does on Ctrl-C (a checkpoint, exit 130)
+    // is an interruption, not a failure.
+    let interrupted = outcome.forwarded_signal.is_some()
+        && outcome.ranks.iter().all(|r| r.status.code() == Some(130));
+    if interrupted {
+        return Ok(Exit::Interrupted);
+    }
+    outcome.into_result()?;
+    Ok(Exit::Success)
+}
