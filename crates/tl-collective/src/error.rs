@@ -7,9 +7,11 @@ use thiserror::Error;
 
 /// Errors of tl-collective.
 ///
-/// A collective that fails leaves its communicator unusable (the ring closes its sockets so
+/// A ring collective that fails leaves its communicator unusable (it closes its sockets so
 /// that the neighbours learn of it at once instead of waiting for their timeout); every
-/// later call returns [`CollectiveError::Closed`].
+/// later call returns [`CollectiveError::Closed`]. The MPI backend stays usable after a
+/// [`CollectiveError::Mismatch`] (every rank stopped at the header); MPI itself aborts the
+/// job on a dead rank.
 #[derive(Debug, Error)]
 pub enum CollectiveError {
     /// A peer exited, was killed, or closed its end of the connection.
