@@ -51,12 +51,15 @@ pub(super) fn launch(args: &LaunchArgs) -> Result<Exit> {
         ..LaunchOptions::default()
     };
     let outcome = launch_ranks(args.nproc, &exe, &args.command, &options)?;
-    // Ctrl-C: every rank stopped as `tinyllm train` does on Ctrl-C (a checkpoint, exit 130)
-    // is an interruption, not a failure.
-    let interrupted = outcome.forwarded_signal.is_some()
-        && outcome.ranks.iter().all(|r| r.status.code() == Some(130));
-    if interrupted {
-        return Ok(Exit::Interrupted);
+    // A forwarded SIGINT or SIGTERM that every rank answered as `tinyllm train` does (a
+    // checkpoint, exit 128 + signal) is an interruption, not a failure.
+    if let Some(signal) = outcome.forwarded_signal
+        && outcome
+            .ranks
+            .iter()
+            .all(|r| r.status.code() == Some(128 + signal))
+    {
+        return Ok(Exit::Interrupted { signal });
     }
     outcome.into_result()?;
     Ok(Exit::Success)
