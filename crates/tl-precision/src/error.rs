@@ -28,11 +28,16 @@ pub enum PrecisionError {
         /// The value given, as text.
         value: String,
         /// What was expected.
-        reason: &'static str,
+        reason: String,
     },
     /// A saved loss-scaler state that cannot be loaded; the scaler was left unchanged.
-    #[error("malformed loss-scaler state: {0}")]
-    InvalidState(String),
+    #[error("malformed loss-scaler state: {field}: {reason}")]
+    InvalidState {
+        /// The field of [`ScalerState`](crate::ScalerState) that cannot be.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
     /// The scale sat at its floor while every step overflowed, for the configured number of
     /// consecutive steps: the run would otherwise skip forever.
     #[error(

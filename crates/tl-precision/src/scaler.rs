@@ -76,7 +76,7 @@ pub(crate) fn invalid(name: &'static str, value: f64, reason: &'static str) -> P
     PrecisionError::InvalidScalerArgument {
         name,
         value: value.to_string(),
-        reason,
+        reason: reason.into(),
     }
 }
 

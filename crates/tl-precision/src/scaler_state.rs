@@ -43,8 +43,30 @@ pub struct ScalerState {
     pub skips_at_floor: u32,
 }
 
-fn malformed(message: String) -> PrecisionError {
-    PrecisionError::InvalidState(message)
+fn malformed(field: &'static str, reason: String) -> PrecisionError {
+    PrecisionError::InvalidState { field, reason }
+}
+
+/// A hyperparameter the scaler's constructors refused, as the saved state's field.
+fn invalid_field(error: PrecisionError) -> PrecisionError {
+    match error {
+        PrecisionError::InvalidScalerArgument {
+            name,
+            value,
+            reason,
+        } => {
+            let field = match name {
+                "init" => "scale",
+                "growth" => "growth_factor",
+                "backoff" => "backoff_factor",
+                "interval" => "growth_interval",
+                "patience" => "floor_patience",
+                other => other,
+            };
+            malformed(field, format!("{value} ({reason})"))
+        }
+        other => other,
+    }
 }
 
 impl DynamicLossScaler {
@@ -75,7 +97,7 @@ impl DynamicLossScaler {
     }
 
     fn from_state(state: &ScalerState) -> Result<Self> {
-        let invalid = |e: PrecisionError| malformed(e.to_string());
+        let invalid = invalid_field;
         let mut scaler = Self::new(
             state.scale,
             state.growth_factor,
@@ -93,24 +115,30 @@ impl DynamicLossScaler {
                     .map_err(invalid)?
             }
             None if state.skips_at_floor != 0 => {
-                return Err(malformed(format!(
-                    "{} skips at the floor, but there is no floor",
-                    state.skips_at_floor
-                )));
+                return Err(malformed(
+                    "skips_at_floor",
+                    format!("{}, but there is no floor", state.skips_at_floor),
+                ));
             }
             None => {}
         }
         if state.good_steps >= state.growth_interval {
-            return Err(malformed(format!(
-                "good_steps {} must be below growth_interval {}",
-                state.good_steps, state.growth_interval
-            )));
+            return Err(malformed(
+                "good_steps",
+                format!(
+                    "{} must be below growth_interval {}",
+                    state.good_steps, state.growth_interval
+                ),
+            ));
         }
         if state.floor.is_some() && state.skips_at_floor >= state.floor_patience {
-            return Err(malformed(format!(
-                "skips_at_floor {} must be below floor_patience {}",
-                state.skips_at_floor, state.floor_patience
-            )));
+            return Err(malformed(
+                "skips_at_floor",
+                format!(
+                    "{} must be below floor_patience {}",
+                    state.skips_at_floor, state.floor_patience
+                ),
+            ));
         }
         scaler.good_steps = state.good_steps;
         scaler.skips_at_floor = state.skips_at_floor;

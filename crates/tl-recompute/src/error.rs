@@ -8,14 +8,14 @@ use thiserror::Error;
 pub enum RecomputeError {
     /// An argument that no schedule or stack can accept (a stack of zero layers, a budget of
     /// zero layers).
-    #[error("invalid {name} = {value}: {reason}")]
+    #[error("invalid {name}: {value} ({reason})")]
     InvalidArgument {
         /// The argument's name.
         name: &'static str,
         /// The value given, as text.
         value: String,
         /// Why it is rejected.
-        reason: &'static str,
+        reason: String,
     },
 
     /// No schedule of `n_layers` layers fits in `mem_budget_layers` units: with `k` segments

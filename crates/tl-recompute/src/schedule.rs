@@ -29,7 +29,7 @@ fn check_layers(n_layers: usize) -> Result<()> {
         return Err(RecomputeError::InvalidArgument {
             name: "n_layers",
             value: "0".into(),
-            reason: "a stack to checkpoint has at least one layer",
+            reason: "a stack to checkpoint has at least one layer".into(),
         });
     }
     Ok(())
@@ -73,7 +73,7 @@ pub fn checkpoint_schedule(n_layers: usize, mem_budget_layers: usize) -> Result<
         return Err(RecomputeError::InvalidArgument {
             name: "mem_budget_layers",
             value: "0".into(),
-            reason: "every schedule holds at least one layer's input",
+            reason: "every schedule holds at least one layer's input".into(),
         });
     }
     if mem_budget_layers >= n_layers {

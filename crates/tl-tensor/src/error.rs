@@ -22,11 +22,20 @@ pub enum TensorError {
         /// The value given, as text.
         value: String,
         /// What was expected.
-        reason: &'static str,
+        reason: String,
     },
     /// A saved optimizer or model state that does not fit the object it is loaded into.
-    #[error("state does not fit: {0}")]
-    StateMismatch(String),
+    #[error("{what} does not fit{}: expected {expected}, found {found}", parameter.map_or(String::new(), |i| format!(" parameter {i}")))]
+    StateMismatch {
+        /// The state being loaded (`"AdamW state"`, `"SGD state"`).
+        what: &'static str,
+        /// The parameter it concerns, when it concerns one.
+        parameter: Option<usize>,
+        /// What the object it is loaded into has.
+        expected: String,
+        /// What the saved state holds.
+        found: String,
+    },
 }
 
 /// `Result` with [`TensorError`].

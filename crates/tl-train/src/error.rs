@@ -20,8 +20,15 @@ pub enum TrainError {
         input: String,
     },
     /// Model sizes that do not fit together.
-    #[error("invalid model config: {0}")]
-    InvalidConfig(String),
+    #[error("invalid model config: {field} = {value}: {reason}")]
+    InvalidConfig {
+        /// The field of [`ModelConfig`](crate::model::ModelConfig).
+        field: &'static str,
+        /// Its value, as text.
+        value: String,
+        /// What it must be.
+        reason: String,
+    },
     /// A training option outside its valid range.
     #[error("invalid {name}: {value} ({reason})")]
     InvalidArgument {

@@ -29,7 +29,7 @@ fn main() -> ExitCode {
 fn exit_status(error: &TrainError) -> u8 {
     match error {
         TrainError::InvalidArgument { .. }
-        | TrainError::InvalidConfig(_)
+        | TrainError::InvalidConfig { .. }
         | TrainError::UnknownPreset { .. }
         | TrainError::Recompute(_) => 2,
         TrainError::Diverged { .. } => 4,

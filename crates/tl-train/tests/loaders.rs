@@ -169,7 +169,7 @@ proptest! {
                 let typed_validation = matches!(
                     error,
                     TrainError::InvalidArgument { .. }
-                        | TrainError::InvalidConfig(_)
+                        | TrainError::InvalidConfig { .. }
                         | TrainError::Recompute(_)
                 );
                 prop_assert!(typed_validation || names(&error, name), "{}", error);

@@ -73,7 +73,7 @@ fn a_malformed_state_is_rejected_and_changes_nothing() {
         assert!(
             matches!(
                 target.load_state_dict(&state),
-                Err(PrecisionError::InvalidState(_))
+                Err(PrecisionError::InvalidState { .. })
             ),
             "{state:?}"
         );
@@ -234,7 +234,7 @@ fn a_floor_with_skips_round_trips_and_skips_must_stay_below_the_patience() {
     let before = resumed.clone();
     assert!(matches!(
         resumed.load_state_dict(&state),
-        Err(PrecisionError::InvalidState(_))
+        Err(PrecisionError::InvalidState { .. })
     ));
     assert_eq!(resumed, before, "a rejected state changed the scaler");
 }

@@ -49,7 +49,7 @@ impl Dropout {
             return Err(TensorError::InvalidArgument {
                 name: "dropout p",
                 value: p.to_string(),
-                reason: "must be in [0, 1)",
+                reason: "must be in [0, 1)".into(),
             });
         }
         Ok(Self {

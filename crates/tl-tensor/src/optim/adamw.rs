@@ -92,7 +92,7 @@ fn check_beta(name: &'static str, beta: f64) -> Result<f64> {
         Err(TensorError::InvalidArgument {
             name,
             value: beta.to_string(),
-            reason: "must be in [0, 1)",
+            reason: "must be in [0, 1)".into(),
         })
     }
 }
@@ -189,11 +189,12 @@ impl<E: Element> AdamW<E> {
     pub fn load_state_dict(&mut self, state: AdamWState) -> Result<()> {
         check_shapes("AdamW state", &self.parameters, &state.shapes)?;
         if state.params.len() != self.parameters.len() {
-            return Err(TensorError::StateMismatch(format!(
-                "AdamW state holds {} parameter states for {} parameters",
-                state.params.len(),
-                self.parameters.len()
-            )));
+            return Err(TensorError::StateMismatch {
+                what: "AdamW state",
+                parameter: None,
+                expected: format!("{} parameter states", self.parameters.len()),
+                found: format!("{} parameter states", state.params.len()),
+            });
         }
         let lr = check_non_negative("learning rate", state.lr)?;
         let betas = (
@@ -438,7 +439,7 @@ mod tests {
         for state in [other_count, other_shape, short_moment] {
             assert!(matches!(
                 opt.load_state_dict(state),
-                Err(TensorError::StateMismatch(_))
+                Err(TensorError::StateMismatch { .. })
             ));
         }
         let mut bad_beta = before.clone();

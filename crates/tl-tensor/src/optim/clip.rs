@@ -60,7 +60,7 @@ pub fn clip_grad_norm_reduced<E: Element>(
         return Err(TensorError::InvalidArgument {
             name: "max_norm",
             value: max_norm.to_string(),
-            reason: "must be positive and finite",
+            reason: "must be positive and finite".into(),
         });
     }
     let norm = total(grad_sum_squares(parameters)).sqrt();

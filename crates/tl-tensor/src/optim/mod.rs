@@ -50,7 +50,7 @@ pub(crate) fn check_non_negative(name: &'static str, value: f64) -> Result<f64> 
         Err(TensorError::InvalidArgument {
             name,
             value: value.to_string(),
-            reason: "must be finite and non-negative",
+            reason: "must be finite and non-negative".into(),
         })
     }
 }
@@ -66,23 +66,26 @@ pub(crate) fn assert_learning_rate(lr: f64) {
 /// Checks that saved per-parameter buffers fit `parameters` (count, and each buffer's
 /// shape), so a load can be rejected before anything changes.
 pub(crate) fn check_shapes<E: Element>(
-    what: &str,
+    what: &'static str,
     parameters: &[Tensor<E>],
     saved_shapes: &[Vec<usize>],
 ) -> Result<()> {
     if saved_shapes.len() != parameters.len() {
-        return Err(TensorError::StateMismatch(format!(
-            "{what} holds state for {} parameters, the optimizer has {}",
-            saved_shapes.len(),
-            parameters.len()
-        )));
+        return Err(TensorError::StateMismatch {
+            what,
+            parameter: None,
+            expected: format!("{} parameters", parameters.len()),
+            found: format!("{} parameters", saved_shapes.len()),
+        });
     }
     for (index, (parameter, saved)) in parameters.iter().zip(saved_shapes).enumerate() {
         if parameter.shape() != *saved {
-            return Err(TensorError::StateMismatch(format!(
-                "{what}: parameter {index} has shape {:?}, the saved state {saved:?}",
-                parameter.shape()
-            )));
+            return Err(TensorError::StateMismatch {
+                what,
+                parameter: Some(index),
+                expected: format!("shape {:?}", parameter.shape()),
+                found: format!("shape {saved:?}"),
+            });
         }
     }
     Ok(())
@@ -96,10 +99,14 @@ pub(crate) fn restore<E: Element>(
 ) -> Result<ArrayD<E>> {
     let len = values.len();
     ArrayD::from_shape_vec(IxDyn(shape), values.into_iter().map(E::from_f64).collect()).map_err(
-        |_| {
-            TensorError::StateMismatch(format!(
-                "the saved buffer of parameter {index} has {len} values, its shape is {shape:?}"
-            ))
+        |_| TensorError::StateMismatch {
+            what: "a saved buffer",
+            parameter: Some(index),
+            expected: format!(
+                "{} values (shape {shape:?})",
+                shape.iter().product::<usize>()
+            ),
+            found: format!("{len} values"),
         },
     )
 }

@@ -130,11 +130,12 @@ impl<E: Element> Sgd<E> {
     pub fn load_state_dict(&mut self, state: SgdState) -> Result<()> {
         check_shapes("SGD state", &self.parameters, &state.shapes)?;
         if state.momentum_buffers.len() != self.parameters.len() {
-            return Err(TensorError::StateMismatch(format!(
-                "SGD state holds {} momentum buffers for {} parameters",
-                state.momentum_buffers.len(),
-                self.parameters.len()
-            )));
+            return Err(TensorError::StateMismatch {
+                what: "SGD state",
+                parameter: None,
+                expected: format!("{} momentum buffers", self.parameters.len()),
+                found: format!("{} momentum buffers", state.momentum_buffers.len()),
+            });
         }
         let mut buffers = Vec::with_capacity(self.parameters.len());
         for (index, (saved, shape)) in state
@@ -304,14 +305,14 @@ mod tests {
         wrong_shape.shapes = vec![vec![3]];
         assert!(matches!(
             opt.load_state_dict(wrong_shape),
-            Err(TensorError::StateMismatch(_))
+            Err(TensorError::StateMismatch { .. })
         ));
         let mut wrong_length = before.clone();
         wrong_length.momentum_buffers = vec![Some(vec![0.0])];
         wrong_length.lr = 0.5;
         assert!(matches!(
             opt.load_state_dict(wrong_length),
-            Err(TensorError::StateMismatch(_))
+            Err(TensorError::StateMismatch { .. })
         ));
         assert_eq!(opt.state_dict(), before);
     }

@@ -7,10 +7,18 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
 
+/// The largest vocabulary, width, hidden size, head count or context a config may ask for:
+/// far beyond what trains here, and small enough that every count of parameters and bytes
+/// fits in 64 bits.
+const MAX_SIZE: usize = 1 << 20;
+/// The most blocks a config may ask for.
+const MAX_LAYERS: usize = 1 << 12;
+
 /// Everything that fixes a model's parameter shapes and its forward computation.
 ///
 /// Two checkpoints can share weights only if their configs are equal; the trainer checks this
 /// before loading anything.
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
     /// Vocabulary size: 256 for byte-level tokens.
@@ -106,43 +114,62 @@ impl ModelConfig {
         self.d_model / self.n_heads
     }
 
-    /// Checks that the sizes fit together.
+    /// Checks that the sizes fit together, and that none is so large that counting the
+    /// model's parameters or bytes could overflow.
     ///
     /// # Errors
     /// [`TrainError::InvalidConfig`] naming the first size that does not fit.
     pub fn validate(&self) -> Result<()> {
-        let invalid = |reason: String| Err(TrainError::InvalidConfig(reason));
-        let positive = [
-            ("vocab", self.vocab),
-            ("d_model", self.d_model),
-            ("n_layers", self.n_layers),
-            ("n_heads", self.n_heads),
-            ("hidden", self.hidden),
-            ("context", self.context),
+        let invalid = |field: &'static str, value: String, reason: String| {
+            Err(TrainError::InvalidConfig {
+                field,
+                value,
+                reason,
+            })
+        };
+        let sizes = [
+            ("vocab", self.vocab, MAX_SIZE),
+            ("d_model", self.d_model, MAX_SIZE),
+            ("n_layers", self.n_layers, MAX_LAYERS),
+            ("n_heads", self.n_heads, MAX_SIZE),
+            ("hidden", self.hidden, MAX_SIZE),
+            ("context", self.context, MAX_SIZE),
         ];
-        if let Some((name, _)) = positive.iter().find(|(_, value)| *value == 0) {
-            return invalid(format!("{name} must be positive"));
+        for (field, value, max) in sizes {
+            if !(1..=max).contains(&value) {
+                return invalid(field, value.to_string(), format!("must be in 1..={max}"));
+            }
         }
         if !self.d_model.is_multiple_of(self.n_heads) || !self.head_dim().is_multiple_of(2) {
-            return invalid(format!(
-                "d_model {} must split into {} heads of an even size",
-                self.d_model, self.n_heads
-            ));
+            return invalid(
+                "n_heads",
+                self.n_heads.to_string(),
+                format!(
+                    "d_model {} must split into heads of an even size",
+                    self.d_model
+                ),
+            );
         }
         if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
-            return invalid(format!(
-                "norm_eps {} must be finite and >= 0",
-                self.norm_eps
-            ));
+            return invalid(
+                "norm_eps",
+                self.norm_eps.to_string(),
+                "must be finite and >= 0".into(),
+            );
         }
         if !(self.rope_base.is_finite() && self.rope_base > 1.0) {
-            return invalid(format!(
-                "rope_base {} must be finite and > 1",
-                self.rope_base
-            ));
+            return invalid(
+                "rope_base",
+                self.rope_base.to_string(),
+                "must be finite and > 1".into(),
+            );
         }
         if !(0.0..1.0).contains(&self.dropout) {
-            return invalid(format!("dropout {} must be in [0, 1)", self.dropout));
+            return invalid(
+                "dropout",
+                self.dropout.to_string(),
+                "must be in [0, 1)".into(),
+            );
         }
         Ok(())
     }
@@ -186,7 +213,7 @@ mod tests {
         config.n_heads = 3; // 64 = 3·21 + 1
         assert!(matches!(
             config.validate(),
-            Err(TrainError::InvalidConfig(_))
+            Err(TrainError::InvalidConfig { .. })
         ));
         config.n_heads = 64; // head size 1: no pairs to rotate
         assert!(config.validate().is_err());
