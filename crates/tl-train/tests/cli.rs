@@ -6,27 +6,15 @@ mod common;
 use std::fs;
 use std::path::Path;
 
-use common::{run_error, tinyllm};
+use common::{TINY_TRAIN, run_error, tinyllm};
 use tl_train::TrainError;
 use tl_train::cli::{CliError, Exit};
 use tl_train::train::{Record, read_records};
 
-/// A tiny run: 2 × 2 sequences of 64 bytes per step on 40 kB of built-in corpus.
+/// [`TINY_TRAIN`] into `out`, with `extra` flags.
 fn tiny_args<'a>(out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec![
-        "train",
-        "--preset",
-        "tiny",
-        "--micro-batch",
-        "2",
-        "--accum",
-        "2",
-        "--corpus-bytes",
-        "40000",
-        "--quiet",
-        "--out",
-        out,
-    ];
+    let mut args = TINY_TRAIN.to_vec();
+    args.extend(["--out", out]);
     args.extend_from_slice(extra);
     args
 }

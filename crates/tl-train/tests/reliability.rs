@@ -8,30 +8,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{run_error, tinyllm};
+use common::{TINY_TRAIN, run_error, tinyllm};
 use tl_train::TrainError;
 use tl_train::cli::Exit;
 use tl_train::store::fingerprint;
 use tl_train::train::{Record, read_records};
 
-/// A tiny run: 2 × 2 sequences of 64 bytes per step on 40 kB of built-in corpus.
+/// [`TINY_TRAIN`] into `out`, with `extra` flags.
 fn tiny_args(out: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "train",
-        "--preset",
-        "tiny",
-        "--micro-batch",
-        "2",
-        "--accum",
-        "2",
-        "--corpus-bytes",
-        "40000",
-        "--quiet",
-        "--out",
-    ]
-    .map(String::from)
-    .to_vec();
-    args.push(out.to_str().unwrap().to_string());
+    let mut args: Vec<String> = TINY_TRAIN.map(String::from).to_vec();
+    args.extend(["--out".to_string(), out.to_str().unwrap().to_string()]);
     args.extend(extra.iter().map(|s| s.to_string()));
     args
 }

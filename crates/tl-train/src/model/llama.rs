@@ -334,9 +334,26 @@ mod tests {
 
     /// The loss and every gradient of one backward pass, as bits.
     fn loss_and_gradients(model: &Llama<f32>) -> (u32, Vec<Vec<u32>>) {
+        loss_and_gradients_under(model, None, true)
+    }
+
+    /// [`loss_and_gradients`] with the forward pass (loss included) under autocast in
+    /// `format`, and the backward pass inside the guard or after it has dropped.
+    fn loss_and_gradients_under(
+        model: &Llama<f32>,
+        format: Option<tl_precision::Format>,
+        backward_inside: bool,
+    ) -> (u32, Vec<Vec<u32>>) {
         model.zero_grad();
+        let guard = format.map(tl_precision::autocast);
         let loss = model.loss(&INPUTS, &TARGETS, 2, 4).unwrap();
-        loss.backward();
+        if backward_inside {
+            loss.backward();
+            drop(guard);
+        } else {
+            drop(guard);
+            loss.backward();
+        }
         let grads = model
             .parameters()
             .iter()
@@ -368,31 +385,6 @@ mod tests {
         }
     }
 
-    /// [`loss_and_gradients`] with the forward pass (loss included) under autocast, and
-    /// the backward pass inside the guard or after it has dropped.
-    fn loss_and_gradients_under(
-        model: &Llama<f32>,
-        format: tl_precision::Format,
-        backward_inside: bool,
-    ) -> (u32, Vec<Vec<u32>>) {
-        model.zero_grad();
-        let guard = tl_precision::autocast(format);
-        let loss = model.loss(&INPUTS, &TARGETS, 2, 4).unwrap();
-        if !backward_inside {
-            drop(guard);
-            loss.backward();
-        } else {
-            loss.backward();
-            drop(guard);
-        }
-        let grads = model
-            .parameters()
-            .iter()
-            .map(|p| p.grad().unwrap().iter().map(|g| g.to_bits()).collect())
-            .collect();
-        (loss.item().to_bits(), grads)
-    }
-
     /// The way PyTorch users write it: the loss under autocast, `backward` after the guard.
     /// A checkpointed block reruns during that backward, and must round as its forward did
     /// (the fused attention asks for the autocast format again in the rerun).
@@ -408,7 +400,7 @@ mod tests {
         for format in [Format::Bf16, Format::Fp16] {
             model.set_checkpointing(Checkpointing::Off);
             model.dropout_generator().set_state(&start);
-            let plain = loss_and_gradients_under(&model, format, true);
+            let plain = loss_and_gradients_under(&model, Some(format), true);
             model.dropout_generator().set_state(&start);
             let no_autocast = loss_and_gradients(&model);
             assert_ne!(
@@ -420,7 +412,7 @@ mod tests {
                 for backward_inside in [true, false] {
                     model.dropout_generator().set_state(&start);
                     assert_eq!(
-                        loss_and_gradients_under(&model, format, backward_inside),
+                        loss_and_gradients_under(&model, Some(format), backward_inside),
                         plain,
                         "{format}, {checkpointing:?}, backward inside the guard: {backward_inside}"
                     );

@@ -6,6 +6,22 @@
 use tl_train::TrainError;
 use tl_train::cli::{CliError, Exit, run};
 
+/// `tinyllm train` on the tiny preset, 2 × 2 sequences of 64 bytes per step on 40 kB of
+/// built-in corpus, without a progress bar: the run most integration tests train (the run
+/// directory and further flags follow).
+pub const TINY_TRAIN: [&str; 10] = [
+    "train",
+    "--preset",
+    "tiny",
+    "--micro-batch",
+    "2",
+    "--accum",
+    "2",
+    "--corpus-bytes",
+    "40000",
+    "--quiet",
+];
+
 /// Runs `tinyllm ARGS..` in-process.
 pub fn tinyllm(args: &[&str]) -> Result<Exit, CliError> {
     run(std::iter::once("tinyllm").chain(args.iter().copied()))
