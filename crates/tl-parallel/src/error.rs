@@ -1,0 +1,42 @@
+//! What can go wrong in data-parallel training, as a typed error.
+
+use thiserror::Error;
+use tl_collective::CollectiveError;
+use tl_precision::PrecisionError;
+
+/// Errors of tl-parallel.
+#[derive(Debug, Error)]
+pub enum ParallelError {
+    /// A collective failed (a peer exited, a timeout, ranks that disagree). The communicator
+    /// is closed afterwards: the run must stop.
+    #[error("rank {rank}: {source}")]
+    Collective {
+        /// The rank that saw the failure.
+        rank: usize,
+        /// What the communicator reported.
+        source: CollectiveError,
+    },
+    /// The training step itself refused (a non-finite loss without a scaler, an empty
+    /// micro-batch, a scale stuck at its floor).
+    #[error(transparent)]
+    Precision(#[from] PrecisionError),
+    /// A global batch that cannot be shared out as asked.
+    #[error(
+        "cannot share a global batch of {global_rows} rows into micro-batches of {micro_batch_rows} over {world_size} ranks (rank {rank}): {reason}"
+    )]
+    InvalidBatch {
+        /// Rows of the global batch.
+        global_rows: usize,
+        /// Largest micro-batch asked for.
+        micro_batch_rows: usize,
+        /// Number of ranks.
+        world_size: usize,
+        /// The rank asked about.
+        rank: usize,
+        /// What is wrong.
+        reason: &'static str,
+    },
+}
+
+/// `Result` with a [`ParallelError`].
+pub type Result<T, E = ParallelError> = std::result::Result<T, E>;
