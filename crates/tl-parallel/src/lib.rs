@@ -50,3 +50,8 @@ mod error;
 pub use batch::{BatchShare, batch_share};
 pub use ddp::{DEFAULT_BUCKET_BYTES, DataParallel, GradElement, StepSummary};
 pub use error::{ParallelError, Result};
+
+/// The user guide `docs/data-parallel.md`, compiled as a doctest so its examples stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/data-parallel.md")]
+pub struct DataParallelGuide;
