@@ -24,7 +24,7 @@
 use std::cell::Cell;
 use std::rc::Rc;
 
-use tl_collective::{CollectiveError, CommStats, Communicator};
+use tl_collective::{CommStats, Communicator};
 use tl_precision::{
     MicroBatch, Precision, StepObserver, StepReport, train_step_mixed_observed, underflow_count,
 };
@@ -34,6 +34,7 @@ use tl_tensor::{Element, Tensor};
 
 use crate::bucket::{bucket_len, ensure_grad, plan, read_run, write_run};
 use crate::error::{ParallelError, Result};
+use crate::link::{Link, SharedLink};
 
 /// Bucket size of PyTorch DDP's default, 25 MiB.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
@@ -71,7 +72,7 @@ pub struct StepSummary {
 /// does it and returns the collective's error. The communicator is closed after a failure:
 /// the run must stop.
 pub struct DataParallel {
-    comm: Box<dyn Communicator>,
+    link: SharedLink,
     bucket_bytes: usize,
     /// This rank's weight `n_r/B` in the sum of the gradients.
     weight: f64,
@@ -79,7 +80,6 @@ pub struct DataParallel {
     local_loss: Rc<Cell<f64>>,
     loss_recorded: bool,
     summary: Option<StepSummary>,
-    error: Option<CollectiveError>,
 }
 
 impl DataParallel {
@@ -88,13 +88,12 @@ impl DataParallel {
     pub fn new(comm: Box<dyn Communicator>) -> Self {
         let weight = 1.0 / comm.world_size() as f64;
         Self {
-            comm,
+            link: Link::shared(comm),
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             weight,
             local_loss: Rc::new(Cell::new(0.0)),
             loss_recorded: false,
             summary: None,
-            error: None,
         }
     }
 
@@ -106,17 +105,17 @@ impl DataParallel {
 
     /// This process's rank.
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.link.borrow().rank()
     }
 
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
-        self.comm.world_size()
+        self.link.borrow().world_size()
     }
 
     /// The communicator's counters (collectives called, bytes sent).
     pub fn stats(&self) -> CommStats {
-        self.comm.stats()
+        self.link.borrow().stats()
     }
 
     /// What the last reduction established, once a step has reduced its gradients.
@@ -127,8 +126,9 @@ impl DataParallel {
     /// The first collective error since the last call, if any (see the type's docs).
     pub fn take_error(&mut self) -> Option<ParallelError> {
         let rank = self.rank();
-        self.error
-            .take()
+        self.link
+            .borrow_mut()
+            .take_error()
             .map(|source| ParallelError::Collective { rank, source })
     }
 
@@ -152,10 +152,13 @@ impl DataParallel {
                 );
                 offset += s.len;
             }
-            let rank = self.rank();
-            self.comm
-                .broadcast(<E as tl_collective::Element>::view_mut(&mut buf), 0)
-                .map_err(|source| ParallelError::Collective { rank, source })?;
+            let view = <E as tl_collective::Element>::view_mut(&mut buf);
+            let sent = self.link.borrow_mut().call(|comm| comm.broadcast(view, 0));
+            if sent.is_none() {
+                return Err(self
+                    .take_error()
+                    .expect("a failed broadcast keeps its error"));
+            }
             let mut offset = 0;
             for s in &bucket {
                 let run = &buf[offset..offset + s.len];
@@ -253,11 +256,8 @@ impl DataParallel {
     }
 
     /// Sums the weighted gradients of `params` over the ranks, bucket by bucket, with the
-    /// extras in the last bucket.
-    fn reduce_gradients<E: GradElement>(
-        &mut self,
-        params: &[Tensor<E>],
-    ) -> Result<(), CollectiveError> {
+    /// extras in the last bucket; `None` if a collective failed (the link keeps the error).
+    fn reduce_gradients<E: GradElement>(&mut self, params: &[Tensor<E>]) -> Option<()> {
         let numels: Vec<usize> = params.iter().map(Tensor::numel).collect();
         let buckets = plan(&numels, self.capacity::<E>());
         let weight = E::from_f64(self.weight);
@@ -283,8 +283,10 @@ impl DataParallel {
                     E::from_f64(underflow_count() as f64),
                 ]);
             }
-            self.comm
-                .all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut buf))?;
+            let view = <E as tl_collective::Element>::view_mut(&mut buf);
+            self.link
+                .borrow_mut()
+                .call(|comm| comm.all_reduce_sum(view))?;
             let mut offset = 0;
             for s in bucket {
                 let run = &buf[offset..offset + s.len];
@@ -301,19 +303,14 @@ impl DataParallel {
                 });
             }
         }
-        Ok(())
+        Some(())
     }
 }
 
 impl<E: GradElement> StepObserver<E> for DataParallel {
     /// Reduces the gradients (see the [type's docs](DataParallel) for a failure).
     fn gradients_ready(&mut self, params: &[Tensor<E>]) {
-        let outcome = match self.error {
-            Some(_) => Err(CollectiveError::Closed),
-            None => self.reduce_gradients(params),
-        };
-        if let Err(error) = outcome {
-            self.error.get_or_insert(error);
+        if self.reduce_gradients(params).is_none() {
             // Half-reduced gradients must not reach the optimizer: NaN makes the step refuse
             // them whether or not it has a loss scaler.
             for param in params {
@@ -326,7 +323,9 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
     /// Finite on every rank: no rank flagged an inf or NaN, no collective failed, and the
     /// reduced gradients (`local`, the same on every rank) are finite.
     fn all_finite(&mut self, local: bool) -> bool {
-        local && self.error.is_none() && self.summary.is_some_and(|s| s.nonfinite_ranks == 0)
+        local
+            && !self.link.borrow().failed()
+            && self.summary.is_some_and(|s| s.nonfinite_ranks == 0)
     }
 
     /// The reduced gradients are replicated, so this rank's sum is the global one.

@@ -46,6 +46,7 @@ mod batch;
 mod bucket;
 mod ddp;
 mod error;
+mod link;
 
 pub use batch::{BatchShare, batch_share};
 pub use ddp::{DEFAULT_BUCKET_BYTES, DataParallel, GradElement, StepSummary};
