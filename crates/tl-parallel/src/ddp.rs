@@ -103,6 +103,11 @@ impl DataParallel {
         self
     }
 
+    /// The communicator, for the pieces that share it.
+    pub(crate) fn link(&self) -> SharedLink {
+        Rc::clone(&self.link)
+    }
+
     /// This process's rank.
     pub fn rank(&self) -> usize {
         self.link.borrow().rank()

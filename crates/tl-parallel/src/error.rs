@@ -3,6 +3,7 @@
 use thiserror::Error;
 use tl_collective::CollectiveError;
 use tl_precision::PrecisionError;
+use tl_tensor::TensorError;
 
 /// Errors of tl-parallel.
 #[derive(Debug, Error)]
@@ -20,6 +21,12 @@ pub enum ParallelError {
     /// micro-batch, a scale stuck at its floor).
     #[error(transparent)]
     Precision(#[from] PrecisionError),
+    /// An optimizer hyperparameter that tl-tensor refused.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    /// An optimizer that has already stepped cannot be sharded: its moments are whole.
+    #[error("cannot shard an optimizer that has already stepped; shard a fresh one")]
+    OptimizerHasState,
     /// A global batch that cannot be shared out as asked.
     #[error(
         "cannot share a global batch of {global_rows} rows into micro-batches of {micro_batch_rows} over {world_size} ranks (rank {rank}): {reason}"

@@ -8,6 +8,8 @@
 //!   reduction inside tl-precision's one training step, in buckets, and makes the loss
 //!   scaler's overflow decision and the clip norm global; [`DataParallel::train_step`] is
 //!   that step, with the global loss in its report.
+//! - [`ShardedAdamW`] is ZeRO stage 1: AdamW's moments and update partitioned over the
+//!   ranks, the updated weights all-gathered; bit for bit DDP's AdamW.
 //!
 //! The same code runs on one process with [`tl_collective::Single`], or on the ranks
 //! `tinyllm launch` starts with [`tl_collective::from_env`]:
@@ -47,10 +49,12 @@ mod bucket;
 mod ddp;
 mod error;
 mod link;
+mod zero;
 
 pub use batch::{BatchShare, batch_share};
 pub use ddp::{DEFAULT_BUCKET_BYTES, DataParallel, GradElement, StepSummary};
 pub use error::{ParallelError, Result};
+pub use zero::ShardedAdamW;
 
 /// The user guide `docs/data-parallel.md`, compiled as a doctest so its examples stay true.
 #[cfg(doctest)]

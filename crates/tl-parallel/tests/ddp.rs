@@ -13,13 +13,15 @@ use std::time::Duration;
 
 use common::{Batch, Config, Mlp, PARAMS, SEED, STEPS, Spy, loss_fn, result, weights};
 use support::{SCENARIO, assert_all_succeeded, hash_bits, run_world};
-use tl_collective::{Communicator, RingComm, RingConfig};
-use tl_parallel::{DataParallel, GradElement, ParallelError};
+use tl_collective::{CommStats, Communicator, RingComm, RingConfig, shard_range};
+use tl_parallel::{DataParallel, GradElement, ParallelError, ShardedAdamW};
 use tl_precision::{Precision, StepReport, train_step_mixed};
 use tl_tensor::Module;
-use tl_tensor::optim::AdamW;
+use tl_tensor::optim::{AdamW, Optimizer};
 
 const DEADLINE: Duration = Duration::from_secs(60);
+/// Every run clips, so a clip norm that is not global would show.
+const CLIP: Option<f64> = Some(0.5);
 
 fn report_bits(reports: &[StepReport]) -> u64 {
     hash_bits(reports.iter().flat_map(|r| {
@@ -32,11 +34,63 @@ fn report_bits(reports: &[StepReport]) -> u64 {
     }))
 }
 
+/// What one DDP training of `STEPS` steps gave.
+struct Run {
+    reports: Vec<StepReport>,
+    /// Collectives seen from inside the loss function, past each step's start.
+    mid_step: u64,
+    /// The most collectives one step made.
+    per_step: u64,
+}
+
+/// `STEPS` data-parallel steps of `model` with `opt`, counting the collectives from inside
+/// the loss function through `stats`.
+fn train<E: GradElement, O: Optimizer<E>>(
+    ddp: &mut DataParallel,
+    model: &Mlp<E>,
+    opt: &mut O,
+    config: &Config,
+    stats: &Cell<CommStats>,
+) -> Run {
+    let (rank, world) = (ddp.rank(), ddp.world_size());
+    let mut scaler = config.scaler();
+    let (mut mid_step, mut per_step) = (0, 0);
+    let reports = (0..STEPS)
+        .map(|step| {
+            let batches = config.micro_batches::<E>(step, world, rank);
+            let start = stats.get().collectives;
+            let counting_loss = |m: &Mlp<E>, b: &Batch<E>| {
+                // Every forward after the first follows a backward: neither may communicate.
+                mid_step += stats.get().collectives - start;
+                loss_fn(m, b)
+            };
+            let report = ddp
+                .train_step(
+                    model,
+                    &batches,
+                    config.global_rows,
+                    counting_loss,
+                    opt,
+                    config.precision,
+                    scaler.as_mut(),
+                    CLIP,
+                )
+                .unwrap();
+            per_step = per_step.max(ddp.stats().collectives - start);
+            report
+        })
+        .collect();
+    Run {
+        reports,
+        mid_step,
+        per_step,
+    }
+}
+
 /// The rank program of the `train` scenario: the reference, then DDP, then the comparison.
 fn scenario_train<E: GradElement>(comm: RingComm) {
     let config = Config::from_env();
-    let (rank, world) = (comm.rank(), comm.world_size());
-    let clip = Some(0.5);
+    let rank = comm.rank();
 
     let reference = Mlp::<E>::new(SEED);
     let mut opt = AdamW::new(reference.parameters(), 1e-2).unwrap();
@@ -51,7 +105,7 @@ fn scenario_train<E: GradElement>(comm: RingComm) {
                 &mut opt,
                 config.precision,
                 scaler.as_mut(),
-                clip,
+                CLIP,
             )
             .unwrap()
         })
@@ -67,33 +121,28 @@ fn scenario_train<E: GradElement>(comm: RingComm) {
     let model = Mlp::<E>::new(SEED + rank as u64);
     ddp.broadcast_parameters(&model.parameters()).unwrap();
     let mut opt = AdamW::new(model.parameters(), 1e-2).unwrap();
-    let mut scaler = config.scaler();
-    let (mut mid_step, mut per_step) = (0, 0);
-    let reports: Vec<StepReport> = (0..STEPS)
-        .map(|step| {
-            let batches = config.micro_batches::<E>(step, world, rank);
-            let start = stats.get().collectives;
-            let counting_loss = |m: &Mlp<E>, b: &Batch<E>| {
-                // Every forward after the first follows a backward: neither may communicate.
-                mid_step += stats.get().collectives - start;
-                loss_fn(m, b)
-            };
-            let report = ddp
-                .train_step(
-                    &model,
-                    &batches,
-                    config.global_rows,
-                    counting_loss,
-                    &mut opt,
-                    config.precision,
-                    scaler.as_mut(),
-                    clip,
-                )
-                .unwrap();
-            per_step = per_step.max(ddp.stats().collectives - start);
-            report
-        })
-        .collect();
+    let run = train(&mut ddp, &model, &mut opt, &config, &stats);
+    let (reports, mid_step, per_step) = (run.reports, run.mid_step, run.per_step);
+
+    if std::env::var("TL_ZERO").is_ok() {
+        // ZeRO-1 on a third replica from the same start, through the same communicator.
+        let sharded = Mlp::<E>::new(SEED + rank as u64);
+        ddp.broadcast_parameters(&sharded.parameters()).unwrap();
+        let adamw = AdamW::new(sharded.parameters(), 1e-2).unwrap();
+        let mut opt = ShardedAdamW::new(&ddp, adamw).unwrap();
+        let zero = train(&mut ddp, &sharded, &mut opt, &config, &stats);
+        let same = weights(&sharded) == weights(&model);
+        result(format_args!("zero1_weights_equal_ddp={same}"));
+        let same = report_bits(&zero.reports) == report_bits(&reports);
+        result(format_args!("zero1_reports_equal_ddp={same}"));
+        result(format_args!("zero1_mid_step_collectives={}", zero.mid_step));
+        result(format_args!("zero1_collectives_per_step={}", zero.per_step));
+        result(format_args!("zero1_shard={}", opt.shard().len()));
+        result(format_args!(
+            "zero1_state_elements={}",
+            opt.state_elements()
+        ));
+    }
 
     let (got, want) = (weights(&model), weights(&reference));
     let max_weight_diff = got
@@ -312,4 +361,54 @@ fn a_failed_collective_fails_the_step_and_changes_no_weight() {
         survivor.get("error").unwrap().starts_with("rank 0:"),
         "{survivor:?}"
     );
+}
+
+/// ZeRO-1 trains a third replica on the same communicator. Its gradients are DDP's (the same
+/// all-reduce), and AdamW's update is elementwise with coefficients per parameter, so each
+/// rank's AdamW on its shard computes for every element exactly the bits DDP's full AdamW
+/// does; the all-gather copies them: bit for bit DDP, in every precision, skipped steps
+/// included (a skip calls no optimizer and so gathers nothing). Each rank keeps the moments
+/// of its `shard_range(58, N, r)` elements only, and a step makes one collective more.
+#[test]
+fn zero1_equals_ddp_bit_for_bit_holding_only_its_shard_of_the_moments() {
+    for (n, env) in [
+        (2, vec![("TL_GLOBAL_ROWS", "16"), ("TL_MICRO", "4")]),
+        (
+            4,
+            vec![
+                ("TL_GLOBAL_ROWS", "16"),
+                ("TL_MICRO", "2"),
+                ("TL_PRECISION", "bf16"),
+            ],
+        ),
+        (
+            4,
+            vec![
+                ("TL_PRECISION", "fp16"),
+                ("TL_GLOBAL_ROWS", "8"),
+                ("TL_MICRO", "2"),
+                ("TL_OVERFLOW", "2,7"),
+            ],
+        ),
+    ] {
+        let mut env = env;
+        env.push(("TL_ZERO", "1"));
+        let runs = train_world(n, &env);
+        for (rank, run) in runs.iter().enumerate() {
+            assert_eq!(run.get("zero1_weights_equal_ddp"), Some("true"), "{run:?}");
+            assert_eq!(run.get("zero1_reports_equal_ddp"), Some("true"), "{run:?}");
+            assert_eq!(run.get("zero1_mid_step_collectives"), Some("0"));
+            let buckets: u64 = run.get("buckets").unwrap().parse().unwrap();
+            assert_eq!(
+                run.get("zero1_collectives_per_step"),
+                Some((buckets + 1).to_string().as_str())
+            );
+            let shard = shard_range(PARAMS, n, rank).len();
+            assert_eq!(run.get("zero1_shard"), Some(shard.to_string().as_str()));
+            assert_eq!(
+                run.get("zero1_state_elements"),
+                Some((2 * shard).to_string().as_str())
+            );
+        }
+    }
 }
