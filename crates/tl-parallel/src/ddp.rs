@@ -179,17 +179,22 @@ impl DataParallel {
     /// [`train_step`](Self::train_step) calls it; call it yourself when you use the observer
     /// directly with unequal shares.
     ///
-    /// # Panics
-    /// If `local_rows` is zero or greater than `global_rows`.
-    pub fn begin_step(&mut self, local_rows: usize, global_rows: usize) {
-        assert!(
-            local_rows > 0 && local_rows <= global_rows,
-            "begin_step: a rank's rows ({local_rows}) must be in 1..={global_rows}"
-        );
+    /// # Errors
+    /// [`ParallelError::RowsOutsideBatch`] if `local_rows` is zero or greater than
+    /// `global_rows` (nothing changes).
+    pub fn begin_step(&mut self, local_rows: usize, global_rows: usize) -> Result<()> {
+        if local_rows == 0 || local_rows > global_rows {
+            return Err(ParallelError::RowsOutsideBatch {
+                rank: self.rank(),
+                local_rows,
+                global_rows,
+            });
+        }
         self.weight = local_rows as f64 / global_rows as f64;
         self.local_loss.set(0.0);
         self.loss_recorded = false;
         self.summary = None;
+        Ok(())
     }
 
     /// One data-parallel training step: [`train_step_mixed_observed`] on this rank's
@@ -199,12 +204,10 @@ impl DataParallel {
     ///
     /// # Errors
     /// [`ParallelError::Collective`] if a collective failed (no parameter changed); the
-    /// step's own errors as [`ParallelError::Precision`]. An error a rank hits before the
-    /// reduction (an empty micro-batch) leaves the other ranks waiting in it until their
-    /// communicator's timeout.
-    ///
-    /// # Panics
-    /// If this rank has no rows or more than `global_rows`.
+    /// step's own errors as [`ParallelError::Precision`]; [`ParallelError::RowsOutsideBatch`]
+    /// if this rank's micro-batches have no rows or more than `global_rows`. An error a rank
+    /// hits before the reduction (these, an empty micro-batch) leaves the other ranks waiting
+    /// in it until their communicator's timeout.
     #[allow(clippy::too_many_arguments)]
     pub fn train_step<E, M, B, F, O>(
         &mut self,
@@ -224,7 +227,7 @@ impl DataParallel {
         F: FnMut(&M, &B) -> Tensor<E>,
         O: Optimizer<E> + ?Sized,
     {
-        self.begin_step(micro_batches.iter().map(B::rows).sum(), global_rows);
+        self.begin_step(micro_batches.iter().map(B::rows).sum(), global_rows)?;
         self.loss_recorded = true;
         let local_loss = Rc::clone(&self.local_loss);
         // The same weights n_i/B in the same order as one process's accumulation.
@@ -336,5 +339,51 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
     /// The reduced gradients are replicated, so this rank's sum is the global one.
     fn total_sum_squares(&mut self, local: f64) -> f64 {
         local
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tl_collective::Single;
+    use tl_tensor::ndarray::arr1;
+
+    #[test]
+    fn a_share_outside_the_global_batch_is_an_error_that_changes_nothing() {
+        let mut ddp = DataParallel::new(Box::new(Single::new()));
+        for (local, global) in [(0, 4), (5, 4)] {
+            let error = ddp.begin_step(local, global).unwrap_err();
+            assert!(
+                matches!(error, ParallelError::RowsOutsideBatch { .. }),
+                "{error}"
+            );
+        }
+        assert_eq!(ddp.weight, 1.0);
+    }
+
+    #[test]
+    fn a_world_of_one_weights_its_gradient_by_its_share_and_folds_the_extras() {
+        // Rows 3 of 4: the gradient 2 becomes 2·3/4 = 1.5; one bucket, one collective.
+        let mut ddp = DataParallel::new(Box::new(Single::new()));
+        let w = Tensor::<f64>::param(arr1(&[1.0]).into_dyn());
+        w.set_grad(Some(arr1(&[2.0]).into_dyn()));
+        ddp.begin_step(3, 4).unwrap();
+        StepObserver::gradients_ready(&mut ddp, std::slice::from_ref(&w));
+        assert_eq!(w.grad().unwrap()[0], 1.5);
+        assert_eq!(ddp.stats().collectives, 1);
+        let summary = ddp.summary().unwrap();
+        assert_eq!((summary.global_loss, summary.nonfinite_ranks), (None, 0));
+        assert!(StepObserver::<f64>::all_finite(&mut ddp, true));
+    }
+
+    #[test]
+    fn a_non_finite_gradient_is_flagged_for_every_rank() {
+        let mut ddp = DataParallel::new(Box::new(Single::new()));
+        let w = Tensor::<f32>::param(arr1(&[1.0, 1.0]).into_dyn());
+        w.set_grad(Some(arr1(&[f32::INFINITY, 0.0]).into_dyn()));
+        StepObserver::gradients_ready(&mut ddp, std::slice::from_ref(&w));
+        assert_eq!(ddp.summary().unwrap().nonfinite_ranks, 1);
+        // Even a caller that claims its gradients are finite hears "not finite".
+        assert!(!StepObserver::<f32>::all_finite(&mut ddp, true));
     }
 }

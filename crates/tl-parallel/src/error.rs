@@ -27,6 +27,18 @@ pub enum ParallelError {
     /// An optimizer that has already stepped cannot be sharded: its moments are whole.
     #[error("cannot shard an optimizer that has already stepped; shard a fresh one")]
     OptimizerHasState,
+    /// A rank's rows that are not a share of the step's global batch.
+    #[error(
+        "rank {rank}: {local_rows} rows are not a share of a global batch of {global_rows} rows"
+    )]
+    RowsOutsideBatch {
+        /// The rank.
+        rank: usize,
+        /// Rows of this rank's micro-batches.
+        local_rows: usize,
+        /// Rows of the global batch.
+        global_rows: usize,
+    },
     /// A global batch that cannot be shared out as asked.
     #[error(
         "cannot share a global batch of {global_rows} rows into micro-batches of {micro_batch_rows} over {world_size} ranks (rank {rank}): {reason}"
