@@ -1,0 +1,389 @@
+//! [`DataParallel`]: DDP on the [`StepObserver`] seam of tl-precision's training step.
+//!
+//! Every rank holds the whole model and runs [`train_step_mixed_observed`] on its own share
+//! of the global batch ([`batch_share`](crate::batch_share)). Nothing is communicated while
+//! the micro-batches run. When the last backward is done, [`StepObserver::gradients_ready`]
+//! sums the ranks' gradients, each weighted by its share of the rows, in buckets of about
+//! [`DEFAULT_BUCKET_BYTES`] filled in reverse parameter order (the order backward produces
+//! the gradients). Three scalars ride in the last bucket, so they cost no collective of
+//! their own: this rank's part of the global loss, whether its gradients were all finite,
+//! and its count of flushed gradient underflows.
+//!
+//! After the reduction every rank holds the same gradients, bit for bit (the ring adds in a
+//! fixed order), so what the step computes from them is global without further talk: the
+//! clip norm ([`StepObserver::total_sum_squares`] returns the local sum, which is already
+//! the global one) and the loss scaler's overflow decision ([`StepObserver::all_finite`]
+//! answers "finite on every rank" from the flags summed in the last bucket). An inf on one
+//! rank therefore skips the step on every rank, and every rank's scale stays equal.
+//!
+//! Overlap with backward: not yet. The seam is called once, after the last backward;
+//! reducing a full bucket while backward goes on needs a per-parameter "gradient done" hook
+//! in tl-tensor's backward, which it does not have. The buckets are already laid out in the
+//! order such a hook would fill them.
+
+use std::cell::Cell;
+use std::rc::Rc;
+
+use tl_collective::{CommStats, Communicator};
+use tl_precision::{
+    MicroBatch, Precision, StepObserver, StepReport, train_step_mixed_observed, underflow_count,
+};
+use tl_tensor::nn::Module;
+use tl_tensor::optim::Optimizer;
+use tl_tensor::{Element, Tensor};
+
+use crate::bucket::{bucket_len, ensure_grad, plan, read_run, write_run};
+use crate::error::{ParallelError, Result};
+use crate::link::{Link, SharedLink};
+
+/// Bucket size of PyTorch DDP's default, 25 MiB.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
+/// The scalars appended to the last bucket: loss, non-finite flag, underflows.
+const EXTRAS: usize = 3;
+
+/// An element type whose gradients [`DataParallel`] can reduce: `f32` or `f64`, a tensor
+/// element that is also a collective's element.
+pub trait GradElement: Element + tl_collective::Element {}
+
+impl<T: Element + tl_collective::Element> GradElement for T {}
+
+/// What the last step's reduction established, the same on every rank.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepSummary {
+    /// The loss of the global batch, `Σ_i (n_i/B)·L_i` over every micro-batch of every rank,
+    /// when [`DataParallel::train_step`] recorded the micro-batch losses (`None` when the
+    /// observer was used directly). Summed in the gradients' element type.
+    pub global_loss: Option<f64>,
+    /// Ranks whose gradients held an inf or NaN before the reduction.
+    pub nonfinite_ranks: u64,
+    /// Gradient values the 16-bit casts flushed to zero, over all ranks.
+    pub underflows: u64,
+}
+
+/// Data-parallel training over a [`Communicator`]: a [`StepObserver`] that reduces the
+/// gradients of a step over the ranks (see the [module docs](self)).
+///
+/// A failed collective cannot be returned from [`gradients_ready`](StepObserver::
+/// gradients_ready), so it is recorded, the gradients are set to NaN and
+/// [`all_finite`](StepObserver::all_finite) answers `false`: the step changes no parameter
+/// (without a loss scaler it fails with a non-finite gradient; with one it is skipped). The
+/// caller must then check [`take_error`](Self::take_error); [`train_step`](Self::train_step)
+/// does it and returns the collective's error. The communicator is closed after a failure:
+/// the run must stop.
+pub struct DataParallel {
+    link: SharedLink,
+    bucket_bytes: usize,
+    /// This rank's weight `n_r/B` in the sum of the gradients.
+    weight: f64,
+    /// `Σ_i (n_i/B)·L_i` of this rank's micro-batches, written by `train_step`'s loss.
+    local_loss: Rc<Cell<f64>>,
+    loss_recorded: bool,
+    summary: Option<StepSummary>,
+}
+
+impl DataParallel {
+    /// Data parallelism over `comm`, with buckets of [`DEFAULT_BUCKET_BYTES`] and equal
+    /// shares (weight `1/world_size`) until [`begin_step`](Self::begin_step) says otherwise.
+    pub fn new(comm: Box<dyn Communicator>) -> Self {
+        let weight = 1.0 / comm.world_size() as f64;
+        Self {
+            link: Link::shared(comm),
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+            weight,
+            local_loss: Rc::new(Cell::new(0.0)),
+            loss_recorded: false,
+            summary: None,
+        }
+    }
+
+    /// The same with buckets of `bytes` (at least one element each).
+    pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_bytes = bytes;
+        self
+    }
+
+    /// The communicator, for the pieces that share it.
+    pub(crate) fn link(&self) -> SharedLink {
+        Rc::clone(&self.link)
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.link.borrow().rank()
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.link.borrow().world_size()
+    }
+
+    /// The communicator's counters (collectives called, bytes sent).
+    pub fn stats(&self) -> CommStats {
+        self.link.borrow().stats()
+    }
+
+    /// What the last reduction established, once a step has reduced its gradients.
+    pub fn summary(&self) -> Option<StepSummary> {
+        self.summary
+    }
+
+    /// The first collective error since the last call, if any (see the type's docs).
+    pub fn take_error(&mut self) -> Option<ParallelError> {
+        let rank = self.rank();
+        self.link
+            .borrow_mut()
+            .take_error()
+            .map(|source| ParallelError::Collective { rank, source })
+    }
+
+    /// Makes every rank's `params` equal to rank 0's (the initial weights of a run), in
+    /// buckets as the gradients are.
+    ///
+    /// # Errors
+    /// [`ParallelError::Collective`] if a broadcast fails.
+    pub fn broadcast_parameters<E: GradElement>(&mut self, params: &[Tensor<E>]) -> Result<()> {
+        let numels: Vec<usize> = params.iter().map(Tensor::numel).collect();
+        let mut buf = Vec::new();
+        for bucket in plan(&numels, self.capacity::<E>()) {
+            buf.clear();
+            buf.resize(bucket_len(&bucket), E::zero());
+            let mut offset = 0;
+            for s in &bucket {
+                read_run(
+                    &params[s.param].value(),
+                    s.start,
+                    &mut buf[offset..offset + s.len],
+                );
+                offset += s.len;
+            }
+            let view = <E as tl_collective::Element>::view_mut(&mut buf);
+            let sent = self.link.borrow_mut().call(|comm| comm.broadcast(view, 0));
+            if sent.is_none() {
+                return Err(self
+                    .take_error()
+                    .expect("a failed broadcast keeps its error"));
+            }
+            let mut offset = 0;
+            for s in &bucket {
+                let run = &buf[offset..offset + s.len];
+                params[s.param].update_value(|value| write_run(value, s.start, run));
+                offset += s.len;
+            }
+        }
+        Ok(())
+    }
+
+    /// Declares this rank's rows and the global batch's rows for the next step: its
+    /// gradient enters the sum with weight `local_rows/global_rows`.
+    /// [`train_step`](Self::train_step) calls it; call it yourself when you use the observer
+    /// directly with unequal shares.
+    ///
+    /// # Errors
+    /// [`ParallelError::RowsOutsideBatch`] if `local_rows` is zero or greater than
+    /// `global_rows` (nothing changes).
+    pub fn begin_step(&mut self, local_rows: usize, global_rows: usize) -> Result<()> {
+        if local_rows == 0 || local_rows > global_rows {
+            return Err(ParallelError::RowsOutsideBatch {
+                rank: self.rank(),
+                local_rows,
+                global_rows,
+            });
+        }
+        self.weight = local_rows as f64 / global_rows as f64;
+        self.local_loss.set(0.0);
+        self.loss_recorded = false;
+        self.summary = None;
+        Ok(())
+    }
+
+    /// One data-parallel training step: [`train_step_mixed_observed`] on this rank's
+    /// `micro_batches` with `self` as the observer, whose report holds the global batch's
+    /// loss and underflows, the same on every rank (and so do `skipped`, `scale` and
+    /// `grad_norm`). `global_rows` is the rows of all ranks' micro-batches together.
+    ///
+    /// # Errors
+    /// [`ParallelError::Collective`] if a collective failed (no parameter changed); the
+    /// step's own errors as [`ParallelError::Precision`]; [`ParallelError::RowsOutsideBatch`]
+    /// if this rank's micro-batches have no rows or more than `global_rows`. An error a rank
+    /// hits before the reduction (these, an empty micro-batch) leaves the other ranks waiting
+    /// in it until their communicator's timeout.
+    #[allow(clippy::too_many_arguments)]
+    pub fn train_step<E, M, B, F, O>(
+        &mut self,
+        model: &M,
+        micro_batches: &[B],
+        global_rows: usize,
+        mut loss_fn: F,
+        opt: &mut O,
+        precision: Precision,
+        scaler: Option<&mut tl_precision::DynamicLossScaler>,
+        clip: Option<f64>,
+    ) -> Result<StepReport>
+    where
+        E: GradElement,
+        M: Module<E> + ?Sized,
+        B: MicroBatch,
+        F: FnMut(&M, &B) -> Tensor<E>,
+        O: Optimizer<E> + ?Sized,
+    {
+        self.begin_step(micro_batches.iter().map(B::rows).sum(), global_rows)?;
+        self.loss_recorded = true;
+        let local_loss = Rc::clone(&self.local_loss);
+        // The same weights n_i/B in the same order as one process's accumulation.
+        let recording_loss = |model: &M, micro_batch: &B| {
+            let loss = loss_fn(model, micro_batch);
+            let weight = micro_batch.rows() as f64 / global_rows as f64;
+            local_loss.set(local_loss.get() + weight * loss.item().to_f64());
+            loss
+        };
+        let result = train_step_mixed_observed(
+            model,
+            micro_batches,
+            recording_loss,
+            opt,
+            precision,
+            scaler,
+            clip,
+            self,
+        );
+        if let Some(error) = self.take_error() {
+            return Err(error);
+        }
+        let mut report = result?;
+        if let Some(summary) = self.summary {
+            report.loss = summary.global_loss.unwrap_or(report.loss);
+            report.underflows = summary.underflows;
+        }
+        Ok(report)
+    }
+
+    /// Elements of `E` per bucket.
+    fn capacity<E>(&self) -> usize {
+        (self.bucket_bytes / size_of::<E>()).max(1)
+    }
+
+    /// Sums the weighted gradients of `params` over the ranks, bucket by bucket, with the
+    /// extras in the last bucket; `None` if a collective failed (the link keeps the error).
+    fn reduce_gradients<E: GradElement>(&mut self, params: &[Tensor<E>]) -> Option<()> {
+        let numels: Vec<usize> = params.iter().map(Tensor::numel).collect();
+        let buckets = plan(&numels, self.capacity::<E>());
+        let weight = E::from_f64(self.weight);
+        let mut finite = true;
+        let mut buf: Vec<E> = Vec::new();
+        for (index, bucket) in buckets.iter().enumerate() {
+            buf.clear();
+            buf.resize(bucket_len(bucket), E::zero());
+            let mut offset = 0;
+            for s in bucket {
+                let run = &mut buf[offset..offset + s.len];
+                // A parameter without a gradient contributes zeros.
+                params[s.param].with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
+                finite &= run.iter().all(|v| v.is_finite());
+                run.iter_mut().for_each(|v| *v *= weight);
+                offset += s.len;
+            }
+            let last = index + 1 == buckets.len();
+            if last {
+                buf.extend([
+                    E::from_f64(self.local_loss.get()),
+                    if finite { E::zero() } else { E::one() },
+                    E::from_f64(underflow_count() as f64),
+                ]);
+            }
+            let view = <E as tl_collective::Element>::view_mut(&mut buf);
+            self.link
+                .borrow_mut()
+                .call(|comm| comm.all_reduce_sum(view))?;
+            let mut offset = 0;
+            for s in bucket {
+                let run = &buf[offset..offset + s.len];
+                ensure_grad(&params[s.param]);
+                params[s.param].update_grad(|g| write_run(g, s.start, run));
+                offset += s.len;
+            }
+            if last {
+                let extras = &buf[buf.len() - EXTRAS..];
+                self.summary = Some(StepSummary {
+                    global_loss: self.loss_recorded.then(|| extras[0].to_f64()),
+                    nonfinite_ranks: extras[1].to_f64() as u64,
+                    underflows: extras[2].to_f64() as u64,
+                });
+            }
+        }
+        Some(())
+    }
+}
+
+impl<E: GradElement> StepObserver<E> for DataParallel {
+    /// Reduces the gradients (see the [type's docs](DataParallel) for a failure).
+    fn gradients_ready(&mut self, params: &[Tensor<E>]) {
+        if self.reduce_gradients(params).is_none() {
+            // Half-reduced gradients must not reach the optimizer: NaN makes the step refuse
+            // them whether or not it has a loss scaler.
+            for param in params {
+                ensure_grad(param);
+                param.update_grad(|g| g.fill(E::nan()));
+            }
+        }
+    }
+
+    /// Finite on every rank: no rank flagged an inf or NaN, no collective failed, and the
+    /// reduced gradients (`local`, the same on every rank) are finite.
+    fn all_finite(&mut self, local: bool) -> bool {
+        local
+            && !self.link.borrow().failed()
+            && self.summary.is_some_and(|s| s.nonfinite_ranks == 0)
+    }
+
+    /// The reduced gradients are replicated, so this rank's sum is the global one.
+    fn total_sum_squares(&mut self, local: f64) -> f64 {
+        local
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tl_collective::Single;
+    use tl_tensor::ndarray::arr1;
+
+    #[test]
+    fn a_share_outside_the_global_batch_is_an_error_that_changes_nothing() {
+        let mut ddp = DataParallel::new(Box::new(Single::new()));
+        for (local, global) in [(0, 4), (5, 4)] {
+            let error = ddp.begin_step(local, global).unwrap_err();
+            assert!(
+                matches!(error, ParallelError::RowsOutsideBatch { .. }),
+                "{error}"
+            );
+        }
+        assert_eq!(ddp.weight, 1.0);
+    }
+
+    #[test]
+    fn a_world_of_one_weights_its_gradient_by_its_share_and_folds_the_extras() {
+        // Rows 3 of 4: the gradient 2 becomes 2·3/4 = 1.5; one bucket, one collective.
+        let mut ddp = DataParallel::new(Box::new(Single::new()));
+        let w = Tensor::<f64>::param(arr1(&[1.0]).into_dyn());
+        w.set_grad(Some(arr1(&[2.0]).into_dyn()));
+        ddp.begin_step(3, 4).unwrap();
+        StepObserver::gradients_ready(&mut ddp, std::slice::from_ref(&w));
+        assert_eq!(w.grad().unwrap()[0], 1.5);
+        assert_eq!(ddp.stats().collectives, 1);
+        let summary = ddp.summary().unwrap();
+        assert_eq!((summary.global_loss, summary.nonfinite_ranks), (None, 0));
+        assert!(StepObserver::<f64>::all_finite(&mut ddp, true));
+    }
+
+    #[test]
+    fn a_non_finite_gradient_is_flagged_for_every_rank() {
+        let mut ddp = DataParallel::new(Box::new(Single::new()));
+        let w = Tensor::<f32>::param(arr1(&[1.0, 1.0]).into_dyn());
+        w.set_grad(Some(arr1(&[f32::INFINITY, 0.0]).into_dyn()));
+        StepObserver::gradients_ready(&mut ddp, std::slice::from_ref(&w));
+        assert_eq!(ddp.summary().unwrap().nonfinite_ranks, 1);
+        // Even a caller that claims its gradients are finite hears "not finite".
+        assert!(!StepObserver::<f32>::all_finite(&mut ddp, true));
+    }
+}

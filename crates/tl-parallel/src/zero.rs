@@ -1,0 +1,194 @@
+//! [`ShardedAdamW`]: ZeRO stage 1 — AdamW's moments and its update partitioned over the
+//! ranks, the updated weights all-gathered.
+//!
+//! The parameters, flattened in their order and concatenated, are `P` elements; rank `r`
+//! owns the elements [`shard_range`]`(P, N, r)`, which may cut a parameter in two. Each rank
+//! keeps AdamW's two moments for its shard only (`2P/N` elements instead of `2P`), applies
+//! the update to its shard of the (replicated, already reduced) gradient, and one
+//! all-gather of the `P` weights gives every rank the whole updated model.
+//!
+//! The update of each element is tl-tensor's [`AdamW`] itself, run on one 1-D tensor per
+//! piece of a parameter in the shard: its arithmetic is elementwise, with coefficients that
+//! depend only on the hyperparameters and the parameter's step count, so every element gets
+//! the bits DDP's full AdamW would give it, and the gather copies them. ZeRO-1 is therefore
+//! bit for bit DDP at the same N.
+//!
+//! Cost: the gradients are still all-reduced in full (as PyTorch's `ZeroRedundancyOptimizer`
+//! does), so a step sends the all-reduce's `2(N−1)/N·P` elements plus the gather's
+//! `(N−1)/N·P`. Reduce-scattering the gradients instead (ZeRO-2) saves the difference, and
+//! the gradients' memory; not done yet.
+
+use std::ops::Range;
+
+use tl_collective::shard_range;
+use tl_tensor::Tensor;
+use tl_tensor::ndarray::ArrayD;
+use tl_tensor::optim::{AdamW, Optimizer};
+
+use crate::bucket::{read_run, write_run};
+use crate::ddp::{DataParallel, GradElement};
+use crate::error::{ParallelError, Result};
+use crate::link::SharedLink;
+
+/// A piece of one parameter inside this rank's shard.
+struct Piece<E: GradElement> {
+    /// Index of the parameter.
+    param: usize,
+    /// First element of the piece in the parameter (row-major).
+    start: usize,
+    /// The piece's master copy, a 1-D parameter of the inner AdamW.
+    values: Tensor<E>,
+}
+
+/// AdamW with its state and update partitioned over the ranks of a [`DataParallel`] (ZeRO
+/// stage 1; see the [module docs](self)). An [`Optimizer`]: pass it to
+/// [`DataParallel::train_step`] in place of the [`AdamW`] it was made from.
+///
+/// A failed all-gather leaves every parameter as it was before the step and is kept for
+/// [`DataParallel::take_error`] (which `train_step` checks); this rank's moments have moved,
+/// so the run must stop, as after any failed collective.
+pub struct ShardedAdamW<E: GradElement> {
+    parameters: Vec<Tensor<E>>,
+    link: SharedLink,
+    shard: Range<usize>,
+    pieces: Vec<Piece<E>>,
+    inner: AdamW<E>,
+    total: usize,
+}
+
+impl<E: GradElement> ShardedAdamW<E> {
+    /// Shards `adamw` (its parameters and hyperparameters) over `ddp`'s ranks.
+    ///
+    /// # Errors
+    /// [`ParallelError::OptimizerHasState`] if `adamw` has already stepped (its moments are
+    /// not sharded: start from a fresh one, or load the state after sharding is supported).
+    ///
+    /// ```
+    /// use tl_collective::Single;
+    /// use tl_parallel::{DataParallel, ShardedAdamW};
+    /// use tl_tensor::nn::{Linear, Module};
+    /// use tl_tensor::optim::{AdamW, Optimizer};
+    /// use tl_tensor::Generator;
+    ///
+    /// let ddp = DataParallel::new(Box::new(Single::new()));
+    /// let model = Linear::<f32>::new(3, 2, true, &Generator::new(0));
+    /// let opt = ShardedAdamW::new(&ddp, AdamW::new(model.parameters(), 1e-3)?)?;
+    /// assert_eq!(opt.shard(), 0..8); // a world of one owns all 3·2 + 2 elements
+    /// assert_eq!(opt.parameters().len(), 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn new(ddp: &DataParallel, adamw: AdamW<E>) -> Result<Self> {
+        if adamw.state_dict().params.iter().any(Option::is_some) {
+            return Err(ParallelError::OptimizerHasState);
+        }
+        let link = ddp.link();
+        let (rank, world_size) = {
+            let link = link.borrow();
+            (link.rank(), link.world_size())
+        };
+        let parameters = adamw.parameters().to_vec();
+        let total = parameters.iter().map(Tensor::numel).sum();
+        let shard = shard_range(total, world_size, rank);
+        let mut pieces = Vec::new();
+        let mut offset = 0;
+        for (param, tensor) in parameters.iter().enumerate() {
+            let own = offset.max(shard.start)..(offset + tensor.numel()).min(shard.end);
+            if !own.is_empty() {
+                pieces.push(Piece {
+                    param,
+                    start: own.start - offset,
+                    values: Tensor::param(ArrayD::zeros(vec![own.len()])),
+                });
+            }
+            offset += tensor.numel();
+        }
+        let (beta1, beta2) = adamw.betas();
+        let inner = AdamW::new(
+            pieces.iter().map(|p| p.values.clone()).collect(),
+            adamw.learning_rate(),
+        )
+        .and_then(|o| o.with_betas(beta1, beta2))
+        .and_then(|o| o.with_eps(adamw.eps()))
+        .and_then(|o| o.with_weight_decay(adamw.weight_decay()))?;
+        Ok(Self {
+            parameters,
+            link,
+            shard,
+            pieces,
+            inner,
+            total,
+        })
+    }
+
+    /// This rank's elements of the flattened parameters.
+    pub fn shard(&self) -> Range<usize> {
+        self.shard.clone()
+    }
+
+    /// Elements of optimizer state this rank holds: two moments per element of its shard
+    /// (after the first step).
+    pub fn state_elements(&self) -> usize {
+        self.inner
+            .state_dict()
+            .params
+            .iter()
+            .flatten()
+            .map(|p| p.exp_avg.len() + p.exp_avg_sq.len())
+            .sum()
+    }
+}
+
+impl<E: GradElement> Optimizer<E> for ShardedAdamW<E> {
+    /// Updates this rank's shard with AdamW, then all-gathers the weights.
+    fn step(&mut self) {
+        for piece in &self.pieces {
+            let param = &self.parameters[piece.param];
+            let len = piece.values.numel();
+            // The master copy starts from the replicated weights, so they can never drift
+            // apart (a load or a broadcast between steps is picked up).
+            piece.values.update_value(|v| {
+                read_run(&param.value(), piece.start, v.as_slice_mut().expect("1-D"));
+            });
+            let grad = param.with_grad(|grad| {
+                grad.map(|g| {
+                    let mut run = ArrayD::zeros(vec![len]);
+                    read_run(g, piece.start, run.as_slice_mut().expect("1-D"));
+                    run
+                })
+            });
+            piece.values.set_grad(grad);
+        }
+        self.inner.step();
+        self.inner.zero_grad();
+        let local: Vec<E> = self.pieces.iter().flat_map(|p| p.values.to_vec()).collect();
+        let mut gathered = vec![E::zero(); self.total];
+        let input = <E as tl_collective::Element>::view(&local);
+        let output = <E as tl_collective::Element>::view_mut(&mut gathered);
+        if self
+            .link
+            .borrow_mut()
+            .call(|comm| comm.all_gather(input, output))
+            .is_none()
+        {
+            return;
+        }
+        let mut offset = 0;
+        for param in &self.parameters {
+            let run = &gathered[offset..offset + param.numel()];
+            param.update_value(|value| write_run(value, 0, run));
+            offset += param.numel();
+        }
+    }
+
+    fn parameters(&self) -> &[Tensor<E>] {
+        &self.parameters
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.inner.learning_rate()
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.inner.set_learning_rate(lr);
+    }
+}

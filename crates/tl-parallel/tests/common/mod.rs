@@ -1,0 +1,198 @@
+//! What the DDP tests train: a two-layer MLP, a deterministic global batch whose shape and
+//! precision the environment sets, and a communicator whose counters the loss function can
+//! read in the middle of a step.
+
+#![allow(dead_code)]
+
+use std::cell::Cell;
+use std::io::Write;
+use std::ops::Range;
+use std::rc::Rc;
+
+use tl_collective::{CommStats, Communicator, ReduceOp, RingComm, Slice, SliceMut};
+use tl_parallel::batch_share;
+use tl_precision::{DynamicLossScaler, Precision};
+use tl_tensor::losses::mse;
+use tl_tensor::nn::{Linear, Module};
+use tl_tensor::{Element, Generator, Tensor};
+
+pub const STEPS: usize = 5;
+pub const SEED: u64 = 7;
+pub const IN: usize = 4;
+pub const HIDDEN: usize = 8;
+pub const OUT: usize = 2;
+/// Parameters of the MLP: two weights and two biases.
+pub const PARAMS: usize = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT;
+
+/// `out(tanh(hidden(x)))`.
+pub struct Mlp<E: Element> {
+    pub hidden: Linear<E>,
+    pub out: Linear<E>,
+}
+
+impl<E: Element> Mlp<E> {
+    pub fn new(seed: u64) -> Self {
+        let rng = Generator::new(seed);
+        Self {
+            hidden: Linear::new(IN, HIDDEN, true, &rng),
+            out: Linear::new(HIDDEN, OUT, true, &rng),
+        }
+    }
+}
+
+impl<E: Element> Module<E> for Mlp<E> {
+    fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
+        self.out.forward(&self.hidden.forward(x).tanh())
+    }
+    fn parameters(&self) -> Vec<Tensor<E>> {
+        [self.hidden.parameters(), self.out.parameters()].concat()
+    }
+}
+
+pub type Batch<E> = (Tensor<E>, Tensor<E>);
+
+pub fn loss_fn<E: Element>(model: &Mlp<E>, (x, target): &Batch<E>) -> Tensor<E> {
+    mse(&model.forward(x), target)
+}
+
+/// What a world trains: read from the environment by the ranks.
+pub struct Config {
+    pub precision: Precision,
+    pub global_rows: usize,
+    pub micro_batch_rows: usize,
+    pub bucket_bytes: usize,
+    /// `(step, row)`: that row of that step's global batch gets an input too large for fp16.
+    pub overflow: Option<(usize, usize)>,
+}
+
+impl Config {
+    pub fn from_env() -> Self {
+        let var = |name: &str| std::env::var(name).ok();
+        let number = |name: &str, default: usize| var(name).map_or(default, |v| v.parse().unwrap());
+        Self {
+            precision: var("TL_PRECISION").map_or(Precision::Fp32, |p| p.parse().unwrap()),
+            global_rows: number("TL_GLOBAL_ROWS", 8),
+            micro_batch_rows: number("TL_MICRO", 4),
+            bucket_bytes: number("TL_BUCKET_BYTES", tl_parallel::DEFAULT_BUCKET_BYTES),
+            overflow: var("TL_OVERFLOW").map(|v| {
+                let (step, row) = v.split_once(',').unwrap();
+                (step.parse().unwrap(), row.parse().unwrap())
+            }),
+        }
+    }
+
+    pub fn scaler(&self) -> Option<DynamicLossScaler> {
+        // Growth every 2 good steps, so the scale moves and a disagreement would show.
+        (self.precision == Precision::Fp16)
+            .then(|| DynamicLossScaler::new(1024.0, 2.0, 0.5, 2).unwrap())
+    }
+
+    /// Rows `rows` of step `step`'s global batch: smooth inputs and targets, deterministic.
+    pub fn rows<E: Element>(&self, step: usize, rows: Range<usize>) -> Batch<E> {
+        let value = |row: usize, col: usize, salt: usize| {
+            (((step * 97 + row * 13 + col * 7 + salt) as f64) * 0.37).sin()
+        };
+        let mut x: Vec<f64> = rows
+            .clone()
+            .flat_map(|r| (0..IN).map(move |c| value(r, c, 0)))
+            .collect();
+        if let Some((s, r)) = self.overflow
+            && s == step
+            && rows.contains(&r)
+        {
+            x[(r - rows.start) * IN] = 1e6; // above fp16's 65504: inf under autocast
+        }
+        let target: Vec<f64> = rows
+            .clone()
+            .flat_map(|r| (0..OUT).map(move |c| value(r, c, 5)))
+            .collect();
+        let tensor = |v: Vec<f64>, cols| {
+            Tensor::from_vec(
+                v.into_iter().map(E::from_f64).collect(),
+                &[rows.len(), cols],
+            )
+            .unwrap()
+        };
+        (tensor(x, IN), tensor(target, OUT))
+    }
+
+    pub fn micro_batches<E: Element>(
+        &self,
+        step: usize,
+        world: usize,
+        rank: usize,
+    ) -> Vec<Batch<E>> {
+        let share = batch_share(self.global_rows, self.micro_batch_rows, world, rank).unwrap();
+        share
+            .micro_batches
+            .into_iter()
+            .map(|rows| self.rows(step, rows))
+            .collect()
+    }
+}
+
+/// A communicator that mirrors its counters into a cell the loss function can read in the
+/// middle of a step.
+pub struct Spy {
+    pub inner: RingComm,
+    pub stats: Rc<Cell<CommStats>>,
+}
+
+impl Spy {
+    fn seen<T>(&mut self, result: tl_collective::Result<T>) -> tl_collective::Result<T> {
+        self.stats.set(self.inner.stats());
+        result
+    }
+}
+
+impl Communicator for Spy {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> tl_collective::Result<()> {
+        let r = self.inner.all_reduce(data, op);
+        self.seen(r)
+    }
+    fn reduce_scatter(
+        &mut self,
+        input: Slice<'_>,
+        output: SliceMut<'_>,
+        op: ReduceOp,
+    ) -> tl_collective::Result<()> {
+        let r = self.inner.reduce_scatter(input, output, op);
+        self.seen(r)
+    }
+    fn all_gather(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> tl_collective::Result<()> {
+        let r = self.inner.all_gather(input, output);
+        self.seen(r)
+    }
+    fn broadcast(&mut self, data: SliceMut<'_>, root: usize) -> tl_collective::Result<()> {
+        let r = self.inner.broadcast(data, root);
+        self.seen(r)
+    }
+    fn barrier(&mut self) -> tl_collective::Result<()> {
+        let r = self.inner.barrier();
+        self.seen(r)
+    }
+    fn stats(&self) -> CommStats {
+        self.inner.stats()
+    }
+}
+
+pub fn result(line: std::fmt::Arguments<'_>) {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "RESULT {line}").unwrap();
+    out.flush().unwrap();
+}
+
+pub fn weights<E: Element>(model: &Mlp<E>) -> Vec<f64> {
+    model
+        .parameters()
+        .iter()
+        .flat_map(|p| p.to_vec())
+        .map(Element::to_f64)
+        .collect()
+}
