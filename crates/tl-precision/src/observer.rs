@@ -93,9 +93,7 @@ pub trait StepObserver<E: Element> {
     /// gradients of `params` (the optimizer's parameters): the place to all-reduce them, or
     /// to change them otherwise. The step checks, unscales, clips and applies whatever
     /// gradients are there when it returns.
-    fn gradients_ready(&mut self, params: &[Tensor<E>]) {
-        let _ = params;
-    }
+    fn gradients_ready(&mut self, _params: &[Tensor<E>]) {}
 
     /// Whether the gradients are finite everywhere, given whether this process's are.
     fn all_finite(&mut self, local: bool) -> bool {
