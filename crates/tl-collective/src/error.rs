@@ -148,6 +148,19 @@ impl CollectiveError {
             source,
         }
     }
+
+    /// A [`CollectiveError::BadBuffer`] for an `op` whose input and output slices hold
+    /// different element types.
+    pub(crate) fn mismatched_types(
+        op: &'static str,
+        input: &'static str,
+        output: &'static str,
+    ) -> Self {
+        CollectiveError::BadBuffer {
+            op,
+            reason: format!("input is {input} but output is {output}"),
+        }
+    }
 }
 
 /// The result of tl-collective's fallible functions.

@@ -278,13 +278,6 @@ fn system_op(op: ReduceOp) -> SystemOperation {
     }
 }
 
-fn mismatched(op: &'static str, input: &'static str, output: &'static str) -> CollectiveError {
-    CollectiveError::BadBuffer {
-        op,
-        reason: format!("input is {input} but output is {output}"),
-    }
-}
-
 impl Communicator for MpiComm {
     fn rank(&self) -> usize {
         self.rank
@@ -320,7 +313,11 @@ impl Communicator for MpiComm {
         match (input, output) {
             (Slice::F32(x), SliceMut::F32(y)) => self.reduce_scatter_t(x, y, op),
             (Slice::F64(x), SliceMut::F64(y)) => self.reduce_scatter_t(x, y, op),
-            (x, y) => Err(mismatched(name, x.element(), y.element())),
+            (x, y) => Err(CollectiveError::mismatched_types(
+                name,
+                x.element(),
+                y.element(),
+            )),
         }
     }
 
@@ -338,7 +335,11 @@ impl Communicator for MpiComm {
         match (input, output) {
             (Slice::F32(x), SliceMut::F32(y)) => self.all_gather_t(x, y),
             (Slice::F64(x), SliceMut::F64(y)) => self.all_gather_t(x, y),
-            (x, y) => Err(mismatched(name, x.element(), y.element())),
+            (x, y) => Err(CollectiveError::mismatched_types(
+                name,
+                x.element(),
+                y.element(),
+            )),
         }
     }
 

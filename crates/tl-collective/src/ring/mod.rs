@@ -250,17 +250,6 @@ impl RingComm {
     }
 }
 
-fn mismatched_types(
-    op: &'static str,
-    input: &'static str,
-    output: &'static str,
-) -> CollectiveError {
-    CollectiveError::BadBuffer {
-        op,
-        reason: format!("input is {input} but output is {output}"),
-    }
-}
-
 impl Communicator for RingComm {
     fn rank(&self) -> usize {
         self.rank
@@ -296,7 +285,11 @@ impl Communicator for RingComm {
         match (input, output) {
             (Slice::F32(x), SliceMut::F32(y)) => self.reduce_scatter_t(x, y, op),
             (Slice::F64(x), SliceMut::F64(y)) => self.reduce_scatter_t(x, y, op),
-            (x, y) => Err(mismatched_types(name, x.element(), y.element())),
+            (x, y) => Err(CollectiveError::mismatched_types(
+                name,
+                x.element(),
+                y.element(),
+            )),
         }
     }
 
@@ -313,7 +306,11 @@ impl Communicator for RingComm {
         match (input, output) {
             (Slice::F32(x), SliceMut::F32(y)) => self.all_gather_t(x, y),
             (Slice::F64(x), SliceMut::F64(y)) => self.all_gather_t(x, y),
-            (x, y) => Err(mismatched_types("all_gather", x.element(), y.element())),
+            (x, y) => Err(CollectiveError::mismatched_types(
+                "all_gather",
+                x.element(),
+                y.element(),
+            )),
         }
     }
 
