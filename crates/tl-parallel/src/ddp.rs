@@ -123,6 +123,28 @@ impl DataParallel {
         self.link.borrow().stats()
     }
 
+    /// Runs `collective` on the communicator the data-parallel pieces share, for what a
+    /// training loop agrees on between steps (a stop request, a fingerprint of the config).
+    ///
+    /// # Errors
+    /// [`ParallelError::Collective`] naming this rank if it fails, or if an earlier
+    /// collective failed (the communicator is closed after a failure).
+    pub fn with_communicator<T>(
+        &mut self,
+        collective: impl FnOnce(&mut dyn Communicator) -> tl_collective::Result<T>,
+    ) -> Result<T> {
+        let done = self.link.borrow_mut().call(collective);
+        match done {
+            Some(value) => Ok(value),
+            None => Err(self
+                .take_error()
+                .unwrap_or_else(|| ParallelError::Collective {
+                    rank: self.rank(),
+                    source: tl_collective::CollectiveError::Closed,
+                })),
+        }
+    }
+
     /// What the last reduction established, once a step has reduced its gradients.
     pub fn summary(&self) -> Option<StepSummary> {
         self.summary

@@ -110,6 +110,18 @@ pub enum TrainError {
     /// A collective or a launched rank failed.
     #[error(transparent)]
     Collective(#[from] tl_collective::CollectiveError),
+    /// A collective of data-parallel training failed (the error names the rank that saw
+    /// it), or the step refused on every rank.
+    #[error(transparent)]
+    Parallel(#[from] tl_parallel::ParallelError),
+    /// Other ranks of the run failed, or disagree with this one.
+    #[error("rank{} {} {what}", if ranks.len() == 1 { "" } else { "s" }, ranks.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))]
+    Ranks {
+        /// The ranks concerned.
+        ranks: Vec<usize>,
+        /// What they did.
+        what: String,
+    },
     /// An optimizer argument or state the tensor library rejected.
     #[error(transparent)]
     Tensor(#[from] TensorError),

@@ -5,23 +5,12 @@
 use std::io::Write;
 use std::time::Duration;
 
-use clap::{Args, ValueEnum};
-use tl_collective::Communicator;
+use clap::Args;
 use tl_collective::bandwidth::{format_table, measure_all_reduce, sizes};
 
 use super::Exit;
+use super::backend::{Backend, communicator};
 use crate::error::{Result, TrainError};
-
-/// Which communicator to measure.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Backend {
-    /// The hand-built ring, as `tinyllm launch` wires it (one process alone: a world of one).
-    Ring,
-    /// MPI's own collectives, under mpirun (needs the `mpi` feature).
-    Mpi,
-    /// The ring's algorithm over MPI point-to-point, under mpirun (needs the `mpi` feature).
-    MpiRing,
-}
 
 /// Options of `tinyllm comm-bench`.
 #[derive(Debug, Args)]
@@ -41,28 +30,6 @@ pub struct CommBenchArgs {
     /// Time spent measuring each size.
     #[arg(long, value_name = "MS", default_value_t = 300)]
     pub budget_ms: u64,
-}
-
-fn communicator(backend: Backend) -> Result<Box<dyn Communicator>> {
-    match backend {
-        Backend::Ring => Ok(tl_collective::from_env()?),
-        #[cfg(feature = "mpi")]
-        Backend::Mpi | Backend::MpiRing => {
-            use tl_collective::{MpiComm, MpiMode};
-            let mode = if backend == Backend::Mpi {
-                MpiMode::Native
-            } else {
-                MpiMode::Ring
-            };
-            Ok(Box::new(MpiComm::init(mode)?))
-        }
-        #[cfg(not(feature = "mpi"))]
-        Backend::Mpi | Backend::MpiRing => Err(TrainError::InvalidArgument {
-            name: "--backend",
-            value: format!("{backend:?}").to_lowercase(),
-            reason: "this tinyllm was built without the `mpi` feature".into(),
-        }),
-    }
 }
 
 /// The CPU's name, as /proc/cpuinfo gives it.

@@ -1,5 +1,6 @@
 //! The `tinyllm` command line: argument parsing (clap) and the subcommands.
 
+mod backend;
 mod comm_bench;
 mod compare;
 mod launch;
@@ -148,6 +149,14 @@ pub struct TrainArgs {
     /// With --resume: continue even if the --data file changed since the run began.
     #[arg(long, requires = "resume")]
     pub data_changed_ok: bool,
+    /// ZeRO stage over the ranks: 0 (DDP, every rank keeps everything) or 1 (AdamW's
+    /// moments partitioned) [default: 0, or the run's with --resume].
+    #[arg(long, value_name = "S")]
+    pub zero: Option<u8>,
+    /// How the ranks communicate: ring (under `tinyllm launch`), or mpi / mpi-ring (under
+    /// mpirun, in a build with the `mpi` feature).
+    #[arg(long, value_enum, default_value_t)]
+    pub backend: backend::Backend,
 }
 
 /// Options of `tinyllm sample`.

@@ -10,6 +10,7 @@ use signal_hook::iterator::Signals;
 use tl_precision::Precision;
 use tl_tensor::memory;
 
+use super::backend::communicator;
 use super::{Exit, TrainArgs};
 use crate::chart::{LineChart, Series, write_line_chart};
 use crate::error::{Result, TrainError};
@@ -22,23 +23,30 @@ use crate::train::{
 
 /// Runs `tinyllm train`.
 pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
+    let comm = communicator(args.backend)?;
     let mut trainer = match &args.resume {
         Some(dir) => {
             let options = ResumeOptions {
                 data_changed_ok: args.data_changed_ok,
+                zero: args.zero,
             };
-            let trainer = Trainer::resume(dir, options)?;
+            let trainer = Trainer::resume_on(dir, options, comm)?;
             check_resume_flags(args, trainer.config(), dir)?;
             trainer
         }
         None => {
             let config = config_from_args(args, None)?;
             let out = args.out.clone().unwrap_or_else(|| default_out(&config));
-            Trainer::new(config, &out)?
+            Trainer::new_on(config, &out, comm)?
         }
     };
+    // Rank 0 speaks for the run; the other ranks print only their warnings and errors.
+    let leader = trainer.rank() == 0;
     let config = trainer.config().clone();
     let until = args.until_step.unwrap_or(config.steps).min(config.steps);
+    if trainer.step() >= until && !leader {
+        return Ok(Exit::Success);
+    }
     if trainer.step() >= until {
         let what = if trainer.is_finished() {
             "finished"
@@ -55,11 +63,13 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
     }
     memory::reset_peak();
     reset_peak_rss();
-    print_header(&trainer);
+    if leader {
+        print_header(&trainer);
+    }
 
-    install_stop_handler();
+    install_stop_handler(leader);
 
-    let bar = progress_bar(args.quiet, trainer.step(), until);
+    let bar = progress_bar(args.quiet || !leader, trainer.step(), until);
     let mut last_val = None;
     let outcome = trainer.run(until, &INTERRUPTED, &mut |event| match event {
         Event::Metric(Record::Train {
@@ -80,20 +90,26 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
         }
         Event::Metric(Record::Eval { step, val_loss }) => {
             last_val = Some(*val_loss);
-            say(
-                &bar,
-                format!("step {step:>6}  validation loss {val_loss:.4}"),
-            );
+            if leader {
+                say(
+                    &bar,
+                    format!("step {step:>6}  validation loss {val_loss:.4}"),
+                );
+            }
         }
-        Event::Saved(dir) => say(&bar, format!("checkpoint  {}", dir.display())),
+        Event::Saved(dir) if leader => say(&bar, format!("checkpoint  {}", dir.display())),
+        Event::Saved(_) => {}
     });
     bar.finish_and_clear();
     let stop = outcome?;
-    report(&trainer)?;
+    report(&mut trainer)?;
     Ok(match stop {
         Stop::Finished => Exit::Success,
         Stop::Interrupted => {
             let signal = STOP_SIGNAL.load(Ordering::SeqCst);
+            if !leader {
+                return Ok(Exit::Interrupted { signal });
+            }
             say!(
                 "stopped by {} at step {}: continue with  tinyllm train --resume {}",
                 signal_name(signal),
@@ -124,7 +140,7 @@ fn signal_name(signal: i32) -> &'static str {
 /// scheduler's stop, `timeout`, `kill`) and SIGHUP (a closed terminal) all ask the loop to
 /// finish its step, checkpoint and exit with `128 + signal`; a second signal while that
 /// checkpoint is written quits at once (the previous checkpoint is still whole).
-fn install_stop_handler() {
+fn install_stop_handler(leader: bool) {
     static INSTALL: Once = Once::new();
     INSTALL.call_once(|| {
         let signals = match Signals::new([SIGINT, SIGTERM, SIGHUP]) {
@@ -144,6 +160,9 @@ fn install_stop_handler() {
                 }
                 STOP_SIGNAL.store(signal, Ordering::SeqCst);
                 INTERRUPTED.store(true, Ordering::SeqCst);
+                if !leader {
+                    continue;
+                }
                 say!(
                     "{}: checkpointing after the current step (send it again to quit at once)",
                     signal_name(signal)
@@ -220,6 +239,7 @@ pub(super) fn config_from_args(
         config.divergence.max_loss = args.max_loss;
     }
     config.divergence.max_skipped = args.max_skipped.unwrap_or(config.divergence.max_skipped);
+    config.parallel.zero = args.zero.unwrap_or(config.parallel.zero);
     config.validate()?;
     Ok(config)
 }
@@ -321,8 +341,16 @@ fn print_header(trainer: &Trainer) {
 }
 
 /// The end-of-run summary: printed, written as `summary.json`, and the loss chart.
-fn report(trainer: &Trainer) -> Result<()> {
-    let summary = trainer.summary(memory::peak_bytes() as u64, peak_rss_bytes())?;
+fn report(trainer: &mut Trainer) -> Result<()> {
+    let (live, rss) = (memory::peak_bytes() as u64, peak_rss_bytes());
+    let ranks = trainer.rank_memory(live, rss)?;
+    if trainer.rank() != 0 {
+        return Ok(());
+    }
+    let mut summary = trainer.summary(live, rss)?;
+    if ranks.len() > 1 {
+        summary.ranks = ranks;
+    }
     let json = serde_json::to_vec_pretty(&summary).expect("the summary serializes");
     write_atomic(&trainer.run_dir().join("summary.json"), &json)?;
     let chart_path = trainer.run_dir().join("loss.svg");
@@ -355,6 +383,16 @@ fn report(trainer: &Trainer) -> Result<()> {
             .map(|rss| format!(", peak process memory {:.1} MiB", mib(rss)))
             .unwrap_or_default()
     );
+    for rank in &summary.ranks {
+        say!(
+            "rank {}: peak live tensors {:.1} MiB{}",
+            rank.rank,
+            mib(rank.peak_live_bytes),
+            rank.peak_rss_bytes
+                .map(|rss| format!(", peak process memory {:.1} MiB", mib(rss)))
+                .unwrap_or_default()
+        );
+    }
     say!("loss chart: {}", chart_path.display());
     Ok(())
 }

@@ -160,6 +160,7 @@ mod tests {
             peak_live_bytes,
             peak_rss_bytes: None,
             skipped_steps: 0,
+            ranks: Vec::new(),
         }
     }
 

@@ -76,6 +76,33 @@ pub fn sample_batch(data: &[u8], rows: usize, context: usize, rng: &Generator) -
     batch
 }
 
+/// Draws from `rng` exactly what [`sample_batch`] would, without building the batch: how a
+/// rank steps over the rows of a global batch that other ranks train on.
+///
+/// ```
+/// use tl_train::data::{sample_batch, skip_batch};
+/// use tl_tensor::Generator;
+/// let (a, b) = (Generator::new(1), Generator::new(1));
+/// sample_batch(b"hello world", 3, 4, &a);
+/// skip_batch(b"hello world", 3, 4, &b);
+/// assert_eq!(sample_batch(b"hello world", 1, 4, &a), sample_batch(b"hello world", 1, 4, &b));
+/// ```
+///
+/// # Panics
+/// As [`sample_batch`].
+pub fn skip_batch(data: &[u8], rows: usize, context: usize, rng: &Generator) {
+    check_shape("skip_batch", rows, context);
+    assert!(
+        data.len() > context,
+        "skip_batch: {} bytes of data cannot hold a window of context {context} + 1 bytes",
+        data.len()
+    );
+    let starts = (data.len() - context) as u64;
+    for _ in 0..rows {
+        rng.below(starts);
+    }
+}
+
 /// Non-overlapping windows covering `data` in order, `rows` per batch: every byte after the
 /// first is predicted exactly once, so a loss averaged over them is a deterministic measure
 /// of the whole split.

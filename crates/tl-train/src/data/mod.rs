@@ -18,7 +18,7 @@ mod english;
 mod error;
 mod grammar;
 
-pub use batch::{Batch, sample_batch, sequential_batches};
+pub use batch::{Batch, sample_batch, sequential_batches, skip_batch};
 pub use corpus::Corpus;
 pub use error::DataError;
 pub use grammar::{Expansion, Grammar};

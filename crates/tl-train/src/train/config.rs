@@ -75,7 +75,34 @@ pub struct TrainConfig {
     /// resume notices a file that changed under the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_file: Option<FileFingerprint>,
+    /// How many processes train the run, and what each keeps (data parallelism).
+    #[serde(default)]
+    pub parallel: Parallel,
 }
+
+/// How a run is spread over ranks (processes), each training on `micro_batch × accum`
+/// sequences of every step: the global batch is `micro_batch × accum × ranks` sequences.
+///
+/// The run's recipe is its global batch; the ranks are where it runs. A checkpoint holds
+/// whole tensors whatever the ranks and the stage, so it resumes at another world size (with
+/// `accum` rescaled so the global batch stays the same) or another ZeRO stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Parallel {
+    /// Ranks that train the run.
+    pub ranks: usize,
+    /// The ZeRO stage: 0 (DDP: every rank keeps everything), 1 (AdamW's moments and update
+    /// partitioned over the ranks).
+    pub zero: u8,
+}
+
+impl Default for Parallel {
+    fn default() -> Self {
+        Self { ranks: 1, zero: 0 }
+    }
+}
+
+/// The highest ZeRO stage `tinyllm train` runs.
+pub const MAX_ZERO_STAGE: u8 = 1;
 
 /// When a run stops as diverged instead of training on.
 ///
@@ -144,6 +171,8 @@ pub mod limits {
     pub const MAX_WEIGHT_DECAY: f64 = 1e6;
     /// Gradient-norm clip.
     pub const MAX_CLIP: f64 = 1e12;
+    /// Ranks of one run.
+    pub const MAX_RANKS: usize = 1 << 12;
     /// `--max-loss`, nats per token.
     pub const MAX_LOSS_LIMIT: f64 = 1e6;
 }
@@ -185,12 +214,43 @@ impl TrainConfig {
             keep_checkpoints: default_keep_checkpoints(),
             divergence: Divergence::default(),
             data_file: None,
+            parallel: Parallel::default(),
         }
     }
 
-    /// Tokens per optimizer step.
+    /// Sequences per optimizer step, over all ranks: the global batch.
+    pub fn sequences_per_step(&self) -> usize {
+        self.micro_batch * self.accum * self.parallel.ranks
+    }
+
+    /// Tokens per optimizer step, over all ranks.
     pub fn tokens_per_step(&self) -> usize {
-        self.micro_batch * self.accum * self.model.context
+        self.sequences_per_step() * self.model.context
+    }
+
+    /// The same run at `ranks` ranks: `accum` rescaled so that the global batch, and with it
+    /// every step, stays the same.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidArgument`] when the global batch's micro-batches cannot be
+    /// shared equally over `ranks` (choose `--micro-batch` so they can).
+    pub fn at_ranks(&self, ranks: usize) -> Result<Self> {
+        let micro_batches = self.accum * self.parallel.ranks;
+        if ranks == 0 || !micro_batches.is_multiple_of(ranks) {
+            return Err(TrainError::InvalidArgument {
+                name: "ranks",
+                value: ranks.to_string(),
+                reason: format!(
+                    "the run's global batch is {micro_batches} micro-batches of {} sequences, \
+                     which {ranks} ranks cannot share equally",
+                    self.micro_batch
+                ),
+            });
+        }
+        let mut config = self.clone();
+        config.accum = micro_batches / ranks;
+        config.parallel.ranks = ranks;
+        Ok(config)
     }
 
     /// The loss above which a step counts as divergence: [`Divergence::max_loss`], or
@@ -306,6 +366,30 @@ impl TrainConfig {
                     &format!("must be in 1..={}", limits::MAX_STEPS),
                 );
             }
+        }
+        if !(1..=limits::MAX_RANKS).contains(&self.parallel.ranks) {
+            return invalid(
+                "ranks",
+                self.parallel.ranks.to_string(),
+                &format!("must be in 1..={}", limits::MAX_RANKS),
+            );
+        }
+        if self.accum.checked_mul(self.parallel.ranks).is_none_or(|a| a > limits::MAX_ACCUM) {
+            return invalid(
+                "accum",
+                self.accum.to_string(),
+                &format!(
+                    "accum x ranks must be at most {} micro-batches per step",
+                    limits::MAX_ACCUM
+                ),
+            );
+        }
+        if self.parallel.zero > MAX_ZERO_STAGE {
+            return invalid(
+                "zero",
+                self.parallel.zero.to_string(),
+                &format!("tinyllm train runs ZeRO stages 0 to {MAX_ZERO_STAGE}"),
+            );
         }
         if self.eval_batches == 0 {
             return invalid("eval-batches", "0".into(), "must be at least 1");

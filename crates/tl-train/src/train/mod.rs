@@ -4,13 +4,17 @@
 mod config;
 pub mod lock;
 mod metrics;
+mod ranks;
 mod recipes;
 mod schedule;
 pub mod snapshot;
 mod summary;
 mod trainer;
 
-pub use config::{DataSource, Divergence, FileFingerprint, TrainConfig, limits};
+pub use config::{
+    DataSource, Divergence, FileFingerprint, MAX_ZERO_STAGE, Parallel, TrainConfig, limits,
+};
+pub use ranks::{RankMemory, StepBatch, dropout_state};
 pub use metrics::{MetricsLog, Record, read_records};
 pub use recipes::{STEP_RECIPES, StepRecipe};
 pub use schedule::LrSchedule;

@@ -26,6 +26,9 @@ pub struct RunSummary {
     pub peak_rss_bytes: Option<u64>,
     /// Updates skipped because fp16 gradients overflowed.
     pub skipped_steps: u64,
+    /// Each rank's memory, when the run trained on several (the figures above are rank 0's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<super::ranks::RankMemory>,
 }
 
 /// How many trailing steps the train loss is averaged over.
@@ -88,6 +91,7 @@ impl RunSummary {
             peak_live_bytes,
             peak_rss_bytes,
             skipped_steps,
+            ranks: Vec::new(),
         }
     }
 }

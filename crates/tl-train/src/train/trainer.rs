@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use tl_collective::{Communicator, Single};
+use tl_parallel::DataParallel;
 use tl_precision::{DynamicLossScaler, MicroBatch, Precision, StepReport, train_step_mixed};
 use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, Optimizer};
@@ -14,9 +16,10 @@ use tl_tensor::{Generator, no_grad};
 use super::config::{DataSource, FileFingerprint, TrainConfig};
 use super::lock::RunLock;
 use super::metrics::{MetricsLog, Record, read_records};
+use super::ranks::{self, RankMemory, StepBatch};
 use super::snapshot::{self, AdamWMeta, FORMAT_VERSION, RunState};
 use super::summary::RunSummary;
-use crate::data::{Batch, Corpus, sample_batch, sequential_batches};
+use crate::data::{Batch, Corpus, sample_batch, sequential_batches, skip_batch};
 use crate::error::{Result, TrainError};
 use crate::model::Llama;
 use crate::store::{NamedTensor, write_atomic};
@@ -52,6 +55,11 @@ pub enum Stop {
 }
 
 /// A model being trained, with everything needed to continue it.
+///
+/// On several ranks (a communicator of more than one process), every rank holds a
+/// `Trainer` of the same run: each trains on its share of every step's global batch, and
+/// rank 0 alone writes the run directory (config, metrics, checkpoints). The others read
+/// it, so it must be visible to every rank (one machine, or a shared file system).
 pub struct Trainer {
     config: TrainConfig,
     run_dir: PathBuf,
@@ -63,9 +71,12 @@ pub struct Trainer {
     data_rng: Generator,
     step: u64,
     tokens_seen: u64,
-    metrics: MetricsLog,
-    /// Held for the trainer's life: no other process writes this run meanwhile.
-    _lock: RunLock,
+    /// Rank 0's log of the run; `None` on the other ranks.
+    metrics: Option<MetricsLog>,
+    /// The ranks of the run (a world of one for a single process).
+    ddp: DataParallel,
+    /// Held by rank 0 for the trainer's life: no other run writes this directory meanwhile.
+    _lock: Option<RunLock>,
 }
 
 /// Choices of [`Trainer::resume`] that are not part of the run's config.
@@ -74,6 +85,9 @@ pub struct ResumeOptions {
     /// Continue even though the training file is not the one the run started on (its new
     /// fingerprint becomes the run's).
     pub data_changed_ok: bool,
+    /// Continue at this ZeRO stage instead of the run's (a checkpoint holds whole tensors
+    /// whatever the stage that wrote it).
+    pub zero: Option<u8>,
 }
 
 /// Loads the corpus a config names.
@@ -154,6 +168,7 @@ fn check_data(
     config: &mut TrainConfig,
     corpus: &Corpus,
     options: ResumeOptions,
+    leader: bool,
 ) -> Result<()> {
     let DataSource::File { path } = &config.data else {
         return Ok(());
@@ -174,15 +189,162 @@ fn check_data(
             found: describe(&found),
         });
     }
-    crate::output::warn(&format!(
+    let message = format!(
         "{} changed since the run began (was {}, now {}); continuing on the new data as asked",
         path.display(),
         describe(&config.data_file),
         describe(&found)
-    ));
+    );
     config.data_file = found;
+    if !leader {
+        return Ok(());
+    }
+    crate::output::warn(&message);
     let json = serde_json::to_vec_pretty(&*config).expect("the config serializes");
     write_atomic(&run_dir.join(CONFIG_FILE), &json)
+}
+
+/// What one rank read to resume a run.
+struct Resumed {
+    config: TrainConfig,
+    lock: Option<RunLock>,
+    corpus: Corpus,
+    model: Llama<f32>,
+    optimizer: AdamW<f32>,
+    scaler: Option<DynamicLossScaler>,
+    data_rng: Generator,
+    step: u64,
+    tokens_seen: u64,
+}
+
+/// The run's config at `world` ranks (and the ZeRO stage asked for); the leader writes it
+/// to `config.json` when it changed, saying how the global batch was kept.
+fn config_at_world(
+    run_dir: &Path,
+    run_config: &TrainConfig,
+    world: usize,
+    leader: bool,
+    options: ResumeOptions,
+) -> Result<TrainConfig> {
+    let mut config = run_config.at_ranks(world)?;
+    if let Some(zero) = options.zero {
+        config.parallel.zero = zero;
+    }
+    config.validate()?;
+    if leader && config != *run_config {
+        if world != run_config.parallel.ranks {
+            crate::output::warn(&format!(
+                "the run was trained on {} rank(s), resumed on {world}: accum {} -> {} keeps \
+                 its global batch of {} sequences",
+                run_config.parallel.ranks,
+                run_config.accum,
+                config.accum,
+                config.sequences_per_step()
+            ));
+        }
+        let json = serde_json::to_vec_pretty(&config).expect("the config serializes");
+        write_atomic(&run_dir.join(CONFIG_FILE), &json)?;
+    }
+    Ok(config)
+}
+
+/// Everything a rank needs to continue the run in `run_dir` at `world` ranks. Only the
+/// leader (rank 0) locks, cleans or writes the directory.
+fn resume_state(
+    run_dir: &Path,
+    options: ResumeOptions,
+    leader: bool,
+    world: usize,
+) -> Result<Resumed> {
+    if !run_dir.is_dir() {
+        return Err(TrainError::checkpoint(run_dir, "is not a run directory"));
+    }
+    let lock = leader.then(|| RunLock::acquire(run_dir)).transpose()?;
+    let run_config = read_config(run_dir)?;
+    if leader {
+        snapshot::clean(run_dir)?;
+    }
+    let run_config = config_at_world(run_dir, &run_config, world, leader, options)?;
+    if snapshot::latest_step(run_dir)?.is_none() {
+        let mut config = run_config;
+        check_memory(&config)?;
+        let corpus = load_corpus(&config)?;
+        check_data(run_dir, &mut config, &corpus, options, leader)?;
+        let model = Llama::new(&config.model, config.seed)?;
+        let optimizer = new_optimizer(&model, &config)?;
+        return Ok(Resumed {
+            scaler: new_scaler(&config),
+            data_rng: Generator::new(config.seed ^ DATA_STREAM),
+            config,
+            lock,
+            corpus,
+            model,
+            optimizer,
+            step: 0,
+            tokens_seen: 0,
+        });
+    }
+    let snapshot = snapshot::load(run_dir)?;
+    let state = &snapshot.state;
+    let mut config = state.config.at_ranks(world)?;
+    config.parallel.zero = run_config.parallel.zero;
+    if let Some(difference) = config_difference(&config, &run_config) {
+        return Err(TrainError::checkpoint(
+            snapshot.dir.join("state.json"),
+            format!("its config differs from the run's config.json ({difference})"),
+        ));
+    }
+    config.validate()?;
+    check_memory(&config)?;
+    let corpus = load_corpus(&config)?;
+    check_data(run_dir, &mut config, &corpus, options, leader)?;
+    let model = restore_model(&snapshot)?;
+    let named = model.named_parameters();
+    let names: Vec<String> = named.iter().map(|(name, _)| name.clone()).collect();
+    let shapes: Vec<Vec<usize>> = named.iter().map(|(_, tensor)| tensor.shape()).collect();
+    let mut optimizer = new_optimizer(&model, &config)?;
+    optimizer
+        .load_state_dict(snapshot.adamw_state(&names, &shapes)?)
+        .map_err(|error| TrainError::checkpoint(&snapshot.dir, error.to_string()))?;
+    let mut scaler = new_scaler(&config);
+    match (&mut scaler, &state.scaler) {
+        (Some(scaler), Some(saved)) => scaler
+            .load_state_dict(saved)
+            .map_err(|error| TrainError::checkpoint(&snapshot.dir, error.to_string()))?,
+        (None, None) => {}
+        _ => {
+            return Err(TrainError::checkpoint(
+                &snapshot.dir,
+                "the loss-scaler state does not match the precision",
+            ));
+        }
+    }
+    let tokens = state.step.checked_mul(config.tokens_per_step() as u64);
+    if tokens != Some(state.tokens_seen) {
+        return Err(TrainError::checkpoint(
+            snapshot.dir.join("state.json"),
+            format!(
+                "says {} tokens were seen in {} steps of {} tokens",
+                state.tokens_seen,
+                state.step,
+                config.tokens_per_step()
+            ),
+        ));
+    }
+    let data_rng = Generator::new(0);
+    data_rng.set_state(&state.data_rng);
+    model.dropout_generator().set_state(&state.dropout_rng);
+    Ok(Resumed {
+        config,
+        lock,
+        corpus,
+        model,
+        optimizer,
+        scaler,
+        data_rng,
+        step: state.step,
+        tokens_seen: state.tokens_seen,
+    })
 }
 
 impl Trainer {
@@ -196,42 +358,75 @@ impl Trainer {
     /// [`TrainError::Data`] for the data, [`TrainError::Checkpoint`] when `run_dir` already
     /// holds a run, [`TrainError::Locked`] when another process is using it,
     /// [`TrainError::Io`] when it cannot be written.
-    pub fn new(mut config: TrainConfig, run_dir: &Path) -> Result<Self> {
-        config.validate()?;
-        check_memory(&config)?;
-        let corpus = load_corpus(&config)?;
-        config.data_file = data_fingerprint(&config, &corpus);
-        fs::create_dir_all(run_dir).map_err(|source| TrainError::io(run_dir, source))?;
-        let lock = RunLock::acquire(run_dir)?;
-        if run_dir.join("LATEST").exists() || run_dir.join(CONFIG_FILE).exists() {
-            return Err(TrainError::checkpoint(
-                run_dir,
-                "already holds a run: resume it with --resume, or choose another --out",
-            ));
-        }
-        snapshot::clean(run_dir)?;
-        let model = Llama::new(&config.model, config.seed)?;
-        let optimizer = new_optimizer(&model, &config)?;
-        let json = serde_json::to_vec_pretty(&config).expect("the config serializes");
-        write_atomic(&run_dir.join(CONFIG_FILE), &json)?;
-        Self::start(config, run_dir, lock, corpus, model, optimizer)
+    pub fn new(config: TrainConfig, run_dir: &Path) -> Result<Self> {
+        Self::new_on(config, run_dir, Box::new(Single::new()))
     }
 
-    /// A trainer at step 0 of `config`, in `run_dir` (locked).
+    /// [`Trainer::new`] on the ranks of `comm`: every rank calls it with the same config
+    /// (`config.parallel.ranks` is set to the communicator's world size). Rank 0 creates the
+    /// run directory; the weights are rank 0's, broadcast. When a rank cannot start, every
+    /// rank returns an error (its own, or one naming the ranks that failed).
+    ///
+    /// # Errors
+    /// Those of [`Trainer::new`]; [`TrainError::Ranks`] when another rank failed or was
+    /// started with another config; [`TrainError::Parallel`] when a collective failed.
+    pub fn new_on(
+        mut config: TrainConfig,
+        run_dir: &Path,
+        comm: Box<dyn Communicator>,
+    ) -> Result<Self> {
+        let mut ddp = DataParallel::new(comm);
+        config.parallel.ranks = ddp.world_size();
+        let leader = ddp.rank() == 0;
+        let prepared = (|| {
+            config.validate()?;
+            check_memory(&config)?;
+            let corpus = load_corpus(&config)?;
+            config.data_file = data_fingerprint(&config, &corpus);
+            if !leader {
+                return Ok((corpus, None));
+            }
+            fs::create_dir_all(run_dir).map_err(|source| TrainError::io(run_dir, source))?;
+            let lock = RunLock::acquire(run_dir)?;
+            if run_dir.join("LATEST").exists() || run_dir.join(CONFIG_FILE).exists() {
+                return Err(TrainError::checkpoint(
+                    run_dir,
+                    "already holds a run: resume it with --resume, or choose another --out",
+                ));
+            }
+            snapshot::clean(run_dir)?;
+            let json = serde_json::to_vec_pretty(&config).expect("the config serializes");
+            write_atomic(&run_dir.join(CONFIG_FILE), &json)?;
+            Ok((corpus, Some(lock)))
+        })();
+        let (corpus, lock) = ranks::agree(&mut ddp, prepared, Some((&config, 0)), "start the run")?;
+        let model = Llama::new(&config.model, config.seed)?;
+        if ddp.world_size() > 1 {
+            ddp.broadcast_parameters(&model.parameters())?;
+        }
+        let optimizer = new_optimizer(&model, &config)?;
+        Self::start(config, run_dir, lock, corpus, model, optimizer, ddp)
+    }
+
+    /// A trainer at step 0 of `config`, in `run_dir` (locked by rank 0).
     fn start(
         config: TrainConfig,
         run_dir: &Path,
-        lock: RunLock,
+        lock: Option<RunLock>,
         corpus: Corpus,
         model: Llama<f32>,
         optimizer: AdamW<f32>,
+        ddp: DataParallel,
     ) -> Result<Self> {
         model.set_checkpointing(config.checkpointing);
         Ok(Self {
             scaler: new_scaler(&config),
             validation: validation_batches(&corpus, &config),
             data_rng: Generator::new(config.seed ^ DATA_STREAM),
-            metrics: MetricsLog::open(run_dir, 0)?,
+            metrics: lock
+                .is_some()
+                .then(|| MetricsLog::open(run_dir, 0))
+                .transpose()?,
             run_dir: run_dir.to_path_buf(),
             config,
             model,
@@ -239,6 +434,7 @@ impl Trainer {
             corpus,
             step: 0,
             tokens_seen: 0,
+            ddp,
             _lock: lock,
         })
     }
@@ -254,84 +450,57 @@ impl Trainer {
     /// [`TrainError::DataChanged`] when it changed (unless `options` allow it);
     /// [`TrainError::Locked`] when another process is using the run.
     pub fn resume(run_dir: &Path, options: ResumeOptions) -> Result<Self> {
-        if !run_dir.is_dir() {
-            return Err(TrainError::checkpoint(run_dir, "is not a run directory"));
-        }
-        let lock = RunLock::acquire(run_dir)?;
-        let run_config = read_config(run_dir)?;
-        snapshot::clean(run_dir)?;
-        if snapshot::latest_step(run_dir)?.is_none() {
-            let mut config = run_config;
-            config.validate()?;
-            check_memory(&config)?;
-            let corpus = load_corpus(&config)?;
-            check_data(run_dir, &mut config, &corpus, options)?;
-            let model = Llama::new(&config.model, config.seed)?;
-            let optimizer = new_optimizer(&model, &config)?;
-            return Self::start(config, run_dir, lock, corpus, model, optimizer);
-        }
-        let snapshot = snapshot::load(run_dir)?;
-        let state = &snapshot.state;
-        let mut config = state.config.clone();
-        if let Some(difference) = config_difference(&config, &run_config) {
-            return Err(TrainError::checkpoint(
-                snapshot.dir.join("state.json"),
-                format!("its config differs from the run's config.json ({difference})"),
-            ));
-        }
-        config.validate()?;
-        check_memory(&config)?;
-        let corpus = load_corpus(&config)?;
-        check_data(run_dir, &mut config, &corpus, options)?;
-        let model = restore_model(&snapshot)?;
-        let named = model.named_parameters();
-        let names: Vec<String> = named.iter().map(|(name, _)| name.clone()).collect();
-        let shapes: Vec<Vec<usize>> = named.iter().map(|(_, tensor)| tensor.shape()).collect();
-        let mut optimizer = new_optimizer(&model, &config)?;
-        optimizer
-            .load_state_dict(snapshot.adamw_state(&names, &shapes)?)
-            .map_err(|error| TrainError::checkpoint(&snapshot.dir, error.to_string()))?;
-        let mut scaler = new_scaler(&config);
-        match (&mut scaler, &state.scaler) {
-            (Some(scaler), Some(saved)) => scaler
-                .load_state_dict(saved)
-                .map_err(|error| TrainError::checkpoint(&snapshot.dir, error.to_string()))?,
-            (None, None) => {}
-            _ => {
-                return Err(TrainError::checkpoint(
-                    &snapshot.dir,
-                    "the loss-scaler state does not match the precision",
-                ));
-            }
-        }
-        let tokens = state.step.checked_mul(config.tokens_per_step() as u64);
-        if tokens != Some(state.tokens_seen) {
-            return Err(TrainError::checkpoint(
-                snapshot.dir.join("state.json"),
-                format!(
-                    "says {} tokens were seen in {} steps of {} tokens",
-                    state.tokens_seen,
-                    state.step,
-                    config.tokens_per_step()
-                ),
-            ));
-        }
-        let data_rng = Generator::new(0);
-        data_rng.set_state(&state.data_rng);
-        model.dropout_generator().set_state(&state.dropout_rng);
+        Self::resume_on(run_dir, options, Box::new(Single::new()))
+    }
+
+    /// [`Trainer::resume`] on the ranks of `comm`, whatever the world size that wrote the
+    /// checkpoint: a checkpoint holds whole tensors, and `accum` is rescaled so that the
+    /// global batch stays the run's ([`TrainConfig::at_ranks`]). Every rank reads the
+    /// checkpoint; rank 0 locks the run and rewrites its `config.json` when the world size
+    /// changed.
+    ///
+    /// # Errors
+    /// Those of [`Trainer::resume`]; [`TrainError::InvalidArgument`] when the global batch
+    /// cannot be shared over this many ranks; [`TrainError::Ranks`] when another rank failed
+    /// or read another checkpoint.
+    pub fn resume_on(
+        run_dir: &Path,
+        options: ResumeOptions,
+        comm: Box<dyn Communicator>,
+    ) -> Result<Self> {
+        let mut ddp = DataParallel::new(comm);
+        let prepared = resume_state(run_dir, options, ddp.rank() == 0, ddp.world_size());
+        let fingerprint = prepared.as_ref().ok().map(|r| (r.config.clone(), r.step));
+        let fingerprint = fingerprint.as_ref().map(|(config, step)| (config, *step));
+        let resumed = ranks::agree(&mut ddp, prepared, fingerprint, "resume the run")?;
+        let Resumed {
+            config,
+            lock,
+            corpus,
+            model,
+            optimizer,
+            scaler,
+            data_rng,
+            step,
+            tokens_seen,
+        } = resumed;
         model.set_checkpointing(config.checkpointing);
         Ok(Self {
             scaler,
             validation: validation_batches(&corpus, &config),
             data_rng,
-            metrics: MetricsLog::open(run_dir, state.step)?,
+            metrics: lock
+                .is_some()
+                .then(|| MetricsLog::open(run_dir, step))
+                .transpose()?,
             run_dir: run_dir.to_path_buf(),
-            step: state.step,
-            tokens_seen: state.tokens_seen,
+            step,
+            tokens_seen,
             config,
             model,
             optimizer,
             corpus,
+            ddp,
             _lock: lock,
         })
     }
@@ -390,23 +559,43 @@ impl Trainer {
     pub fn train_step(&mut self) -> Result<Record> {
         let lr = self.config.lr.at(self.step);
         self.optimizer.set_learning_rate(lr);
-        let (train, rows, context) = (
-            &self.corpus.train,
-            self.config.micro_batch,
-            self.config.model.context,
-        );
-        let micro_batches: Vec<Batch> = (0..self.config.accum)
-            .map(|_| sample_batch(train, rows, context, &self.data_rng))
-            .collect();
+        let micro_batches = self.draw_micro_batches();
+        let (seed, step, config) = (self.config.seed, self.step, &self.config);
+        // Each micro-batch's dropout masks come from a stream keyed by its place in the
+        // global batch, so they are the same whichever rank runs it.
+        let loss = |model: &Llama<f32>, micro_batch: &StepBatch| {
+            model
+                .dropout_generator()
+                .set_state(&ranks::dropout_state(seed, step, micro_batch.index));
+            batch_loss(model, &micro_batch.batch)
+        };
         let started = Instant::now();
-        let report = mixed_step(
-            &self.model,
-            &micro_batches,
-            &mut self.optimizer,
-            self.scaler.as_mut(),
-            &self.config,
-        )
-        .map_err(|error| self.diverged_from(error))?;
+        let stepped = if self.ddp.world_size() == 1 {
+            train_step_mixed(
+                &self.model,
+                &micro_batches,
+                loss,
+                &mut self.optimizer,
+                config.precision,
+                self.scaler.as_mut(),
+                config.clip,
+            )
+            .map_err(TrainError::from)
+        } else {
+            self.ddp
+                .train_step(
+                    &self.model,
+                    &micro_batches,
+                    config.sequences_per_step(),
+                    loss,
+                    &mut self.optimizer,
+                    config.precision,
+                    self.scaler.as_mut(),
+                    config.clip,
+                )
+                .map_err(TrainError::from)
+        };
+        let report = stepped.map_err(|error| self.diverged_from(error))?;
         let step_s = started.elapsed().as_secs_f64();
         self.check_divergence(&report)?;
         self.step += 1;
@@ -423,8 +612,64 @@ impl Trainer {
             tokens_per_s: tokens as f64 / step_s,
             step_s,
         };
-        self.metrics.append(&record)?;
+        self.log(&record)?;
         Ok(record)
+    }
+
+    /// This rank's micro-batches of the next step. Every rank draws the whole global batch
+    /// from the one data stream, micro-batch by micro-batch, and keeps its own: the union of
+    /// the ranks' micro-batches is the batch one process would draw, and the stream's
+    /// position after a step does not depend on the world size.
+    fn draw_micro_batches(&self) -> Vec<StepBatch> {
+        let (train, rows, context) = (
+            &self.corpus.train,
+            self.config.micro_batch,
+            self.config.model.context,
+        );
+        let per_rank = self.config.accum;
+        let rank = self.ddp.rank();
+        (0..per_rank * self.ddp.world_size())
+            .filter_map(|index| {
+                if index / per_rank == rank {
+                    let batch = sample_batch(train, rows, context, &self.data_rng);
+                    Some(StepBatch { index, batch })
+                } else {
+                    skip_batch(train, rows, context, &self.data_rng);
+                    None
+                }
+            })
+            .collect()
+    }
+
+    /// Appends `record` to the run's metrics (rank 0; the other ranks keep none).
+    fn log(&mut self, record: &Record) -> Result<()> {
+        match &mut self.metrics {
+            Some(metrics) => metrics.append(record),
+            None => Ok(()),
+        }
+    }
+
+    /// This process's rank in the run (0 for a single process).
+    pub fn rank(&self) -> usize {
+        self.ddp.rank()
+    }
+
+    /// The number of ranks training the run.
+    pub fn world_size(&self) -> usize {
+        self.ddp.world_size()
+    }
+
+    /// Every rank's peak live tensor bytes and peak process memory, in rank order: a
+    /// collective every rank must call.
+    ///
+    /// # Errors
+    /// [`TrainError::Parallel`] if the collective fails.
+    pub fn rank_memory(
+        &mut self,
+        peak_live_bytes: u64,
+        peak_rss_bytes: Option<u64>,
+    ) -> Result<Vec<RankMemory>> {
+        ranks::gather_memory(&mut self.ddp, peak_live_bytes, peak_rss_bytes)
     }
 
     /// The name of the parameter at `index` in the optimizer's list.
@@ -452,6 +697,12 @@ impl Trainer {
     /// The refusals of a mixed-precision step, as divergence of this run.
     fn diverged_from(&self, error: TrainError) -> TrainError {
         use tl_precision::PrecisionError as P;
+        let error = match error {
+            TrainError::Parallel(tl_parallel::ParallelError::Precision(error)) => {
+                TrainError::Precision(error)
+            }
+            other => other,
+        };
         match error {
             TrainError::Precision(P::NonFiniteLoss { loss }) => {
                 self.diverged(format!("the loss is {loss}"))
@@ -497,7 +748,7 @@ impl Trainer {
             step: self.step,
             val_loss,
         };
-        self.metrics.append(&record)?;
+        self.log(&record)?;
         Ok(record)
     }
 
@@ -524,6 +775,10 @@ impl Trainer {
     /// # Errors
     /// [`TrainError::Io`]; the previous checkpoint then remains the latest.
     pub fn save(&self) -> Result<PathBuf> {
+        if self.metrics.is_none() {
+            // Not rank 0: the checkpoint is rank 0's to write (DDP replicates everything).
+            return Ok(self.run_dir.join(format!("checkpoint-{:06}", self.step)));
+        }
         let named = self.model.named_parameters();
         let weights: Vec<NamedTensor> = named
             .iter()
@@ -582,8 +837,9 @@ impl Trainer {
                 let record = self.evaluate()?;
                 on_event(&Event::Metric(record));
             }
-            // The last step of this call is always saved, so stopping loses nothing.
-            let interrupted = stop.load(Ordering::SeqCst);
+            // The last step of this call is always saved, so stopping loses nothing. The
+            // ranks stop together, after the same step, when any of them was asked to.
+            let interrupted = ranks::any(&mut self.ddp, stop.load(Ordering::SeqCst))?;
             if self.step.is_multiple_of(self.config.save_interval)
                 || self.step == until
                 || interrupted
@@ -594,7 +850,11 @@ impl Trainer {
                 return Ok(Stop::Interrupted);
             }
         }
-        if !self.run_dir.join("LATEST").exists() {
+        let leader = self.metrics.is_some();
+        if ranks::any(
+            &mut self.ddp,
+            leader && !self.run_dir.join("LATEST").exists(),
+        )? {
             // Asked for no steps at all: still leave a checkpoint to resume from.
             on_event(&Event::Saved(self.save()?));
         }

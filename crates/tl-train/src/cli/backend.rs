@@ -1,0 +1,65 @@
+//! `--backend`: which communicator a command's ranks talk over.
+
+use clap::ValueEnum;
+use tl_collective::Communicator;
+
+use crate::error::{Result, TrainError};
+
+/// Which communicator the ranks use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    /// The hand-built ring, as `tinyllm launch` wires it (one process alone: a world of one).
+    #[default]
+    Ring,
+    /// MPI's own collectives, under mpirun (needs the `mpi` feature).
+    Mpi,
+    /// The ring's algorithm over MPI point-to-point, under mpirun (needs the `mpi` feature).
+    MpiRing,
+}
+
+/// Environment variables by which MPI launchers tell a process the size of its world.
+const MPI_WORLD_SIZE: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"];
+
+/// The communicator of `backend`, as the environment describes it.
+///
+/// # Errors
+/// The backend's own errors; [`TrainError::InvalidArgument`] for `--backend mpi` in a build
+/// without MPI, or for the ring backend in a process that mpirun started as one of several
+/// (each would otherwise train alone).
+pub fn communicator(backend: Backend) -> Result<Box<dyn Communicator>> {
+    match backend {
+        Backend::Ring => {
+            let comm = tl_collective::from_env()?;
+            let under_mpi = MPI_WORLD_SIZE
+                .iter()
+                .filter_map(|name| std::env::var(name).ok())
+                .any(|size| size.trim().parse::<usize>().is_ok_and(|n| n > 1));
+            if comm.world_size() == 1 && under_mpi {
+                return Err(TrainError::InvalidArgument {
+                    name: "--backend",
+                    value: "ring".into(),
+                    reason: "this process was started by mpirun as one of several ranks: \
+                             pass --backend mpi (or start the ranks with tinyllm launch)"
+                        .into(),
+                });
+            }
+            Ok(comm)
+        }
+        #[cfg(feature = "mpi")]
+        Backend::Mpi | Backend::MpiRing => {
+            use tl_collective::{MpiComm, MpiMode};
+            let mode = if backend == Backend::Mpi {
+                MpiMode::Native
+            } else {
+                MpiMode::Ring
+            };
+            Ok(Box::new(MpiComm::init(mode)?))
+        }
+        #[cfg(not(feature = "mpi"))]
+        Backend::Mpi | Backend::MpiRing => Err(TrainError::InvalidArgument {
+            name: "--backend",
+            value: format!("{backend:?}").to_lowercase(),
+            reason: "this tinyllm was built without the `mpi` feature".into(),
+        }),
+    }
+}

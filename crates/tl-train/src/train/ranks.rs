@@ -1,0 +1,179 @@
+//! What the ranks of a run agree on outside the training step: that every rank could start
+//! (and with the same config), whether to stop after a step, the dropout stream of each
+//! micro-batch, and each rank's memory for the summary.
+//!
+//! In a world of one none of these communicates.
+
+use serde::{Deserialize, Serialize};
+use tl_collective::ReduceOp;
+use tl_parallel::DataParallel;
+use tl_precision::MicroBatch;
+use tl_tensor::{Generator, GeneratorState};
+
+use super::config::TrainConfig;
+use crate::data::Batch;
+use crate::error::{Result, TrainError};
+
+/// A micro-batch of a step and its place in the step's global batch (0 for the first
+/// micro-batch of rank 0, `accum · ranks − 1` for the last of the last rank).
+pub struct StepBatch {
+    /// Its index among the global batch's micro-batches.
+    pub index: usize,
+    /// Its rows.
+    pub batch: Batch,
+}
+
+impl MicroBatch for StepBatch {
+    fn rows(&self) -> usize {
+        self.batch.rows
+    }
+}
+
+/// Seed of the dropout streams, mixed with the run's seed.
+const DROPOUT_STREAM: u64 = 0x9E6C_63D0_676A_9A99;
+
+/// SplitMix64's finaliser: a bijection that spreads every input bit over the output.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The state dropout's generator starts from for micro-batch `index` of step `step` (counted
+/// from 0): a function of the run's seed and the micro-batch's place in the global batch
+/// only, so that a micro-batch gets the same masks on whichever rank, at whatever world
+/// size, it runs.
+pub fn dropout_state(seed: u64, step: u64, index: usize) -> GeneratorState {
+    let key = mix(mix(seed ^ DROPOUT_STREAM) ^ step) ^ mix(index as u64 ^ DROPOUT_STREAM);
+    Generator::new(mix(key)).state()
+}
+
+/// A 48-bit fingerprint of the config and the step a rank starts from (exact in an `f64`).
+fn fingerprint(config: &TrainConfig, step: u64) -> f64 {
+    let mut bytes = serde_json::to_vec(config).expect("the config serializes");
+    bytes.extend_from_slice(&step.to_le_bytes());
+    let hex = crate::store::fingerprint(&bytes);
+    u64::from_str_radix(&hex[..12], 16).expect("hex digits") as f64
+}
+
+/// The ranks' answer to "did you get ready?": `local` on every rank when all succeeded
+/// with the same config and step (`fingerprint`, given when `local` is `Ok`); otherwise this
+/// rank's own error, or one naming the ranks that failed or disagree.
+///
+/// # Errors
+/// This rank's error; [`TrainError::Ranks`]; [`TrainError::Parallel`] when the collective
+/// itself fails.
+pub fn agree<T>(
+    ddp: &mut DataParallel,
+    local: Result<T>,
+    fingerprint_of: Option<(&TrainConfig, u64)>,
+    what: &'static str,
+) -> Result<T> {
+    let (rank, world) = (ddp.rank(), ddp.world_size());
+    if world == 1 {
+        return local;
+    }
+    // Slot r: whether rank r failed; slot world + r: its fingerprint.
+    let mut slots = vec![0.0f64; 2 * world];
+    match (&local, fingerprint_of) {
+        (Ok(_), Some((config, step))) => slots[world + rank] = fingerprint(config, step),
+        _ => slots[rank] = 1.0,
+    }
+    ddp.with_communicator(|comm| {
+        comm.all_reduce(<f64 as tl_collective::Element>::view_mut(&mut slots), ReduceOp::Sum)
+    })?;
+    let local = local?;
+    let failed: Vec<usize> = (0..world).filter(|&r| slots[r] != 0.0).collect();
+    if !failed.is_empty() {
+        return Err(TrainError::Ranks {
+            ranks: failed,
+            what: format!("could not {what} (see the error of each)"),
+        });
+    }
+    let differing: Vec<usize> = (1..world)
+        .filter(|&r| slots[world + r] != slots[world])
+        .collect();
+    if !differing.is_empty() {
+        return Err(TrainError::Ranks {
+            ranks: differing,
+            what: format!(
+                "would {what} with another config or step than rank 0: start every rank with \
+                 the same flags and run directory"
+            ),
+        });
+    }
+    Ok(local)
+}
+
+/// Whether `flag` holds on any rank (`flag` itself in a world of one).
+///
+/// # Errors
+/// [`TrainError::Parallel`] when the collective fails.
+pub fn any(ddp: &mut DataParallel, flag: bool) -> Result<bool> {
+    if ddp.world_size() == 1 {
+        return Ok(flag);
+    }
+    let mut value = [f64::from(u8::from(flag))];
+    ddp.with_communicator(|comm| {
+        comm.all_reduce(<f64 as tl_collective::Element>::view_mut(&mut value), ReduceOp::Sum)
+    })?;
+    Ok(value[0] > 0.0)
+}
+
+/// One rank's memory over a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankMemory {
+    /// The rank.
+    pub rank: usize,
+    /// Its peak of live tensor bytes (tl-tensor's meter).
+    pub peak_live_bytes: u64,
+    /// Its peak resident memory, when the OS reports it.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// Every rank's memory, in rank order (a collective: every rank calls it).
+///
+/// # Errors
+/// [`TrainError::Parallel`] when the collective fails.
+pub fn gather_memory(
+    ddp: &mut DataParallel,
+    peak_live_bytes: u64,
+    peak_rss_bytes: Option<u64>,
+) -> Result<Vec<RankMemory>> {
+    let (rank, world) = (ddp.rank(), ddp.world_size());
+    // Slots of (live, rss + 1 or 0 for unknown), exact in f64 below 2^53 bytes.
+    let mut slots = vec![0.0f64; 2 * world];
+    slots[2 * rank] = peak_live_bytes as f64;
+    slots[2 * rank + 1] = peak_rss_bytes.map_or(0.0, |b| b as f64 + 1.0);
+    if world > 1 {
+        ddp.with_communicator(|comm| {
+            comm.all_reduce(<f64 as tl_collective::Element>::view_mut(&mut slots), ReduceOp::Sum)
+        })?;
+    }
+    Ok((0..world)
+        .map(|r| RankMemory {
+            rank: r,
+            peak_live_bytes: slots[2 * r] as u64,
+            peak_rss_bytes: (slots[2 * r + 1] > 0.0).then(|| slots[2 * r + 1] as u64 - 1),
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dropout_streams_differ_by_step_and_micro_batch_and_repeat_exactly() {
+        let draw = |state: GeneratorState| {
+            let rng = Generator::new(0);
+            rng.set_state(&state);
+            (0..4).map(|_| rng.below(1 << 30)).collect::<Vec<_>>()
+        };
+        let base = draw(dropout_state(5, 3, 2));
+        assert_eq!(base, draw(dropout_state(5, 3, 2)));
+        for other in [dropout_state(5, 3, 1), dropout_state(5, 2, 2), dropout_state(4, 3, 2)] {
+            assert_ne!(base, draw(other));
+        }
+    }
+}
