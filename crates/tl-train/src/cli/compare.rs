@@ -5,9 +5,10 @@ use std::path::PathBuf;
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar};
 
+use super::backend::{Backend, communicator};
 use super::train::{config_from_args, mib, progress_bar, write_loss_chart};
 use super::{Exit, RecipeArgs, TrainArgs};
-use crate::compare::{Comparison, MAX_RELATIVE_GAP, compare};
+use crate::compare::{Comparison, MAX_RELATIVE_GAP, compare_on};
 use crate::error::Result;
 use crate::model::Preset;
 use crate::store::write_atomic;
@@ -60,6 +61,10 @@ pub struct CompareArgs {
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
+    /// How the ranks communicate, when both runs train on several (`tinyllm launch -n N --
+    /// compare ...`, or mpirun with mpi).
+    #[arg(long, value_enum, default_value_t)]
+    pub backend: Backend,
 }
 
 /// Runs `tinyllm compare`: exit status success only when MS-L11 holds.
@@ -84,24 +89,33 @@ pub(super) fn compare_command(args: &CompareArgs) -> Result<Exit> {
         ..TrainArgs::default()
     };
     let recipe = config_from_args(&train_args, None)?;
+    let comm = communicator(args.backend)?;
+    let (leader, world) = (comm.rank() == 0, comm.world_size());
     let out = args.out.clone().unwrap_or_else(|| {
         let preset = recipe.preset.map_or("custom", Preset::name);
         PathBuf::from("runs").join(format!("compare-{preset}-seed{}", recipe.seed))
     });
-    say!(
-        "MS-L11 on {} ({} steps of {} tokens): fp32 baseline, then the recipe",
-        recipe.preset.map_or("custom", Preset::name),
-        recipe.steps,
-        recipe.tokens_per_step()
-    );
+    if leader {
+        say!(
+            "MS-L11 on {} ({} steps of {} tokens{}): fp32 baseline, then the recipe",
+            recipe.preset.map_or("custom", Preset::name),
+            recipe.steps,
+            recipe.tokens_per_step() * world,
+            if world > 1 {
+                format!(" over {world} ranks")
+            } else {
+                String::new()
+            }
+        );
+    }
     let bars = MultiProgress::new();
     let mut current: Option<(String, ProgressBar)> = None;
-    let comparison = compare(&recipe, &out, &mut |name, event| {
+    let comparison = compare_on(&recipe, &out, comm, &mut |name, event| {
         if current.as_ref().is_none_or(|(n, _)| n != name) {
             if let Some((_, bar)) = current.take() {
                 bar.finish();
             }
-            let bar = bars.add(progress_bar(args.quiet, 0, recipe.steps));
+            let bar = bars.add(progress_bar(args.quiet || !leader, 0, recipe.steps));
             bar.set_prefix(name.to_string());
             current = Some((name.to_string(), bar));
         }
@@ -120,6 +134,10 @@ pub(super) fn compare_command(args: &CompareArgs) -> Result<Exit> {
     if let Some((_, bar)) = current {
         bar.finish();
     }
+    let Some(comparison) = comparison else {
+        // Not rank 0: rank 0 reports.
+        return Ok(Exit::Success);
+    };
     let json = serde_json::to_vec_pretty(&comparison).expect("the comparison serializes");
     write_atomic(&out.join("comparison.json"), &json)?;
     let chart = out.join("compare.svg");

@@ -11,13 +11,15 @@
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+use tl_collective::{Communicator, Single};
+use tl_parallel::DataParallel;
 use tl_precision::Precision;
 use tl_tensor::memory;
 
 use crate::error::Result;
 use crate::model::Checkpointing;
 use crate::process_memory::{peak_rss_bytes, reset_peak_rss};
-use crate::train::{Event, RunSummary, TrainConfig, Trainer};
+use crate::train::{Event, Parallel, RunSummary, TrainConfig, Trainer};
 
 /// The largest relative gap in validation loss MS-L11 allows.
 pub const MAX_RELATIVE_GAP: f64 = 0.02;
@@ -83,33 +85,61 @@ pub fn compare(
     out: &Path,
     on_event: &mut dyn FnMut(&str, &Event),
 ) -> Result<Comparison> {
-    recipe.validate()?;
-    let baseline_config = baseline_for(recipe);
-    let baseline = train_and_measure("fp32-baseline", &baseline_config, out, on_event)?;
-    let recipe_summary = train_and_measure("recipe", recipe, out, on_event)?;
-    Ok(assess(
-        baseline_config,
-        recipe.clone(),
-        baseline,
-        recipe_summary,
-    ))
+    let comparison = compare_on(recipe, out, Box::new(Single::new()), on_event)?;
+    Ok(comparison.expect("a world of one has rank 0"))
 }
 
+/// [`compare`] on the ranks of `comm`: both runs train on every rank, each step's global
+/// batch shared out as `tinyllm train` shares it. Rank 0 gets the comparison (of its own
+/// meters' figures); the other ranks get `None`.
+///
+/// # Errors
+/// As [`compare`], and [`Trainer::new_on`]'s errors of a run over several ranks.
+pub fn compare_on(
+    recipe: &TrainConfig,
+    out: &Path,
+    comm: Box<dyn Communicator>,
+    on_event: &mut dyn FnMut(&str, &Event),
+) -> Result<Option<Comparison>> {
+    let ddp = DataParallel::new(comm);
+    let recipe = &TrainConfig {
+        parallel: Parallel {
+            ranks: ddp.world_size(),
+            ..recipe.parallel
+        },
+        ..recipe.clone()
+    };
+    recipe.validate()?;
+    let baseline_config = baseline_for(recipe);
+    let (baseline, ddp) = train_and_measure("fp32-baseline", &baseline_config, out, ddp, on_event)?;
+    let (recipe_summary, _) = train_and_measure("recipe", recipe, out, ddp, on_event)?;
+    Ok(baseline
+        .zip(recipe_summary)
+        .map(|(baseline, recipe_summary)| {
+            assess(baseline_config, recipe.clone(), baseline, recipe_summary)
+        }))
+}
+
+/// Trains one run of the comparison; its summary on rank 0.
 fn train_and_measure(
     name: &str,
     config: &TrainConfig,
     out: &Path,
+    ddp: DataParallel,
     on_event: &mut dyn FnMut(&str, &Event),
-) -> Result<RunSummary> {
+) -> Result<(Option<RunSummary>, DataParallel)> {
     // Blocks the previous run left in the allocator's cache are not this run's memory.
     tl_tensor::alloc::trim();
     let rss_reset = reset_peak_rss();
-    let mut trainer = Trainer::new(config.clone(), &out.join(name))?;
+    let mut trainer = Trainer::new_with(config.clone(), &out.join(name), ddp)?;
     memory::reset_peak();
     let never = std::sync::atomic::AtomicBool::new(false);
     trainer.run(config.steps, &never, &mut |event| on_event(name, event))?;
     let peak_rss = peak_rss_bytes().filter(|_| rss_reset);
-    trainer.summary(memory::peak_bytes() as u64, peak_rss)
+    let summary = (trainer.rank() == 0)
+        .then(|| trainer.summary(memory::peak_bytes() as u64, peak_rss))
+        .transpose()?;
+    Ok((summary, trainer.into_parallel()))
 }
 
 /// Applies MS-L11's criteria to two finished runs.

@@ -374,7 +374,11 @@ impl TrainConfig {
                 &format!("must be in 1..={}", limits::MAX_RANKS),
             );
         }
-        if self.accum.checked_mul(self.parallel.ranks).is_none_or(|a| a > limits::MAX_ACCUM) {
+        if self
+            .accum
+            .checked_mul(self.parallel.ranks)
+            .is_none_or(|a| a > limits::MAX_ACCUM)
+        {
             return invalid(
                 "accum",
                 self.accum.to_string(),

@@ -14,8 +14,8 @@ mod trainer;
 pub use config::{
     DataSource, Divergence, FileFingerprint, MAX_ZERO_STAGE, Parallel, TrainConfig, limits,
 };
-pub use ranks::{RankMemory, StepBatch, dropout_state};
 pub use metrics::{MetricsLog, Record, read_records};
+pub use ranks::{RankMemory, StepBatch, dropout_state};
 pub use recipes::{STEP_RECIPES, StepRecipe};
 pub use schedule::LrSchedule;
 pub use summary::RunSummary;

@@ -80,7 +80,10 @@ pub fn agree<T>(
         _ => slots[rank] = 1.0,
     }
     ddp.with_communicator(|comm| {
-        comm.all_reduce(<f64 as tl_collective::Element>::view_mut(&mut slots), ReduceOp::Sum)
+        comm.all_reduce(
+            <f64 as tl_collective::Element>::view_mut(&mut slots),
+            ReduceOp::Sum,
+        )
     })?;
     let local = local?;
     let failed: Vec<usize> = (0..world).filter(|&r| slots[r] != 0.0).collect();
@@ -115,7 +118,10 @@ pub fn any(ddp: &mut DataParallel, flag: bool) -> Result<bool> {
     }
     let mut value = [f64::from(u8::from(flag))];
     ddp.with_communicator(|comm| {
-        comm.all_reduce(<f64 as tl_collective::Element>::view_mut(&mut value), ReduceOp::Sum)
+        comm.all_reduce(
+            <f64 as tl_collective::Element>::view_mut(&mut value),
+            ReduceOp::Sum,
+        )
     })?;
     Ok(value[0] > 0.0)
 }
@@ -147,7 +153,10 @@ pub fn gather_memory(
     slots[2 * rank + 1] = peak_rss_bytes.map_or(0.0, |b| b as f64 + 1.0);
     if world > 1 {
         ddp.with_communicator(|comm| {
-            comm.all_reduce(<f64 as tl_collective::Element>::view_mut(&mut slots), ReduceOp::Sum)
+            comm.all_reduce(
+                <f64 as tl_collective::Element>::view_mut(&mut slots),
+                ReduceOp::Sum,
+            )
         })?;
     }
     Ok((0..world)
@@ -172,7 +181,11 @@ mod tests {
         };
         let base = draw(dropout_state(5, 3, 2));
         assert_eq!(base, draw(dropout_state(5, 3, 2)));
-        for other in [dropout_state(5, 3, 1), dropout_state(5, 2, 2), dropout_state(4, 3, 2)] {
+        for other in [
+            dropout_state(5, 3, 1),
+            dropout_state(5, 2, 2),
+            dropout_state(4, 3, 2),
+        ] {
             assert_ne!(base, draw(other));
         }
     }

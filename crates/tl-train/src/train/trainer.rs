@@ -371,11 +371,24 @@ impl Trainer {
     /// Those of [`Trainer::new`]; [`TrainError::Ranks`] when another rank failed or was
     /// started with another config; [`TrainError::Parallel`] when a collective failed.
     pub fn new_on(
-        mut config: TrainConfig,
+        config: TrainConfig,
         run_dir: &Path,
         comm: Box<dyn Communicator>,
     ) -> Result<Self> {
-        let mut ddp = DataParallel::new(comm);
+        Self::new_with(config, run_dir, DataParallel::new(comm))
+    }
+
+    /// [`Trainer::new_on`] with the ranks' communicator already wrapped, as a previous
+    /// trainer handed it back ([`Trainer::into_parallel`]): several runs one after the other
+    /// on the same ranks (`tinyllm compare`).
+    ///
+    /// # Errors
+    /// As [`Trainer::new_on`].
+    pub fn new_with(
+        mut config: TrainConfig,
+        run_dir: &Path,
+        mut ddp: DataParallel,
+    ) -> Result<Self> {
         config.parallel.ranks = ddp.world_size();
         let leader = ddp.rank() == 0;
         let prepared = (|| {
@@ -505,6 +518,11 @@ impl Trainer {
         })
     }
 
+    /// Ends the trainer (releasing the run's lock), handing back the ranks' communicator.
+    pub fn into_parallel(self) -> DataParallel {
+        self.ddp
+    }
+
     /// Whether the run has done all the steps of its config.
     pub fn is_finished(&self) -> bool {
         self.step >= self.config.steps
@@ -564,9 +582,11 @@ impl Trainer {
         // Each micro-batch's dropout masks come from a stream keyed by its place in the
         // global batch, so they are the same whichever rank runs it.
         let loss = |model: &Llama<f32>, micro_batch: &StepBatch| {
-            model
-                .dropout_generator()
-                .set_state(&ranks::dropout_state(seed, step, micro_batch.index));
+            model.dropout_generator().set_state(&ranks::dropout_state(
+                seed,
+                step,
+                micro_batch.index,
+            ));
             batch_loss(model, &micro_batch.batch)
         };
         let started = Instant::now();

@@ -1,0 +1,395 @@
+//! `tinyllm train` on several ranks (`tinyllm launch -n N -- train ...`): the same run as one
+//! process on the same global batch, resumable at another world size, and stopped cleanly
+//! when a rank dies or a signal arrives. Every multi-process run here is bounded in time.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::TINY_TRAIN;
+use tl_collective::{RingComm, RingConfig};
+use tl_train::TrainError;
+use tl_train::model::Preset;
+use tl_train::train::{DataSource, Record, TrainConfig, Trainer, read_config, read_records};
+
+/// How long any one multi-process command may take before the test fails.
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn binary() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tinyllm"));
+    // A collective that hangs fails fast instead of holding the test.
+    command.env("TINYLLM_COMM_TIMEOUT_MS", "20000");
+    command
+}
+
+/// `tinyllm launch -n RANKS -- ARGS` (or plain `tinyllm ARGS` for one rank), run to the end
+/// within [`LIMIT`].
+fn run_ranks(ranks: usize, args: &[String]) -> Output {
+    let mut command = binary();
+    if ranks > 1 {
+        command.args(["launch", "-n", &ranks.to_string(), "--"]);
+    }
+    let child = command
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_output(child)
+}
+
+fn wait_output(mut child: std::process::Child) -> Output {
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > LIMIT {
+            let _ = child.kill();
+            panic!("tinyllm did not finish within {LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn succeed(ranks: usize, args: &[String]) -> String {
+    let output = run_ranks(ranks, args);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(
+        output.status.success(),
+        "{args:?} on {ranks} ranks: {stderr}"
+    );
+    stderr
+}
+
+/// The tiny run of the CLI tests into `out`, `accum` micro-batches of 2 sequences per rank.
+fn tiny(out: &Path, accum: usize, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = TINY_TRAIN.map(String::from).to_vec();
+    let at = args.iter().position(|a| a == "--accum").unwrap();
+    args[at + 1] = accum.to_string();
+    args.extend(["--out".into(), out.to_str().unwrap().into()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn resume(run: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = ["train", "--resume", run.to_str().unwrap(), "--quiet"]
+        .map(String::from)
+        .to_vec();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn train_losses(run: &Path) -> Vec<f64> {
+    read_records(&run.join("metrics.jsonl"))
+        .unwrap()
+        .iter()
+        .filter_map(|record| match record {
+            Record::Train { loss, .. } => Some(*loss),
+            Record::Eval { .. } => None,
+        })
+        .collect()
+}
+
+fn latest_checkpoint(run: &Path) -> PathBuf {
+    run.join(fs::read_to_string(run.join("LATEST")).unwrap().trim())
+}
+
+/// The float32 weights of a run's latest checkpoint, in file order (safetensors: an 8-byte
+/// header length, the JSON header, then the data).
+fn weights(run: &Path) -> Vec<f32> {
+    let bytes = fs::read(latest_checkpoint(run).join("model.safetensors")).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    bytes[8 + header..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn assert_losses_close(left: &[f64], right: &[f64], tolerance: f64, what: &str) {
+    assert_eq!(left.len(), right.len(), "{what}: steps");
+    for (step, (a, b)) in left.iter().zip(right).enumerate() {
+        let relative = (a - b).abs() / b.abs();
+        assert!(
+            relative <= tolerance,
+            "{what}: step {}: {a} vs {b} ({relative:e} relative)",
+            step + 1
+        );
+    }
+}
+
+fn largest_difference(left: &[f32], right: &[f32]) -> f32 {
+    assert_eq!(left.len(), right.len());
+    left.iter()
+        .zip(right)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Two ranks train what one process trains on the same global batch: bit for bit with one
+/// micro-batch per rank (the ring adds the two ranks' gradients as one process adds its two
+/// micro-batches'), and to the order of summation with two each. In every precision, with
+/// checkpointing and dropout (each micro-batch's masks are keyed by its place in the global
+/// batch, so they do not depend on the rank that runs it).
+#[test]
+fn two_ranks_train_what_one_process_trains_on_the_same_global_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipes: [&[&str]; 3] = [
+        &[],
+        &["--bf16", "--checkpoint-activations", "--dropout", "0.1"],
+        &["--fp16", "--dropout", "0.1"],
+    ];
+    for (i, recipe) in recipes.iter().enumerate() {
+        let mut flags = vec!["--steps", "5"];
+        flags.extend_from_slice(recipe);
+        let run = |name: &str, ranks: usize, accum: usize| {
+            let out = dir.path().join(format!("{i}-{name}"));
+            succeed(ranks, &tiny(&out, accum, &flags));
+            out
+        };
+        let (one, two) = (run("one", 1, 2), run("two", 2, 1));
+        assert_eq!(weights(&one), weights(&two), "{recipe:?}: weights");
+        assert_losses_close(
+            &train_losses(&one),
+            &train_losses(&two),
+            1e-6,
+            "one micro-batch",
+        );
+        assert_eq!(read_config(&two).unwrap().parallel.ranks, 2);
+
+        let (one, two) = (run("one-accum", 1, 4), run("two-accum", 2, 2));
+        assert_losses_close(
+            &train_losses(&one),
+            &train_losses(&two),
+            1e-6,
+            "accumulated",
+        );
+        let largest = largest_difference(&weights(&one), &weights(&two));
+        // Measured after 5 steps: 1.3e-6 at most (fp16), weights of order 0.1: AdamW
+        // divides each gradient by its own running size, so a last-bit difference of a
+        // small gradient moves its weight by up to a few ulps of the learning rate.
+        println!("{recipe:?}: largest weight difference {largest:e}");
+        assert!(
+            largest < 1e-5,
+            "{recipe:?}: weights differ by up to {largest}"
+        );
+    }
+}
+
+/// A run resumes at another world size with its global batch and data position: `accum` is
+/// rescaled, and the continued run follows the uninterrupted one to rounding.
+#[test]
+fn a_run_resumes_at_another_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = dir.path().join("whole");
+    succeed(1, &tiny(&whole, 4, &["--steps", "6"]));
+    let expected = train_losses(&whole);
+    // (ranks of the first half, accum per rank, ranks of the second half)
+    for (first, accum, second) in [(1, 4, 2), (2, 2, 1), (1, 4, 4)] {
+        let run = dir.path().join(format!("{first}-to-{second}"));
+        succeed(
+            first,
+            &tiny(&run, accum, &["--steps", "6", "--until-step", "3"]),
+        );
+        let stderr = succeed(second, &resume(&run, &[]));
+        let config = read_config(&run).unwrap();
+        assert_eq!(
+            (config.parallel.ranks, config.accum * second),
+            (second, 4),
+            "{first} -> {second}: the global batch is kept"
+        );
+        if first != second {
+            assert!(stderr.contains("keeps its global batch"), "{stderr}");
+        }
+        assert_losses_close(
+            &train_losses(&run),
+            &expected,
+            1e-5,
+            &format!("{first} -> {second} ranks"),
+        );
+    }
+    // Four micro-batches cannot be shared equally by three ranks.
+    let run = dir.path().join("1-to-4");
+    let output = run_ranks(3, &resume(&run, &["--until-step", "7"]));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("3 ranks cannot share equally"), "{stderr}");
+}
+
+/// The process ids of `launcher`'s children with `TINYLLM_RANK=rank`.
+fn rank_pid(launcher: u32, rank: usize) -> Option<u32> {
+    let children = fs::read_to_string(format!("/proc/{launcher}/task/{launcher}/children")).ok()?;
+    children
+        .split_whitespace()
+        .filter_map(|pid| pid.parse::<u32>().ok())
+        .find(|pid| {
+            fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| {
+                env.split(|&b| b == 0)
+                    .any(|var| var == format!("TINYLLM_RANK={rank}").as_bytes())
+            })
+        })
+}
+
+fn train_steps(run: &Path) -> usize {
+    read_records(&run.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .iter()
+        .filter(|record| matches!(record, Record::Train { .. }))
+        .count()
+}
+
+/// Starts a long two-rank run and waits until it has logged `steps` steps.
+fn start_long_run(out: &Path, steps: usize) -> std::process::Child {
+    let child = binary()
+        .args(["launch", "-n", "2", "--"])
+        .args(tiny(out, 1, &["--steps", "100000", "--save-interval", "2"]))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while train_steps(out) < steps {
+        assert!(started.elapsed() < LIMIT, "the run did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child
+}
+
+/// A rank killed mid-run stops every rank with an error naming it, and the last checkpoint
+/// stays whole: the run resumes from it on two ranks.
+#[test]
+fn a_killed_rank_stops_the_run_and_its_last_checkpoint_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let child = start_long_run(&out, 5);
+    let victim = rank_pid(child.id(), 1).expect("rank 1 is running");
+    assert!(
+        Command::new("kill")
+            .args(["-KILL", &victim.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let output = wait_output(child);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("rank 1"),
+        "the error names rank 1: {stderr}"
+    );
+    let latest = latest_checkpoint(&out);
+    let saved: u64 = latest.file_name().unwrap().to_string_lossy()["checkpoint-".len()..]
+        .parse()
+        .unwrap();
+    let until = (saved + 2).to_string();
+    succeed(2, &resume(&out, &["--until-step", &until]));
+    assert!(latest_checkpoint(&out).ends_with(format!("checkpoint-{:06}", saved + 2)));
+}
+
+/// SIGTERM to the launcher reaches every rank; they stop after the same step, rank 0
+/// checkpoints it, and the launcher exits as the ranks do, 128 + 15.
+#[test]
+fn a_signal_stops_every_rank_after_the_same_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let child = start_long_run(&out, 3);
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let output = wait_output(child);
+    assert_eq!(
+        output.status.code(),
+        Some(143),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let steps = train_steps(&out);
+    assert!(latest_checkpoint(&out).ends_with(format!("checkpoint-{steps:06}")));
+    let until = (steps + 1).to_string();
+    succeed(2, &resume(&out, &["--until-step", &until]));
+}
+
+/// Ranks started with different configs refuse to train, each naming the ranks that differ
+/// from rank 0, before anything is trained.
+#[test]
+fn ranks_started_with_different_configs_refuse_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let rendezvous = dir.path().join("rendezvous");
+    fs::create_dir(&rendezvous).unwrap();
+    let out = dir.path().join("run");
+    let errors: Vec<TrainError> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let (rendezvous, out) = (&rendezvous, &out);
+                scope.spawn(move || {
+                    let config = RingConfig::new(rank, 2, rendezvous, [7; 32])
+                        .unwrap()
+                        .timeout(Duration::from_secs(20));
+                    let comm = RingComm::connect(config).unwrap();
+                    let train = TrainConfig {
+                        data: DataSource::Builtin {
+                            seed: 0,
+                            bytes: 20_000,
+                        },
+                        micro_batch: 2,
+                        accum: 1,
+                        seed: rank as u64, // rank 1 was given another --seed
+                        ..TrainConfig::for_preset(Preset::Tiny)
+                    };
+                    Trainer::new_on(train, out, Box::new(comm)).err().unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for error in errors {
+        assert!(
+            matches!(&error, TrainError::Ranks { ranks, .. } if ranks == &[1]),
+            "{error}"
+        );
+        assert!(error.to_string().contains("another config"), "{error}");
+    }
+    assert!(!latest_exists(&out));
+}
+
+fn latest_exists(run: &Path) -> bool {
+    run.join("LATEST").exists()
+}
+
+/// MS-L11 holds with both runs of `tinyllm compare` trained on two ranks.
+#[test]
+fn compare_passes_on_two_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("compare");
+    let args: Vec<String> = [
+        "compare",
+        "--preset",
+        "tiny",
+        "--steps",
+        "40",
+        "--lr",
+        "1e-2",
+        "--micro-batch",
+        "2",
+        "--accum",
+        "2",
+        "--corpus-bytes",
+        "40000",
+        "--quiet",
+        "--out",
+        out.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec();
+    let stderr = succeed(2, &args);
+    assert!(stderr.contains("over 2 ranks"), "{stderr}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&fs::read(out.join("comparison.json")).unwrap()).unwrap();
+    assert_eq!(report["passes"], true, "{report}");
+    assert_eq!(report["recipe_config"]["parallel"]["ranks"], 2);
+}
