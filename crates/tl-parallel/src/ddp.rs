@@ -123,6 +123,12 @@ impl DataParallel {
         self.link.borrow().stats()
     }
 
+    /// Wall-clock time this rank has spent inside collectives (waiting for its peers
+    /// included): what communication costs a step that does not overlap it.
+    pub fn communication_time(&self) -> std::time::Duration {
+        self.link.borrow().busy()
+    }
+
     /// Runs `collective` on the communicator the data-parallel pieces share, for what a
     /// training loop agrees on between steps (a stop request, a fingerprint of the config).
     ///

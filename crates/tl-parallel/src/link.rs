@@ -11,6 +11,7 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::time::{Duration, Instant};
 
 use tl_collective::{CollectiveError, CommStats, Communicator};
 
@@ -18,6 +19,8 @@ use tl_collective::{CollectiveError, CommStats, Communicator};
 pub(crate) struct Link {
     comm: Box<dyn Communicator>,
     error: Option<CollectiveError>,
+    /// Wall-clock time spent inside collectives.
+    busy: Duration,
 }
 
 /// The handle each piece holds: the step runs them one after the other, so the `RefCell` is
@@ -27,7 +30,11 @@ pub(crate) type SharedLink = Rc<RefCell<Link>>;
 impl Link {
     /// A shared link over `comm`.
     pub(crate) fn shared(comm: Box<dyn Communicator>) -> SharedLink {
-        Rc::new(RefCell::new(Link { comm, error: None }))
+        Rc::new(RefCell::new(Link {
+            comm,
+            error: None,
+            busy: Duration::ZERO,
+        }))
     }
 
     pub(crate) fn rank(&self) -> usize {
@@ -40,6 +47,11 @@ impl Link {
 
     pub(crate) fn stats(&self) -> CommStats {
         self.comm.stats()
+    }
+
+    /// Wall-clock time spent inside collectives so far.
+    pub(crate) fn busy(&self) -> Duration {
+        self.busy
     }
 
     /// Whether a collective has failed and the error has not been taken yet.
@@ -56,9 +68,10 @@ impl Link {
         if self.error.is_some() {
             return None;
         }
-        collective(self.comm.as_mut())
-            .map_err(|error| self.error = Some(error))
-            .ok()
+        let started = Instant::now();
+        let done = collective(self.comm.as_mut());
+        self.busy += started.elapsed();
+        done.map_err(|error| self.error = Some(error)).ok()
     }
 
     /// The kept error, if any, leaving none.

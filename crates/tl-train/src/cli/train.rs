@@ -343,7 +343,7 @@ fn print_header(trainer: &Trainer) {
 /// The end-of-run summary: printed, written as `summary.json`, and the loss chart.
 fn report(trainer: &mut Trainer) -> Result<()> {
     let (live, rss) = (memory::peak_bytes() as u64, peak_rss_bytes());
-    let ranks = trainer.rank_memory(live, rss)?;
+    let ranks = trainer.rank_reports(live, rss)?;
     if trainer.rank() != 0 {
         return Ok(());
     }
@@ -385,12 +385,15 @@ fn report(trainer: &mut Trainer) -> Result<()> {
     );
     for rank in &summary.ranks {
         say!(
-            "rank {}: peak live tensors {:.1} MiB{}",
+            "rank {}: peak live tensors {:.1} MiB{}; sent {:.2} MiB per step, {:.3} s per step in collectives ({:.1}% of the step)",
             rank.rank,
             mib(rank.peak_live_bytes),
             rank.peak_rss_bytes
                 .map(|rss| format!(", peak process memory {:.1} MiB", mib(rss)))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            rank.bytes_sent_per_step / f64::from(1u32 << 20),
+            rank.comm_s_per_step,
+            100.0 * rank.comm_s_per_step / summary.step_s,
         );
     }
     say!("loss chart: {}", chart_path.display());

@@ -15,7 +15,7 @@ pub use config::{
     DataSource, Divergence, FileFingerprint, MAX_ZERO_STAGE, Parallel, TrainConfig, limits,
 };
 pub use metrics::{MetricsLog, Record, read_records};
-pub use ranks::{RankMemory, StepBatch, dropout_state};
+pub use ranks::{RankReport, StepBatch, StepTraffic, dropout_state};
 pub use recipes::{STEP_RECIPES, StepRecipe};
 pub use schedule::LrSchedule;
 pub use summary::RunSummary;

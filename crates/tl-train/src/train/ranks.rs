@@ -126,31 +126,55 @@ pub fn any(ddp: &mut DataParallel, flag: bool) -> Result<bool> {
     Ok(value[0] > 0.0)
 }
 
-/// One rank's memory over a run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RankMemory {
+/// What one rank's part of a run cost: memory and communication.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankReport {
     /// The rank.
     pub rank: usize,
     /// Its peak of live tensor bytes (tl-tensor's meter).
     pub peak_live_bytes: u64,
     /// Its peak resident memory, when the OS reports it.
     pub peak_rss_bytes: Option<u64>,
+    /// Bytes it sent to its peers per training step (mean over the run's steps).
+    pub bytes_sent_per_step: f64,
+    /// Seconds it spent inside collectives per training step (mean over the run's steps).
+    pub comm_s_per_step: f64,
 }
 
-/// Every rank's memory, in rank order (a collective: every rank calls it).
+/// Slots of [`RankReport`] exchanged per rank.
+const REPORT_SLOTS: usize = 4;
+
+/// This rank's communication over the steps of a run: bytes sent, seconds in collectives,
+/// and the number of steps.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTraffic {
+    /// Bytes sent to peers.
+    pub bytes_sent: u64,
+    /// Seconds inside collectives.
+    pub comm_s: f64,
+    /// Steps they were spent on.
+    pub steps: u64,
+}
+
+/// Every rank's report, in rank order (a collective: every rank calls it).
 ///
 /// # Errors
 /// [`TrainError::Parallel`] when the collective fails.
-pub fn gather_memory(
+pub fn gather_reports(
     ddp: &mut DataParallel,
     peak_live_bytes: u64,
     peak_rss_bytes: Option<u64>,
-) -> Result<Vec<RankMemory>> {
+    traffic: StepTraffic,
+) -> Result<Vec<RankReport>> {
     let (rank, world) = (ddp.rank(), ddp.world_size());
-    // Slots of (live, rss + 1 or 0 for unknown), exact in f64 below 2^53 bytes.
-    let mut slots = vec![0.0f64; 2 * world];
-    slots[2 * rank] = peak_live_bytes as f64;
-    slots[2 * rank + 1] = peak_rss_bytes.map_or(0.0, |b| b as f64 + 1.0);
+    // Exact in f64 below 2^53; the process memory as bytes + 1, 0 when unknown.
+    let mut slots = vec![0.0f64; REPORT_SLOTS * world];
+    slots[REPORT_SLOTS * rank..REPORT_SLOTS * (rank + 1)].copy_from_slice(&[
+        peak_live_bytes as f64,
+        peak_rss_bytes.map_or(0.0, |b| b as f64 + 1.0),
+        traffic.bytes_sent as f64,
+        traffic.comm_s,
+    ]);
     if world > 1 {
         ddp.with_communicator(|comm| {
             comm.all_reduce(
@@ -159,11 +183,16 @@ pub fn gather_memory(
             )
         })?;
     }
-    Ok((0..world)
-        .map(|r| RankMemory {
-            rank: r,
-            peak_live_bytes: slots[2 * r] as u64,
-            peak_rss_bytes: (slots[2 * r + 1] > 0.0).then(|| slots[2 * r + 1] as u64 - 1),
+    let per_step = |total: f64| total / traffic.steps.max(1) as f64;
+    Ok(slots
+        .chunks_exact(REPORT_SLOTS)
+        .enumerate()
+        .map(|(rank, s)| RankReport {
+            rank,
+            peak_live_bytes: s[0] as u64,
+            peak_rss_bytes: (s[1] > 0.0).then(|| s[1] as u64 - 1),
+            bytes_sent_per_step: per_step(s[2]),
+            comm_s_per_step: per_step(s[3]),
         })
         .collect())
 }

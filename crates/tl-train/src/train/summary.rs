@@ -28,7 +28,7 @@ pub struct RunSummary {
     pub skipped_steps: u64,
     /// Each rank's memory, when the run trained on several (the figures above are rank 0's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub ranks: Vec<super::ranks::RankMemory>,
+    pub ranks: Vec<super::ranks::RankReport>,
 }
 
 /// How many trailing steps the train loss is averaged over.

@@ -16,7 +16,7 @@ use tl_tensor::{Generator, no_grad};
 use super::config::{DataSource, FileFingerprint, TrainConfig};
 use super::lock::RunLock;
 use super::metrics::{MetricsLog, Record, read_records};
-use super::ranks::{self, RankMemory, StepBatch};
+use super::ranks::{self, RankReport, StepBatch, StepTraffic};
 use super::snapshot::{self, AdamWMeta, FORMAT_VERSION, RunState};
 use super::summary::RunSummary;
 use crate::data::{Batch, Corpus, sample_batch, sequential_batches, skip_batch};
@@ -75,6 +75,8 @@ pub struct Trainer {
     metrics: Option<MetricsLog>,
     /// The ranks of the run (a world of one for a single process).
     ddp: DataParallel,
+    /// This rank's communication in the steps taken so far.
+    traffic: StepTraffic,
     /// Held by rank 0 for the trainer's life: no other run writes this directory meanwhile.
     _lock: Option<RunLock>,
 }
@@ -448,6 +450,7 @@ impl Trainer {
             step: 0,
             tokens_seen: 0,
             ddp,
+            traffic: StepTraffic::default(),
             _lock: lock,
         })
     }
@@ -514,6 +517,7 @@ impl Trainer {
             optimizer,
             corpus,
             ddp,
+            traffic: StepTraffic::default(),
             _lock: lock,
         })
     }
@@ -590,6 +594,8 @@ impl Trainer {
             batch_loss(model, &micro_batch.batch)
         };
         let started = Instant::now();
+        let (sent_before, busy_before) =
+            (self.ddp.stats().bytes_sent, self.ddp.communication_time());
         let stepped = if self.ddp.world_size() == 1 {
             train_step_mixed(
                 &self.model,
@@ -617,6 +623,9 @@ impl Trainer {
         };
         let report = stepped.map_err(|error| self.diverged_from(error))?;
         let step_s = started.elapsed().as_secs_f64();
+        self.traffic.bytes_sent += self.ddp.stats().bytes_sent - sent_before;
+        self.traffic.comm_s += (self.ddp.communication_time() - busy_before).as_secs_f64();
+        self.traffic.steps += 1;
         self.check_divergence(&report)?;
         self.step += 1;
         let tokens = self.config.tokens_per_step();
@@ -679,17 +688,23 @@ impl Trainer {
         self.ddp.world_size()
     }
 
-    /// Every rank's peak live tensor bytes and peak process memory, in rank order: a
-    /// collective every rank must call.
+    /// Every rank's peak live tensor bytes, peak process memory and communication per step,
+    /// in rank order: a collective every rank must call.
     ///
     /// # Errors
     /// [`TrainError::Parallel`] if the collective fails.
-    pub fn rank_memory(
+    pub fn rank_reports(
         &mut self,
         peak_live_bytes: u64,
         peak_rss_bytes: Option<u64>,
-    ) -> Result<Vec<RankMemory>> {
-        ranks::gather_memory(&mut self.ddp, peak_live_bytes, peak_rss_bytes)
+    ) -> Result<Vec<RankReport>> {
+        let traffic = self.traffic;
+        ranks::gather_reports(&mut self.ddp, peak_live_bytes, peak_rss_bytes, traffic)
+    }
+
+    /// This rank's communication during the steps this trainer took.
+    pub fn traffic(&self) -> StepTraffic {
+        self.traffic
     }
 
     /// The name of the parameter at `index` in the optimizer's list.
