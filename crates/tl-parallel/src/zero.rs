@@ -17,13 +17,20 @@
 //! does), so a step sends the all-reduce's `2(N−1)/N·P` elements plus the gather's
 //! `(N−1)/N·P`. Reduce-scattering the gradients instead (ZeRO-2) saves the difference, and
 //! the gradients' memory; not done yet.
+//!
+//! Saving and resuming: [`ShardedAdamW::full_state`] gathers the shards into the state an
+//! unsharded [`AdamW`] on the same parameters would have, and
+//! [`ShardedAdamW::load_full_state`] keeps this rank's part of such a state. The saved file
+//! therefore does not depend on the world size that wrote it: a run saved on 2 ranks resumes
+//! on 1 or on 4.
 
 use std::ops::Range;
 
 use tl_collective::shard_range;
 use tl_tensor::Tensor;
 use tl_tensor::ndarray::ArrayD;
-use tl_tensor::optim::{AdamW, Optimizer};
+use tl_tensor::optim::{AdamW, AdamWParamState, AdamWState, Optimizer};
+use tl_tensor::{Element, TensorError};
 
 use crate::bucket::{read_run, write_run};
 use crate::ddp::{DataParallel, GradElement};
@@ -136,6 +143,175 @@ impl<E: GradElement> ShardedAdamW<E> {
             .map(|p| p.exp_avg.len() + p.exp_avg_sq.len())
             .sum()
     }
+
+    /// The whole optimizer state, as an unsharded [`AdamW`] on the same parameters would
+    /// have it: the moments of every element and every parameter's step count. A collective:
+    /// every rank must call it, and every rank receives the whole state (rank 0 saves it).
+    ///
+    /// Three collectives: an all-gather of each moment and an all-reduce (max) of the
+    /// parameters' step counts, since a parameter may lie wholly in another rank's shard.
+    /// A parameter that has not stepped yet is `None`, as in [`AdamW::state_dict`].
+    ///
+    /// # Errors
+    /// [`ParallelError::Collective`] if a collective fails (the link keeps no error then:
+    /// it is returned here).
+    pub fn full_state(&mut self) -> Result<AdamWState> {
+        let pieces = self.inner.state_dict();
+        let shard_len = self.shard.len();
+        let mut local_avg = vec![E::zero(); shard_len];
+        let mut local_avg_sq = vec![E::zero(); shard_len];
+        let mut steps = vec![0.0f64; self.parameters.len()];
+        let mut offset = 0;
+        for (piece, saved) in self.pieces.iter().zip(&pieces.params) {
+            let len = piece.values.numel();
+            if let Some(saved) = saved {
+                let to_e = |src: &[f64], dst: &mut [E]| {
+                    dst.iter_mut()
+                        .zip(src)
+                        .for_each(|(d, &s)| *d = E::from_f64(s));
+                };
+                to_e(&saved.exp_avg, &mut local_avg[offset..offset + len]);
+                to_e(&saved.exp_avg_sq, &mut local_avg_sq[offset..offset + len]);
+                steps[piece.param] = saved.step as f64;
+            }
+            offset += len;
+        }
+        let mut exp_avg = vec![E::zero(); self.total];
+        let mut exp_avg_sq = vec![E::zero(); self.total];
+        let gathered = {
+            let mut link = self.link.borrow_mut();
+            link.call(|comm| {
+                comm.all_gather(
+                    <E as tl_collective::Element>::view(&local_avg),
+                    <E as tl_collective::Element>::view_mut(&mut exp_avg),
+                )?;
+                comm.all_gather(
+                    <E as tl_collective::Element>::view(&local_avg_sq),
+                    <E as tl_collective::Element>::view_mut(&mut exp_avg_sq),
+                )?;
+                comm.all_reduce(
+                    tl_collective::SliceMut::F64(&mut steps),
+                    tl_collective::ReduceOp::Max,
+                )
+            })
+        };
+        if gathered.is_none() {
+            let rank = self.link.borrow().rank();
+            let source = self
+                .link
+                .borrow_mut()
+                .take_error()
+                .expect("a failed collective keeps its error");
+            return Err(ParallelError::Collective { rank, source });
+        }
+        let mut offset = 0;
+        let params = self
+            .parameters
+            .iter()
+            .zip(&steps)
+            .map(|(param, &step)| {
+                let range = offset..offset + param.numel();
+                offset = range.end;
+                let to_f64 = |v: &[E]| v.iter().map(|&x| Element::to_f64(x)).collect();
+                (step > 0.0).then(|| AdamWParamState {
+                    step: step as u64,
+                    exp_avg: to_f64(&exp_avg[range.clone()]),
+                    exp_avg_sq: to_f64(&exp_avg_sq[range]),
+                })
+            })
+            .collect();
+        Ok(AdamWState {
+            shapes: self.parameters.iter().map(Tensor::shape).collect(),
+            params,
+            ..pieces
+        })
+    }
+
+    /// Loads a whole AdamW state (from [`full_state`](Self::full_state) at any world size,
+    /// or from a plain [`AdamW::state_dict`]), keeping this rank's shard of the moments.
+    /// Local: no collective.
+    ///
+    /// # Errors
+    /// [`ParallelError::Tensor`] with [`TensorError::StateMismatch`] if the state is for other
+    /// parameters (their number, a shape, a moment's length), or
+    /// [`TensorError::InvalidArgument`] for a bad hyperparameter. On error nothing changes.
+    pub fn load_full_state(&mut self, state: &AdamWState) -> Result<()> {
+        let inner = shard_state(&self.parameters, state, &self.pieces_layout())?;
+        self.inner.load_state_dict(inner)?;
+        Ok(())
+    }
+
+    /// `(parameter, start, len)` of each piece, in order.
+    fn pieces_layout(&self) -> Vec<(usize, usize, usize)> {
+        self.pieces
+            .iter()
+            .map(|p| (p.param, p.start, p.values.numel()))
+            .collect()
+    }
+}
+
+/// The state of the 1-D pieces `layout` (`(parameter, start, len)`) cut out of the whole
+/// state `state` of `parameters`, after checking that it fits them.
+pub(crate) fn shard_state<E: Element>(
+    parameters: &[Tensor<E>],
+    state: &AdamWState,
+    layout: &[(usize, usize, usize)],
+) -> Result<AdamWState> {
+    let mismatch = |parameter, expected: String, found: String| {
+        ParallelError::Tensor(TensorError::StateMismatch {
+            what: "AdamW state",
+            parameter,
+            expected,
+            found,
+        })
+    };
+    if state.shapes.len() != parameters.len() || state.params.len() != parameters.len() {
+        return Err(mismatch(
+            None,
+            format!("{} parameters", parameters.len()),
+            format!(
+                "{} shapes and {} parameter states",
+                state.shapes.len(),
+                state.params.len()
+            ),
+        ));
+    }
+    for (index, (param, shape)) in parameters.iter().zip(&state.shapes).enumerate() {
+        if param.shape() != *shape {
+            return Err(mismatch(
+                Some(index),
+                format!("shape {:?}", param.shape()),
+                format!("shape {shape:?}"),
+            ));
+        }
+        if let Some(saved) = &state.params[index]
+            && (saved.exp_avg.len() != param.numel() || saved.exp_avg_sq.len() != param.numel())
+        {
+            return Err(mismatch(
+                Some(index),
+                format!("moments of {} elements", param.numel()),
+                format!(
+                    "moments of {} and {} elements",
+                    saved.exp_avg.len(),
+                    saved.exp_avg_sq.len()
+                ),
+            ));
+        }
+    }
+    Ok(AdamWState {
+        shapes: layout.iter().map(|&(_, _, len)| vec![len]).collect(),
+        params: layout
+            .iter()
+            .map(|&(param, start, len)| {
+                state.params[param].as_ref().map(|saved| AdamWParamState {
+                    step: saved.step,
+                    exp_avg: saved.exp_avg[start..start + len].to_vec(),
+                    exp_avg_sq: saved.exp_avg_sq[start..start + len].to_vec(),
+                })
+            })
+            .collect(),
+        ..state.clone()
+    })
 }
 
 impl<E: GradElement> Optimizer<E> for ShardedAdamW<E> {
