@@ -393,3 +393,53 @@ fn compare_passes_on_two_ranks() {
     assert_eq!(report["passes"], true, "{report}");
     assert_eq!(report["recipe_config"]["parallel"]["ranks"], 2);
 }
+
+fn summary_ranks(run: &Path) -> Vec<serde_json::Value> {
+    let summary: serde_json::Value =
+        serde_json::from_slice(&fs::read(run.join("summary.json")).unwrap()).unwrap();
+    summary["ranks"].as_array().unwrap().clone()
+}
+
+/// ZeRO-1 trains DDP's run bit for bit (weights and the gathered optimizer state), with a
+/// smaller per-rank peak, and its checkpoint resumes at another world size and stage.
+#[test]
+fn zero_one_trains_what_ddp_trains_and_resumes_at_any_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, ranks: usize, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let mut flags = vec!["--steps", "6"];
+        flags.extend_from_slice(extra);
+        succeed(ranks, &tiny(&out, 2, &flags));
+        out
+    };
+    let ddp = run("ddp", 2, &["--fp16"]);
+    let zero = run("zero1", 2, &["--fp16", "--zero", "1"]);
+    assert_eq!(weights(&ddp), weights(&zero));
+    let optimizer = |run: &Path| fs::read(latest_checkpoint(run).join("optimizer.safetensors"));
+    assert_eq!(optimizer(&ddp).unwrap(), optimizer(&zero).unwrap());
+    assert_eq!(train_losses(&ddp), train_losses(&zero));
+    for (ddp_rank, zero_rank) in summary_ranks(&ddp).iter().zip(summary_ranks(&zero)) {
+        let peak = |rank: &serde_json::Value| rank["peak_live_bytes"].as_u64().unwrap();
+        assert!(
+            peak(&zero_rank) < peak(ddp_rank),
+            "ZeRO-1 {zero_rank} vs DDP {ddp_rank}"
+        );
+        // ZeRO-1 sends the all-reduce's bytes and an all-gather's more.
+        let sent = |rank: &serde_json::Value| rank["bytes_sent_per_step"].as_f64().unwrap();
+        assert!(sent(&zero_rank) > sent(ddp_rank));
+    }
+    // Half on two ranks at ZeRO-1, the rest on four at ZeRO-0.
+    let split = run("split", 2, &["--fp16", "--zero", "1", "--until-step", "3"]);
+    succeed(4, &resume(&split, &["--zero", "0"]));
+    let config = read_config(&split).unwrap();
+    assert_eq!(
+        (config.parallel.ranks, config.parallel.zero, config.accum),
+        (4, 0, 1)
+    );
+    assert_losses_close(
+        &train_losses(&split),
+        &train_losses(&ddp),
+        1e-5,
+        "2 x ZeRO-1 -> 4 x DDP",
+    );
+}

@@ -4,6 +4,7 @@
 mod config;
 pub mod lock;
 mod metrics;
+mod optimizer;
 mod ranks;
 mod recipes;
 mod schedule;
@@ -15,6 +16,7 @@ pub use config::{
     DataSource, Divergence, FileFingerprint, MAX_ZERO_STAGE, Parallel, TrainConfig, limits,
 };
 pub use metrics::{MetricsLog, Record, read_records};
+pub use optimizer::RunOptimizer;
 pub use ranks::{RankReport, StepBatch, StepTraffic, dropout_state};
 pub use recipes::{STEP_RECIPES, StepRecipe};
 pub use schedule::LrSchedule;

@@ -16,6 +16,7 @@ use tl_tensor::{Generator, no_grad};
 use super::config::{DataSource, FileFingerprint, TrainConfig};
 use super::lock::RunLock;
 use super::metrics::{MetricsLog, Record, read_records};
+use super::optimizer::RunOptimizer;
 use super::ranks::{self, RankReport, StepBatch, StepTraffic};
 use super::snapshot::{self, AdamWMeta, FORMAT_VERSION, RunState};
 use super::summary::RunSummary;
@@ -64,7 +65,7 @@ pub struct Trainer {
     config: TrainConfig,
     run_dir: PathBuf,
     model: Llama<f32>,
-    optimizer: AdamW<f32>,
+    optimizer: RunOptimizer,
     scaler: Option<DynamicLossScaler>,
     corpus: Corpus,
     validation: Vec<Batch>,
@@ -434,6 +435,7 @@ impl Trainer {
         ddp: DataParallel,
     ) -> Result<Self> {
         model.set_checkpointing(config.checkpointing);
+        let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &ddp)?;
         Ok(Self {
             scaler: new_scaler(&config),
             validation: validation_batches(&corpus, &config),
@@ -501,6 +503,7 @@ impl Trainer {
             tokens_seen,
         } = resumed;
         model.set_checkpointing(config.checkpointing);
+        let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &ddp)?;
         Ok(Self {
             scaler,
             validation: validation_batches(&corpus, &config),
@@ -809,9 +812,11 @@ impl Trainer {
     ///
     /// # Errors
     /// [`TrainError::Io`]; the previous checkpoint then remains the latest.
-    pub fn save(&self) -> Result<PathBuf> {
+    pub fn save(&mut self) -> Result<PathBuf> {
+        // Whole tensors whatever the stage: sharded moments are gathered (every rank takes
+        // part), and rank 0 writes them.
+        let adamw = self.optimizer.full_state()?;
         if self.metrics.is_none() {
-            // Not rank 0: the checkpoint is rank 0's to write (DDP replicates everything).
             return Ok(self.run_dir.join(format!("checkpoint-{:06}", self.step)));
         }
         let named = self.model.named_parameters();
@@ -819,7 +824,6 @@ impl Trainer {
             .iter()
             .map(|(name, tensor)| (name.clone(), tensor.shape(), tensor.to_vec()))
             .collect();
-        let adamw = self.optimizer.state_dict();
         let state = RunState {
             format: FORMAT_VERSION,
             step: self.step,
