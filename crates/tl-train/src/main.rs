@@ -18,7 +18,7 @@ fn main() -> ExitCode {
         Ok(Exit::MilestoneMissed) => ExitCode::from(3),
         Err(CliError::Usage(error)) => error.exit(),
         Err(CliError::Run(error)) => {
-            tl_train::output::line(&format!("error: {error}"));
+            tl_train::output::error(&error.to_string());
             ExitCode::from(exit_status(&error))
         }
     }

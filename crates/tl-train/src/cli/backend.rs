@@ -53,7 +53,11 @@ pub fn communicator(backend: Backend) -> Result<Box<dyn Communicator>> {
             } else {
                 MpiMode::Ring
             };
-            Ok(Box::new(MpiComm::init(mode)?))
+            let comm = MpiComm::init(mode)?;
+            if comm.world_size() > 1 {
+                crate::output::label_rank(comm.rank());
+            }
+            Ok(Box::new(comm))
         }
         #[cfg(not(feature = "mpi"))]
         Backend::Mpi | Backend::MpiRing => Err(TrainError::InvalidArgument {
