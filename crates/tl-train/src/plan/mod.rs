@@ -81,6 +81,7 @@
 //! # Ok::<(), tl_train::TrainError>(())
 //! ```
 
+mod collectives;
 mod dry_run;
 mod kind;
 mod measure;
@@ -90,6 +91,7 @@ mod report;
 mod step;
 mod table;
 
+pub use collectives::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
 pub use kind::{Layer, Phase, Stage, TensorKind};
 pub use measure::{Measurement, measure_steps, relative_error};
 pub use report::{FLOOR_BYTES_PER_PARAMETER, KindBytes, LayerBytes, MemoryPlan};
