@@ -90,6 +90,7 @@ mod ops;
 mod parallel;
 mod parallel_table;
 mod report;
+mod shapes;
 mod step;
 mod table;
 mod zero;
@@ -102,6 +103,7 @@ pub use parallel::{
 };
 pub use parallel_table::{render_parallel, render_sweep};
 pub use report::{FLOOR_BYTES_PER_PARAMETER, KindBytes, LayerBytes, MemoryPlan};
+pub use shapes::PlanShape;
 pub use step::{Recipe, SavedBytes, StepPrediction, predict_step};
 pub use table::{render, render_measurement, schedule_label, thousands};
 pub use zero::{

@@ -245,3 +245,22 @@ fn the_parallel_plan_of_stages_0_and_1_is_the_dry_runs_split_by_term() {
     let alone = plan_ranks(&recipe, &DataParallelism::new(1, 1).unwrap()).unwrap();
     assert_eq!(alone.rank0().sent_bytes, 0);
 }
+
+#[test]
+fn a_7b_shape_plans_fast_with_its_real_vocabulary() {
+    let config = PlanShape::Llama7b.config();
+    let recipe = Recipe {
+        model: config,
+        micro_batch: 1,
+        accum: 1,
+        precision: Precision::Fp32,
+        checkpointing: Checkpointing::Off,
+    };
+    let started = std::time::Instant::now();
+    let plan = plan_ranks(&recipe, &DataParallelism::new(1024, 3).unwrap()).unwrap();
+    assert!(started.elapsed().as_secs_f64() < 1.0);
+    // The head's logits alone are 4096 tokens × 32,000 × 4 bytes.
+    assert!(plan.rank0().activations_bytes > 4096 * 32_000 * 4);
+    assert_eq!(plan.sizes.parameters, 6_738_415_616);
+    assert_eq!(plan.ranks.len(), 1);
+}
