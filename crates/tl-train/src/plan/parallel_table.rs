@@ -60,7 +60,7 @@ pub fn render_parallel(plan: &ParallelPlan) -> String {
     );
     let _ = writeln!(
         out,
-        "{:>5} {:>14} {:>14} {:>14} {:>14} {:>14} {:>14} {:>10} {:>13} {:>14} {:>14}",
+        "{:>5} {:>16} {:>16} {:>16} {:>16} {:>16} {:>16} {:>10} {:>13} {:>16} {:>16}",
         "rank",
         "weights",
         "gradients",
@@ -76,7 +76,7 @@ pub fn render_parallel(plan: &ParallelPlan) -> String {
     for rank in &plan.ranks {
         let _ = writeln!(
             out,
-            "{:>5} {:>14} {:>14} {:>14} {:>14} {:>14} {:>14} {:>10} {:>13} {:>14} {:>14}",
+            "{:>5} {:>16} {:>16} {:>16} {:>16} {:>16} {:>16} {:>10} {:>13} {:>16} {:>16}",
             rank.rank,
             thousands(rank.weights_bytes),
             thousands(rank.gradients_bytes),
