@@ -24,9 +24,10 @@
 //! # Why the dry run, even at 7B
 //!
 //! The dry run replays the step's ops with sizes only: a few hundred events per block, no
-//! arithmetic and no storage, so a 7B shape at context 4096 predicts in well under a
-//! millisecond per rank plan; no separate closed form of the activations is needed (and the
-//! closed forms of `mod.rs` are checked against it).
+//! arithmetic and no storage, so a 7B shape at context 4096 plans in a few milliseconds
+//! (`tinyllm plan --shape 7b`, twelve plans, runs in about 30 ms) and in a few kilobytes;
+//! no separate closed form of the activations is needed, and the closed forms of `mod.rs`
+//! are checked against the dry run by its unit tests.
 
 use serde::Serialize;
 
