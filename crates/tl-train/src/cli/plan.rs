@@ -1,5 +1,6 @@
 //! `tinyllm plan`: the memory of a training step, predicted before it runs, and (with
-//! `--measure`) checked against the memory meter on real steps.
+//! `--measure`) checked against the memory meter on real steps; with `--ranks` and
+//! `--zero`, each data-parallel rank's memory and traffic.
 
 use clap::Args;
 use serde::Serialize;
@@ -8,8 +9,14 @@ use super::train::config_from_args;
 use super::{Exit, RecipeArgs, TrainArgs};
 use crate::error::Result;
 use crate::plan::{
-    Measurement, MemoryPlan, Recipe, measure_steps, relative_error, render, render_measurement,
+    DataParallelism, Measurement, MemoryPlan, ParallelPlan, PlanShape, Recipe, ZeroStage,
+    measure_steps, plan_ranks, relative_error, render, render_measurement, render_parallel,
+    render_sweep,
 };
+use crate::train::TrainConfig;
+
+/// Ranks of the table `--shape` prints when `--ranks` is not given.
+const SWEEP_RANKS: [usize; 3] = [8, 64, 1024];
 
 /// Options of `tinyllm plan`: the recipe, as `tinyllm train` takes it, and what to print.
 #[derive(Debug, Args)]
@@ -19,11 +26,23 @@ pub struct PlanArgs {
     pub recipe: RecipeArgs,
     /// Also train a fresh model for two steps and compare the memory meter's peak with the
     /// prediction.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["ranks", "zero", "shape"])]
     pub measure: bool,
     /// Print the plan (and measurement) as JSON instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Plan data-parallel training on this many ranks (a comma list prints a table)
+    /// [default with --shape: 8,64,1024].
+    #[arg(long, value_name = "N", value_delimiter = ',')]
+    pub ranks: Vec<usize>,
+    /// ZeRO stage of the data-parallel plan: 0 (plain DDP), 1, 2 or 3 (a comma list prints a
+    /// table) [default: 0,1,2,3].
+    #[arg(long, value_name = "S", value_delimiter = ',')]
+    pub zero: Vec<usize>,
+    /// Plan a large Llama shape instead of a preset: 1.3b or 7b (plan only: far too large
+    /// to train here). Micro-batch and accum default to 1.
+    #[arg(long, value_name = "SHAPE", conflicts_with = "preset")]
+    pub shape: Option<String>,
 }
 
 /// What `tinyllm plan --json` prints.
@@ -36,13 +55,35 @@ struct PlanOutput<'a> {
     relative_error: Option<f64>,
 }
 
-/// Runs `tinyllm plan`.
-pub(super) fn plan(args: &PlanArgs) -> Result<Exit> {
+/// The recipe's config, on `--shape`'s model when one is given.
+fn plan_config(args: &PlanArgs) -> Result<TrainConfig> {
+    let shape: Option<PlanShape> = args.shape.as_deref().map(str::parse).transpose()?;
+    let mut recipe = args.recipe.clone();
+    if shape.is_some() {
+        recipe.micro_batch = recipe.micro_batch.or(Some(1));
+        recipe.accum = recipe.accum.or(Some(1));
+    }
     let train_args = TrainArgs {
-        recipe: args.recipe.clone(),
+        recipe,
         ..TrainArgs::default()
     };
-    let config = config_from_args(&train_args, None)?;
+    let mut config = config_from_args(&train_args, None)?;
+    if let Some(shape) = shape {
+        let dropout = config.model.dropout;
+        config.preset = None;
+        config.model = shape.config();
+        config.model.dropout = dropout;
+        config.validate()?;
+    }
+    Ok(config)
+}
+
+/// Runs `tinyllm plan`.
+pub(super) fn plan(args: &PlanArgs) -> Result<Exit> {
+    let config = plan_config(args)?;
+    if args.shape.is_some() || !args.ranks.is_empty() || !args.zero.is_empty() {
+        return plan_parallel(args, &Recipe::from(&config));
+    }
     let plan = MemoryPlan::new(&Recipe::from(&config))?;
     if !args.json {
         print!("{}", render(&plan));
@@ -68,6 +109,39 @@ pub(super) fn plan(args: &PlanArgs) -> Result<Exit> {
         );
     } else if let Some(measured) = &measured {
         print!("\n{}", render_measurement(&plan, measured));
+    }
+    Ok(Exit::Success)
+}
+
+/// `--ranks` × `--zero`: one plan in full, or the table of several.
+fn plan_parallel(args: &PlanArgs, recipe: &Recipe) -> Result<Exit> {
+    let ranks = if args.ranks.is_empty() {
+        SWEEP_RANKS.to_vec()
+    } else {
+        args.ranks.clone()
+    };
+    let stages = if args.zero.is_empty() {
+        ZeroStage::ALL.iter().map(|s| s.index()).collect()
+    } else {
+        args.zero.clone()
+    };
+    let mut plans: Vec<ParallelPlan> = Vec::new();
+    for &n in &ranks {
+        for &stage in &stages {
+            plans.push(plan_ranks(recipe, &DataParallelism::new(n, stage)?)?);
+        }
+    }
+    if args.json {
+        let json = if let [plan] = plans.as_slice() {
+            serde_json::to_string_pretty(plan)
+        } else {
+            serde_json::to_string_pretty(&plans)
+        };
+        println!("{}", json.expect("the plan serializes"));
+    } else if let [plan] = plans.as_slice() {
+        print!("{}", render_parallel(plan));
+    } else {
+        print!("{}", render_sweep(&plans));
     }
     Ok(Exit::Success)
 }

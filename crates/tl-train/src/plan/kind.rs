@@ -7,7 +7,7 @@ use serde::Serialize;
 
 /// What a tensor is, for the plan's tables and the anatomy of a peak.
 ///
-/// The first four kinds are the model state every step carries; the others are activations,
+/// The first five kinds are the model state every step carries; the others are activations,
 /// either saved for backward or alive only for a moment of the forward pass. Under autocast
 /// a product saves rounded operands: the model's norm outputs and SwiGLU gate are rounded
 /// as they are written (so their bytes stay [`NormOutputs`](Self::NormOutputs) and
@@ -22,6 +22,9 @@ pub enum TensorKind {
     Gradients,
     /// AdamW's first and second moments (8 bytes per parameter), made by the first step.
     AdamMoments,
+    /// ZeRO's master copy of this rank's shard of the weights, which the sharded AdamW
+    /// updates before the weights are all-gathered (4 bytes per element of the shard).
+    MasterShard,
     /// Gradients flowing through backward, not yet added into a parameter or consumed.
     GradientsInFlight,
     /// The residual stream: block inputs and the sum after attention (what the norms save).
@@ -51,10 +54,11 @@ pub enum TensorKind {
 
 impl TensorKind {
     /// Every kind, model state first, in table order.
-    pub const ALL: [TensorKind; 14] = [
+    pub const ALL: [TensorKind; 15] = [
         TensorKind::Weights,
         TensorKind::Gradients,
         TensorKind::AdamMoments,
+        TensorKind::MasterShard,
         TensorKind::GradientsInFlight,
         TensorKind::ResidualStream,
         TensorKind::NormOutputs,
@@ -73,12 +77,15 @@ impl TensorKind {
         self as usize
     }
 
-    /// Whether this kind belongs to the model state (weights, gradients, moments), which
-    /// does not scale with the micro-batch.
+    /// Whether this kind belongs to the model state (weights, gradients, moments, a ZeRO
+    /// master shard), which does not scale with the micro-batch.
     pub fn is_model_state(self) -> bool {
         matches!(
             self,
-            TensorKind::Weights | TensorKind::Gradients | TensorKind::AdamMoments
+            TensorKind::Weights
+                | TensorKind::Gradients
+                | TensorKind::AdamMoments
+                | TensorKind::MasterShard
         )
     }
 
@@ -94,6 +101,7 @@ impl TensorKind {
             TensorKind::Weights => "weights",
             TensorKind::Gradients => "gradients",
             TensorKind::AdamMoments => "AdamW moments",
+            TensorKind::MasterShard => "ZeRO master shard",
             TensorKind::GradientsInFlight => "gradients in flight",
             TensorKind::ResidualStream => "residual stream (norm inputs)",
             TensorKind::NormOutputs => "norm outputs",

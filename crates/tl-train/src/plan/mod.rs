@@ -81,20 +81,35 @@
 //! # Ok::<(), tl_train::TrainError>(())
 //! ```
 
+mod collectives;
 mod dry_run;
 mod kind;
 mod measure;
 mod model;
 mod ops;
+mod parallel;
+mod parallel_table;
 mod report;
+mod shapes;
 mod step;
 mod table;
+mod zero;
 
+pub use collectives::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
 pub use kind::{Layer, Phase, Stage, TensorKind};
 pub use measure::{Measurement, measure_steps, relative_error};
+pub use parallel::{
+    DataParallelism, LISTED_RANKS, ParallelPlan, PeakPhase, RankPlan, SentBytes, Term, plan_ranks,
+};
+pub use parallel_table::{render_parallel, render_sweep};
 pub use report::{FLOOR_BYTES_PER_PARAMETER, KindBytes, LayerBytes, MemoryPlan};
+pub use shapes::PlanShape;
 pub use step::{Recipe, SavedBytes, StepPrediction, predict_step};
 pub use table::{render, render_measurement, schedule_label, thousands};
+pub use zero::{
+    BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, STEP_EXTRAS, StageTerms,
+    ZeroStage, paper_figures, stage_collectives, stage_terms,
+};
 
 #[cfg(test)]
 mod tests;

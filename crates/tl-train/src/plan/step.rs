@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use serde::Serialize;
+use tl_collective::shard_range;
 use tl_precision::Precision;
 
 use super::dry_run::{DryRun, Handle, Tag, tag};
@@ -118,44 +119,135 @@ impl StepPrediction {
     }
 }
 
-/// The replica of AdamW: two moments per parameter, allocated by its first update.
+/// Which shard of the flattened parameters a rank's optimizer owns under ZeRO stage 1:
+/// `shard_range(P, world_size, rank)`, as tl-parallel's `ShardedAdamW` takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct OptimizerShard {
+    pub(crate) world_size: usize,
+    pub(crate) rank: usize,
+}
+
+/// One tensor the replica of AdamW updates: a whole parameter, or under ZeRO the piece of
+/// one inside the rank's shard, with its master copy.
+struct Piece {
+    /// Index of the parameter in `Module::parameters` order.
+    param: usize,
+    /// Bytes of the piece (of the parameter, when unsharded).
+    bytes: u64,
+    layer: Layer,
+    /// `ShardedAdamW`'s 1-D master copy of the piece; `None` for plain AdamW.
+    master: Option<Handle>,
+}
+
+/// The replica of AdamW, plain or sharded: two moments per tensor it updates, allocated by
+/// its first update.
 struct ShadowAdamW {
+    pieces: Vec<Piece>,
     moments: Vec<Option<(Handle, Handle)>>,
 }
 
 impl ShadowAdamW {
-    /// `AdamW::step`: a parameter with a gradient and no moments gets two zero tensors of
-    /// its size; the update itself is in place.
+    /// Plain AdamW over every parameter.
+    fn new(params: &[(&Handle, Layer)]) -> Self {
+        let pieces: Vec<Piece> = params
+            .iter()
+            .enumerate()
+            .map(|(param, (handle, layer))| Piece {
+                param,
+                bytes: handle.bytes,
+                layer: *layer,
+                master: None,
+            })
+            .collect();
+        let moments = pieces.iter().map(|_| None).collect();
+        Self { pieces, moments }
+    }
+
+    /// `ShardedAdamW::new`: the pieces of the parameters inside the rank's shard of the
+    /// flattened parameters, each with a master copy allocated now (`Tensor::param` of
+    /// zeros, in parameter order). Empty pieces are left out.
+    fn sharded(dry: &mut DryRun, params: &[(&Handle, Layer)], shard: OptimizerShard) -> Self {
+        let numels: Vec<u64> = params.iter().map(|(h, _)| h.bytes / F32).collect();
+        let total: u64 = numels.iter().sum();
+        let own = shard_range(total as usize, shard.world_size, shard.rank);
+        let (own_start, own_end) = (own.start as u64, own.end as u64);
+        let mut pieces = Vec::new();
+        let mut offset = 0;
+        for (param, (&numel, (_, layer))) in numels.iter().zip(params).enumerate() {
+            let start = offset.max(own_start);
+            let end = (offset + numel).min(own_end);
+            if start < end {
+                let bytes = (end - start) * F32;
+                let master = dry.constant(bytes, tag(*layer, TensorKind::MasterShard));
+                pieces.push(Piece {
+                    param,
+                    bytes,
+                    layer: *layer,
+                    master: Some(master),
+                });
+            }
+            offset += numel;
+        }
+        let moments = pieces.iter().map(|_| None).collect();
+        Self { pieces, moments }
+    }
+
+    /// `AdamW::step` (plain): a parameter with a gradient and no moments gets two zero
+    /// tensors of its size; the update itself is in place.
+    ///
+    /// `ShardedAdamW::step`: each piece's gradient is copied out of its parameter's `.grad`
+    /// into the piece's own `.grad` (allocated as it is set), the inner AdamW allocates the
+    /// moments of pieces that have none and updates in place, and its `zero_grad` frees the
+    /// copies. The all-gather that follows works in plain vectors, which the meter does not
+    /// see (its buffers are the communication term of the parallel plan).
     fn step(&mut self, dry: &mut DryRun, params: &[(&Handle, Layer)]) {
-        for ((param, layer), moments) in params.iter().zip(&mut self.moments) {
-            if moments.is_none() && dry.has_grad(param) {
-                let moment_tag = tag(*layer, TensorKind::AdamMoments);
-                let first = dry.constant(param.bytes, moment_tag);
-                let second = dry.constant(param.bytes, moment_tag);
+        let has_grad: Vec<bool> = self
+            .pieces
+            .iter()
+            .map(|piece| dry.has_grad(params[piece.param].0))
+            .collect();
+        let mut copies = Vec::new();
+        for (piece, &grad) in self.pieces.iter().zip(&has_grad) {
+            if piece.master.is_some() && grad {
+                copies.push(dry.constant(piece.bytes, tag(piece.layer, TensorKind::Gradients)));
+            }
+        }
+        for ((piece, moments), &grad) in self.pieces.iter().zip(&mut self.moments).zip(&has_grad) {
+            if moments.is_none() && grad {
+                let moment_tag = tag(piece.layer, TensorKind::AdamMoments);
+                let first = dry.constant(piece.bytes, moment_tag);
+                let second = dry.constant(piece.bytes, moment_tag);
                 *moments = Some((first, second));
             }
         }
+        copies.into_iter().for_each(|copy| dry.release(copy));
     }
 }
 
-/// A fresh model and optimizer in a new dry run.
-fn fresh(recipe: &Recipe) -> (DryRun, Rc<ShadowLlama>, ShadowAdamW) {
+/// A fresh model and optimizer (sharded when `shard` is given) in a new dry run.
+fn fresh(recipe: &Recipe, shard: Option<OptimizerShard>) -> (DryRun, Rc<ShadowLlama>, ShadowAdamW) {
     let mut dry = DryRun::new();
     let model = Rc::new(ShadowLlama::new(
         &mut dry,
         &recipe.model,
         recipe.micro_batch,
     ));
-    let adamw = ShadowAdamW {
-        moments: model.parameters().iter().map(|_| None).collect(),
+    let params = model.parameters();
+    let adamw = match shard {
+        None => ShadowAdamW::new(&params),
+        Some(shard) => ShadowAdamW::sharded(&mut dry, &params, shard),
     };
+    drop(params);
     (dry, model, adamw)
 }
 
 /// The allocations and frees of the dry run's second step, as `memory::record` lists them.
 #[cfg(test)]
-pub(crate) fn second_step_events(recipe: &Recipe) -> Vec<(tl_tensor::memory::EventKind, usize)> {
-    let (mut dry, model, mut adamw) = fresh(recipe);
+pub(crate) fn second_step_events(
+    recipe: &Recipe,
+    shard: Option<OptimizerShard>,
+) -> Vec<(tl_tensor::memory::EventKind, usize)> {
+    let (mut dry, model, mut adamw) = fresh(recipe, shard);
     run_step(&mut dry, &model, &mut adamw, recipe, 1).expect("a valid recipe");
     dry.start_events();
     run_step(&mut dry, &model, &mut adamw, recipe, 2).expect("a valid recipe");
@@ -181,8 +273,21 @@ pub(crate) fn second_step_events(recipe: &Recipe) -> Vec<(tl_tensor::memory::Eve
 /// # Errors
 /// As [`Recipe::validate`].
 pub fn predict_step(recipe: &Recipe) -> Result<StepPrediction> {
+    predict_step_sharded(recipe, None)
+}
+
+/// [`predict_step`] for one rank whose AdamW is sharded ZeRO-1 style (`shard`), or plain.
+/// Data parallelism changes nothing else the meter sees on a rank of tl-parallel's DDP: its
+/// micro-batches are the recipe's, and the reduction works in unmetered buffers.
+///
+/// # Errors
+/// As [`Recipe::validate`].
+pub(crate) fn predict_step_sharded(
+    recipe: &Recipe,
+    shard: Option<OptimizerShard>,
+) -> Result<StepPrediction> {
     recipe.validate()?;
-    let (mut dry, model, mut adamw) = fresh(recipe);
+    let (mut dry, model, mut adamw) = fresh(recipe, shard);
     dry.reset_peak();
     run_step(&mut dry, &model, &mut adamw, recipe, 1)?;
     let (first_step_peak_bytes, _, _) = dry.peak();

@@ -131,7 +131,7 @@ fn measured_second_step_events(config: &TrainConfig) -> Vec<(memory::EventKind, 
 }
 
 fn assert_same_timeline(config: &TrainConfig) {
-    let predicted = second_step_events(&Recipe::from(config));
+    let predicted = second_step_events(&Recipe::from(config), None);
     let measured = measured_second_step_events(config);
     let first_difference = predicted.iter().zip(&measured).position(|(p, m)| p != m);
     assert_eq!(
@@ -155,4 +155,112 @@ fn the_replay_holds_under_autocast_dropout_and_a_checkpoint_budget() {
         0.1,
     ));
     assert_same_timeline(&micro_config(Precision::Fp16, Checkpointing::PerBlock, 0.0));
+}
+
+#[test]
+fn the_sharded_replica_replays_sharded_adamw_event_for_event() {
+    use super::step::OptimizerShard;
+    use crate::data::{Corpus, sample_batch};
+    use crate::model::Llama;
+    use crate::train::batch_loss;
+    use tl_parallel::{DataParallel, ShardedAdamW};
+    use tl_tensor::Generator;
+    use tl_tensor::nn::Module;
+    use tl_tensor::optim::AdamW;
+
+    // A world of one: the rank's shard is every parameter, each a piece with its master
+    // copy, so the order of every piece's allocations is checked.
+    let config = micro_config(Precision::Fp32, Checkpointing::Off, 0.0);
+    let model = Llama::<f32>::new(&config.model, 0).unwrap();
+    let mut ddp = DataParallel::new(Box::new(tl_collective::Single::new()));
+    let adamw = AdamW::new(model.parameters(), 1e-3).unwrap();
+    let mut opt = ShardedAdamW::new(&ddp, adamw).unwrap();
+    let corpus = Corpus::builtin(0, 4_000);
+    let rng = Generator::new(0);
+    let rows = config.micro_batch * config.accum;
+    let mut step = || {
+        let batches: Vec<_> = (0..config.accum)
+            .map(|_| {
+                sample_batch(
+                    &corpus.train,
+                    config.micro_batch,
+                    config.model.context,
+                    &rng,
+                )
+            })
+            .collect();
+        let report = ddp
+            .train_step(
+                &model,
+                &batches,
+                rows,
+                batch_loss,
+                &mut opt,
+                Precision::Fp32,
+                None,
+                Some(1.0),
+            )
+            .unwrap();
+        assert!(!report.skipped);
+    };
+    step();
+    let ((), events) = memory::record(&mut step);
+    let measured: Vec<_> = events.into_iter().map(|e| (e.kind, e.bytes)).collect();
+    let shard = OptimizerShard {
+        world_size: 1,
+        rank: 0,
+    };
+    let predicted = second_step_events(&Recipe::from(&config), Some(shard));
+    let first_difference = predicted.iter().zip(&measured).position(|(p, m)| p != m);
+    assert_eq!(
+        (first_difference, predicted.len()),
+        (None, measured.len()),
+        "first differing event, then the event counts"
+    );
+}
+
+#[test]
+fn the_parallel_plan_of_stages_0_and_1_is_the_dry_runs_split_by_term() {
+    let config = micro_config(Precision::Fp32, Checkpointing::Off, 0.0);
+    let recipe = Recipe::from(&config);
+    let p = config.model.num_parameters() as u64;
+    let single = predict_step(&recipe).unwrap();
+    let ddp = plan_ranks(&recipe, &DataParallelism::new(3, 0).unwrap()).unwrap();
+    for rank in &ddp.ranks {
+        // A DDP rank's meter sees the single process's step.
+        assert_eq!(rank.peak_bytes, single.peak_bytes);
+        assert_eq!(
+            rank.first_step_peak_bytes,
+            Some(single.first_step_peak_bytes)
+        );
+    }
+    let zero1 = plan_ranks(&recipe, &DataParallelism::new(3, 1).unwrap()).unwrap();
+    for rank in &zero1.ranks {
+        // The moments 8P are replaced by 12 bytes per element of the rank's shard.
+        let shard = tl_collective::shard_range(p as usize, 3, rank.rank).len() as u64;
+        assert_eq!(rank.peak_bytes, single.peak_bytes - 8 * p + 12 * shard);
+        assert_eq!(rank.terms.optimizer, 12 * shard);
+    }
+    // On one rank, nothing is sent.
+    let alone = plan_ranks(&recipe, &DataParallelism::new(1, 1).unwrap()).unwrap();
+    assert_eq!(alone.rank0().sent_bytes, 0);
+}
+
+#[test]
+fn a_7b_shape_plans_fast_with_its_real_vocabulary() {
+    let config = PlanShape::Llama7b.config();
+    let recipe = Recipe {
+        model: config,
+        micro_batch: 1,
+        accum: 1,
+        precision: Precision::Fp32,
+        checkpointing: Checkpointing::Off,
+    };
+    let started = std::time::Instant::now();
+    let plan = plan_ranks(&recipe, &DataParallelism::new(1024, 3).unwrap()).unwrap();
+    assert!(started.elapsed().as_secs_f64() < 1.0);
+    // The head's logits alone are 4096 tokens × 32,000 × 4 bytes.
+    assert!(plan.rank0().activations_bytes > 4096 * 32_000 * 4);
+    assert_eq!(plan.sizes.parameters, 6_738_415_616);
+    assert_eq!(plan.ranks.len(), 1);
 }

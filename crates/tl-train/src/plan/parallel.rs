@@ -1,0 +1,433 @@
+//! [`ParallelPlan`]: what each rank of a data-parallel run holds at its peak and sends per
+//! step, for a recipe (the rank's own micro-batches), a number of ranks and a ZeRO stage.
+//!
+//! # How each figure is made
+//!
+//! - **Activations** are the single-process dry run's: a rank runs the recipe's
+//!   micro-batches, and nothing tl-parallel adds during the forward and backward passes is a
+//!   tensor. The activation term is whatever the dry run's peak holds beyond the model
+//!   state: saved activations, their gradients in flight, autocast's weight copies.
+//! - **Stages 0 and 1** are predicted by the dry run itself, with tl-parallel's
+//!   `ShardedAdamW` replicated for stage 1 (its master shard, its moments, its copies of the
+//!   shard's gradients), so the metered peak is exact, rank by rank, and a test checks it
+//!   against ranks training for real.
+//! - **Stages 2 and 3** are not implemented yet: their peak is the stage-0 dry run's
+//!   activations plus the model state [`stage_terms`] gives them, at the backward peak or
+//!   at the update, whichever is larger. The gradients at the backward peak are the fewer of
+//!   what the stage bounds them to and what the dry run has alive there.
+//! - **Communication buffers** (the bucket, the ring's scratch, the gathers' vectors) are
+//!   plain vectors the meter does not count today. They are a term of their own, never
+//!   folded into the metered peak: the total adds them to the live tensors of the phase
+//!   they belong to (after backward for stages 0 and 1, during it for 2 and 3).
+//! - **Bytes sent** follow the ring to the byte ([`ring_bytes_sent`]), headers included.
+//!
+//! # Why the dry run, even at 7B
+//!
+//! The dry run replays the step's ops with sizes only: a few hundred events per block, no
+//! arithmetic and no storage, so a 7B shape at context 4096 plans in a few milliseconds
+//! (`tinyllm plan --shape 7b`, twelve plans, runs in about 30 ms) and in a few kilobytes;
+//! no separate closed form of the activations is needed, and the closed forms of `mod.rs`
+//! are checked against the dry run by its unit tests.
+
+use serde::Serialize;
+
+use super::collectives::ring_bytes_sent;
+use super::kind::{Stage, TensorKind};
+use super::step::{OptimizerShard, Recipe, StepPrediction, predict_step_sharded};
+use super::zero::{
+    BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, StageTerms, ZeroStage,
+    paper_figures, stage_collectives, stage_terms,
+};
+use crate::error::{Result, TrainError};
+
+/// Ranks whose plans are all listed; above it only rank 0's (the largest shards, since the
+/// first `len mod N` shards are one element longer) is computed.
+pub const LISTED_RANKS: usize = 16;
+
+/// How the training is spread: ranks, ZeRO stage and gradient bucket size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct DataParallelism {
+    /// Number of ranks, `N`.
+    pub ranks: usize,
+    /// ZeRO stage, 0 for plain DDP.
+    pub stage: ZeroStage,
+    /// Bytes per gradient bucket.
+    pub bucket_bytes: u64,
+}
+
+impl DataParallelism {
+    /// `ranks` ranks under ZeRO stage `stage`, with tl-parallel's 25 MiB buckets.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidArgument`] (`ranks`) for 0 or more than [`MAX_RANKS`] ranks,
+    /// (`zero`) for a stage above 3.
+    pub fn new(ranks: usize, stage: usize) -> Result<Self> {
+        if !(1..=MAX_RANKS).contains(&ranks) {
+            return Err(TrainError::InvalidArgument {
+                name: "ranks",
+                value: ranks.to_string(),
+                reason: format!("must be in 1..={MAX_RANKS}"),
+            });
+        }
+        Ok(Self {
+            ranks,
+            stage: ZeroStage::from_index(stage)?,
+            bucket_bytes: BUCKET_BYTES,
+        })
+    }
+}
+
+/// Which term of a rank's memory is the largest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Term {
+    /// Weights (with a gathered unit under stage 3).
+    Weights,
+    /// Gradients.
+    Gradients,
+    /// AdamW's moments and master shard.
+    Optimizer,
+    /// Activations, their gradients and autocast's copies.
+    Activations,
+    /// Communication buffers.
+    CommBuffers,
+}
+
+impl Term {
+    /// A short label for tables.
+    pub fn label(self) -> &'static str {
+        match self {
+            Term::Weights => "weights",
+            Term::Gradients => "gradients",
+            Term::Optimizer => "optimizer",
+            Term::Activations => "activations",
+            Term::CommBuffers => "comm buffers",
+        }
+    }
+}
+
+/// Bytes one rank sends for one kind of collective in a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SentBytes {
+    /// The calls.
+    #[serde(flatten)]
+    pub calls: CollectiveCalls,
+    /// Bytes this rank sends over all of them, headers included.
+    pub bytes: u64,
+}
+
+/// One rank's memory at its peak and its traffic per steady-state step.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RankPlan {
+    /// The rank.
+    pub rank: usize,
+    /// Weights alive at the rank's worst moment ([`phase`](Self::phase)).
+    pub weights_bytes: u64,
+    /// Gradients alive then.
+    pub gradients_bytes: u64,
+    /// AdamW's state alive then.
+    pub optimizer_bytes: u64,
+    /// Everything else alive then that the meter counts: activations, their gradients in
+    /// flight, autocast's copies.
+    pub activations_bytes: u64,
+    /// Communication buffers alive then (plain vectors, not metered today).
+    pub comm_buffer_bytes: u64,
+    /// The most bytes alive at once, the five terms above together.
+    pub total_bytes: u64,
+    /// When that is.
+    pub phase: PeakPhase,
+    /// The largest of the five terms then.
+    pub limiting: Term,
+    /// The peak of live tensors alone, as `tl_tensor::memory::peak_bytes` counts it on the
+    /// rank's thread after a `reset_peak` between steps.
+    pub peak_bytes: u64,
+    /// The first step's metered peak (no moments before its update); stages 0 and 1 only.
+    pub first_step_peak_bytes: Option<u64>,
+    /// Bytes sent per step, per kind of collective.
+    pub sent: Vec<SentBytes>,
+    /// Bytes sent per step in all.
+    pub sent_bytes: u64,
+    /// The terms the figures come from.
+    pub terms: StageTerms,
+}
+
+/// Everything `tinyllm plan --ranks N --zero S` reports.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ParallelPlan {
+    /// One rank's recipe: its micro-batches, precision and checkpointing.
+    pub recipe: Recipe,
+    /// Ranks, stage and buckets.
+    pub parallelism: DataParallelism,
+    /// The model's sizes.
+    pub sizes: ModelSizes,
+    /// Whether the stage's peak comes from the dry run (stages 0 and 1) or from the stage
+    /// model (2 and 3).
+    pub exact: bool,
+    /// The paper's arithmetic and tinyllm's f32 counterpart.
+    pub paper: PaperFigures,
+    /// Rank by rank, or rank 0 alone above [`LISTED_RANKS`] ranks.
+    pub ranks: Vec<RankPlan>,
+}
+
+impl ParallelPlan {
+    /// Rank 0's plan (the one with the largest shards).
+    pub fn rank0(&self) -> &RankPlan {
+        &self.ranks[0]
+    }
+}
+
+/// Plans `recipe` on every rank of `parallelism` (see the [module docs](self)).
+///
+/// ```
+/// use tl_train::model::Preset;
+/// use tl_train::plan::{DataParallelism, ParallelPlan, Recipe, plan_ranks};
+/// use tl_train::train::TrainConfig;
+///
+/// let mut config = TrainConfig::for_preset(Preset::Tiny);
+/// config.micro_batch = 2;
+/// let recipe = Recipe::from(&config);
+/// let ddp = plan_ranks(&recipe, &DataParallelism::new(2, 0)?)?;
+/// let zero1 = plan_ranks(&recipe, &DataParallelism::new(2, 1)?)?;
+/// // ZeRO-1 keeps 12 of DDP's 16 bytes per parameter... on half the parameters.
+/// let p = 133_440;
+/// assert_eq!(ddp.rank0().peak_bytes - zero1.rank0().peak_bytes, 8 * p - 12 * p / 2);
+/// assert!(zero1.rank0().sent_bytes > ddp.rank0().sent_bytes); // plus the weights' gather
+/// # Ok::<(), tl_train::TrainError>(())
+/// ```
+///
+/// # Errors
+/// As [`Recipe::validate`].
+pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<ParallelPlan> {
+    let sizes = ModelSizes::of(&recipe.model);
+    let DataParallelism {
+        ranks: world_size,
+        stage,
+        bucket_bytes,
+    } = *parallelism;
+    let listed = if world_size <= LISTED_RANKS {
+        world_size
+    } else {
+        1
+    };
+    let calls = stage_collectives(stage, &sizes, recipe.accum, bucket_bytes);
+    let single = predict_step_sharded(recipe, None)?;
+    let ranks = (0..listed)
+        .map(|rank| {
+            let terms = stage_terms(stage, &sizes, world_size, rank, recipe.accum, bucket_bytes);
+            let memory = match stage {
+                ZeroStage::Ddp => from_dry_run(&single, &terms),
+                ZeroStage::OptimizerStates => {
+                    let shard = OptimizerShard { world_size, rank };
+                    from_dry_run(&predict_step_sharded(recipe, Some(shard))?, &terms)
+                }
+                ZeroStage::Gradients | ZeroStage::Parameters => from_terms(&single, &terms),
+            };
+            let sent: Vec<SentBytes> = calls
+                .iter()
+                .map(|&calls| SentBytes {
+                    calls,
+                    bytes: calls.calls
+                        * ring_bytes_sent(calls.collective, calls.elements, 4, world_size, rank),
+                })
+                .collect();
+            Ok(memory.into_rank_plan(rank, terms, sent))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ParallelPlan {
+        recipe: recipe.clone(),
+        parallelism: *parallelism,
+        exact: stage.is_implemented(),
+        paper: paper_figures(stage, sizes.parameters, world_size, recipe.accum),
+        sizes,
+        ranks,
+    })
+}
+
+/// When a rank's live bytes, tensors and communication buffers together, are highest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PeakPhase {
+    /// The forward and backward passes (with stage 2's and 3's communication).
+    Backward,
+    /// AdamW's update.
+    Update,
+    /// After backward: stage 0's and 1's gradient reduction, bucket by bucket.
+    Reduction,
+    /// After the update: the all-gather of the updated weights.
+    Gather,
+}
+
+impl PeakPhase {
+    /// A short label for tables.
+    pub fn label(self) -> &'static str {
+        match self {
+            PeakPhase::Backward => "backward",
+            PeakPhase::Update => "update",
+            PeakPhase::Reduction => "reduction",
+            PeakPhase::Gather => "gather",
+        }
+    }
+}
+
+/// What a rank holds at one moment, by term.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Moment {
+    phase: PeakPhase,
+    weights: u64,
+    gradients: u64,
+    optimizer: u64,
+    activations: u64,
+    buffers: u64,
+}
+
+impl Moment {
+    fn total(&self) -> u64 {
+        self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+    }
+
+    /// After backward, the model state only, with the buffers of the phase.
+    fn state(phase: PeakPhase, terms: &StageTerms, gradients: u64, buffers: u64) -> Self {
+        Self {
+            phase,
+            weights: terms.weights,
+            gradients,
+            optimizer: terms.optimizer,
+            activations: 0,
+            buffers,
+        }
+    }
+}
+
+/// A rank's memory figures before the traffic is added: the metered peak and the worst
+/// moment once the communication buffers are counted too.
+struct Memory {
+    peak: u64,
+    first_step_peak: Option<u64>,
+    worst: Moment,
+}
+
+impl Memory {
+    /// The metered peak and the largest of the `moments`.
+    fn new(peak: u64, first_step_peak: Option<u64>, moments: &[Moment]) -> Self {
+        let worst = moments
+            .iter()
+            .copied()
+            .fold(moments[0], |w, m| if m.total() > w.total() { m } else { w });
+        Self {
+            peak,
+            first_step_peak,
+            worst,
+        }
+    }
+
+    fn into_rank_plan(self, rank: usize, terms: StageTerms, sent: Vec<SentBytes>) -> RankPlan {
+        let w = self.worst;
+        let candidates = [
+            (Term::Weights, w.weights),
+            (Term::Gradients, w.gradients),
+            (Term::Optimizer, w.optimizer),
+            (Term::Activations, w.activations),
+            (Term::CommBuffers, w.buffers),
+        ];
+        let limiting = candidates
+            .iter()
+            .fold(
+                candidates[0],
+                |best, &c| if c.1 > best.1 { c } else { best },
+            )
+            .0;
+        RankPlan {
+            rank,
+            weights_bytes: w.weights,
+            gradients_bytes: w.gradients,
+            optimizer_bytes: w.optimizer,
+            activations_bytes: w.activations,
+            comm_buffer_bytes: w.buffers,
+            total_bytes: w.total(),
+            phase: w.phase,
+            limiting,
+            peak_bytes: self.peak,
+            first_step_peak_bytes: self.first_step_peak,
+            sent_bytes: sent.iter().map(|s| s.bytes).sum(),
+            sent,
+            terms,
+        }
+    }
+}
+
+/// Bytes of `kind` alive at the dry run's peak.
+fn at_peak(prediction: &StepPrediction, kinds: &[TensorKind]) -> u64 {
+    prediction
+        .peak_by_kind
+        .iter()
+        .filter(|(kind, _)| kinds.contains(kind))
+        .map(|(_, bytes)| bytes)
+        .sum()
+}
+
+/// The gather of the updated weights (stages 1 and 2): the shard's gradient copies are
+/// freed by then, and the gather's vectors are alive.
+fn gather_moment(terms: &StageTerms) -> Moment {
+    Moment::state(
+        PeakPhase::Gather,
+        terms,
+        terms.gradients_reduced,
+        terms.buffers_update,
+    )
+}
+
+/// Stages 0 and 1: the dry run's peak, split by kind, or the reduction or the gather with
+/// their buffers, whichever holds most.
+fn from_dry_run(prediction: &StepPrediction, terms: &StageTerms) -> Memory {
+    let weights = at_peak(prediction, &[TensorKind::Weights]);
+    let gradients = at_peak(prediction, &[TensorKind::Gradients]);
+    let optimizer = at_peak(
+        prediction,
+        &[TensorKind::AdamMoments, TensorKind::MasterShard],
+    );
+    let peak = prediction.peak_bytes;
+    let metered = Moment {
+        phase: if prediction.peak_at.stage == Stage::Optimizer {
+            PeakPhase::Update
+        } else {
+            PeakPhase::Backward
+        },
+        weights,
+        gradients,
+        optimizer,
+        activations: peak - weights - gradients - optimizer,
+        buffers: terms.buffers_backward,
+    };
+    let reduction = Moment::state(
+        PeakPhase::Reduction,
+        terms,
+        terms.gradients_backward,
+        terms.buffers_reduce,
+    );
+    Memory::new(
+        peak,
+        Some(prediction.first_step_peak_bytes),
+        &[metered, reduction, gather_moment(terms)],
+    )
+}
+
+/// Stages 2 and 3: the single-process dry run's activations, with the stage's model state;
+/// their reduction runs during backward, so its buffers are counted there.
+fn from_terms(single: &StepPrediction, terms: &StageTerms) -> Memory {
+    let state = [
+        TensorKind::Weights,
+        TensorKind::Gradients,
+        TensorKind::AdamMoments,
+    ];
+    let backward = Moment {
+        phase: PeakPhase::Backward,
+        weights: terms.weights + terms.gathered_weights,
+        gradients: at_peak(single, &[TensorKind::Gradients]).min(terms.gradients_backward),
+        optimizer: terms.optimizer,
+        activations: single.peak_bytes - at_peak(single, &state),
+        buffers: terms.buffers_backward,
+    };
+    let updating = terms.weights + terms.gradients_reduced + terms.update_copies + terms.optimizer;
+    let peak = (backward.total() - backward.buffers).max(updating);
+    Memory::new(peak, None, &[backward, gather_moment(terms)])
+}

@@ -1,0 +1,208 @@
+//! The text tables of `tinyllm plan --ranks N --zero S`.
+
+use std::fmt::Write;
+
+use super::parallel::ParallelPlan;
+use super::table::{schedule_label, thousands};
+
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// `bytes` in GiB, or in MiB when below one GiB, with two decimals.
+fn size(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= GIB {
+        format!("{:.2} GiB", b / GIB)
+    } else {
+        format!("{:.2} MiB", b / MIB)
+    }
+}
+
+/// The header line every table starts with: the model and one rank's recipe.
+fn recipe_line(out: &mut String, plan: &ParallelPlan) {
+    let r = &plan.recipe;
+    let c = &r.model;
+    let _ = writeln!(
+        out,
+        "model: V={} d={} L={} H={} hidden={} T={}, {} parameters; per rank: {} x {} \
+         sequences per step, {}, {} checkpointing; buckets of {}",
+        c.vocab,
+        c.d_model,
+        c.n_layers,
+        c.n_heads,
+        c.hidden,
+        c.context,
+        thousands(plan.sizes.parameters),
+        r.accum,
+        r.micro_batch,
+        r.precision,
+        schedule_label(r.checkpointing),
+        size(plan.parallelism.bucket_bytes),
+    );
+}
+
+/// One plan in full: every rank's memory terms and traffic, the collectives of rank 0, and
+/// the paper's arithmetic beside it.
+pub fn render_parallel(plan: &ParallelPlan) -> String {
+    let mut out = String::new();
+    recipe_line(&mut out, plan);
+    let p = &plan.parallelism;
+    let _ = writeln!(
+        out,
+        "{} ranks, ZeRO stage {}{}\n",
+        p.ranks,
+        p.stage,
+        if plan.exact {
+            " (implemented: the metered peak is the dry run's, exact)"
+        } else {
+            " (not implemented yet: modelled from its design, see plan/zero.rs)"
+        }
+    );
+    let _ = writeln!(
+        out,
+        "{:>5} {:>16} {:>16} {:>16} {:>16} {:>16} {:>16} {:>10} {:>13} {:>16} {:>16}",
+        "rank",
+        "weights",
+        "gradients",
+        "optimizer",
+        "activations",
+        "comm buffers",
+        "= most alive",
+        "when",
+        "limits",
+        "meter peak",
+        "sent / step"
+    );
+    for rank in &plan.ranks {
+        let _ = writeln!(
+            out,
+            "{:>5} {:>16} {:>16} {:>16} {:>16} {:>16} {:>16} {:>10} {:>13} {:>16} {:>16}",
+            rank.rank,
+            thousands(rank.weights_bytes),
+            thousands(rank.gradients_bytes),
+            thousands(rank.optimizer_bytes),
+            thousands(rank.activations_bytes),
+            thousands(rank.comm_buffer_bytes),
+            thousands(rank.total_bytes),
+            rank.phase.label(),
+            rank.limiting.label(),
+            thousands(rank.peak_bytes),
+            thousands(rank.sent_bytes),
+        );
+    }
+    let _ = writeln!(
+        out,
+        "bytes; 'meter peak' is the live tensors alone, what tl_tensor::memory counts on the \
+         rank; comm buffers are plain vectors it does not count"
+    );
+    if plan.ranks.len() < p.ranks {
+        let _ = writeln!(
+            out,
+            "(rank 0 only: it holds the largest shards; other ranks differ by a few elements)"
+        );
+    }
+    let rank0 = plan.rank0();
+    let _ = writeln!(out, "\nbytes rank 0 sends per step, headers included:");
+    let _ = writeln!(
+        out,
+        "{:<34} {:<15} {:>16} {:>8} {:>18}",
+        "what", "collective", "elements", "calls", "bytes sent"
+    );
+    for sent in &rank0.sent {
+        let c = &sent.calls;
+        let _ = writeln!(
+            out,
+            "{:<34} {:<15} {:>16} {:>8} {:>18}",
+            c.purpose,
+            c.collective.label(),
+            thousands(c.elements),
+            c.calls,
+            thousands(sent.bytes)
+        );
+    }
+    let paper = &plan.paper;
+    let _ = writeln!(
+        out,
+        "\nthe paper's arithmetic per rank (Rajbhandari et al., K = 12): model state {}; \
+         tinyllm's f32 16P at this stage: weights {} + gradients {} + moments {} = {}; \
+         this plan: model state {} + activations {}",
+        size(paper.model_state_k12),
+        size(paper.f32_weights),
+        size(paper.f32_gradients),
+        size(paper.f32_moments),
+        size(paper.f32_weights + paper.f32_gradients + paper.f32_moments),
+        size(rank0.weights_bytes + rank0.gradients_bytes + rank0.optimizer_bytes),
+        size(rank0.activations_bytes),
+    );
+    let _ = writeln!(
+        out,
+        "the paper's volume per rank: {} per step; this plan sends {}",
+        size(paper.sent),
+        size(rank0.sent_bytes)
+    );
+    out
+}
+
+/// One row per plan (rank 0 of each): the table over ranks and stages.
+pub fn render_sweep(plans: &[ParallelPlan]) -> String {
+    let mut out = String::new();
+    if let Some(first) = plans.first() {
+        recipe_line(&mut out, first);
+    }
+    let _ = writeln!(
+        out,
+        "per rank (rank 0), steady-state step, GiB: the terms at the moment ('when') the rank \
+         holds most, tensors and communication buffers together; 'meter' the peak of tensors \
+         alone; 'paper' Rajbhandari et al.'s model state with K = 12; 'f32 16P' tinyllm's \
+         4P + 4P + 8P sharded as the stage shards it\n"
+    );
+    let _ = writeln!(
+        out,
+        "{:>5} {:>4} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>10} {:>10} {:>10} {:>10}  limits",
+        "ranks",
+        "ZeRO",
+        "weights",
+        "gradients",
+        "optimizer",
+        "activation",
+        "comm buf",
+        "total",
+        "when",
+        "meter",
+        "paper",
+        "f32 16P",
+        "sent/step"
+    );
+    for plan in plans {
+        let rank = plan.rank0();
+        let paper = &plan.paper;
+        let gib = |bytes: u64| format!("{:.2}", bytes as f64 / GIB);
+        let _ = writeln!(
+            out,
+            "{:>5} {:>4} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>10} {:>10} {:>10} {:>10}  {}",
+            plan.parallelism.ranks,
+            format!(
+                "{}{}",
+                plan.parallelism.stage,
+                if plan.exact { "" } else { "*" }
+            ),
+            gib(rank.weights_bytes),
+            gib(rank.gradients_bytes),
+            gib(rank.optimizer_bytes),
+            gib(rank.activations_bytes),
+            gib(rank.comm_buffer_bytes),
+            gib(rank.total_bytes),
+            rank.phase.label(),
+            gib(rank.peak_bytes),
+            gib(paper.model_state_k12),
+            gib(paper.f32_weights + paper.f32_gradients + paper.f32_moments),
+            gib(rank.sent_bytes),
+            rank.limiting.label(),
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n* = stage not implemented yet, modelled from its design (plan/zero.rs)."
+    );
+    out
+}
