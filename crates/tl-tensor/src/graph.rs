@@ -20,14 +20,22 @@ use crate::storage::Buffer;
 /// each parent, in the order the parents were given (`None` for a parent that gets none).
 pub type Vjp<E> = Box<dyn FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>>>;
 
+/// A callback a leaf runs each time a backward sweep has accumulated its gradient (see
+/// [`Tensor::set_grad_ready_hook`](crate::Tensor::set_grad_ready_hook)).
+pub type GradReadyHook = Rc<dyn Fn()>;
+
 pub(crate) struct GradNode<E: Element> {
     pub(crate) shape: Vec<usize>,
     pub(crate) kind: NodeKind<E>,
 }
 
 pub(crate) enum NodeKind<E: Element> {
-    /// A tensor made by the user that requires grad: gradients accumulate into `grad`.
-    Leaf { grad: RefCell<Option<Buffer<E>>> },
+    /// A tensor made by the user that requires grad: gradients accumulate into `grad`, and
+    /// `hook`, if set, runs right after each accumulation.
+    Leaf {
+        grad: RefCell<Option<Buffer<E>>>,
+        hook: RefCell<Option<GradReadyHook>>,
+    },
     /// The output of an op; `None` once backward has consumed it.
     Op(RefCell<Option<OpRecord<E>>>),
 }
@@ -43,6 +51,7 @@ impl<E: Element> GradNode<E> {
             shape,
             kind: NodeKind::Leaf {
                 grad: RefCell::new(None),
+                hook: RefCell::new(None),
             },
         })
     }
@@ -123,11 +132,21 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: ArrayD<E>) 
             continue;
         };
         match &node.kind {
-            NodeKind::Leaf { grad: leaf_grad } => {
-                let mut slot = leaf_grad.borrow_mut();
-                match slot.as_mut() {
-                    Some(acc) => add_into(acc, grad.array()),
-                    None => *slot = Some(grad),
+            NodeKind::Leaf {
+                grad: leaf_grad,
+                hook,
+            } => {
+                {
+                    let mut slot = leaf_grad.borrow_mut();
+                    match slot.as_mut() {
+                        Some(acc) => add_into(acc, grad.array()),
+                        None => *slot = Some(grad),
+                    }
+                }
+                // Cloned out first: the hook may replace itself or read the gradient.
+                let hook = hook.borrow().clone();
+                if let Some(hook) = hook {
+                    hook();
                 }
             }
             NodeKind::Op(record) => {
