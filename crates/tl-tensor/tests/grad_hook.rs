@@ -102,3 +102,22 @@ fn only_a_leaf_that_requires_grad_takes_a_hook() {
     let w = param(&[1.0]);
     (&w * &w).set_grad_ready_hook(Some(Rc::new(|| {})));
 }
+
+#[test]
+fn a_hooked_leaf_is_finished_as_soon_as_its_last_consumer_has_run() {
+    // h = tanh(w1·x), y = tanh(w2·h), loss = Σ y: when w2's hook runs, backward has not
+    // reached w1 yet, so w2's gradient can be released while the sweep goes on below it.
+    let (x, w1, w2) = (param(&[0.5]), param(&[2.0]), param(&[-1.5]));
+    let w1_had_grad = Rc::new(RefCell::new(None));
+    let (probe, w1_handle, w2_handle) = (Rc::clone(&w1_had_grad), w1.clone(), w2.clone());
+    w2.set_grad_ready_hook(Some(Rc::new(move || {
+        *probe.borrow_mut() = Some(w1_handle.grad().is_some());
+        w2_handle.set_grad(None); // released at once
+    })));
+    let loss = (&w2 * &(&w1 * &x).tanh()).tanh().sum_all();
+    let (_, peak) = tl_tensor::memory::measure_peak(|| loss.backward());
+    assert_eq!(*w1_had_grad.borrow(), Some(false));
+    assert!(w2.grad().is_none() && w1.grad().is_some() && x.grad().is_some());
+    assert!(peak > 0);
+    w2.set_grad_ready_hook(None);
+}
