@@ -16,17 +16,19 @@
 //! answers "finite on every rank" from the flags summed in the last bucket). An inf on one
 //! rank therefore skips the step on every rank, and every rank's scale stays equal.
 //!
-//! Overlap with backward: not yet. The seam is called once, after the last backward;
-//! reducing a full bucket while backward goes on needs a per-parameter "gradient done" hook
-//! in tl-tensor's backward, which it does not have. The buckets are already laid out in the
-//! order such a hook would fill them.
+//! Overlap with backward: not for DDP, whose reduction runs once, after the last backward.
+//! When a [`Zero2AdamW`](crate::Zero2AdamW) shards the gradients, this observer arms the
+//! parameters' gradient-ready hooks around the last micro-batch's backward and reduces each
+//! bucket as soon as its gradients are complete (see [`Zero2AdamW`](crate::Zero2AdamW)).
 
-use std::cell::Cell;
-use std::rc::Rc;
+use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::rc::{Rc, Weak};
 
 use tl_collective::{CommStats, Communicator};
 use tl_precision::{
-    MicroBatch, Precision, StepObserver, StepReport, train_step_mixed_observed, underflow_count,
+    MicroBatch, Precision, StepObserver, StepPhase, StepReport, train_step_mixed_observed,
+    underflow_count,
 };
 use tl_tensor::nn::Module;
 use tl_tensor::optim::Optimizer;
@@ -35,12 +37,14 @@ use tl_tensor::{Element, Tensor};
 use crate::bucket::{bucket_len, ensure_grad, plan, read_run, write_run};
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
+use crate::metered::Metered;
+use crate::zero2::{self, Core};
 
 /// Bucket size of PyTorch DDP's default, 25 MiB.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
 /// The scalars appended to the last bucket: loss, non-finite flag, underflows.
-const EXTRAS: usize = 3;
+pub(crate) const EXTRAS: usize = 3;
 
 /// An element type whose gradients [`DataParallel`] can reduce: `f32` or `f64`, a tensor
 /// element that is also a collective's element.
@@ -80,6 +84,12 @@ pub struct DataParallel {
     local_loss: Rc<Cell<f64>>,
     loss_recorded: bool,
     summary: Option<StepSummary>,
+    /// The ZeRO-2 optimizer whose shards receive the gradients (a `Core<E>`), if any:
+    /// while it lives, steps reduce-scatter instead of all-reducing.
+    sharded: Option<Weak<dyn Any>>,
+    /// Micro-batches of the step `train_step` is running, to arm ZeRO-2's hooks for the
+    /// last backward.
+    micro_batches: Option<usize>,
 }
 
 impl DataParallel {
@@ -94,6 +104,8 @@ impl DataParallel {
             local_loss: Rc::new(Cell::new(0.0)),
             loss_recorded: false,
             summary: None,
+            sharded: None,
+            micro_batches: None,
         }
     }
 
@@ -101,6 +113,17 @@ impl DataParallel {
     pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
         self.bucket_bytes = bytes;
         self
+    }
+
+    /// Makes the steps reduce-scatter the gradients into `core`'s shards (ZeRO-2).
+    pub(crate) fn shard_gradients<E: GradElement>(&mut self, core: Rc<RefCell<Core<E>>>) {
+        let core: Rc<dyn Any> = core;
+        self.sharded = Some(Rc::downgrade(&core));
+    }
+
+    /// The ZeRO-2 core of element `E`, while its optimizer lives.
+    fn sharded<E: GradElement>(&self) -> Option<Rc<RefCell<Core<E>>>> {
+        self.sharded.as_ref()?.upgrade()?.downcast().ok()
     }
 
     /// The communicator, for the pieces that share it.
@@ -172,10 +195,9 @@ impl DataParallel {
     /// [`ParallelError::Collective`] if a broadcast fails.
     pub fn broadcast_parameters<E: GradElement>(&mut self, params: &[Tensor<E>]) -> Result<()> {
         let numels: Vec<usize> = params.iter().map(Tensor::numel).collect();
-        let mut buf = Vec::new();
+        let mut buf = Metered::new();
         for bucket in plan(&numels, self.capacity::<E>()) {
-            buf.clear();
-            buf.resize(bucket_len(&bucket), E::zero());
+            buf.reset(bucket_len(&bucket));
             let mut offset = 0;
             for s in &bucket {
                 read_run(
@@ -265,6 +287,7 @@ impl DataParallel {
             local_loss.set(local_loss.get() + weight * loss.item().to_f64());
             loss
         };
+        self.micro_batches = Some(micro_batches.len());
         let result = train_step_mixed_observed(
             model,
             micro_batches,
@@ -275,6 +298,7 @@ impl DataParallel {
             clip,
             self,
         );
+        self.micro_batches = None;
         if let Some(error) = self.take_error() {
             return Err(error);
         }
@@ -287,7 +311,7 @@ impl DataParallel {
     }
 
     /// Elements of `E` per bucket.
-    fn capacity<E>(&self) -> usize {
+    pub(crate) fn capacity<E>(&self) -> usize {
         (self.bucket_bytes / size_of::<E>()).max(1)
     }
 
@@ -298,10 +322,9 @@ impl DataParallel {
         let buckets = plan(&numels, self.capacity::<E>());
         let weight = E::from_f64(self.weight);
         let mut finite = true;
-        let mut buf: Vec<E> = Vec::new();
+        let mut buf: Metered<E> = Metered::new();
         for (index, bucket) in buckets.iter().enumerate() {
-            buf.clear();
-            buf.resize(bucket_len(bucket), E::zero());
+            buf.reset(bucket_len(bucket));
             let mut offset = 0;
             for s in bucket {
                 let run = &mut buf[offset..offset + s.len];
@@ -344,8 +367,33 @@ impl DataParallel {
 }
 
 impl<E: GradElement> StepObserver<E> for DataParallel {
+    /// Arms ZeRO-2's gradient-ready hooks around the last micro-batch's backward, when a
+    /// [`Zero2AdamW`](crate::Zero2AdamW) shards this step's gradients.
+    fn phase<R>(&mut self, phase: StepPhase, run: impl FnOnce(&mut Self) -> R) -> R {
+        let StepPhase::Backward { micro_batch } = phase else {
+            return run(self);
+        };
+        match self.sharded::<E>() {
+            Some(core) if self.micro_batches == Some(micro_batch + 1) => {
+                zero2::arm(&core, self.weight);
+                let out = run(self);
+                zero2::disarm(&core);
+                out
+            }
+            _ => run(self),
+        }
+    }
+
     /// Reduces the gradients (see the [type's docs](DataParallel) for a failure).
     fn gradients_ready(&mut self, params: &[Tensor<E>]) {
+        if let Some(core) = self.sharded::<E>() {
+            let local_loss = self.local_loss.get();
+            self.summary = zero2::finish(&core, self.weight, local_loss, self.loss_recorded);
+            if self.summary.is_none() {
+                zero2::poison(&core);
+            }
+            return;
+        }
         if self.reduce_gradients(params).is_none() {
             // Half-reduced gradients must not reach the optimizer: NaN makes the step refuse
             // them whether or not it has a loss scaler.
@@ -364,9 +412,16 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
             && self.summary.is_some_and(|s| s.nonfinite_ranks == 0)
     }
 
-    /// The reduced gradients are replicated, so this rank's sum is the global one.
+    /// The reduced gradients are replicated, so this rank's sum is the global one; under
+    /// ZeRO-2 each rank holds a shard, and the sums are added over the ranks.
     fn total_sum_squares(&mut self, local: f64) -> f64 {
-        local
+        if self.sharded::<E>().is_none() {
+            return local;
+        }
+        self.link
+            .borrow_mut()
+            .call(|comm| comm.all_reduce_sum_f64(local))
+            .unwrap_or(f64::NAN)
     }
 }
 

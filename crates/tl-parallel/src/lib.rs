@@ -10,6 +10,11 @@
 //!   that step, with the global loss in its report.
 //! - [`ShardedAdamW`] is ZeRO stage 1: AdamW's moments and update partitioned over the
 //!   ranks, the updated weights all-gathered; bit for bit DDP's AdamW.
+//! - [`Zero2AdamW`] is ZeRO stage 2: the gradients too, reduce-scattered bucket by bucket
+//!   while the last micro-batch's backward runs, each rank keeping only its shard; bit for
+//!   bit DDP's AdamW as well (without clipping).
+//! - Both save and load the whole AdamW state at any world size (`full_state`,
+//!   `load_full_state`).
 //!
 //! The same code runs on one process with [`tl_collective::Single`], or on the ranks
 //! `tinyllm launch` starts with [`tl_collective::from_env`]:
@@ -49,12 +54,15 @@ mod bucket;
 mod ddp;
 mod error;
 mod link;
+mod metered;
 mod zero;
+mod zero2;
 
 pub use batch::{BatchShare, batch_share};
 pub use ddp::{DEFAULT_BUCKET_BYTES, DataParallel, GradElement, StepSummary};
 pub use error::{ParallelError, Result};
 pub use zero::ShardedAdamW;
+pub use zero2::Zero2AdamW;
 
 /// The user guide `docs/data-parallel.md`, compiled as a doctest so its examples stay true.
 #[cfg(doctest)]

@@ -15,8 +15,9 @@
 //!
 //! Cost: the gradients are still all-reduced in full (as PyTorch's `ZeroRedundancyOptimizer`
 //! does), so a step sends the all-reduce's `2(N−1)/N·P` elements plus the gather's
-//! `(N−1)/N·P`. Reduce-scattering the gradients instead (ZeRO-2) saves the difference, and
-//! the gradients' memory; not done yet.
+//! `(N−1)/N·P`, the gather in rounds of about a bucket so that its buffer stays a bucket.
+//! [`Zero2AdamW`](crate::Zero2AdamW) reduce-scatters the gradients instead, which saves the
+//! difference, and the gradients' memory.
 //!
 //! Saving and resuming: [`ShardedAdamW::full_state`] gathers the shards into the state an
 //! unsharded [`AdamW`] on the same parameters would have, and
@@ -36,6 +37,7 @@ use crate::bucket::{read_run, write_run};
 use crate::ddp::{DataParallel, GradElement};
 use crate::error::{ParallelError, Result};
 use crate::link::SharedLink;
+use crate::metered::Metered;
 
 /// A piece of one parameter inside this rank's shard.
 struct Piece<E: GradElement> {
@@ -51,9 +53,11 @@ struct Piece<E: GradElement> {
 /// stage 1; see the [module docs](self)). An [`Optimizer`]: pass it to
 /// [`DataParallel::train_step`] in place of the [`AdamW`] it was made from.
 ///
-/// A failed all-gather leaves every parameter as it was before the step and is kept for
-/// [`DataParallel::take_error`] (which `train_step` checks); this rank's moments have moved,
-/// so the run must stop, as after any failed collective.
+/// The step consumes the model's gradients: each is dropped as soon as this rank's piece of
+/// it is taken. The weights are gathered in rounds of about a bucket; a failed round is kept
+/// for [`DataParallel::take_error`] (which `train_step` checks) and leaves the parameters of
+/// the rounds after it as they were. This rank's moments have moved, so the run must stop,
+/// as after any failed collective.
 pub struct ShardedAdamW<E: GradElement> {
     parameters: Vec<Tensor<E>>,
     link: SharedLink,
@@ -61,6 +65,8 @@ pub struct ShardedAdamW<E: GradElement> {
     pieces: Vec<Piece<E>>,
     inner: AdamW<E>,
     total: usize,
+    /// Elements per rank in one round of the weights' all-gather: a bucket over the ranks.
+    round: usize,
 }
 
 impl<E: GradElement> ShardedAdamW<E> {
@@ -124,6 +130,7 @@ impl<E: GradElement> ShardedAdamW<E> {
             pieces,
             inner,
             total,
+            round: (ddp.capacity::<E>() / world_size).max(1),
         })
     }
 
@@ -241,6 +248,63 @@ impl<E: GradElement> ShardedAdamW<E> {
         Ok(())
     }
 
+    /// All-gathers the updated shards (`local`) into the parameters, in rounds of at most
+    /// `round` elements per rank, so the buffer is about a bucket, not the whole model.
+    ///
+    /// Round `j` takes elements `j·round ..` of every rank's shard. Shards differ by at
+    /// most one element, longer ones first, so every round's pieces have the lengths
+    /// [`shard_range`] gives its total, as an all-gather requires.
+    fn gather(&self, local: &[E]) {
+        let world_size = self.link.borrow().world_size();
+        let shards: Vec<Range<usize>> = (0..world_size)
+            .map(|r| shard_range(self.total, world_size, r))
+            .collect();
+        let rounds = shards[0].len().div_ceil(self.round);
+        let mut gathered = Metered::new();
+        for j in 0..rounds {
+            let pieces: Vec<Range<usize>> = shards
+                .iter()
+                .map(|s| {
+                    let start = (s.start + j * self.round).min(s.end);
+                    start..(start + self.round).min(s.end)
+                })
+                .collect();
+            let own = &pieces[shards.iter().position(|s| *s == self.shard).expect("mine")];
+            let mine = &local[own.start - self.shard.start..own.end - self.shard.start];
+            gathered.reset(pieces.iter().map(Range::len).sum());
+            let sent = self.link.borrow_mut().call(|comm| {
+                comm.all_gather(
+                    <E as tl_collective::Element>::view(mine),
+                    <E as tl_collective::Element>::view_mut(&mut gathered),
+                )
+            });
+            if sent.is_none() {
+                return;
+            }
+            let mut offset = 0;
+            for piece in &pieces {
+                self.write_flat(piece.start, &gathered[offset..offset + piece.len()]);
+                offset += piece.len();
+            }
+        }
+    }
+
+    /// Writes `run` over the flattened parameters' elements from `start` on.
+    fn write_flat(&self, start: usize, run: &[E]) {
+        let mut offset = 0;
+        for param in &self.parameters {
+            let range = offset..offset + param.numel();
+            offset = range.end;
+            let lo = start.max(range.start);
+            let hi = (start + run.len()).min(range.end);
+            if lo < hi {
+                param.update_value(|value| {
+                    write_run(value, lo - range.start, &run[lo - start..hi - start]);
+                });
+            }
+        }
+    }
+
     /// `(parameter, start, len)` of each piece, in order.
     fn pieces_layout(&self) -> Vec<(usize, usize, usize)> {
         self.pieces
@@ -317,43 +381,38 @@ pub(crate) fn shard_state<E: Element>(
 impl<E: GradElement> Optimizer<E> for ShardedAdamW<E> {
     /// Updates this rank's shard with AdamW, then all-gathers the weights.
     fn step(&mut self) {
-        for piece in &self.pieces {
-            let param = &self.parameters[piece.param];
-            let len = piece.values.numel();
-            // The master copy starts from the replicated weights, so they can never drift
-            // apart (a load or a broadcast between steps is picked up).
-            piece.values.update_value(|v| {
-                read_run(&param.value(), piece.start, v.as_slice_mut().expect("1-D"));
-            });
-            let grad = param.with_grad(|grad| {
-                grad.map(|g| {
-                    let mut run = ArrayD::zeros(vec![len]);
-                    read_run(g, piece.start, run.as_slice_mut().expect("1-D"));
-                    run
-                })
-            });
-            piece.values.set_grad(grad);
+        let mut pieces = self.pieces.iter().peekable();
+        for (index, param) in self.parameters.iter().enumerate() {
+            if let Some(piece) = pieces.next_if(|p| p.param == index) {
+                let len = piece.values.numel();
+                // The master copy starts from the replicated weights, so they can never
+                // drift apart (a load or a broadcast between steps is picked up).
+                piece.values.update_value(|v| {
+                    read_run(&param.value(), piece.start, v.as_slice_mut().expect("1-D"));
+                });
+                let grad = param.with_grad(|grad| {
+                    grad.map(|g| {
+                        let mut run = ArrayD::zeros(vec![len]);
+                        read_run(g, piece.start, run.as_slice_mut().expect("1-D"));
+                        run
+                    })
+                });
+                piece.values.set_grad(grad);
+            }
+            // The full gradient is consumed: dropping it as soon as its piece is taken keeps
+            // a step's peak at the gradients plus this rank's shard, not both in full.
+            param.zero_grad();
         }
         self.inner.step();
         self.inner.zero_grad();
-        let local: Vec<E> = self.pieces.iter().flat_map(|p| p.values.to_vec()).collect();
-        let mut gathered = vec![E::zero(); self.total];
-        let input = <E as tl_collective::Element>::view(&local);
-        let output = <E as tl_collective::Element>::view_mut(&mut gathered);
-        if self
-            .link
-            .borrow_mut()
-            .call(|comm| comm.all_gather(input, output))
-            .is_none()
-        {
-            return;
-        }
+        let mut local = Metered::zeros(self.shard.len());
         let mut offset = 0;
-        for param in &self.parameters {
-            let run = &gathered[offset..offset + param.numel()];
-            param.update_value(|value| write_run(value, 0, run));
-            offset += param.numel();
+        for piece in &self.pieces {
+            let len = piece.values.numel();
+            read_run(&piece.values.value(), 0, &mut local[offset..offset + len]);
+            offset += len;
         }
+        self.gather(&local);
     }
 
     fn parameters(&self) -> &[Tensor<E>] {

@@ -66,11 +66,17 @@ pub enum PrecisionError {
         loss: f64,
     },
     /// A gradient held NaN or infinity (without a loss scaler to skip the step); no
-    /// parameter was updated.
-    #[error("parameter {index} has a non-finite gradient; the step was refused before any update")]
+    /// parameter was updated. Under data parallelism every process refuses the step
+    /// together, including those whose own gradients were finite.
+    #[error(
+        "{} has a non-finite gradient; the step was refused before any update",
+        match index { Some(i) => format!("parameter {i}"), None => "another process".into() }
+    )]
     NonFiniteGradient {
-        /// Position of the parameter in the optimizer's list.
-        index: usize,
+        /// Position of the parameter in the optimizer's list, or `None` when this
+        /// process's gradients were finite and the step's observer reported a non-finite
+        /// gradient elsewhere (another rank's shard).
+        index: Option<usize>,
     },
     /// An error from tl-tensor (an invalid clipping bound, for example).
     #[error(transparent)]

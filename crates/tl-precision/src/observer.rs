@@ -37,7 +37,8 @@ pub enum StepPhase {
 /// micro-batch's `Forward` and `Backward`; [`gradients_ready`](Self::gradients_ready) once,
 /// when every backward is done; `phase` for `Update`, during which
 /// [`all_finite`](Self::all_finite) decides whether the gradients overflowed (with a loss
-/// scaler) and [`total_sum_squares`](Self::total_sum_squares) gives the clip norm's square.
+/// scaler the step is then skipped, without one it is refused) and
+/// [`total_sum_squares`](Self::total_sum_squares) gives the clip norm's square.
 /// A data-parallel observer all-reduces the gradients in `gradients_ready`; when each
 /// process holds only a shard of them, it also reduces the flag and the sum across
 /// processes, so that every process skips, clips and steps alike. tl-precision itself knows

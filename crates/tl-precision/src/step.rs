@@ -196,8 +196,11 @@ where
     if !loss.is_finite() {
         return Err(PrecisionError::NonFiniteLoss { loss });
     }
-    if let Some(index) = params.iter().position(|p| !grad_is_finite(p)) {
-        return Err(PrecisionError::NonFiniteGradient { index });
+    // Asked of the observer on this path too: when the processes hold shards of the
+    // gradients, a non-finite value on one of them must stop every one of them.
+    let non_finite = params.iter().position(|p| !grad_is_finite(p));
+    if !observer.all_finite(non_finite.is_none()) {
+        return Err(PrecisionError::NonFiniteGradient { index: non_finite });
     }
     let grad_norm = clip
         .map(|max_norm| {

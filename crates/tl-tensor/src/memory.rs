@@ -82,7 +82,10 @@ fn note(kind: EventKind, bytes: usize, live_after: usize) {
     });
 }
 
-pub(crate) fn on_alloc(bytes: usize) {
+/// Counts `bytes` of storage that is not a tensor's but belongs to this thread's figures (a
+/// communication buffer of data parallelism, say), as allocated now. Pair every call with an
+/// [`on_free`] of the same bytes when the storage goes, or the meter drifts.
+pub fn on_alloc(bytes: usize) {
     if bytes == 0 {
         return;
     }
@@ -95,7 +98,8 @@ pub(crate) fn on_alloc(bytes: usize) {
     note(EventKind::Alloc, bytes, live);
 }
 
-pub(crate) fn on_free(bytes: usize) {
+/// Counts `bytes` counted by [`on_alloc`] as freed now.
+pub fn on_free(bytes: usize) {
     if bytes == 0 {
         return;
     }

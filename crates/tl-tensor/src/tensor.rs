@@ -6,7 +6,7 @@ use std::rc::{Rc, Weak};
 
 use ndarray::{ArrayD, IxDyn};
 
-use crate::graph::{self, GradNode, NodeKind, OpRecord};
+use crate::graph::{self, GradNode, GradReadyHook, NodeKind, OpRecord};
 use crate::mode::is_grad_enabled;
 use crate::storage::Buffer;
 use crate::{Element, Result, TensorError};
@@ -385,7 +385,7 @@ impl<E: Element> Tensor<E> {
     pub fn with_grad<T>(&self, f: impl FnOnce(Option<&ArrayD<E>>) -> T) -> T {
         match self.inner.node.borrow().as_deref() {
             Some(GradNode {
-                kind: NodeKind::Leaf { grad },
+                kind: NodeKind::Leaf { grad, .. },
                 ..
             }) => f(grad.borrow().as_ref().map(Buffer::array)),
             _ => f(None),
@@ -395,7 +395,7 @@ impl<E: Element> Tensor<E> {
     /// Updates the accumulated gradient in place (unscaling, clipping); no-op without one.
     pub fn update_grad(&self, f: impl FnOnce(&mut ArrayD<E>)) {
         if let Some(GradNode {
-            kind: NodeKind::Leaf { grad },
+            kind: NodeKind::Leaf { grad, .. },
             ..
         }) = self.inner.node.borrow().as_deref()
             && let Some(buffer) = grad.borrow_mut().as_mut()
@@ -411,7 +411,7 @@ impl<E: Element> Tensor<E> {
     pub fn set_grad(&self, new_grad: Option<ArrayD<E>>) {
         let node = self.inner.node.borrow();
         let Some(GradNode {
-            kind: NodeKind::Leaf { grad },
+            kind: NodeKind::Leaf { grad, .. },
             shape,
         }) = node.as_deref()
         else {
@@ -427,10 +427,52 @@ impl<E: Element> Tensor<E> {
         *grad.borrow_mut() = new_grad.map(Buffer::new);
     }
 
+    /// Sets (or, with `None`, clears) the callback this leaf runs during every backward
+    /// sweep right after its gradient has been accumulated, replacing any earlier one.
+    ///
+    /// A sweep writes a leaf's gradient exactly once, when it reaches the leaf in its
+    /// topological order, i.e. after every use of the leaf in that graph has contributed:
+    /// when the hook runs, the leaf's share of this sweep is complete. A leaf used inside a
+    /// checkpointed segment receives its gradient during the segment's own inner sweep,
+    /// which runs in the middle of the outer one, and the hook fires from there. A leaf that
+    /// several sweeps reach (two segments, or a segment and the outer graph) fires once per
+    /// sweep. The hook may read or replace the gradient ([`with_grad`](Self::with_grad),
+    /// [`set_grad`](Self::set_grad)), but must not start a backward of its own.
+    ///
+    /// The hook belongs to the leaf's place in the graph: clones share it, while
+    /// [`detach_leaf`](Self::detach_leaf) and [`set_requires_grad`](Self::set_requires_grad)
+    /// make a new leaf without one. Without a hook a sweep costs what it did before.
+    ///
+    /// # Panics
+    /// If the tensor is not a leaf that requires grad.
+    ///
+    /// ```
+    /// use std::cell::Cell;
+    /// use std::rc::Rc;
+    /// use tl_tensor::Tensor;
+    /// let w = Tensor::<f64>::param(ndarray::arr1(&[3.0]).into_dyn());
+    /// let seen = Rc::new(Cell::new(None));
+    /// let (probe, handle) = (Rc::clone(&seen), w.clone());
+    /// w.set_grad_ready_hook(Some(Rc::new(move || probe.set(handle.grad().map(|g| g[0])))));
+    /// (&w * &w).sum_all().backward(); // both uses are in before the hook runs: 2w = 6
+    /// assert_eq!(seen.get(), Some(6.0));
+    /// ```
+    pub fn set_grad_ready_hook(&self, new_hook: Option<GradReadyHook>) {
+        let node = self.inner.node.borrow();
+        let Some(GradNode {
+            kind: NodeKind::Leaf { hook, .. },
+            ..
+        }) = node.as_deref()
+        else {
+            panic!("set_grad_ready_hook: only a leaf that requires grad has one");
+        };
+        *hook.borrow_mut() = new_hook;
+    }
+
     /// Drops the accumulated gradient (the next backward starts from zero).
     pub fn zero_grad(&self) {
         if let Some(GradNode {
-            kind: NodeKind::Leaf { grad },
+            kind: NodeKind::Leaf { grad, .. },
             ..
         }) = self.inner.node.borrow().as_deref()
         {

@@ -182,8 +182,45 @@ fn a_non_finite_gradient_without_a_scaler_is_an_error_before_any_update() {
     );
     assert!(matches!(
         result,
-        Err(PrecisionError::NonFiniteGradient { index: 0 })
+        Err(PrecisionError::NonFiniteGradient { index: Some(0) })
     ));
+    assert_eq!(snapshot(&model), params);
+}
+
+/// An observer whose other processes saw a non-finite gradient.
+struct ElsewhereNonFinite;
+
+impl tl_precision::StepObserver<f32> for ElsewhereNonFinite {
+    fn all_finite(&mut self, _local: bool) -> bool {
+        false
+    }
+}
+
+#[test]
+fn without_a_scaler_a_non_finite_gradient_elsewhere_refuses_the_step_here_too() {
+    // Data parallelism with sharded gradients: this process's gradients are finite, another
+    // process's shard is not. The observer says so; the step must refuse here as well, or
+    // this process would go on to the update's collectives alone.
+    let model = Mlp::new(3);
+    let mut opt = Sgd::new(model.parameters(), 0.1).unwrap();
+    let params = snapshot(&model);
+    let result = tl_precision::train_step_mixed_observed(
+        &model,
+        &data(),
+        loss_fn,
+        &mut opt,
+        Precision::Fp32,
+        None,
+        None,
+        &mut ElsewhereNonFinite,
+    );
+    assert!(
+        matches!(
+            result,
+            Err(PrecisionError::NonFiniteGradient { index: None })
+        ),
+        "{result:?}"
+    );
     assert_eq!(snapshot(&model), params);
 }
 

@@ -3,6 +3,7 @@
 
 mod common;
 mod dropout;
+mod grad_hook;
 mod kept;
 mod memory;
 mod node;

@@ -745,10 +745,13 @@ impl Trainer {
             TrainError::Precision(P::NonFiniteLoss { loss }) => {
                 self.diverged(format!("the loss is {loss}"))
             }
-            TrainError::Precision(P::NonFiniteGradient { index }) => self.diverged(format!(
-                "the gradient of {} is not finite",
-                self.parameter_name(index)
-            )),
+            TrainError::Precision(P::NonFiniteGradient { index }) => self.diverged(match index {
+                Some(index) => format!(
+                    "the gradient of {} is not finite",
+                    self.parameter_name(index)
+                ),
+                None => "a gradient is not finite on another rank".to_string(),
+            }),
             TrainError::Precision(P::ScaleStuckAtFloor { scale, skips }) => self.diverged(format!(
                 "{skips} consecutive fp16 steps overflowed with the loss scale at its floor {scale}"
             )),

@@ -1,0 +1,536 @@
+//! [`Zero2AdamW`]: ZeRO stage 2 — the gradients reduce-scattered as backward produces them,
+//! each rank keeping only its shard of them, and AdamW's moments and update sharded the same
+//! way.
+//!
+//! **Ownership.** The parameters are laid out in the buckets DDP uses ([`plan`]: reverse
+//! parameter order, every bucket but the last full). Rank `r` owns the elements
+//! [`shard_range`]`(len, N, r)` of every bucket, where `len` is the bucket's length — for the
+//! last bucket plus the three slots DDP appends to it (loss, flag, underflows), left at zero
+//! here. Those are exactly the chunks DDP's ring all-reduce adds up for that rank, in the
+//! same order, so a rank's reduce-scattered shard holds the bits DDP's all-reduce gives
+//! those elements.
+//!
+//! **When it communicates.** The micro-batches before the last accumulate full local
+//! gradients and communicate nothing, as in DDP. During the last micro-batch's backward each
+//! parameter's gradient-ready hook marks it done; as soon as every parameter of the next
+//! bucket is done, its gradients are copied (weighted by this rank's share `n_r/B`) into a
+//! bucket buffer, each parameter's full gradient is dropped once all of its segments are
+//! copied, and the bucket is reduce-scattered. Buckets go strictly in order, so every rank
+//! issues the same collectives in the same order even if its backward reaches the
+//! parameters differently. When backward is done, any bucket still waiting (a parameter no
+//! gradient reached) is reduced, and one small all-reduce makes the loss, the non-finite
+//! flag and the underflows global. After the update, one all-gather per bucket gives every
+//! rank the updated weights.
+//!
+//! **What the step sees.** [`Optimizer::parameters`] are this rank's 1-D shard pieces, so
+//! tl-precision's step checks, unscales, clips and steps the shards only. The overflow
+//! decision ([`StepObserver::all_finite`](tl_precision::StepObserver::all_finite)) comes from
+//! the flags summed over the ranks, and the clip norm's sum of squares from an all-reduce of
+//! the ranks' sums (one more collective, when clipping).
+//!
+//! **Memory.** A rank holds the full parameters, its shard of the gradients, moments and
+//! master weights, and during backward only the gradients not yet reduced plus one bucket.
+//!
+//! The gradient-ready hooks are armed only during the last backward of a step run through
+//! [`DataParallel::train_step`]. Each parameter must be reached by exactly one backward
+//! sweep then (true of a model without shared weights, checkpointed or not); a gradient
+//! that arrives after its bucket was reduced would be lost, so it panics.
+
+use std::cell::RefCell;
+use std::ops::Range;
+use std::rc::{Rc, Weak};
+
+use tl_collective::shard_range;
+use tl_precision::underflow_count;
+use tl_tensor::ndarray::ArrayD;
+use tl_tensor::optim::{AdamW, AdamWParamState, AdamWState, Optimizer};
+use tl_tensor::{Element, Tensor};
+
+use crate::bucket::{Segment, bucket_len, plan, read_run, write_run};
+use crate::ddp::{DataParallel, EXTRAS, GradElement, StepSummary};
+use crate::error::{ParallelError, Result};
+use crate::link::SharedLink;
+use crate::metered::Metered;
+use crate::zero::shard_state;
+
+/// One bucket: its segments, its length on the wire and this rank's chunk of it.
+struct Bucket {
+    segments: Vec<Segment>,
+    /// The bucket's elements, plus [`EXTRAS`] for the last one.
+    wire_len: usize,
+    /// This rank's chunk, `shard_range(wire_len, N, r)`.
+    chunk: Range<usize>,
+    /// Indices of the pieces that lie in this bucket, in chunk order.
+    pieces: Vec<usize>,
+}
+
+/// A run of one parameter inside this rank's chunk of one bucket.
+struct Piece<E: Element> {
+    param: usize,
+    /// First element of the run in the parameter.
+    start: usize,
+    /// Where the run sits in the bucket's chunk.
+    chunk_offset: usize,
+    /// The run's master copy, a 1-D parameter of the inner AdamW; its gradient is this
+    /// rank's reduced shard.
+    values: Tensor<E>,
+}
+
+/// What the optimizer and the gradient-ready hooks share.
+pub(crate) struct Core<E: GradElement> {
+    link: SharedLink,
+    parameters: Vec<Tensor<E>>,
+    buckets: Vec<Bucket>,
+    pieces: Vec<Piece<E>>,
+    /// Segments per parameter over all buckets.
+    segments_of: Vec<usize>,
+    /// Segments of each parameter not yet copied in this step.
+    remaining: Vec<usize>,
+    /// Whether each parameter's gradient is complete in this step's last backward.
+    ready: Vec<bool>,
+    /// The next bucket to reduce.
+    next: usize,
+    /// This rank's weight `n_r/B`.
+    weight: E,
+    /// Whether every gradient copied so far was finite.
+    finite: bool,
+}
+
+impl<E: GradElement> Core<E> {
+    /// Back to the start of a step.
+    fn reset(&mut self) {
+        self.remaining.clone_from(&self.segments_of);
+        self.ready.iter_mut().for_each(|r| *r = false);
+        self.next = 0;
+        self.finite = true;
+    }
+
+    /// Reduces every bucket from `next` on whose parameters are all ready (all of them when
+    /// `flush`).
+    fn advance(&mut self, flush: bool) {
+        while self.next < self.buckets.len() {
+            let ready = self.buckets[self.next]
+                .segments
+                .iter()
+                .all(|s| self.ready[s.param]);
+            if !(ready || flush) {
+                break;
+            }
+            self.reduce(self.next);
+            self.next += 1;
+        }
+    }
+
+    /// Copies bucket `index`'s weighted gradients into a buffer, drops the gradients that
+    /// are fully copied, reduce-scatters, and gives the pieces their shard.
+    fn reduce(&mut self, index: usize) {
+        let Core {
+            link,
+            parameters,
+            buckets,
+            pieces,
+            remaining,
+            weight,
+            finite,
+            ..
+        } = self;
+        let bucket = &buckets[index];
+        let mut buf = Metered::zeros(bucket.wire_len);
+        let mut offset = 0;
+        for s in &bucket.segments {
+            let run = &mut buf[offset..offset + s.len];
+            let param = &parameters[s.param];
+            // A parameter without a gradient contributes zeros.
+            param.with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
+            *finite &= run.iter().all(|v| v.is_finite());
+            run.iter_mut().for_each(|v| *v *= *weight);
+            remaining[s.param] -= 1;
+            if remaining[s.param] == 0 && param.with_grad(|g| g.is_some()) {
+                param.set_grad(None);
+            }
+            offset += s.len;
+        }
+        let mut shard = Metered::zeros(bucket.chunk.len());
+        let sent = link.borrow_mut().call(|comm| {
+            comm.reduce_scatter_sum(
+                <E as tl_collective::Element>::view(&buf),
+                <E as tl_collective::Element>::view_mut(&mut shard),
+            )
+        });
+        drop(buf);
+        for &p in &bucket.pieces {
+            let piece = &pieces[p];
+            let len = piece.values.numel();
+            let grad = match sent {
+                Some(()) => shard[piece.chunk_offset..piece.chunk_offset + len].to_vec(),
+                // Half-reduced gradients must not reach the optimizer.
+                None => vec![E::nan(); len],
+            };
+            piece
+                .values
+                .set_grad(Some(ArrayD::from_shape_vec(vec![len], grad).expect("1-D")));
+        }
+    }
+}
+
+/// Arms the gradient-ready hooks of `core`'s parameters for one backward, with this rank's
+/// weight `n_r/B`.
+pub(crate) fn arm<E: GradElement>(core: &Rc<RefCell<Core<E>>>, weight: f64) {
+    let weak: Weak<RefCell<Core<E>>> = Rc::downgrade(core);
+    core.borrow_mut().weight = E::from_f64(weight);
+    let core = core.borrow();
+    for (index, param) in core.parameters.iter().enumerate() {
+        let weak = weak.clone();
+        param.set_grad_ready_hook(Some(Rc::new(move || {
+            if let Some(core) = weak.upgrade() {
+                let mut core = core.borrow_mut();
+                assert!(
+                    !core.ready[index],
+                    "ZeRO-2: parameter {index} got a second gradient in the last backward, \
+                     after its bucket may have been reduced (shared weights are not supported)"
+                );
+                core.ready[index] = true;
+                core.advance(false);
+            }
+        })));
+    }
+}
+
+/// Removes the hooks [`arm`] set.
+pub(crate) fn disarm<E: GradElement>(core: &Rc<RefCell<Core<E>>>) {
+    for param in &core.borrow().parameters {
+        param.set_grad_ready_hook(None);
+    }
+}
+
+/// After every backward of the step: reduces what is left, then makes the loss, the flag
+/// and the underflows global. Returns `None` if a collective failed.
+pub(crate) fn finish<E: GradElement>(
+    core: &Rc<RefCell<Core<E>>>,
+    weight: f64,
+    local_loss: f64,
+    loss_recorded: bool,
+) -> Option<StepSummary> {
+    let mut core = core.borrow_mut();
+    core.weight = E::from_f64(weight);
+    core.advance(true);
+    let shard_finite = core.pieces.iter().all(|p| {
+        p.values
+            .with_grad(|g| g.is_none_or(|g| g.iter().all(|v| v.is_finite())))
+    });
+    let flag = !(core.finite && shard_finite);
+    core.reset();
+    let mut extras = [
+        E::from_f64(local_loss),
+        if flag { E::one() } else { E::zero() },
+        E::from_f64(underflow_count() as f64),
+    ];
+    core.link
+        .borrow_mut()
+        .call(|comm| comm.all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut extras)))?;
+    Some(StepSummary {
+        global_loss: loss_recorded.then(|| extras[0].to_f64()),
+        nonfinite_ranks: extras[1].to_f64() as u64,
+        underflows: extras[2].to_f64() as u64,
+    })
+}
+
+/// Sets the pieces' gradients to NaN (after a failed collective).
+pub(crate) fn poison<E: GradElement>(core: &Rc<RefCell<Core<E>>>) {
+    for piece in &core.borrow().pieces {
+        let len = piece.values.numel();
+        piece
+            .values
+            .set_grad(Some(ArrayD::from_elem(vec![len], E::nan())));
+    }
+}
+
+/// AdamW with the gradients, the moments and the update partitioned over the ranks of a
+/// [`DataParallel`] (ZeRO stage 2; see the [module docs](self)). Pass it to
+/// [`DataParallel::train_step`] of the `DataParallel` it was made with; that `DataParallel`
+/// then reduce-scatters instead of all-reducing.
+pub struct Zero2AdamW<E: GradElement> {
+    core: Rc<RefCell<Core<E>>>,
+    /// The pieces' master copies, the inner AdamW's parameters.
+    shards: Vec<Tensor<E>>,
+    inner: AdamW<E>,
+}
+
+impl<E: GradElement> Zero2AdamW<E> {
+    /// Shards `adamw` (its parameters and hyperparameters) over `ddp`'s ranks and makes
+    /// `ddp` reduce-scatter the gradients of its steps into this optimizer's shards.
+    ///
+    /// # Errors
+    /// [`ParallelError::OptimizerHasState`] if `adamw` has already stepped (load a saved
+    /// state with [`load_full_state`](Self::load_full_state) instead).
+    ///
+    /// ```
+    /// use tl_collective::Single;
+    /// use tl_parallel::{DataParallel, Zero2AdamW};
+    /// use tl_tensor::nn::{Linear, Module};
+    /// use tl_tensor::optim::{AdamW, Optimizer};
+    /// use tl_tensor::Generator;
+    ///
+    /// let mut ddp = DataParallel::new(Box::new(Single::new()));
+    /// let model = Linear::<f32>::new(3, 2, true, &Generator::new(0));
+    /// let opt = Zero2AdamW::new(&mut ddp, AdamW::new(model.parameters(), 1e-3)?)?;
+    /// // One bucket, and a world of one owns it: one piece per parameter, 1-D.
+    /// assert_eq!(opt.shard_elements(), 8);
+    /// assert_eq!(opt.parameters().len(), 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn new(ddp: &mut DataParallel, adamw: AdamW<E>) -> Result<Self> {
+        if adamw.state_dict().params.iter().any(Option::is_some) {
+            return Err(ParallelError::OptimizerHasState);
+        }
+        let link = ddp.link();
+        let (rank, world_size) = {
+            let link = link.borrow();
+            (link.rank(), link.world_size())
+        };
+        let parameters = adamw.parameters().to_vec();
+        let numels: Vec<usize> = parameters.iter().map(Tensor::numel).collect();
+        let planned = plan(&numels, ddp.capacity::<E>());
+        let last = planned.len() - 1;
+        let mut segments_of = vec![0; parameters.len()];
+        let mut pieces = Vec::new();
+        let mut buckets = Vec::new();
+        for (index, segments) in planned.into_iter().enumerate() {
+            let len = bucket_len(&segments);
+            let wire_len = len + if index == last { EXTRAS } else { 0 };
+            let chunk = shard_range(wire_len, world_size, rank);
+            let mut bucket_pieces = Vec::new();
+            let mut offset = 0;
+            for s in &segments {
+                segments_of[s.param] += 1;
+                let own = offset.max(chunk.start)..(offset + s.len).min(chunk.end);
+                if !own.is_empty() {
+                    bucket_pieces.push(pieces.len());
+                    pieces.push(Piece {
+                        param: s.param,
+                        start: s.start + own.start - offset,
+                        chunk_offset: own.start - chunk.start,
+                        values: Tensor::param(ArrayD::zeros(vec![own.len()])),
+                    });
+                }
+                offset += s.len;
+            }
+            buckets.push(Bucket {
+                segments,
+                wire_len,
+                chunk,
+                pieces: bucket_pieces,
+            });
+        }
+        let shards: Vec<Tensor<E>> = pieces.iter().map(|p| p.values.clone()).collect();
+        let (beta1, beta2) = adamw.betas();
+        let inner = AdamW::new(shards.clone(), adamw.learning_rate())
+            .and_then(|o| o.with_betas(beta1, beta2))
+            .and_then(|o| o.with_eps(adamw.eps()))
+            .and_then(|o| o.with_weight_decay(adamw.weight_decay()))?;
+        let core = Rc::new(RefCell::new(Core {
+            link,
+            ready: vec![false; parameters.len()],
+            remaining: segments_of.clone(),
+            segments_of,
+            parameters,
+            buckets,
+            pieces,
+            next: 0,
+            weight: E::zero(),
+            finite: true,
+        }));
+        ddp.shard_gradients(Rc::clone(&core));
+        Ok(Self {
+            core,
+            shards,
+            inner,
+        })
+    }
+
+    /// Elements of the parameters this rank owns: the length of its gradient shard, and of
+    /// each of its two moments once it has stepped.
+    pub fn shard_elements(&self) -> usize {
+        self.shards.iter().map(Tensor::numel).sum()
+    }
+
+    /// Elements of optimizer state this rank holds: two moments per element of its shard
+    /// (after the first step).
+    pub fn state_elements(&self) -> usize {
+        self.inner
+            .state_dict()
+            .params
+            .iter()
+            .flatten()
+            .map(|p| p.exp_avg.len() + p.exp_avg_sq.len())
+            .sum()
+    }
+
+    /// The whole optimizer state, as an unsharded [`AdamW`] on the same parameters would
+    /// have it (see [`ShardedAdamW::full_state`](crate::ShardedAdamW::full_state)): a
+    /// collective, two all-gathers per bucket and one all-reduce of the step counts.
+    ///
+    /// # Errors
+    /// [`ParallelError::Collective`] if a collective fails.
+    pub fn full_state(&mut self) -> Result<AdamWState> {
+        let saved = self.inner.state_dict();
+        let core = self.core.borrow();
+        let mut exp_avg: Vec<Vec<f64>> = core
+            .parameters
+            .iter()
+            .map(|p| vec![0.0; p.numel()])
+            .collect();
+        let mut exp_avg_sq = exp_avg.clone();
+        let mut steps = vec![0.0f64; core.parameters.len()];
+        for (piece, state) in core.pieces.iter().zip(&saved.params) {
+            if let Some(state) = state {
+                steps[piece.param] = state.step as f64;
+            }
+        }
+        let mut link = core.link.borrow_mut();
+        let rank = link.rank();
+        let failed = |link: &mut crate::link::Link| ParallelError::Collective {
+            rank,
+            source: link
+                .take_error()
+                .expect("a failed collective keeps its error"),
+        };
+        for bucket in &core.buckets {
+            for (moment, full) in [(0, &mut exp_avg), (1, &mut exp_avg_sq)] {
+                let mut local = Metered::<E>::zeros(bucket.chunk.len());
+                for &p in &bucket.pieces {
+                    let piece = &core.pieces[p];
+                    if let Some(state) = &saved.params[p] {
+                        let values = if moment == 0 {
+                            &state.exp_avg
+                        } else {
+                            &state.exp_avg_sq
+                        };
+                        for (dst, &src) in local[piece.chunk_offset..].iter_mut().zip(values) {
+                            *dst = E::from_f64(src);
+                        }
+                    }
+                }
+                let mut gathered = Metered::<E>::zeros(bucket.wire_len);
+                let sent = link.call(|comm| {
+                    comm.all_gather(
+                        <E as tl_collective::Element>::view(&local),
+                        <E as tl_collective::Element>::view_mut(&mut gathered),
+                    )
+                });
+                if sent.is_none() {
+                    return Err(failed(&mut link));
+                }
+                let mut offset = 0;
+                for s in &bucket.segments {
+                    let run = &gathered[offset..offset + s.len];
+                    full[s.param][s.start..s.start + s.len]
+                        .iter_mut()
+                        .zip(run)
+                        .for_each(|(d, &v)| *d = Element::to_f64(v));
+                    offset += s.len;
+                }
+            }
+        }
+        let sent = link.call(|comm| {
+            comm.all_reduce(
+                tl_collective::SliceMut::F64(&mut steps),
+                tl_collective::ReduceOp::Max,
+            )
+        });
+        if sent.is_none() {
+            return Err(failed(&mut link));
+        }
+        let params = exp_avg
+            .into_iter()
+            .zip(exp_avg_sq)
+            .zip(&steps)
+            .map(|((exp_avg, exp_avg_sq), &step)| {
+                (step > 0.0).then_some(AdamWParamState {
+                    step: step as u64,
+                    exp_avg,
+                    exp_avg_sq,
+                })
+            })
+            .collect();
+        Ok(AdamWState {
+            shapes: core.parameters.iter().map(Tensor::shape).collect(),
+            params,
+            ..saved
+        })
+    }
+
+    /// Loads a whole AdamW state (saved at any world size), keeping this rank's shard.
+    ///
+    /// # Errors
+    /// As [`ShardedAdamW::load_full_state`](crate::ShardedAdamW::load_full_state).
+    pub fn load_full_state(&mut self, state: &AdamWState) -> Result<()> {
+        let core = self.core.borrow();
+        let layout: Vec<(usize, usize, usize)> = core
+            .pieces
+            .iter()
+            .map(|p| (p.param, p.start, p.values.numel()))
+            .collect();
+        let inner = shard_state(&core.parameters, state, &layout)?;
+        self.inner.load_state_dict(inner)?;
+        Ok(())
+    }
+}
+
+impl<E: GradElement> Optimizer<E> for Zero2AdamW<E> {
+    /// Updates this rank's shards with AdamW, then all-gathers the weights bucket by bucket.
+    fn step(&mut self) {
+        let core = self.core.borrow();
+        for piece in &core.pieces {
+            // The master copy starts from the replicated weights, as in ZeRO-1.
+            let param = &core.parameters[piece.param];
+            piece.values.update_value(|v| {
+                read_run(&param.value(), piece.start, v.as_slice_mut().expect("1-D"));
+            });
+        }
+        self.inner.step();
+        self.inner.zero_grad();
+        for bucket in &core.buckets {
+            let mut local = Metered::<E>::zeros(bucket.chunk.len());
+            for &p in &bucket.pieces {
+                let piece = &core.pieces[p];
+                let len = piece.values.numel();
+                read_run(
+                    &piece.values.value(),
+                    0,
+                    &mut local[piece.chunk_offset..piece.chunk_offset + len],
+                );
+            }
+            let mut gathered = Metered::<E>::zeros(bucket.wire_len);
+            let sent = core.link.borrow_mut().call(|comm| {
+                comm.all_gather(
+                    <E as tl_collective::Element>::view(&local),
+                    <E as tl_collective::Element>::view_mut(&mut gathered),
+                )
+            });
+            if sent.is_none() {
+                // The link keeps the error; buckets already written are updated, the rest
+                // not: the run must stop, as after any failed collective.
+                return;
+            }
+            let mut offset = 0;
+            for s in &bucket.segments {
+                let run = &gathered[offset..offset + s.len];
+                core.parameters[s.param].update_value(|value| write_run(value, s.start, run));
+                offset += s.len;
+            }
+        }
+    }
+
+    fn parameters(&self) -> &[Tensor<E>] {
+        &self.shards
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.inner.learning_rate()
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.inner.set_learning_rate(lr);
+    }
+}
