@@ -149,10 +149,14 @@ pub struct TrainArgs {
     /// With --resume: continue even if the --data file changed since the run began.
     #[arg(long, requires = "resume")]
     pub data_changed_ok: bool,
-    /// ZeRO stage over the ranks: 0 (DDP, every rank keeps everything) or 1 (AdamW's
-    /// moments partitioned) [default: 0, or the run's with --resume].
+    /// ZeRO stage over the ranks: 0 (DDP, every rank keeps everything), 1 (AdamW's moments
+    /// partitioned) or 2 (the gradients too) [default: 0, or the run's with --resume].
     #[arg(long, value_name = "S")]
     pub zero: Option<u8>,
+    /// MiB of gradients per collective of the reduction, as PyTorch DDP's bucket_cap_mb
+    /// [default: 25, or the run's with --resume].
+    #[arg(long, value_name = "MIB")]
+    pub bucket_mib: Option<f64>,
     /// How the ranks communicate: ring (under `tinyllm launch`), or mpi / mpi-ring (under
     /// mpirun, in a build with the `mpi` feature).
     #[arg(long, value_enum, default_value_t)]

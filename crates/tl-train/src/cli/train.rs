@@ -18,7 +18,8 @@ use crate::model::{Checkpointing, Preset};
 use crate::process_memory::{peak_rss_bytes, reset_peak_rss};
 use crate::store::write_atomic;
 use crate::train::{
-    DataSource, Event, LrSchedule, Record, ResumeOptions, Stop, TrainConfig, Trainer, read_records,
+    DataSource, Event, LrSchedule, Record, ResumeOptions, Stop, TrainConfig, Trainer, limits,
+    read_records,
 };
 
 /// Runs `tinyllm train`.
@@ -29,6 +30,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
             let options = ResumeOptions {
                 data_changed_ok: args.data_changed_ok,
                 zero: args.zero,
+                bucket_bytes: bucket_bytes(args)?,
             };
             let trainer = Trainer::resume_on(dir, options, comm)?;
             check_resume_flags(args, trainer.config(), dir)?;
@@ -240,8 +242,30 @@ pub(super) fn config_from_args(
     }
     config.divergence.max_skipped = args.max_skipped.unwrap_or(config.divergence.max_skipped);
     config.parallel.zero = args.zero.unwrap_or(config.parallel.zero);
+    config.parallel.bucket_bytes = bucket_bytes(args)?.unwrap_or(config.parallel.bucket_bytes);
     config.validate()?;
     Ok(config)
+}
+
+/// `--bucket-mib` in bytes.
+fn bucket_bytes(args: &TrainArgs) -> Result<Option<usize>> {
+    args.bucket_mib
+        .map(|mib| {
+            let bytes = mib * f64::from(1u32 << 20);
+            if bytes.is_finite() && bytes >= 4.0 && bytes <= limits::MAX_BUCKET_BYTES as f64 {
+                Ok(bytes as usize)
+            } else {
+                Err(TrainError::InvalidArgument {
+                    name: "bucket-mib",
+                    value: mib.to_string(),
+                    reason: format!(
+                        "must hold one gradient (4 bytes) and at most {} MiB",
+                        limits::MAX_BUCKET_BYTES >> 20
+                    ),
+                })
+            }
+        })
+        .transpose()
 }
 
 /// With `--resume`, flags that shape the run must agree with the checkpoint's config.

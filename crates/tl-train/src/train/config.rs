@@ -91,18 +91,30 @@ pub struct Parallel {
     /// Ranks that train the run.
     pub ranks: usize,
     /// The ZeRO stage: 0 (DDP: every rank keeps everything), 1 (AdamW's moments and update
-    /// partitioned over the ranks).
+    /// partitioned over the ranks), 2 (the gradients too).
     pub zero: u8,
+    /// Bytes of gradients per collective of the reduction (PyTorch DDP's
+    /// `bucket_cap_mb`): fewer, larger messages, or gradients freed sooner under ZeRO-2.
+    #[serde(default = "default_bucket_bytes")]
+    pub bucket_bytes: usize,
+}
+
+fn default_bucket_bytes() -> usize {
+    tl_parallel::DEFAULT_BUCKET_BYTES
 }
 
 impl Default for Parallel {
     fn default() -> Self {
-        Self { ranks: 1, zero: 0 }
+        Self {
+            ranks: 1,
+            zero: 0,
+            bucket_bytes: default_bucket_bytes(),
+        }
     }
 }
 
 /// The highest ZeRO stage `tinyllm train` runs.
-pub const MAX_ZERO_STAGE: u8 = 1;
+pub const MAX_ZERO_STAGE: u8 = 2;
 
 /// When a run stops as diverged instead of training on.
 ///
@@ -173,6 +185,8 @@ pub mod limits {
     pub const MAX_CLIP: f64 = 1e12;
     /// Ranks of one run.
     pub const MAX_RANKS: usize = 1 << 12;
+    /// Bytes of one bucket of gradients.
+    pub const MAX_BUCKET_BYTES: usize = 1 << 32;
     /// `--max-loss`, nats per token.
     pub const MAX_LOSS_LIMIT: f64 = 1e6;
 }
@@ -385,6 +399,16 @@ impl TrainConfig {
                 &format!(
                     "accum x ranks must be at most {} micro-batches per step",
                     limits::MAX_ACCUM
+                ),
+            );
+        }
+        if !(4..=limits::MAX_BUCKET_BYTES).contains(&self.parallel.bucket_bytes) {
+            return invalid(
+                "bucket-mib",
+                format!("{} bytes", self.parallel.bucket_bytes),
+                &format!(
+                    "must hold one gradient (4 bytes) and at most {} MiB",
+                    limits::MAX_BUCKET_BYTES >> 20
                 ),
             );
         }

@@ -1,8 +1,9 @@
-//! [`RunOptimizer`]: the run's AdamW, whole on every rank (DDP, ZeRO stage 0) or with its
-//! moments and update sharded over the ranks (ZeRO-1). Either way a checkpoint holds the
-//! whole state, so a run resumes at any world size and stage.
+//! [`RunOptimizer`]: the run's AdamW, whole on every rank (DDP, ZeRO stage 0), with its
+//! moments and update sharded over the ranks (ZeRO-1), or its gradients too (ZeRO-2).
+//! Whatever the stage a checkpoint holds the whole state, so a run resumes at any world
+//! size and stage.
 
-use tl_parallel::{DataParallel, ShardedAdamW};
+use tl_parallel::{DataParallel, ShardedAdamW, Zero2AdamW};
 use tl_tensor::Tensor;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 
@@ -14,6 +15,9 @@ pub enum RunOptimizer {
     Whole(AdamW<f32>),
     /// Each rank holds its shard of the moments and updates its shard of the weights.
     Sharded(ShardedAdamW<f32>),
+    /// Each rank also keeps only its shard of the gradients, reduce-scattered during the
+    /// last micro-batch's backward by the run's `DataParallel`.
+    Zero2(Zero2AdamW<f32>),
 }
 
 impl RunOptimizer {
@@ -22,7 +26,7 @@ impl RunOptimizer {
     ///
     /// # Errors
     /// [`TrainError::Parallel`](crate::TrainError::Parallel) if the state does not fit.
-    pub fn at_stage(adamw: AdamW<f32>, zero: u8, ddp: &DataParallel) -> Result<Self> {
+    pub fn at_stage(adamw: AdamW<f32>, zero: u8, ddp: &mut DataParallel) -> Result<Self> {
         if zero == 0 {
             return Ok(Self::Whole(adamw));
         }
@@ -31,9 +35,14 @@ impl RunOptimizer {
             .with_betas(adamw.betas().0, adamw.betas().1)?
             .with_eps(adamw.eps())?
             .with_weight_decay(adamw.weight_decay())?;
-        let mut sharded = ShardedAdamW::new(ddp, fresh)?;
+        if zero == 1 {
+            let mut sharded = ShardedAdamW::new(ddp, fresh)?;
+            sharded.load_full_state(&state)?;
+            return Ok(Self::Sharded(sharded));
+        }
+        let mut sharded = Zero2AdamW::new(ddp, fresh)?;
         sharded.load_full_state(&state)?;
-        Ok(Self::Sharded(sharded))
+        Ok(Self::Zero2(sharded))
     }
 
     /// The whole state, as an unsharded AdamW holds it: a collective at ZeRO-1, which every
@@ -45,6 +54,7 @@ impl RunOptimizer {
         Ok(match self {
             Self::Whole(adamw) => adamw.state_dict(),
             Self::Sharded(sharded) => sharded.full_state()?,
+            Self::Zero2(sharded) => sharded.full_state()?,
         })
     }
 }
@@ -54,6 +64,7 @@ impl Optimizer<f32> for RunOptimizer {
         match self {
             Self::Whole(adamw) => adamw.step(),
             Self::Sharded(sharded) => sharded.step(),
+            Self::Zero2(sharded) => sharded.step(),
         }
     }
 
@@ -61,6 +72,7 @@ impl Optimizer<f32> for RunOptimizer {
         match self {
             Self::Whole(adamw) => adamw.zero_grad(),
             Self::Sharded(sharded) => sharded.zero_grad(),
+            Self::Zero2(sharded) => sharded.zero_grad(),
         }
     }
 
@@ -68,6 +80,7 @@ impl Optimizer<f32> for RunOptimizer {
         match self {
             Self::Whole(adamw) => adamw.parameters(),
             Self::Sharded(sharded) => sharded.parameters(),
+            Self::Zero2(sharded) => sharded.parameters(),
         }
     }
 
@@ -75,6 +88,7 @@ impl Optimizer<f32> for RunOptimizer {
         match self {
             Self::Whole(adamw) => adamw.learning_rate(),
             Self::Sharded(sharded) => sharded.learning_rate(),
+            Self::Zero2(sharded) => sharded.learning_rate(),
         }
     }
 
@@ -82,6 +96,7 @@ impl Optimizer<f32> for RunOptimizer {
         match self {
             Self::Whole(adamw) => adamw.set_learning_rate(lr),
             Self::Sharded(sharded) => sharded.set_learning_rate(lr),
+            Self::Zero2(sharded) => sharded.set_learning_rate(lr),
         }
     }
 }

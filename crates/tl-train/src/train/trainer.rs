@@ -91,6 +91,8 @@ pub struct ResumeOptions {
     /// Continue at this ZeRO stage instead of the run's (a checkpoint holds whole tensors
     /// whatever the stage that wrote it).
     pub zero: Option<u8>,
+    /// Continue with buckets of this many bytes.
+    pub bucket_bytes: Option<usize>,
 }
 
 /// Loads the corpus a config names.
@@ -233,6 +235,9 @@ fn config_at_world(
     if let Some(zero) = options.zero {
         config.parallel.zero = zero;
     }
+    if let Some(bytes) = options.bucket_bytes {
+        config.parallel.bucket_bytes = bytes;
+    }
     config.validate()?;
     if leader && config != *run_config {
         if world != run_config.parallel.ranks {
@@ -291,6 +296,7 @@ fn resume_state(
     let state = &snapshot.state;
     let mut config = state.config.at_ranks(world)?;
     config.parallel.zero = run_config.parallel.zero;
+    config.parallel.bucket_bytes = run_config.parallel.bucket_bytes;
     if let Some(difference) = config_difference(&config, &run_config) {
         return Err(TrainError::checkpoint(
             snapshot.dir.join("state.json"),
@@ -416,6 +422,7 @@ impl Trainer {
             Ok((corpus, Some(lock)))
         })();
         let (corpus, lock) = ranks::agree(&mut ddp, prepared, Some((&config, 0)), "start the run")?;
+        let mut ddp = ddp.with_bucket_bytes(config.parallel.bucket_bytes);
         let model = Llama::new(&config.model, config.seed)?;
         if ddp.world_size() > 1 {
             ddp.broadcast_parameters(&model.parameters())?;
@@ -432,10 +439,10 @@ impl Trainer {
         corpus: Corpus,
         model: Llama<f32>,
         optimizer: AdamW<f32>,
-        ddp: DataParallel,
+        mut ddp: DataParallel,
     ) -> Result<Self> {
         model.set_checkpointing(config.checkpointing);
-        let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &ddp)?;
+        let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &mut ddp)?;
         Ok(Self {
             scaler: new_scaler(&config),
             validation: validation_batches(&corpus, &config),
@@ -502,8 +509,9 @@ impl Trainer {
             step,
             tokens_seen,
         } = resumed;
+        let mut ddp = ddp.with_bucket_bytes(config.parallel.bucket_bytes);
         model.set_checkpointing(config.checkpointing);
-        let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &ddp)?;
+        let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &mut ddp)?;
         Ok(Self {
             scaler,
             validation: validation_batches(&corpus, &config),
@@ -599,7 +607,8 @@ impl Trainer {
         let started = Instant::now();
         let (sent_before, busy_before) =
             (self.ddp.stats().bytes_sent, self.ddp.communication_time());
-        let stepped = if self.ddp.world_size() == 1 {
+        // ZeRO-2 needs the data-parallel observer even alone: it fills the shards' gradients.
+        let stepped = if self.ddp.world_size() == 1 && config.parallel.zero < 2 {
             train_step_mixed(
                 &self.model,
                 &micro_batches,
@@ -746,6 +755,10 @@ impl Trainer {
                 self.diverged(format!("the loss is {loss}"))
             }
             TrainError::Precision(P::NonFiniteGradient { index }) => self.diverged(match index {
+                Some(_) if matches!(self.optimizer, RunOptimizer::Zero2(_)) => format!(
+                    "a gradient in rank {}'s shard is not finite",
+                    self.ddp.rank()
+                ),
                 Some(index) => format!(
                     "the gradient of {} is not finite",
                     self.parameter_name(index)
