@@ -177,7 +177,12 @@ impl<E: GradElement> Core<E> {
 /// weight `n_r/B`.
 pub(crate) fn arm<E: GradElement>(core: &Rc<RefCell<Core<E>>>, weight: f64) {
     let weak: Weak<RefCell<Core<E>>> = Rc::downgrade(core);
-    core.borrow_mut().weight = E::from_f64(weight);
+    {
+        // A step that failed before its gradients were reduced may have left state behind.
+        let mut core = core.borrow_mut();
+        core.reset();
+        core.weight = E::from_f64(weight);
+    }
     let core = core.borrow();
     for (index, param) in core.parameters.iter().enumerate() {
         let weak = weak.clone();
