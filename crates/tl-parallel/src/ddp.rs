@@ -19,7 +19,9 @@
 //! Overlap with backward: not for DDP, whose reduction runs once, after the last backward.
 //! When a [`Zero2AdamW`](crate::Zero2AdamW) shards the gradients, this observer arms the
 //! parameters' gradient-ready hooks around the last micro-batch's backward and reduces each
-//! bucket as soon as its gradients are complete (see [`Zero2AdamW`](crate::Zero2AdamW)).
+//! bucket as soon as its gradients are complete (see [`Zero2AdamW`](crate::Zero2AdamW)):
+//! interleaved with backward, so the gradients can be freed, but blocking while it runs —
+//! no collective runs concurrently with computation.
 
 use std::any::Any;
 use std::cell::{Cell, RefCell};
