@@ -43,6 +43,10 @@ pub struct PlanArgs {
     /// to train here). Micro-batch and accum default to 1.
     #[arg(long, value_name = "SHAPE", conflicts_with = "preset")]
     pub shape: Option<String>,
+    /// MiB of gradients per collective of the reduction, as `tinyllm train --bucket-mib`
+    /// takes it [default: 25].
+    #[arg(long, value_name = "MIB")]
+    pub bucket_mib: Option<f64>,
 }
 
 /// What `tinyllm plan --json` prints.
@@ -65,6 +69,7 @@ fn plan_config(args: &PlanArgs) -> Result<TrainConfig> {
     }
     let train_args = TrainArgs {
         recipe,
+        bucket_mib: args.bucket_mib,
         ..TrainArgs::default()
     };
     let mut config = config_from_args(&train_args, None)?;
@@ -82,7 +87,7 @@ fn plan_config(args: &PlanArgs) -> Result<TrainConfig> {
 pub(super) fn plan(args: &PlanArgs) -> Result<Exit> {
     let config = plan_config(args)?;
     if args.shape.is_some() || !args.ranks.is_empty() || !args.zero.is_empty() {
-        return plan_parallel(args, &Recipe::from(&config));
+        return plan_parallel(args, &config);
     }
     let plan = MemoryPlan::new(&Recipe::from(&config))?;
     if !args.json {
@@ -114,7 +119,8 @@ pub(super) fn plan(args: &PlanArgs) -> Result<Exit> {
 }
 
 /// `--ranks` × `--zero`: one plan in full, or the table of several.
-fn plan_parallel(args: &PlanArgs, recipe: &Recipe) -> Result<Exit> {
+fn plan_parallel(args: &PlanArgs, config: &TrainConfig) -> Result<Exit> {
+    let recipe = &Recipe::from(config);
     let ranks = if args.ranks.is_empty() {
         SWEEP_RANKS.to_vec()
     } else {
@@ -128,7 +134,11 @@ fn plan_parallel(args: &PlanArgs, recipe: &Recipe) -> Result<Exit> {
     let mut plans: Vec<ParallelPlan> = Vec::new();
     for &n in &ranks {
         for &stage in &stages {
-            plans.push(plan_ranks(recipe, &DataParallelism::new(n, stage)?)?);
+            let parallelism = DataParallelism {
+                bucket_bytes: config.parallel.bucket_bytes as u64,
+                ..DataParallelism::new(n, stage)?
+            };
+            plans.push(plan_ranks(recipe, &parallelism)?);
         }
     }
     if args.json {

@@ -149,9 +149,21 @@ pub fn render_sweep(plans: &[ParallelPlan]) -> String {
     if let Some(first) = plans.first() {
         recipe_line(&mut out, first);
     }
+    // One unit for the whole table, chosen by its largest figure: GiB for the big shapes,
+    // MiB where every figure would print as 0.00 GiB.
+    let largest = plans
+        .iter()
+        .map(|plan| plan.rank0().total_bytes.max(plan.rank0().sent_bytes))
+        .max()
+        .unwrap_or(0);
+    let (unit, unit_name) = if largest as f64 >= GIB {
+        (GIB, "GiB")
+    } else {
+        (MIB, "MiB")
+    };
     let _ = writeln!(
         out,
-        "per rank (rank 0), steady-state step, GiB: the terms at the moment ('when') the rank \
+        "per rank (rank 0), steady-state step, {unit_name}: the terms at the moment ('when') the rank \
          holds most, tensors and communication buffers together; 'meter' the peak of tensors \
          alone; 'paper' Rajbhandari et al.'s model state with K = 12; 'f32 16P' tinyllm's \
          4P + 4P + 8P sharded as the stage shards it\n"
@@ -176,7 +188,7 @@ pub fn render_sweep(plans: &[ParallelPlan]) -> String {
     for plan in plans {
         let rank = plan.rank0();
         let paper = &plan.paper;
-        let gib = |bytes: u64| format!("{:.2}", bytes as f64 / GIB);
+        let gib = |bytes: u64| format!("{:.2}", bytes as f64 / unit);
         let _ = writeln!(
             out,
             "{:>5} {:>4} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>10} {:>10} {:>10} {:>10}  {}",
@@ -205,4 +217,25 @@ pub fn render_sweep(plans: &[ParallelPlan]) -> String {
         "\n* = stage not implemented yet, modelled from its design (plan/zero.rs)."
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Preset;
+    use crate::plan::{DataParallelism, Recipe, plan_ranks};
+    use crate::train::TrainConfig;
+
+    #[test]
+    fn a_small_models_sweep_is_printed_in_mib_not_as_zeros() {
+        let recipe = Recipe::from(&TrainConfig::for_preset(Preset::Tiny));
+        let plans: Vec<ParallelPlan> = [0, 1]
+            .iter()
+            .map(|&stage| plan_ranks(&recipe, &DataParallelism::new(2, stage).unwrap()).unwrap())
+            .collect();
+        let table = render_sweep(&plans);
+        assert!(table.contains("steady-state step, MiB"), "{table}");
+        // Rank 0's weights under DDP: 133,440 f32 parameters = 0.51 MiB.
+        assert!(table.contains(" 0.51 "), "{table}");
+    }
 }
