@@ -217,7 +217,11 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
             let memory = match stage {
                 ZeroStage::Ddp => from_dry_run(&single, &terms),
                 ZeroStage::OptimizerStates => {
-                    let shard = OptimizerShard { world_size, rank };
+                    let shard = OptimizerShard {
+                        world_size,
+                        rank,
+                        bucket_bytes: bucket_bytes as usize,
+                    };
                     from_dry_run(&predict_step_sharded(recipe, Some(shard))?, &terms)
                 }
                 ZeroStage::Gradients | ZeroStage::Parameters => from_terms(&single, &terms),

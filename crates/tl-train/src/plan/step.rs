@@ -125,6 +125,8 @@ impl StepPrediction {
 pub(crate) struct OptimizerShard {
     pub(crate) world_size: usize,
     pub(crate) rank: usize,
+    /// The reduction's bucket, which sizes the rounds of the weights' all-gather.
+    pub(crate) bucket_bytes: usize,
 }
 
 /// One tensor the replica of AdamW updates: a whole parameter, or under ZeRO the piece of
@@ -144,6 +146,10 @@ struct Piece {
 struct ShadowAdamW {
     pieces: Vec<Piece>,
     moments: Vec<Option<(Handle, Handle)>>,
+    /// Under ZeRO-1: the bytes of the weights' all-gather buffer in each round (the
+    /// buffers are on the meter), and this rank's shard's bytes; empty for plain AdamW.
+    gather_rounds: Vec<u64>,
+    shard_bytes: u64,
 }
 
 impl ShadowAdamW {
@@ -160,7 +166,12 @@ impl ShadowAdamW {
             })
             .collect();
         let moments = pieces.iter().map(|_| None).collect();
-        Self { pieces, moments }
+        Self {
+            pieces,
+            moments,
+            gather_rounds: Vec::new(),
+            shard_bytes: 0,
+        }
     }
 
     /// `ShardedAdamW::new`: the pieces of the parameters inside the rank's shard of the
@@ -189,7 +200,29 @@ impl ShadowAdamW {
             offset += numel;
         }
         let moments = pieces.iter().map(|_| None).collect();
-        Self { pieces, moments }
+        // `ShardedAdamW::gather`: rounds of at most a bucket over the ranks per rank.
+        let shards: Vec<_> = (0..shard.world_size)
+            .map(|r| shard_range(total as usize, shard.world_size, r))
+            .collect();
+        let round = (shard.bucket_bytes / F32 as usize / shard.world_size).max(1);
+        let gather_rounds = (0..shards[0].len().div_ceil(round))
+            .map(|j| {
+                let elements: usize = shards
+                    .iter()
+                    .map(|s| {
+                        let start = (s.start + j * round).min(s.end);
+                        (start + round).min(s.end) - start
+                    })
+                    .sum();
+                elements as u64 * F32
+            })
+            .collect();
+        Self {
+            pieces,
+            moments,
+            gather_rounds,
+            shard_bytes: (own_end - own_start) * F32,
+        }
     }
 
     /// `AdamW::step` (plain): a parameter with a gradient and no moments gets two zero
@@ -206,10 +239,19 @@ impl ShadowAdamW {
             .iter()
             .map(|piece| dry.has_grad(params[piece.param].0))
             .collect();
+        let sharded = self.pieces.iter().any(|piece| piece.master.is_some());
         let mut copies = Vec::new();
-        for (piece, &grad) in self.pieces.iter().zip(&has_grad) {
-            if piece.master.is_some() && grad {
-                copies.push(dry.constant(piece.bytes, tag(piece.layer, TensorKind::Gradients)));
+        if sharded {
+            // Parameter by parameter: the piece's gradient is copied out, then the whole
+            // gradient dropped.
+            let mut pieces = self.pieces.iter().zip(&has_grad).peekable();
+            for (index, (handle, _)) in params.iter().enumerate() {
+                if let Some((piece, &grad)) = pieces.next_if(|(piece, _)| piece.param == index)
+                    && grad
+                {
+                    copies.push(dry.constant(piece.bytes, tag(piece.layer, TensorKind::Gradients)));
+                }
+                dry.zero_grad(handle);
             }
         }
         for ((piece, moments), &grad) in self.pieces.iter().zip(&mut self.moments).zip(&has_grad) {
@@ -221,6 +263,21 @@ impl ShadowAdamW {
             }
         }
         copies.into_iter().for_each(|copy| dry.release(copy));
+        if sharded {
+            // The shard's updated weights, then the gather's buffer round by round.
+            let local = dry.constant(self.shard_bytes, tag(Layer::Head, TensorKind::MasterShard));
+            let mut gathered: Option<Handle> = None;
+            for &bytes in &self.gather_rounds {
+                if let Some(previous) = gathered.take() {
+                    dry.release(previous);
+                }
+                gathered = Some(dry.constant(bytes, tag(Layer::Head, TensorKind::WeightCopies)));
+            }
+            if let Some(last) = gathered {
+                dry.release(last);
+            }
+            dry.release(local);
+        }
     }
 }
 

@@ -172,12 +172,11 @@ fn the_sharded_replica_replays_sharded_adamw_event_for_event() {
     // copy, so the order of every piece's allocations is checked.
     let config = micro_config(Precision::Fp32, Checkpointing::Off, 0.0);
     let model = Llama::<f32>::new(&config.model, 0).unwrap();
-    let mut ddp = DataParallel::new(Box::new(tl_collective::Single::new()));
+    let ddp = DataParallel::new(Box::new(tl_collective::Single::new()));
     let adamw = AdamW::new(model.parameters(), 1e-3).unwrap();
     let mut opt = ShardedAdamW::new(&ddp, adamw).unwrap();
     let corpus = Corpus::builtin(0, 4_000);
     let rng = Generator::new(0);
-    let rows = config.micro_batch * config.accum;
     let mut step = || {
         let batches: Vec<_> = (0..config.accum)
             .map(|_| {
@@ -189,18 +188,18 @@ fn the_sharded_replica_replays_sharded_adamw_event_for_event() {
                 )
             })
             .collect();
-        let report = ddp
-            .train_step(
-                &model,
-                &batches,
-                rows,
-                batch_loss,
-                &mut opt,
-                Precision::Fp32,
-                None,
-                Some(1.0),
-            )
-            .unwrap();
+        // The plain step: DDP's bucket is the parallel plan's communication term, not the
+        // dry run's; ShardedAdamW's own buffers (its shard, the gather) are the dry run's.
+        let report = tl_precision::train_step_mixed(
+            &model,
+            &batches,
+            batch_loss,
+            &mut opt,
+            Precision::Fp32,
+            None,
+            Some(1.0),
+        )
+        .unwrap();
         assert!(!report.skipped);
     };
     step();
@@ -209,6 +208,7 @@ fn the_sharded_replica_replays_sharded_adamw_event_for_event() {
     let shard = OptimizerShard {
         world_size: 1,
         rank: 0,
+        bucket_bytes: tl_parallel::DEFAULT_BUCKET_BYTES,
     };
     let predicted = second_step_events(&Recipe::from(&config), Some(shard));
     let first_difference = predicted.iter().zip(&measured).position(|(p, m)| p != m);
