@@ -57,12 +57,14 @@ mod link;
 mod metered;
 mod zero;
 mod zero2;
+mod zero3;
 
 pub use batch::{BatchShare, batch_share};
 pub use ddp::{DEFAULT_BUCKET_BYTES, DataParallel, GradElement, StepSummary};
 pub use error::{ParallelError, Result};
 pub use zero::ShardedAdamW;
 pub use zero2::Zero2AdamW;
+pub use zero3::{UnitRunner, Zero3};
 
 /// The user guide `docs/data-parallel.md`, compiled as a doctest so its examples stay true.
 #[cfg(doctest)]
