@@ -46,7 +46,7 @@ use tl_precision::{
 };
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::nn::Module;
-use tl_tensor::optim::{AdamW, AdamWParamState, AdamWState, Optimizer};
+use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 use tl_tensor::{Element, Tensor, is_grad_enabled};
 
 use crate::bucket::{read_run, write_run};
@@ -54,7 +54,7 @@ use crate::ddp::{GradElement, StepSummary};
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
 use crate::metered::Metered;
-use crate::zero::shard_state;
+use crate::zero::{adamw_like, shard_state, whole_state};
 
 /// A run of one parameter inside this rank's shard of its unit.
 struct Piece<E: Element> {
@@ -269,6 +269,31 @@ impl<E: GradElement> Zero3<E> {
     /// # Errors
     /// [`ParallelError::OptimizerHasState`] if `adamw` has stepped (load a state with
     /// [`load_full_state`](Self::load_full_state) instead).
+    ///
+    /// ```
+    /// use tl_collective::Single;
+    /// use tl_parallel::Zero3;
+    /// use tl_precision::Precision;
+    /// use tl_tensor::losses::mse;
+    /// use tl_tensor::nn::{Linear, Module};
+    /// use tl_tensor::optim::AdamW;
+    /// use tl_tensor::{Generator, Tensor};
+    ///
+    /// let model = Linear::<f32>::new(3, 1, true, &Generator::new(0));
+    /// let adamw = AdamW::new(model.parameters(), 1e-2)?;
+    /// let mut zero3 = Zero3::new(Box::new(Single::new()), vec![model.parameters()], &adamw)?;
+    /// assert!(model.weight().is_released()); // there only while the unit runs
+    /// let runner = zero3.runner();
+    /// let batch = (Tensor::ones(&[4, 3]), Tensor::zeros(&[4, 1]));
+    /// let loss = |m: &Linear<f32>, (x, t): &(Tensor<f32>, Tensor<f32>)| {
+    ///     mse(&runner.run_unit(0, x, |x| m.forward(x)), t)
+    /// };
+    /// let report = zero3.train_step(&model, &[batch], 4, loss, Precision::Fp32, None, None)?;
+    /// assert!(report.loss.is_finite() && !report.skipped);
+    /// zero3.gather_full_parameters()?; // whole values, e.g. to save them
+    /// assert_eq!(model.weight().to_vec().len(), 3);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(
         comm: Box<dyn Communicator>,
         units: Vec<Vec<Tensor<E>>>,
@@ -313,14 +338,7 @@ impl<E: GradElement> Zero3<E> {
             }
             planned.push(unit);
         }
-        let (beta1, beta2) = adamw.betas();
-        let inner = AdamW::new(
-            pieces.iter().map(|p| p.values.clone()).collect(),
-            adamw.learning_rate(),
-        )
-        .and_then(|o| o.with_betas(beta1, beta2))
-        .and_then(|o| o.with_eps(adamw.eps()))
-        .and_then(|o| o.with_weight_decay(adamw.weight_decay()))?;
+        let inner = adamw_like(adamw, pieces.iter().map(|p| p.values.clone()).collect())?;
         let core = Rc::new(RefCell::new(Core {
             link: Link::shared(comm),
             parameters,
@@ -542,23 +560,13 @@ impl<E: GradElement> Zero3<E> {
             return Err(ParallelError::Collective { rank, source });
         }
         let [exp_avg, exp_avg_sq] = moments;
-        let params = exp_avg
-            .into_iter()
-            .zip(exp_avg_sq)
-            .zip(&steps)
-            .map(|((exp_avg, exp_avg_sq), &step)| {
-                (step > 0.0).then_some(AdamWParamState {
-                    step: step as u64,
-                    exp_avg,
-                    exp_avg_sq,
-                })
-            })
-            .collect();
-        Ok(AdamWState {
-            shapes: core.parameters.iter().map(Tensor::shape).collect(),
-            params,
-            ..saved
-        })
+        Ok(whole_state(
+            &core.parameters,
+            exp_avg,
+            exp_avg_sq,
+            &steps,
+            saved,
+        ))
     }
 
     /// Loads a whole AdamW state (saved at any world size), keeping this rank's shard.
