@@ -50,7 +50,7 @@ use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 use tl_tensor::{Element, Tensor, is_grad_enabled};
 
 use crate::bucket::{read_run, write_run};
-use crate::ddp::{GradElement, StepSummary};
+use crate::ddp::{GradElement, StepSummary, global_report};
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
 use crate::metered::Metered;
@@ -461,12 +461,7 @@ impl<E: GradElement> Zero3<E> {
         if let Some(error) = self.take_error() {
             return Err(error);
         }
-        let mut report = result?;
-        if let Some(summary) = self.summary {
-            report.loss = summary.global_loss.unwrap_or(report.loss);
-            report.underflows = summary.underflows;
-        }
-        Ok(report)
+        Ok(global_report(result?, self.summary))
     }
 
     /// The first collective error met since the last call, if any.
