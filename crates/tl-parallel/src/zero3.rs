@@ -392,6 +392,16 @@ impl<E: GradElement> Zero3<E> {
         self.core.borrow().link.borrow().stats()
     }
 
+    /// The learning rate of the next step.
+    pub fn learning_rate(&self) -> f64 {
+        self.inner.learning_rate()
+    }
+
+    /// Sets the learning rate of the next steps (a schedule).
+    pub fn set_learning_rate(&mut self, lr: f64) {
+        self.inner.set_learning_rate(lr);
+    }
+
     /// Elements of the parameters this rank keeps: its shard of every unit.
     pub fn shard_elements(&self) -> usize {
         self.inner.parameters().iter().map(Tensor::numel).sum()

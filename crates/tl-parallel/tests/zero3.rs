@@ -259,8 +259,25 @@ fn a_world_of_one_keeps_every_element_in_its_shard() {
     let model = Mlp::<f32>::new(SEED);
     let adamw = AdamW::new(model.parameters(), LR).unwrap();
     let units = vec![model.hidden.parameters(), model.out.parameters()];
-    let zero3 = Zero3::new(Box::new(tl_collective::Single::new()), units, &adamw).unwrap();
+    let mut zero3 = Zero3::new(Box::new(tl_collective::Single::new()), units, &adamw).unwrap();
     assert_eq!(zero3.shard_elements(), common::PARAMS);
+    zero3.set_learning_rate(0.5);
+    assert_eq!(zero3.learning_rate(), 0.5);
+    // Whole values loaded, then gathered: the shard took them.
+    let values: Vec<_> = model
+        .parameters()
+        .iter()
+        .map(|p| tl_tensor::ndarray::ArrayD::from_elem(p.shape(), 0.25))
+        .collect();
+    zero3.load_full_parameters(&values);
+    zero3.gather_full_parameters().unwrap();
+    assert!(
+        model
+            .parameters()
+            .iter()
+            .all(|p| p.to_vec().iter().all(|&v| v == 0.25))
+    );
+    zero3.release_full_parameters();
     assert!(model.parameters().iter().all(Tensor::is_released));
     let x = Tensor::<f32>::ones(&[1, common::IN]);
     let y = {
