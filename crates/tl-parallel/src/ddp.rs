@@ -304,12 +304,7 @@ impl DataParallel {
         if let Some(error) = self.take_error() {
             return Err(error);
         }
-        let mut report = result?;
-        if let Some(summary) = self.summary {
-            report.loss = summary.global_loss.unwrap_or(report.loss);
-            report.underflows = summary.underflows;
-        }
-        Ok(report)
+        Ok(global_report(result?, self.summary))
     }
 
     /// Elements of `E` per bucket.
@@ -366,6 +361,15 @@ impl DataParallel {
         }
         Some(())
     }
+}
+
+/// `report` with the global batch's loss and underflows from `summary`, when there is one.
+pub(crate) fn global_report(mut report: StepReport, summary: Option<StepSummary>) -> StepReport {
+    if let Some(summary) = summary {
+        report.loss = summary.global_loss.unwrap_or(report.loss);
+        report.underflows = summary.underflows;
+    }
+    report
 }
 
 impl<E: GradElement> StepObserver<E> for DataParallel {

@@ -13,7 +13,10 @@
 //! - [`Zero2AdamW`] is ZeRO stage 2: the gradients too, reduce-scattered bucket by bucket
 //!   while the last micro-batch's backward runs, each rank keeping only its shard; bit for
 //!   bit DDP's AdamW as well (without clipping).
-//! - Both save and load the whole AdamW state at any world size (`full_state`,
+//! - [`Zero3`] is ZeRO stage 3: the parameters sharded as well, by *units* the caller
+//!   names, gathered around each unit's forward and backward by [`UnitRunner::run_unit`]
+//!   and released after; its own [`Zero3::train_step`].
+//! - All three save and load the whole AdamW state at any world size (`full_state`,
 //!   `load_full_state`).
 //!
 //! The same code runs on one process with [`tl_collective::Single`], or on the ranks
@@ -57,12 +60,14 @@ mod link;
 mod metered;
 mod zero;
 mod zero2;
+mod zero3;
 
 pub use batch::{BatchShare, batch_share};
 pub use ddp::{DEFAULT_BUCKET_BYTES, DataParallel, GradElement, StepSummary};
 pub use error::{ParallelError, Result};
 pub use zero::ShardedAdamW;
 pub use zero2::Zero2AdamW;
+pub use zero3::{UnitRunner, Zero3};
 
 /// The user guide `docs/data-parallel.md`, compiled as a doctest so its examples stay true.
 #[cfg(doctest)]

@@ -115,14 +115,7 @@ impl<E: GradElement> ShardedAdamW<E> {
             }
             offset += tensor.numel();
         }
-        let (beta1, beta2) = adamw.betas();
-        let inner = AdamW::new(
-            pieces.iter().map(|p| p.values.clone()).collect(),
-            adamw.learning_rate(),
-        )
-        .and_then(|o| o.with_betas(beta1, beta2))
-        .and_then(|o| o.with_eps(adamw.eps()))
-        .and_then(|o| o.with_weight_decay(adamw.weight_decay()))?;
+        let inner = adamw_like(&adamw, pieces.iter().map(|p| p.values.clone()).collect())?;
         Ok(Self {
             parameters,
             link,
@@ -311,6 +304,46 @@ impl<E: GradElement> ShardedAdamW<E> {
             .iter()
             .map(|p| (p.param, p.start, p.values.numel()))
             .collect()
+    }
+}
+
+/// An [`AdamW`] over `parameters` (a rank's shard pieces) with `adamw`'s hyperparameters.
+pub(crate) fn adamw_like<E: Element>(
+    adamw: &AdamW<E>,
+    parameters: Vec<Tensor<E>>,
+) -> tl_tensor::Result<AdamW<E>> {
+    let (beta1, beta2) = adamw.betas();
+    AdamW::new(parameters, adamw.learning_rate())
+        .and_then(|o| o.with_betas(beta1, beta2))
+        .and_then(|o| o.with_eps(adamw.eps()))
+        .and_then(|o| o.with_weight_decay(adamw.weight_decay()))
+}
+
+/// The whole state of `parameters` from their gathered moments and step counts (a step
+/// count of 0: not stepped yet), with `saved`'s hyperparameters.
+pub(crate) fn whole_state<E: Element>(
+    parameters: &[Tensor<E>],
+    exp_avg: Vec<Vec<f64>>,
+    exp_avg_sq: Vec<Vec<f64>>,
+    steps: &[f64],
+    saved: AdamWState,
+) -> AdamWState {
+    let params = exp_avg
+        .into_iter()
+        .zip(exp_avg_sq)
+        .zip(steps)
+        .map(|((exp_avg, exp_avg_sq), &step)| {
+            (step > 0.0).then_some(AdamWParamState {
+                step: step as u64,
+                exp_avg,
+                exp_avg_sq,
+            })
+        })
+        .collect();
+    AdamWState {
+        shapes: parameters.iter().map(Tensor::shape).collect(),
+        params,
+        ..saved
     }
 }
 

@@ -43,7 +43,7 @@ use std::rc::{Rc, Weak};
 use tl_collective::shard_range;
 use tl_precision::underflow_count;
 use tl_tensor::ndarray::ArrayD;
-use tl_tensor::optim::{AdamW, AdamWParamState, AdamWState, Optimizer};
+use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 use tl_tensor::{Element, Tensor};
 
 use crate::bucket::{Segment, bucket_len, plan, read_run, write_run};
@@ -51,7 +51,7 @@ use crate::ddp::{DataParallel, EXTRAS, GradElement, StepSummary};
 use crate::error::{ParallelError, Result};
 use crate::link::SharedLink;
 use crate::metered::Metered;
-use crate::zero::shard_state;
+use crate::zero::{adamw_like, shard_state, whole_state};
 
 /// One bucket: its segments, its length on the wire and this rank's chunk of it.
 struct Bucket {
@@ -328,11 +328,7 @@ impl<E: GradElement> Zero2AdamW<E> {
             });
         }
         let shards: Vec<Tensor<E>> = pieces.iter().map(|p| p.values.clone()).collect();
-        let (beta1, beta2) = adamw.betas();
-        let inner = AdamW::new(shards.clone(), adamw.learning_rate())
-            .and_then(|o| o.with_betas(beta1, beta2))
-            .and_then(|o| o.with_eps(adamw.eps()))
-            .and_then(|o| o.with_weight_decay(adamw.weight_decay()))?;
+        let inner = adamw_like(&adamw, shards.clone())?;
         let core = Rc::new(RefCell::new(Core {
             link,
             ready: vec![false; parameters.len()],
@@ -446,23 +442,13 @@ impl<E: GradElement> Zero2AdamW<E> {
         if sent.is_none() {
             return Err(failed(&mut link));
         }
-        let params = exp_avg
-            .into_iter()
-            .zip(exp_avg_sq)
-            .zip(&steps)
-            .map(|((exp_avg, exp_avg_sq), &step)| {
-                (step > 0.0).then_some(AdamWParamState {
-                    step: step as u64,
-                    exp_avg,
-                    exp_avg_sq,
-                })
-            })
-            .collect();
-        Ok(AdamWState {
-            shapes: core.parameters.iter().map(Tensor::shape).collect(),
-            params,
-            ..saved
-        })
+        Ok(whole_state(
+            &core.parameters,
+            exp_avg,
+            exp_avg_sq,
+            &steps,
+            saved,
+        ))
     }
 
     /// Loads a whole AdamW state (saved at any world size), keeping this rank's shard.

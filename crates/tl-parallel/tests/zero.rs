@@ -3,43 +3,17 @@
 
 mod common;
 
-use std::time::Duration;
-
 use std::cell::Cell;
 use std::rc::Rc;
 
-use common::{Batch, Config, Mlp, SEED, Spy, loss_fn, weights};
-use tl_collective::{Communicator, RingComm, RingConfig};
+use common::{Batch, Config, Mlp, SEED, Spy, loss_fn, weights, world};
+use tl_collective::Communicator;
 use tl_parallel::{DataParallel, GradElement, ShardedAdamW, Zero2AdamW};
 use tl_precision::{Precision, StepReport};
 use tl_tensor::losses::mse;
 use tl_tensor::nn::Linear;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 use tl_tensor::{Element, Generator, Module, Tensor, memory};
-
-/// A collective that makes no progress for this long fails, so a broken test cannot hang.
-const TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Runs `rank_program` on `n` ranks, one thread each, and returns their results in rank
-/// order.
-fn world<T: Send>(n: usize, rank_program: impl Fn(RingComm) -> T + Sync) -> Vec<T> {
-    let dir = tempfile::tempdir().expect("rendezvous directory");
-    let secret = [n as u8; 32];
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let (dir, rank_program) = (dir.path(), &rank_program);
-                scope.spawn(move || {
-                    let config = RingConfig::new(rank, n, dir, secret)
-                        .unwrap()
-                        .timeout(TIMEOUT);
-                    rank_program(RingComm::connect(config).unwrap())
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
 
 fn config(precision: Precision, global_rows: usize, micro_batch_rows: usize) -> Config {
     Config {

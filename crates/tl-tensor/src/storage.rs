@@ -15,6 +15,8 @@ pub(crate) struct Buffer<E: Element> {
     array: ArrayD<E>,
     bytes: usize,
     version: u64,
+    /// The shape the values had, while they are released (see [`Buffer::release`]).
+    released: Option<Vec<usize>>,
 }
 
 impl<E: Element> Buffer<E> {
@@ -25,7 +27,55 @@ impl<E: Element> Buffer<E> {
             array,
             bytes,
             version: 0,
+            released: None,
         }
+    }
+
+    /// The shape of the values, or the shape they had while they are released.
+    pub(crate) fn shape(&self) -> &[usize] {
+        self.released.as_deref().unwrap_or(self.array.shape())
+    }
+
+    /// Whether the values are released.
+    pub(crate) fn is_released(&self) -> bool {
+        self.released.is_some()
+    }
+
+    /// Drops the values, keeping their shape, and takes their bytes off the meter; the
+    /// array is empty (one axis of length 0) until [`restore`](Self::restore).
+    ///
+    /// # Panics
+    /// If the values are released already.
+    pub(crate) fn release(&mut self) {
+        assert!(
+            !self.is_released(),
+            "release: the value is released already"
+        );
+        self.released = Some(self.array.shape().to_vec());
+        self.array = ArrayD::zeros(ndarray::IxDyn(&[0]));
+        memory::on_free(self.bytes);
+        self.bytes = 0;
+        self.version += 1;
+    }
+
+    /// Puts values back into a released buffer, counting them on the meter again.
+    ///
+    /// # Panics
+    /// If the values are not released, or `array`'s shape is not the one they had.
+    pub(crate) fn restore(&mut self, array: ArrayD<E>) {
+        let shape = self
+            .released
+            .take()
+            .expect("restore: the value is not released");
+        assert_eq!(
+            array.shape(),
+            shape.as_slice(),
+            "restore: the values must have the released shape"
+        );
+        self.bytes = array.len() * std::mem::size_of::<E>();
+        memory::on_alloc(self.bytes);
+        self.array = array;
+        self.version += 1;
     }
 
     /// How many in-place updates the values have been through.

@@ -277,22 +277,26 @@ impl<E: Element> Tensor<E> {
         self.inner.node.borrow().clone()
     }
 
-    /// The shape, outermost dimension first.
+    /// The shape, outermost dimension first (the value's shape even while it is
+    /// [released](Self::release_value)).
     pub fn shape(&self) -> Vec<usize> {
-        self.value().shape().to_vec()
+        self.inner.value.borrow().shape().to_vec()
     }
 
-    /// The number of dimensions.
+    /// The number of dimensions (of the shape, released or not).
     pub fn ndim(&self) -> usize {
-        self.value().ndim()
+        self.inner.value.borrow().shape().len()
     }
 
-    /// The number of elements.
+    /// The number of elements of the shape (released or not: see
+    /// [`release_value`](Self::release_value)).
     pub fn numel(&self) -> usize {
-        self.value().len()
+        self.inner.value.borrow().shape().iter().product()
     }
 
     /// A borrow of the value. Do not hold it across an op that updates this tensor in place.
+    ///
+    /// While the value is [released](Self::release_value) this is an empty 1-D array.
     pub fn value(&self) -> Ref<'_, ArrayD<E>> {
         Ref::map(self.inner.value.borrow(), Buffer::array)
     }
@@ -486,6 +490,52 @@ impl<E: Element> Tensor<E> {
     /// optimizers update parameters between steps, when no graph is alive.
     pub fn update_value<T>(&self, f: impl FnOnce(&mut ArrayD<E>) -> T) -> T {
         self.inner.value.borrow_mut().update(f)
+    }
+
+    /// Frees the value's storage, keeping the tensor, its shape and its place in the graph:
+    /// ZeRO-3 holds a parameter's values only while a layer computes with them.
+    ///
+    /// Meanwhile [`shape`](Self::shape), [`ndim`](Self::ndim) and [`numel`](Self::numel)
+    /// stay those of the value, [`value`](Self::value) is an empty 1-D array (an op on the
+    /// tensor fails on shapes), and the bytes are off the memory meter. Every handle on the
+    /// same storage (clones, [`detach`](Self::detach)) sees the release. The gradient is
+    /// not touched. [`restore_value`](Self::restore_value) puts values back.
+    ///
+    /// Only valid while no recorded op still needs the value for its backward (an op that
+    /// saved this tensor would find it empty): release a parameter after the backward that
+    /// used it, or before the forward that will; a checkpointed segment, which saves only
+    /// its inputs, may release its parameters in between if it restores them before its
+    /// rerun.
+    ///
+    /// # Panics
+    /// If the value is released already, or borrowed.
+    ///
+    /// ```
+    /// use tl_tensor::{Tensor, memory};
+    /// let w = Tensor::<f32>::param(tl_tensor::ndarray::ArrayD::ones(vec![2, 3]));
+    /// let before = memory::live_bytes();
+    /// w.release_value();
+    /// assert_eq!(memory::live_bytes(), before - 24);
+    /// assert_eq!((w.shape(), w.numel(), w.value().len()), (vec![2, 3], 6, 0));
+    /// w.restore_value(tl_tensor::ndarray::ArrayD::zeros(vec![2, 3]));
+    /// assert_eq!((memory::live_bytes(), w.to_vec()), (before, vec![0.0; 6]));
+    /// ```
+    pub fn release_value(&self) {
+        self.inner.value.borrow_mut().release();
+    }
+
+    /// Puts values back into storage freed by [`release_value`](Self::release_value); they
+    /// count on the memory meter again.
+    ///
+    /// # Panics
+    /// If the value is not released, or `array`'s shape is not [`shape`](Self::shape).
+    pub fn restore_value(&self, array: ArrayD<E>) {
+        self.inner.value.borrow_mut().restore(array);
+    }
+
+    /// Whether the value is released (see [`release_value`](Self::release_value)).
+    pub fn is_released(&self) -> bool {
+        self.inner.value.borrow().is_released()
     }
 
     /// Backpropagates from a one-element tensor (a loss), starting from a gradient of 1.

@@ -9,7 +9,9 @@ use std::io::Write;
 use std::ops::Range;
 use std::rc::Rc;
 
-use tl_collective::{CommStats, Communicator, ReduceOp, RingComm, Slice, SliceMut};
+use std::time::Duration;
+
+use tl_collective::{CommStats, Communicator, ReduceOp, RingComm, RingConfig, Slice, SliceMut};
 use tl_parallel::batch_share;
 use tl_precision::{DynamicLossScaler, Precision};
 use tl_tensor::losses::mse;
@@ -195,4 +197,28 @@ pub fn weights<E: Element>(model: &Mlp<E>) -> Vec<f64> {
         .flat_map(|p| p.to_vec())
         .map(Element::to_f64)
         .collect()
+}
+
+/// A collective that makes no progress for this long fails, so a broken test cannot hang.
+pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Runs `rank_program` on `n` ranks, one thread each, and returns their results in rank
+/// order.
+pub fn world<T: Send>(n: usize, rank_program: impl Fn(RingComm) -> T + Sync) -> Vec<T> {
+    let dir = tempfile::tempdir().expect("rendezvous directory");
+    let secret = [n as u8; 32];
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (dir, rank_program) = (dir.path(), &rank_program);
+                scope.spawn(move || {
+                    let config = RingConfig::new(rank, n, dir, secret)
+                        .unwrap()
+                        .timeout(TIMEOUT);
+                    rank_program(RingComm::connect(config).unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }

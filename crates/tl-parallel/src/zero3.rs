@@ -1,0 +1,669 @@
+//! [`Zero3`]: ZeRO stage 3 — the parameters themselves partitioned over the ranks, along
+//! with their gradients and AdamW's moments; a unit's whole parameters exist only while
+//! the unit computes.
+//!
+//! **Units.** The caller groups the parameters into *units* (the embedding, each block, the
+//! head). A unit's parameters, flattened in their order and concatenated, are `U` elements;
+//! rank `r` keeps the elements [`shard_range`]`(U, N, r)` of its values (the master copy
+//! AdamW updates), of its gradient and of both moments. The full values of every unit are
+//! [released](Tensor::release_value) between uses.
+//!
+//! **When it communicates.** [`UnitRunner::run_unit`] all-gathers a unit's values just
+//! before its forward and releases them right after. It puts an identity op on the output
+//! whose VJP all-gathers them again before the unit's backward starts, so the ops that
+//! saved them, or a checkpointed unit's rerun, find them. Each parameter's gradient-ready
+//! hook counts the unit's parameters done; when all are, the unit's gradients (weighted by
+//! this rank's share `n_r/B`) are reduce-scattered into this rank's gradient shard, the
+//! full gradients dropped and the values released. This happens in the backward of every
+//! micro-batch, the shards accumulating. After the last one, one small all-reduce makes
+//! the loss, the non-finite flag and the underflows global, as in ZeRO-2. Every rank runs
+//! the units in the same order, so every rank issues the same collectives in that order.
+//!
+//! Per micro-batch and unit a rank sends `(N−1)/N·U` elements for each of the two gathers
+//! and the reduce-scatter: `3(N−1)/N·P` over a model of `P` elements, against DDP's
+//! `2(N−1)/N·P` per step; the update itself sends nothing.
+//!
+//! **Why it matches DDP.** With one micro-batch per rank each element of the reduced
+//! gradient is the sum over the ranks of the same weighted local gradients DDP sums; at
+//! N = 2 that sum is one addition, which does not depend on the order, so the training is
+//! bit for bit DDP's. At N > 2 the ring adds the ranks' values in an order that depends on
+//! where the element's chunk lies, and a unit's chunks lie elsewhere than a DDP bucket's;
+//! with several micro-batches the shard adds the micro-batches' reduced sums, DDP reduces
+//! their local sum. Those differ by rounding.
+//!
+//! **Limits.** Every parameter of a unit must get a gradient in each backward that reaches
+//! the unit (a unit whose parameter is unused never completes), and a parameter belongs to
+//! one unit and is used only inside [`UnitRunner::run_unit`] for it.
+
+use std::cell::{Cell, RefCell};
+use std::ops::Range;
+use std::rc::{Rc, Weak};
+
+use tl_collective::{Communicator, shard_range};
+use tl_precision::{
+    DynamicLossScaler, MicroBatch, Precision, StepObserver, StepPhase, StepReport,
+    train_step_mixed_observed, underflow_count,
+};
+use tl_tensor::ndarray::ArrayD;
+use tl_tensor::nn::Module;
+use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
+use tl_tensor::{Element, Tensor, is_grad_enabled};
+
+use crate::bucket::{read_run, write_run};
+use crate::ddp::{GradElement, StepSummary, global_report};
+use crate::error::{ParallelError, Result};
+use crate::link::{Link, SharedLink};
+use crate::metered::Metered;
+use crate::zero::{adamw_like, shard_state, whole_state};
+
+/// A run of one parameter inside this rank's shard of its unit.
+struct Piece<E: Element> {
+    /// Index of the parameter over all units.
+    param: usize,
+    /// First element of the run in the parameter.
+    start: usize,
+    /// Where the run sits in the unit's shard.
+    shard_offset: usize,
+    /// The run's master values, a 1-D parameter of the inner AdamW; its gradient is this
+    /// rank's reduced shard.
+    values: Tensor<E>,
+}
+
+/// A group of parameters gathered and released together.
+struct Unit {
+    /// Indices of its parameters, in flattening order.
+    params: Vec<usize>,
+    /// Elements of all its parameters.
+    len: usize,
+    /// This rank's elements, `shard_range(len, N, r)`.
+    shard: Range<usize>,
+    /// Indices of its pieces, in shard order.
+    pieces: Vec<usize>,
+    /// Parameters whose gradient is complete in the current backward sweep.
+    ready: usize,
+}
+
+/// What the runner, the identity ops' VJPs and the gradient-ready hooks share.
+struct Core<E: GradElement> {
+    link: SharedLink,
+    parameters: Vec<Tensor<E>>,
+    units: Vec<Unit>,
+    pieces: Vec<Piece<E>>,
+    /// This rank's weight `n_r/B`.
+    weight: E,
+    /// Whether every local gradient reduced in this step was finite.
+    finite: bool,
+}
+
+impl<E: GradElement> Core<E> {
+    /// All-gathers unit `index`'s values into its parameters, unless they are there.
+    fn gather(&mut self, index: usize) {
+        let unit = &self.units[index];
+        if unit
+            .params
+            .iter()
+            .all(|&p| !self.parameters[p].is_released())
+        {
+            return;
+        }
+        let mut local = Metered::<E>::zeros(unit.shard.len());
+        for &p in &unit.pieces {
+            let piece = &self.pieces[p];
+            let len = piece.values.numel();
+            read_run(
+                &piece.values.value(),
+                0,
+                &mut local[piece.shard_offset..piece.shard_offset + len],
+            );
+        }
+        let mut gathered = Metered::<E>::zeros(unit.len);
+        let sent = self.link.borrow_mut().call(|comm| {
+            comm.all_gather(
+                <E as tl_collective::Element>::view(&local),
+                <E as tl_collective::Element>::view_mut(&mut gathered),
+            )
+        });
+        if sent.is_none() {
+            // NaN values keep the shapes right and make the step refuse what follows.
+            gathered.iter_mut().for_each(|v| *v = E::nan());
+        }
+        let mut offset = 0;
+        for &p in &unit.params {
+            let param = &self.parameters[p];
+            let len = param.numel();
+            let values = gathered[offset..offset + len].to_vec();
+            let array = ArrayD::from_shape_vec(param.shape(), values).expect("its shape");
+            if param.is_released() {
+                param.restore_value(array);
+            }
+            offset += len;
+        }
+    }
+
+    /// Releases unit `index`'s full values.
+    fn release(&self, index: usize) {
+        for &p in &self.units[index].params {
+            let param = &self.parameters[p];
+            if !param.is_released() {
+                param.release_value();
+            }
+        }
+    }
+
+    /// Notes that one of unit `index`'s gradients is complete; on the last, reduces the
+    /// unit and releases it.
+    fn gradient_ready(&mut self, index: usize) {
+        let unit = &mut self.units[index];
+        unit.ready += 1;
+        let complete = unit.ready == unit.params.len();
+        if complete {
+            unit.ready = 0;
+            self.reduce(index);
+            self.release(index);
+        }
+    }
+
+    /// Reduce-scatters unit `index`'s weighted gradients, adding this rank's shard into
+    /// its pieces' gradients and dropping the full ones.
+    fn reduce(&mut self, index: usize) {
+        let Core {
+            link,
+            parameters,
+            units,
+            pieces,
+            weight,
+            finite,
+        } = self;
+        let unit = &units[index];
+        let mut buf = Metered::<E>::zeros(unit.len);
+        let mut offset = 0;
+        for &p in &unit.params {
+            let param = &parameters[p];
+            let run = &mut buf[offset..offset + param.numel()];
+            param.with_grad(|grad| grad.map(|g| read_run(g, 0, run)));
+            *finite &= run.iter().all(|v| v.is_finite());
+            run.iter_mut().for_each(|v| *v *= *weight);
+            param.set_grad(None);
+            offset += run.len();
+        }
+        let mut shard = Metered::<E>::zeros(unit.shard.len());
+        let sent = link.borrow_mut().call(|comm| {
+            comm.reduce_scatter_sum(
+                <E as tl_collective::Element>::view(&buf),
+                <E as tl_collective::Element>::view_mut(&mut shard),
+            )
+        });
+        drop(buf);
+        if sent.is_none() {
+            shard.iter_mut().for_each(|v| *v = E::nan());
+        }
+        for &p in &unit.pieces {
+            let piece = &pieces[p];
+            let run = &shard[piece.shard_offset..piece.shard_offset + piece.values.numel()];
+            if piece.values.with_grad(|g| g.is_none()) {
+                piece.values.set_grad(Some(ArrayD::zeros(vec![run.len()])));
+            }
+            piece.values.update_grad(|g| {
+                g.iter_mut().zip(run).for_each(|(g, &r)| *g += r);
+            });
+        }
+    }
+}
+
+/// A handle for running units, to capture in a loss function: see
+/// [`Zero3::runner`]. Cheap to clone.
+#[derive(Clone)]
+pub struct UnitRunner<E: GradElement> {
+    core: Rc<RefCell<Core<E>>>,
+}
+
+impl<E: GradElement> UnitRunner<E> {
+    /// Runs unit `unit`'s forward `f` on `input` with the unit's whole parameters there:
+    /// all-gathered before `f`, released after it. Under grad mode the output passes an
+    /// identity op whose VJP gathers them again before the unit's backward; the
+    /// gradient-ready hooks reduce-scatter the unit's gradients and release it once its
+    /// backward is done. Under no-grad only the gather and release happen.
+    ///
+    /// Every rank must run the same units in the same order: each run is a collective.
+    ///
+    /// # Panics
+    /// If `unit` is not the index of a unit.
+    pub fn run_unit(
+        &self,
+        unit: usize,
+        input: &Tensor<E>,
+        f: impl FnOnce(&Tensor<E>) -> Tensor<E>,
+    ) -> Tensor<E> {
+        self.core.borrow_mut().gather(unit);
+        let output = f(input);
+        self.core.borrow().release(unit);
+        if !is_grad_enabled() {
+            return output;
+        }
+        let weak: Weak<RefCell<Core<E>>> = Rc::downgrade(&self.core);
+        Tensor::from_op_shared(&output, &[&output], move |grad_out| {
+            if let Some(core) = weak.upgrade() {
+                core.borrow_mut().gather(unit);
+            }
+            vec![Some(grad_out)]
+        })
+    }
+}
+
+/// ZeRO stage 3 over a communicator: the units' parameters, gradients and AdamW state
+/// sharded (see the [module docs](self)), and the data-parallel step that trains them.
+pub struct Zero3<E: GradElement> {
+    core: Rc<RefCell<Core<E>>>,
+    inner: AdamW<E>,
+    /// `Σ_i (n_i/B)·L_i` of this rank's micro-batches.
+    local_loss: Rc<Cell<f64>>,
+    summary: Option<StepSummary>,
+}
+
+impl<E: GradElement> Zero3<E> {
+    /// Shards `units` (groups of parameters, the same values on every rank) over `comm`'s
+    /// ranks, with `adamw`'s hyperparameters, and releases their full values: from now on
+    /// they are there only inside [`UnitRunner::run_unit`] or after
+    /// [`gather_full_parameters`](Self::gather_full_parameters).
+    ///
+    /// # Errors
+    /// [`ParallelError::OptimizerHasState`] if `adamw` has stepped (load a state with
+    /// [`load_full_state`](Self::load_full_state) instead).
+    ///
+    /// ```
+    /// use tl_collective::Single;
+    /// use tl_parallel::Zero3;
+    /// use tl_precision::Precision;
+    /// use tl_tensor::losses::mse;
+    /// use tl_tensor::nn::{Linear, Module};
+    /// use tl_tensor::optim::AdamW;
+    /// use tl_tensor::{Generator, Tensor};
+    ///
+    /// let model = Linear::<f32>::new(3, 1, true, &Generator::new(0));
+    /// let adamw = AdamW::new(model.parameters(), 1e-2)?;
+    /// let mut zero3 = Zero3::new(Box::new(Single::new()), vec![model.parameters()], &adamw)?;
+    /// assert!(model.weight().is_released()); // there only while the unit runs
+    /// let runner = zero3.runner();
+    /// let batch = (Tensor::ones(&[4, 3]), Tensor::zeros(&[4, 1]));
+    /// let loss = |m: &Linear<f32>, (x, t): &(Tensor<f32>, Tensor<f32>)| {
+    ///     mse(&runner.run_unit(0, x, |x| m.forward(x)), t)
+    /// };
+    /// let report = zero3.train_step(&model, &[batch], 4, loss, Precision::Fp32, None, None)?;
+    /// assert!(report.loss.is_finite() && !report.skipped);
+    /// zero3.gather_full_parameters()?; // whole values, e.g. to save them
+    /// assert_eq!(model.weight().to_vec().len(), 3);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn new(
+        comm: Box<dyn Communicator>,
+        units: Vec<Vec<Tensor<E>>>,
+        adamw: &AdamW<E>,
+    ) -> Result<Self> {
+        if adamw.state_dict().params.iter().any(Option::is_some) {
+            return Err(ParallelError::OptimizerHasState);
+        }
+        let (rank, world_size) = (comm.rank(), comm.world_size());
+        let mut parameters = Vec::new();
+        let mut planned = Vec::new();
+        let mut pieces = Vec::new();
+        for unit_params in units {
+            let len = unit_params.iter().map(Tensor::numel).sum();
+            let shard = shard_range(len, world_size, rank);
+            let mut unit = Unit {
+                params: Vec::new(),
+                len,
+                shard: shard.clone(),
+                pieces: Vec::new(),
+                ready: 0,
+            };
+            let mut offset = 0;
+            for param in unit_params {
+                let own = offset.max(shard.start)..(offset + param.numel()).min(shard.end);
+                if !own.is_empty() {
+                    let mut run = vec![E::zero(); own.len()];
+                    read_run(&param.value(), own.start - offset, &mut run);
+                    unit.pieces.push(pieces.len());
+                    pieces.push(Piece {
+                        param: parameters.len(),
+                        start: own.start - offset,
+                        shard_offset: own.start - shard.start,
+                        values: Tensor::param(
+                            ArrayD::from_shape_vec(vec![run.len()], run).expect("1-D"),
+                        ),
+                    });
+                }
+                offset += param.numel();
+                unit.params.push(parameters.len());
+                parameters.push(param);
+            }
+            planned.push(unit);
+        }
+        let inner = adamw_like(adamw, pieces.iter().map(|p| p.values.clone()).collect())?;
+        let core = Rc::new(RefCell::new(Core {
+            link: Link::shared(comm),
+            parameters,
+            units: planned,
+            pieces,
+            weight: E::from_f64(1.0 / world_size as f64),
+            finite: true,
+        }));
+        let weak = Rc::downgrade(&core);
+        {
+            let core = core.borrow();
+            for (index, unit) in core.units.iter().enumerate() {
+                core.release(index);
+                for &p in &unit.params {
+                    let weak = weak.clone();
+                    core.parameters[p].set_grad_ready_hook(Some(Rc::new(move || {
+                        if let Some(core) = weak.upgrade() {
+                            core.borrow_mut().gradient_ready(index);
+                        }
+                    })));
+                }
+            }
+        }
+        Ok(Self {
+            core,
+            inner,
+            local_loss: Rc::new(Cell::new(0.0)),
+            summary: None,
+        })
+    }
+
+    /// A handle for the loss function to run the units with.
+    pub fn runner(&self) -> UnitRunner<E> {
+        UnitRunner {
+            core: Rc::clone(&self.core),
+        }
+    }
+
+    /// This rank's index.
+    pub fn rank(&self) -> usize {
+        self.core.borrow().link.borrow().rank()
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.core.borrow().link.borrow().world_size()
+    }
+
+    /// This rank's communication counters.
+    pub fn stats(&self) -> tl_collective::CommStats {
+        self.core.borrow().link.borrow().stats()
+    }
+
+    /// The learning rate of the next step.
+    pub fn learning_rate(&self) -> f64 {
+        self.inner.learning_rate()
+    }
+
+    /// Sets the learning rate of the next steps (a schedule).
+    pub fn set_learning_rate(&mut self, lr: f64) {
+        self.inner.set_learning_rate(lr);
+    }
+
+    /// Elements of the parameters this rank keeps: its shard of every unit.
+    pub fn shard_elements(&self) -> usize {
+        self.inner.parameters().iter().map(Tensor::numel).sum()
+    }
+
+    /// One data-parallel step, as [`DataParallel::train_step`](crate::DataParallel::train_step)
+    /// with the model's units run through [`runner`](Self::runner) by `loss_fn`: the report's
+    /// loss and underflows are the global batch's, and `skipped`, `scale` and `grad_norm`
+    /// the same on every rank.
+    ///
+    /// # Errors
+    /// As `DataParallel::train_step`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn train_step<M, B, F>(
+        &mut self,
+        model: &M,
+        micro_batches: &[B],
+        global_rows: usize,
+        mut loss_fn: F,
+        precision: Precision,
+        scaler: Option<&mut DynamicLossScaler>,
+        clip: Option<f64>,
+    ) -> Result<StepReport>
+    where
+        M: Module<E> + ?Sized,
+        B: MicroBatch,
+        F: FnMut(&M, &B) -> Tensor<E>,
+    {
+        let local_rows: usize = micro_batches.iter().map(B::rows).sum();
+        if local_rows == 0 || local_rows > global_rows {
+            return Err(ParallelError::RowsOutsideBatch {
+                rank: self.rank(),
+                local_rows,
+                global_rows,
+            });
+        }
+        {
+            let mut core = self.core.borrow_mut();
+            core.weight = E::from_f64(local_rows as f64 / global_rows as f64);
+            core.finite = true;
+            core.units.iter_mut().for_each(|u| u.ready = 0);
+        }
+        self.local_loss.set(0.0);
+        self.summary = None;
+        let local_loss = Rc::clone(&self.local_loss);
+        let recording_loss = |model: &M, micro_batch: &B| {
+            let loss = loss_fn(model, micro_batch);
+            let weight = micro_batch.rows() as f64 / global_rows as f64;
+            local_loss.set(local_loss.get() + weight * loss.item().to_f64());
+            loss
+        };
+        let mut observer = Observer {
+            core: &self.core,
+            local_loss: &self.local_loss,
+            summary: &mut self.summary,
+        };
+        let result = train_step_mixed_observed(
+            model,
+            micro_batches,
+            recording_loss,
+            &mut self.inner,
+            precision,
+            scaler,
+            clip,
+            &mut observer,
+        );
+        if let Some(error) = self.take_error() {
+            return Err(error);
+        }
+        Ok(global_report(result?, self.summary))
+    }
+
+    /// The first collective error met since the last call, if any.
+    fn take_error(&self) -> Option<ParallelError> {
+        let core = self.core.borrow();
+        let mut link = core.link.borrow_mut();
+        let rank = link.rank();
+        link.take_error()
+            .map(|source| ParallelError::Collective { rank, source })
+    }
+
+    /// All-gathers every unit, so that every rank holds the whole values (to save them, or
+    /// to evaluate without [`UnitRunner`]); [`release_full_parameters`]
+    /// (Self::release_full_parameters) frees them again. A collective per unit.
+    ///
+    /// # Errors
+    /// [`ParallelError::Collective`] if a gather failed.
+    pub fn gather_full_parameters(&self) -> Result<()> {
+        let units = self.core.borrow().units.len();
+        for unit in 0..units {
+            self.core.borrow_mut().gather(unit);
+        }
+        self.take_error().map_or(Ok(()), Err)
+    }
+
+    /// Releases every unit's whole values (after
+    /// [`gather_full_parameters`](Self::gather_full_parameters)). Local.
+    pub fn release_full_parameters(&self) {
+        let core = self.core.borrow();
+        (0..core.units.len()).for_each(|unit| core.release(unit));
+    }
+
+    /// The whole AdamW state, as an unsharded [`AdamW`] on all the units' parameters in
+    /// order would have it; every rank receives it. Two all-gathers per unit and one
+    /// all-reduce of the step counts.
+    ///
+    /// # Errors
+    /// [`ParallelError::Collective`] if a collective fails.
+    pub fn full_state(&self) -> Result<AdamWState> {
+        let saved = self.inner.state_dict();
+        let core = self.core.borrow();
+        let mut moments = [
+            vec![Vec::new(); core.parameters.len()],
+            vec![Vec::new(); core.parameters.len()],
+        ];
+        let mut steps = vec![0.0f64; core.parameters.len()];
+        for (piece, state) in core.pieces.iter().zip(&saved.params) {
+            if let Some(state) = state {
+                steps[piece.param] = state.step as f64;
+            }
+        }
+        let mut link = core.link.borrow_mut();
+        for unit in &core.units {
+            for (moment, full) in moments.iter_mut().enumerate() {
+                let mut local = Metered::<E>::zeros(unit.shard.len());
+                for &p in &unit.pieces {
+                    if let Some(state) = &saved.params[p] {
+                        let values = [&state.exp_avg, &state.exp_avg_sq][moment];
+                        let offset = core.pieces[p].shard_offset;
+                        for (dst, &src) in local[offset..].iter_mut().zip(values) {
+                            *dst = E::from_f64(src);
+                        }
+                    }
+                }
+                let mut gathered = Metered::<E>::zeros(unit.len);
+                link.call(|comm| {
+                    comm.all_gather(
+                        <E as tl_collective::Element>::view(&local),
+                        <E as tl_collective::Element>::view_mut(&mut gathered),
+                    )
+                });
+                let mut offset = 0;
+                for &p in &unit.params {
+                    let len = core.parameters[p].numel();
+                    full[p] = gathered[offset..offset + len]
+                        .iter()
+                        .map(|&v| Element::to_f64(v))
+                        .collect();
+                    offset += len;
+                }
+            }
+        }
+        link.call(|comm| {
+            comm.all_reduce(
+                tl_collective::SliceMut::F64(&mut steps),
+                tl_collective::ReduceOp::Max,
+            )
+        });
+        if let Some(source) = link.take_error() {
+            let rank = link.rank();
+            return Err(ParallelError::Collective { rank, source });
+        }
+        let [exp_avg, exp_avg_sq] = moments;
+        Ok(whole_state(
+            &core.parameters,
+            exp_avg,
+            exp_avg_sq,
+            &steps,
+            saved,
+        ))
+    }
+
+    /// Loads a whole AdamW state (saved at any world size), keeping this rank's shard.
+    /// Local: no collective.
+    ///
+    /// # Errors
+    /// As [`ShardedAdamW::load_full_state`](crate::ShardedAdamW::load_full_state).
+    pub fn load_full_state(&mut self, state: &AdamWState) -> Result<()> {
+        let core = self.core.borrow();
+        let layout: Vec<(usize, usize, usize)> = core
+            .pieces
+            .iter()
+            .map(|p| (p.param, p.start, p.values.numel()))
+            .collect();
+        self.inner
+            .load_state_dict(shard_state(&core.parameters, state, &layout)?)?;
+        Ok(())
+    }
+
+    /// Loads whole parameter values (every rank the same, e.g. from a checkpoint), in the
+    /// units' order, keeping this rank's shard. Local. The full values stay released.
+    ///
+    /// # Panics
+    /// If `values` does not hold one array per parameter, shaped like it.
+    pub fn load_full_parameters(&self, values: &[ArrayD<E>]) {
+        let core = self.core.borrow();
+        assert_eq!(
+            values.len(),
+            core.parameters.len(),
+            "one array per parameter"
+        );
+        for (param, value) in core.parameters.iter().zip(values) {
+            assert_eq!(param.shape(), value.shape(), "parameter shape");
+        }
+        for piece in &core.pieces {
+            piece.values.update_value(|v| {
+                let mut run = vec![E::zero(); v.len()];
+                read_run(&values[piece.param], piece.start, &mut run);
+                write_run(v, 0, &run);
+            });
+        }
+    }
+}
+
+/// The observer of a [`Zero3::train_step`]: the gradients are already in the shards when
+/// backward ends, so it only makes the extras, the finiteness and the clip norm global.
+struct Observer<'a, E: GradElement> {
+    core: &'a Rc<RefCell<Core<E>>>,
+    local_loss: &'a Cell<f64>,
+    summary: &'a mut Option<StepSummary>,
+}
+
+impl<E: GradElement> StepObserver<E> for Observer<'_, E> {
+    fn phase<R>(&mut self, _phase: StepPhase, run: impl FnOnce(&mut Self) -> R) -> R {
+        run(self)
+    }
+
+    fn gradients_ready(&mut self, _params: &[Tensor<E>]) {
+        let core = self.core.borrow();
+        let shard_finite = core.pieces.iter().all(|p| {
+            p.values
+                .with_grad(|g| g.is_none_or(|g| g.iter().all(|v| v.is_finite())))
+        });
+        let flag = !(core.finite && shard_finite);
+        let mut extras = [
+            E::from_f64(self.local_loss.get()),
+            if flag { E::one() } else { E::zero() },
+            E::from_f64(underflow_count() as f64),
+        ];
+        let sent = core
+            .link
+            .borrow_mut()
+            .call(|comm| comm.all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut extras)));
+        *self.summary = sent.map(|()| StepSummary {
+            global_loss: Some(extras[0].to_f64()),
+            nonfinite_ranks: extras[1].to_f64() as u64,
+            underflows: extras[2].to_f64() as u64,
+        });
+    }
+
+    fn all_finite(&mut self, local: bool) -> bool {
+        local
+            && !self.core.borrow().link.borrow().failed()
+            && self.summary.is_some_and(|s| s.nonfinite_ranks == 0)
+    }
+
+    fn total_sum_squares(&mut self, local: f64) -> f64 {
+        self.core
+            .borrow()
+            .link
+            .borrow_mut()
+            .call(|comm| comm.all_reduce_sum_f64(local))
+            .unwrap_or(f64::NAN)
+    }
+}
