@@ -189,7 +189,7 @@ pub struct StageTerms {
 /// The reduction's buffers: `DataParallel` copies a bucket into a vector (the first bucket
 /// is the largest), and the ring reduce-scatters it in place through a scratch vector of
 /// one shard; each collective also gathers the ranks' 40-byte headers into a vector.
-/// `ShardedAdamW`'s gather uses a vector of its shard and one of all `P` weights.
+/// `ShardedAdamW`'s gather uses a vector of its shard and one of a round: at most a bucket.
 pub fn stage_terms(
     stage: ZeroStage,
     sizes: &ModelSizes,
@@ -214,7 +214,11 @@ pub fn stage_terms(
         }
     };
     let bucket_buffers = F32 * first_bucket + ring(first_bucket);
-    let gather_buffers = F32 * own + F32 * p + ring(0);
+    // `ShardedAdamW`'s gather: a copy of its shard, then rounds of at most a bucket over the
+    // ranks per rank, one buffer at a time (the first round is the largest).
+    let round = (bucket_bytes / F32 / ranks as u64).max(1);
+    let gather_round: u64 = (0..ranks).map(|r| shard(p, ranks, r).min(round)).sum();
+    let gather_buffers = F32 * own + F32 * gather_round + ring(0);
     match stage {
         ZeroStage::Ddp => StageTerms {
             weights: F32 * p,
