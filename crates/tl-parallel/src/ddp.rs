@@ -266,7 +266,7 @@ impl DataParallel {
         model: &M,
         micro_batches: &[B],
         global_rows: usize,
-        mut loss_fn: F,
+        loss_fn: F,
         opt: &mut O,
         precision: Precision,
         scaler: Option<&mut tl_precision::DynamicLossScaler>,
@@ -281,14 +281,7 @@ impl DataParallel {
     {
         self.begin_step(micro_batches.iter().map(B::rows).sum(), global_rows)?;
         self.loss_recorded = true;
-        let local_loss = Rc::clone(&self.local_loss);
-        // The same weights n_i/B in the same order as one process's accumulation.
-        let recording_loss = |model: &M, micro_batch: &B| {
-            let loss = loss_fn(model, micro_batch);
-            let weight = micro_batch.rows() as f64 / global_rows as f64;
-            local_loss.set(local_loss.get() + weight * loss.item().to_f64());
-            loss
-        };
+        let recording_loss = recording_loss(loss_fn, Rc::clone(&self.local_loss), global_rows);
         self.micro_batches = Some(micro_batches.len());
         let result = train_step_mixed_observed(
             model,
@@ -428,6 +421,28 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
             .borrow_mut()
             .call(|comm| comm.all_reduce_sum_f64(local))
             .unwrap_or(f64::NAN)
+    }
+}
+
+/// `loss_fn`, adding each micro-batch's loss to `local_loss` weighted by its share `n_i/B`
+/// of the global batch's `global_rows`: the same weights, in the same order, as one
+/// process's accumulation, so the sum over the ranks is the global batch's loss.
+pub(crate) fn recording_loss<E, M, B, F>(
+    mut loss_fn: F,
+    local_loss: Rc<Cell<f64>>,
+    global_rows: usize,
+) -> impl FnMut(&M, &B) -> Tensor<E>
+where
+    E: GradElement,
+    M: ?Sized,
+    B: MicroBatch,
+    F: FnMut(&M, &B) -> Tensor<E>,
+{
+    move |model: &M, micro_batch: &B| {
+        let loss = loss_fn(model, micro_batch);
+        let weight = micro_batch.rows() as f64 / global_rows as f64;
+        local_loss.set(local_loss.get() + weight * loss.item().to_f64());
+        loss
     }
 }
 

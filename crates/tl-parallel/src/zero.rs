@@ -135,13 +135,7 @@ impl<E: GradElement> ShardedAdamW<E> {
     /// Elements of optimizer state this rank holds: two moments per element of its shard
     /// (after the first step).
     pub fn state_elements(&self) -> usize {
-        self.inner
-            .state_dict()
-            .params
-            .iter()
-            .flatten()
-            .map(|p| p.exp_avg.len() + p.exp_avg_sq.len())
-            .sum()
+        moment_elements(&self.inner)
     }
 
     /// The whole optimizer state, as an unsharded [`AdamW`] on the same parameters would
@@ -236,9 +230,11 @@ impl<E: GradElement> ShardedAdamW<E> {
     /// parameters (their number, a shape, a moment's length), or
     /// [`TensorError::InvalidArgument`] for a bad hyperparameter. On error nothing changes.
     pub fn load_full_state(&mut self, state: &AdamWState) -> Result<()> {
-        let inner = shard_state(&self.parameters, state, &self.pieces_layout())?;
-        self.inner.load_state_dict(inner)?;
-        Ok(())
+        let layout = self
+            .pieces
+            .iter()
+            .map(|p| (p.param, p.start, p.values.numel()));
+        load_shard(&mut self.inner, &self.parameters, state, layout)
     }
 
     /// All-gathers the updated shards (`local`) into the parameters, in rounds of at most
@@ -297,14 +293,6 @@ impl<E: GradElement> ShardedAdamW<E> {
             }
         }
     }
-
-    /// `(parameter, start, len)` of each piece, in order.
-    fn pieces_layout(&self) -> Vec<(usize, usize, usize)> {
-        self.pieces
-            .iter()
-            .map(|p| (p.param, p.start, p.values.numel()))
-            .collect()
-    }
 }
 
 /// An [`AdamW`] over `parameters` (a rank's shard pieces) with `adamw`'s hyperparameters.
@@ -347,9 +335,34 @@ pub(crate) fn whole_state<E: Element>(
     }
 }
 
+/// Elements of the two moments `adamw` holds (none before its first step).
+pub(crate) fn moment_elements<E: Element>(adamw: &AdamW<E>) -> usize {
+    adamw
+        .state_dict()
+        .params
+        .iter()
+        .flatten()
+        .map(|p| p.exp_avg.len() + p.exp_avg_sq.len())
+        .sum()
+}
+
+/// Loads into `inner` — the AdamW over this rank's pieces, listed in `layout` as
+/// `(parameter, first element, length)` — its shard of the whole `state` (see
+/// [`shard_state`]).
+pub(crate) fn load_shard<E: Element>(
+    inner: &mut AdamW<E>,
+    parameters: &[Tensor<E>],
+    state: &AdamWState,
+    layout: impl IntoIterator<Item = (usize, usize, usize)>,
+) -> Result<()> {
+    let layout: Vec<_> = layout.into_iter().collect();
+    inner.load_state_dict(shard_state(parameters, state, &layout)?)?;
+    Ok(())
+}
+
 /// The state of the 1-D pieces `layout` (`(parameter, start, len)`) cut out of the whole
 /// state `state` of `parameters`, after checking that it fits them.
-pub(crate) fn shard_state<E: Element>(
+fn shard_state<E: Element>(
     parameters: &[Tensor<E>],
     state: &AdamWState,
     layout: &[(usize, usize, usize)],

@@ -51,7 +51,7 @@ use crate::ddp::{DataParallel, EXTRAS, GradElement, StepSummary};
 use crate::error::{ParallelError, Result};
 use crate::link::SharedLink;
 use crate::metered::Metered;
-use crate::zero::{adamw_like, shard_state, whole_state};
+use crate::zero::{adamw_like, load_shard, moment_elements, whole_state};
 
 /// One bucket: its segments, its length on the wire and this rank's chunk of it.
 struct Bucket {
@@ -358,13 +358,7 @@ impl<E: GradElement> Zero2AdamW<E> {
     /// Elements of optimizer state this rank holds: two moments per element of its shard
     /// (after the first step).
     pub fn state_elements(&self) -> usize {
-        self.inner
-            .state_dict()
-            .params
-            .iter()
-            .flatten()
-            .map(|p| p.exp_avg.len() + p.exp_avg_sq.len())
-            .sum()
+        moment_elements(&self.inner)
     }
 
     /// The whole optimizer state, as an unsharded [`AdamW`] on the same parameters would
@@ -457,14 +451,11 @@ impl<E: GradElement> Zero2AdamW<E> {
     /// As [`ShardedAdamW::load_full_state`](crate::ShardedAdamW::load_full_state).
     pub fn load_full_state(&mut self, state: &AdamWState) -> Result<()> {
         let core = self.core.borrow();
-        let layout: Vec<(usize, usize, usize)> = core
+        let layout = core
             .pieces
             .iter()
-            .map(|p| (p.param, p.start, p.values.numel()))
-            .collect();
-        let inner = shard_state(&core.parameters, state, &layout)?;
-        self.inner.load_state_dict(inner)?;
-        Ok(())
+            .map(|p| (p.param, p.start, p.values.numel()));
+        load_shard(&mut self.inner, &core.parameters, state, layout)
     }
 }
 

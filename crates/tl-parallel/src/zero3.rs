@@ -50,11 +50,11 @@ use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 use tl_tensor::{Element, Tensor, is_grad_enabled};
 
 use crate::bucket::{read_run, write_run};
-use crate::ddp::{GradElement, StepSummary, global_report};
+use crate::ddp::{GradElement, StepSummary, global_report, recording_loss};
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
 use crate::metered::Metered;
-use crate::zero::{adamw_like, shard_state, whole_state};
+use crate::zero::{adamw_like, load_shard, whole_state};
 
 /// A run of one parameter inside this rank's shard of its unit.
 struct Piece<E: Element> {
@@ -420,7 +420,7 @@ impl<E: GradElement> Zero3<E> {
         model: &M,
         micro_batches: &[B],
         global_rows: usize,
-        mut loss_fn: F,
+        loss_fn: F,
         precision: Precision,
         scaler: Option<&mut DynamicLossScaler>,
         clip: Option<f64>,
@@ -446,13 +446,7 @@ impl<E: GradElement> Zero3<E> {
         }
         self.local_loss.set(0.0);
         self.summary = None;
-        let local_loss = Rc::clone(&self.local_loss);
-        let recording_loss = |model: &M, micro_batch: &B| {
-            let loss = loss_fn(model, micro_batch);
-            let weight = micro_batch.rows() as f64 / global_rows as f64;
-            local_loss.set(local_loss.get() + weight * loss.item().to_f64());
-            loss
-        };
+        let recording_loss = recording_loss(loss_fn, Rc::clone(&self.local_loss), global_rows);
         let mut observer = Observer {
             core: &self.core,
             local_loss: &self.local_loss,
@@ -581,14 +575,11 @@ impl<E: GradElement> Zero3<E> {
     /// As [`ShardedAdamW::load_full_state`](crate::ShardedAdamW::load_full_state).
     pub fn load_full_state(&mut self, state: &AdamWState) -> Result<()> {
         let core = self.core.borrow();
-        let layout: Vec<(usize, usize, usize)> = core
+        let layout = core
             .pieces
             .iter()
-            .map(|p| (p.param, p.start, p.values.numel()))
-            .collect();
-        self.inner
-            .load_state_dict(shard_state(&core.parameters, state, &layout)?)?;
-        Ok(())
+            .map(|p| (p.param, p.start, p.values.numel()));
+        load_shard(&mut self.inner, &core.parameters, state, layout)
     }
 
     /// Loads whole parameter values (every rank the same, e.g. from a checkpoint), in the

@@ -209,8 +209,9 @@ fn check_data(
     write_atomic(&run_dir.join(CONFIG_FILE), &json)
 }
 
-/// What one rank read to resume a run.
-struct Resumed {
+/// Everything one rank holds of a run before it trains on: read from a checkpoint, or at
+/// step 0 of its config.
+struct RunParts {
     config: TrainConfig,
     lock: Option<RunLock>,
     corpus: Corpus,
@@ -220,6 +221,29 @@ struct Resumed {
     data_rng: Generator,
     step: u64,
     tokens_seen: u64,
+}
+
+impl RunParts {
+    /// Step 0 of `config`: a fresh loss scaler and data stream.
+    fn fresh(
+        config: TrainConfig,
+        lock: Option<RunLock>,
+        corpus: Corpus,
+        model: Llama<f32>,
+        optimizer: AdamW<f32>,
+    ) -> Self {
+        Self {
+            scaler: new_scaler(&config),
+            data_rng: Generator::new(config.seed ^ DATA_STREAM),
+            config,
+            lock,
+            corpus,
+            model,
+            optimizer,
+            step: 0,
+            tokens_seen: 0,
+        }
+    }
 }
 
 /// The run's config at `world` ranks (and the ZeRO stage asked for); the leader writes it
@@ -263,7 +287,7 @@ fn resume_state(
     options: ResumeOptions,
     leader: bool,
     world: usize,
-) -> Result<Resumed> {
+) -> Result<RunParts> {
     if !run_dir.is_dir() {
         return Err(TrainError::checkpoint(run_dir, "is not a run directory"));
     }
@@ -280,17 +304,7 @@ fn resume_state(
         check_data(run_dir, &mut config, &corpus, options, leader)?;
         let model = Llama::new(&config.model, config.seed)?;
         let optimizer = new_optimizer(&model, &config)?;
-        return Ok(Resumed {
-            scaler: new_scaler(&config),
-            data_rng: Generator::new(config.seed ^ DATA_STREAM),
-            config,
-            lock,
-            corpus,
-            model,
-            optimizer,
-            step: 0,
-            tokens_seen: 0,
-        });
+        return Ok(RunParts::fresh(config, lock, corpus, model, optimizer));
     }
     let snapshot = snapshot::load(run_dir)?;
     let state = &snapshot.state;
@@ -343,7 +357,7 @@ fn resume_state(
     let data_rng = Generator::new(0);
     data_rng.set_state(&state.data_rng);
     model.dropout_generator().set_state(&state.dropout_rng);
-    Ok(Resumed {
+    Ok(RunParts {
         config,
         lock,
         corpus,
@@ -422,42 +436,46 @@ impl Trainer {
             Ok((corpus, Some(lock)))
         })();
         let (corpus, lock) = ranks::agree(&mut ddp, prepared, Some((&config, 0)), "start the run")?;
-        let mut ddp = ddp.with_bucket_bytes(config.parallel.bucket_bytes);
         let model = Llama::new(&config.model, config.seed)?;
         if ddp.world_size() > 1 {
             ddp.broadcast_parameters(&model.parameters())?;
         }
         let optimizer = new_optimizer(&model, &config)?;
-        Self::start(config, run_dir, lock, corpus, model, optimizer, ddp)
+        let parts = RunParts::fresh(config, lock, corpus, model, optimizer);
+        Self::assemble(run_dir, parts, ddp)
     }
 
-    /// A trainer at step 0 of `config`, in `run_dir` (locked by rank 0).
-    fn start(
-        config: TrainConfig,
-        run_dir: &Path,
-        lock: Option<RunLock>,
-        corpus: Corpus,
-        model: Llama<f32>,
-        optimizer: AdamW<f32>,
-        mut ddp: DataParallel,
-    ) -> Result<Self> {
+    /// The trainer of `parts` in `run_dir` (locked by rank 0), on `ddp`'s ranks.
+    fn assemble(run_dir: &Path, parts: RunParts, ddp: DataParallel) -> Result<Self> {
+        let RunParts {
+            config,
+            lock,
+            corpus,
+            model,
+            optimizer,
+            scaler,
+            data_rng,
+            step,
+            tokens_seen,
+        } = parts;
+        let mut ddp = ddp.with_bucket_bytes(config.parallel.bucket_bytes);
         model.set_checkpointing(config.checkpointing);
         let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &mut ddp)?;
         Ok(Self {
-            scaler: new_scaler(&config),
+            scaler,
             validation: validation_batches(&corpus, &config),
-            data_rng: Generator::new(config.seed ^ DATA_STREAM),
+            data_rng,
             metrics: lock
                 .is_some()
-                .then(|| MetricsLog::open(run_dir, 0))
+                .then(|| MetricsLog::open(run_dir, step))
                 .transpose()?,
             run_dir: run_dir.to_path_buf(),
+            step,
+            tokens_seen,
             config,
             model,
             optimizer,
             corpus,
-            step: 0,
-            tokens_seen: 0,
             ddp,
             traffic: StepTraffic::default(),
             _lock: lock,
@@ -497,40 +515,8 @@ impl Trainer {
         let prepared = resume_state(run_dir, options, ddp.rank() == 0, ddp.world_size());
         let fingerprint = prepared.as_ref().ok().map(|r| (r.config.clone(), r.step));
         let fingerprint = fingerprint.as_ref().map(|(config, step)| (config, *step));
-        let resumed = ranks::agree(&mut ddp, prepared, fingerprint, "resume the run")?;
-        let Resumed {
-            config,
-            lock,
-            corpus,
-            model,
-            optimizer,
-            scaler,
-            data_rng,
-            step,
-            tokens_seen,
-        } = resumed;
-        let mut ddp = ddp.with_bucket_bytes(config.parallel.bucket_bytes);
-        model.set_checkpointing(config.checkpointing);
-        let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &mut ddp)?;
-        Ok(Self {
-            scaler,
-            validation: validation_batches(&corpus, &config),
-            data_rng,
-            metrics: lock
-                .is_some()
-                .then(|| MetricsLog::open(run_dir, step))
-                .transpose()?,
-            run_dir: run_dir.to_path_buf(),
-            step,
-            tokens_seen,
-            config,
-            model,
-            optimizer,
-            corpus,
-            ddp,
-            traffic: StepTraffic::default(),
-            _lock: lock,
-        })
+        let parts = ranks::agree(&mut ddp, prepared, fingerprint, "resume the run")?;
+        Self::assemble(run_dir, parts, ddp)
     }
 
     /// Ends the trainer (releasing the run's lock), handing back the ranks' communicator.
