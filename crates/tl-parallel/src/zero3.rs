@@ -9,7 +9,10 @@
 //! [released](Tensor::release_value) between uses.
 //!
 //! **When it communicates.** [`UnitRunner::run_unit`] all-gathers a unit's values just
-//! before its forward and releases them right after. It puts an identity op on the output
+//! before its forward and releases them right after. A checkpointed unit's forward (no
+//! graph) does the same; its rerun during backward gathers them again and keeps them for
+//! the unit's backward, which follows at once (as FSDP does not reshard after a
+//! recomputed forward). It puts an identity op on the output
 //! whose VJP all-gathers them again before the unit's backward starts, so the ops that
 //! saved them, or a checkpointed unit's rerun, find them. Each parameter's gradient-ready
 //! hook counts the unit's parameters done; when all are, the unit's gradients (weighted by
@@ -20,7 +23,7 @@
 //! the units in the same order, so every rank issues the same collectives in that order.
 //!
 //! Per micro-batch and unit a rank sends `(N−1)/N·U` elements for each of the two gathers
-//! and the reduce-scatter: `3(N−1)/N·P` over a model of `P` elements, against DDP's
+//! (a checkpointed unit's too) and the reduce-scatter: `3(N−1)/N·P` over a model of `P` elements, against DDP's
 //! `2(N−1)/N·P` per step; the update itself sends nothing.
 //!
 //! **Why it matches DDP.** With one micro-batch per rank each element of the reduced
@@ -47,10 +50,10 @@ use tl_precision::{
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
-use tl_tensor::{Element, Tensor, is_grad_enabled};
+use tl_tensor::{Element, Tensor, in_backward, is_grad_enabled};
 
 use crate::bucket::{read_run, write_run};
-use crate::ddp::{GradElement, StepSummary, global_report, recording_loss};
+use crate::ddp::{DataParallel, GradElement, StepSummary, global_report, recording_loss};
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
 use crate::metered::Metered;
@@ -218,7 +221,7 @@ pub struct UnitRunner<E: GradElement> {
 }
 
 impl<E: GradElement> UnitRunner<E> {
-    /// Runs unit `unit`'s forward `f` on `input` with the unit's whole parameters there:
+    /// Runs unit `unit`'s forward `f` with the unit's whole parameters there:
     /// all-gathered before `f`, released after it. Under grad mode the output passes an
     /// identity op whose VJP gathers them again before the unit's backward; the
     /// gradient-ready hooks reduce-scatter the unit's gradients and release it once its
@@ -228,15 +231,15 @@ impl<E: GradElement> UnitRunner<E> {
     ///
     /// # Panics
     /// If `unit` is not the index of a unit.
-    pub fn run_unit(
-        &self,
-        unit: usize,
-        input: &Tensor<E>,
-        f: impl FnOnce(&Tensor<E>) -> Tensor<E>,
-    ) -> Tensor<E> {
+    pub fn run_unit(&self, unit: usize, f: impl FnOnce() -> Tensor<E>) -> Tensor<E> {
         self.core.borrow_mut().gather(unit);
-        let output = f(input);
-        self.core.borrow().release(unit);
+        let output = f();
+        // A rerun inside backward (a checkpointed unit's) keeps the values for the unit's
+        // backward, which follows at once; the gradient-ready hooks release them after it.
+        let rerun = is_grad_enabled() && in_backward();
+        if !rerun {
+            self.core.borrow().release(unit);
+        }
         if !is_grad_enabled() {
             return output;
         }
@@ -286,7 +289,7 @@ impl<E: GradElement> Zero3<E> {
     /// let runner = zero3.runner();
     /// let batch = (Tensor::ones(&[4, 3]), Tensor::zeros(&[4, 1]));
     /// let loss = |m: &Linear<f32>, (x, t): &(Tensor<f32>, Tensor<f32>)| {
-    ///     mse(&runner.run_unit(0, x, |x| m.forward(x)), t)
+    ///     mse(&runner.run_unit(0, || m.forward(x)), t)
     /// };
     /// let report = zero3.train_step(&model, &[batch], 4, loss, Precision::Fp32, None, None)?;
     /// assert!(report.loss.is_finite() && !report.skipped);
@@ -299,10 +302,31 @@ impl<E: GradElement> Zero3<E> {
         units: Vec<Vec<Tensor<E>>>,
         adamw: &AdamW<E>,
     ) -> Result<Self> {
+        Self::on_link(Link::shared(comm), units, adamw)
+    }
+
+    /// [`Zero3::new`] on the communicator of `ddp`, which keeps serving the run's other
+    /// collectives (agreement, reports) between steps; its counters and
+    /// [`communication_time`](DataParallel::communication_time) include this stage's.
+    ///
+    /// # Errors
+    /// As [`Zero3::new`].
+    pub fn on(
+        ddp: &DataParallel,
+        units: Vec<Vec<Tensor<E>>>,
+        adamw: &AdamW<E>,
+    ) -> Result<Self> {
+        Self::on_link(ddp.link(), units, adamw)
+    }
+
+    fn on_link(link: SharedLink, units: Vec<Vec<Tensor<E>>>, adamw: &AdamW<E>) -> Result<Self> {
         if adamw.state_dict().params.iter().any(Option::is_some) {
             return Err(ParallelError::OptimizerHasState);
         }
-        let (rank, world_size) = (comm.rank(), comm.world_size());
+        let (rank, world_size) = {
+            let link = link.borrow();
+            (link.rank(), link.world_size())
+        };
         let mut parameters = Vec::new();
         let mut planned = Vec::new();
         let mut pieces = Vec::new();
@@ -340,7 +364,7 @@ impl<E: GradElement> Zero3<E> {
         }
         let inner = adamw_like(adamw, pieces.iter().map(|p| p.values.clone()).collect())?;
         let core = Rc::new(RefCell::new(Core {
-            link: Link::shared(comm),
+            link,
             parameters,
             units: planned,
             pieces,
@@ -392,14 +416,26 @@ impl<E: GradElement> Zero3<E> {
         self.core.borrow().link.borrow().stats()
     }
 
-    /// The learning rate of the next step.
-    pub fn learning_rate(&self) -> f64 {
-        self.inner.learning_rate()
+    /// The parameter (its index over all the units' parameters, in order) whose run the
+    /// `piece`-th of this rank's shard [parameters](Optimizer::parameters) holds: to name
+    /// the weight behind a shard's non-finite gradient.
+    ///
+    /// # Panics
+    /// If `piece` is not below the number of this rank's pieces.
+    pub fn parameter_of_piece(&self, piece: usize) -> usize {
+        self.core.borrow().pieces[piece].param
     }
 
-    /// Sets the learning rate of the next steps (a schedule).
-    pub fn set_learning_rate(&mut self, lr: f64) {
-        self.inner.set_learning_rate(lr);
+    /// The first parameter (as [`parameter_of_piece`](Self::parameter_of_piece) numbers
+    /// them) whose values in this rank's shard are not all finite. Local: each rank sees
+    /// only its shard, so every rank must learn the answer of the others (one small
+    /// all-reduce) before acting on it.
+    pub fn nonfinite_parameter(&self) -> Option<usize> {
+        let core = self.core.borrow();
+        core.pieces
+            .iter()
+            .find(|p| p.values.value().iter().any(|v| !v.is_finite()))
+            .map(|p| p.param)
     }
 
     /// Elements of the parameters this rank keeps: its shard of every unit.
@@ -604,6 +640,31 @@ impl<E: GradElement> Zero3<E> {
                 write_run(v, 0, &run);
             });
         }
+    }
+}
+
+/// AdamW on this rank's shard: its parameters are the shard's pieces (1-D runs of the
+/// units' parameters), which [`Zero3::train_step`] steps; the whole parameters take the
+/// new values at their next gather.
+impl<E: GradElement> Optimizer<E> for Zero3<E> {
+    fn step(&mut self) {
+        self.inner.step();
+    }
+
+    fn zero_grad(&self) {
+        self.inner.zero_grad();
+    }
+
+    fn parameters(&self) -> &[Tensor<E>] {
+        self.inner.parameters()
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.inner.learning_rate()
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.inner.set_learning_rate(lr);
     }
 }
 

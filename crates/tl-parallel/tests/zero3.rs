@@ -10,7 +10,7 @@ use tl_recompute::checkpoint;
 use tl_tensor::Tensor;
 use tl_tensor::losses::mse;
 use tl_tensor::nn::{Linear, Module};
-use tl_tensor::optim::{AdamW, AdamWState};
+use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 
 const LR: f64 = 1e-2;
 
@@ -75,7 +75,9 @@ fn ddp_rank(
     (weights(&model), reports, opt.state_dict())
 }
 
-/// The MLP's forward with each layer a unit, checkpointed or not.
+/// The MLP's forward with each layer a unit, checkpointed or not. A checkpointed unit is
+/// run as a model runs its checkpointed blocks: the checkpoint around the unit, so that the
+/// rerun during backward runs the unit again.
 fn forward(
     runner: &UnitRunner<f32>,
     model: &Mlp<f32>,
@@ -83,31 +85,30 @@ fn forward(
     recompute: bool,
 ) -> Tensor<f32> {
     let layer = |unit: usize, linear: &Linear<f32>, x: &Tensor<f32>| {
-        runner.run_unit(unit, x, |x| {
-            if !recompute {
-                return linear.forward(x);
-            }
-            let params = linear.parameters();
-            let copy = Linear::from_parts(params[0].clone(), params.get(1).cloned());
-            checkpoint(
-                move |xs| copy.forward(&xs[0]),
-                std::slice::from_ref(x),
-                &params,
-                &[],
-            )
-        })
+        if !recompute {
+            return runner.run_unit(unit, || linear.forward(x));
+        }
+        let params = linear.parameters();
+        let copy = Linear::from_parts(params[0].clone(), params.get(1).cloned());
+        let runner = runner.clone();
+        checkpoint(
+            move |xs| runner.run_unit(unit, || copy.forward(&xs[0])),
+            std::slice::from_ref(x),
+            &params,
+            &[],
+        )
     };
     layer(1, &model.out, &layer(0, &model.hidden, x).tanh())
 }
 
-/// ZeRO-3 with the hidden layer and the output layer as units.
+/// ZeRO-3 with the hidden layer and the output layer as units; with the bytes the rank sent.
 fn zero3_rank(
     comm: RingComm,
     config: &Config,
     steps: std::ops::Range<usize>,
     start: Option<&(Vec<f64>, AdamWState)>,
     recompute: bool,
-) -> Outcome {
+) -> (Outcome, u64) {
     let model = Mlp::<f32>::new(SEED);
     if let Some((values, _)) = start {
         set_weights(&model, values);
@@ -141,11 +142,12 @@ fn zero3_rank(
             report.unwrap()
         })
         .collect();
+    let sent = zero3.stats().bytes_sent;
     let state = zero3.full_state().unwrap();
     zero3.gather_full_parameters().unwrap();
     let values = weights(&model);
     zero3.release_full_parameters();
-    (values, reports, state)
+    ((values, reports, state), sent)
 }
 
 fn max_difference(a: &[f64], b: &[f64]) -> f64 {
@@ -195,7 +197,7 @@ fn zero3_equals_ddp_in_every_precision_at_two_and_four_ranks() {
         ] {
             let config = config(precision, 8 / n, overflow);
             let ddp = world(n, |comm| ddp_rank(comm, &config, 0..5, None));
-            let zero3 = world(n, |comm| zero3_rank(comm, &config, 0..5, None, false));
+            let zero3 = world(n, |comm| zero3_rank(comm, &config, 0..5, None, false).0);
             if overflow.is_some() {
                 assert!(ddp[0].1[2].skipped, "the overflow skips step 2");
             }
@@ -207,15 +209,23 @@ fn zero3_equals_ddp_in_every_precision_at_two_and_four_ranks() {
     }
 }
 
-/// Each unit checkpointed: the rerun inside the unit's backward finds the gathered
-/// parameters, and the training is the plain run's bit for bit, with two micro-batches a
-/// rank (the shards accumulate).
+/// Each unit checkpointed: the rerun inside the unit's backward gathers the parameters and
+/// keeps them for the backward that follows, so a checkpointed unit sends what a plain one
+/// does, and the training is the plain run's bit for bit, with two micro-batches a rank
+/// (the shards accumulate).
 #[test]
 fn zero3_with_checkpointed_units_equals_the_plain_run() {
     let config = config(Precision::Fp32, 2, None);
-    let plain = world(2, |comm| zero3_rank(comm, &config, 0..5, None, false));
-    let recomputed = world(2, |comm| zero3_rank(comm, &config, 0..5, None, true));
+    let (plain, plain_sent): (Vec<_>, Vec<_>) =
+        world(2, |comm| zero3_rank(comm, &config, 0..5, None, false))
+            .into_iter()
+            .unzip();
+    let (recomputed, recomputed_sent): (Vec<_>, Vec<_>) =
+        world(2, |comm| zero3_rank(comm, &config, 0..5, None, true))
+            .into_iter()
+            .unzip();
     assert_matches(&recomputed, &plain, None, "checkpointed");
+    assert_eq!(recomputed_sent, plain_sent, "no gather more for the rerun");
     let ddp = world(2, |comm| ddp_rank(comm, &config, 0..5, None));
     let largest = assert_matches(&plain, &ddp, Some(1e-6), "accumulating");
     println!("two micro-batches a rank: largest weight difference from DDP {largest:e}");
@@ -226,7 +236,7 @@ fn zero3_with_checkpointed_units_equals_the_plain_run() {
 #[test]
 fn zero3_state_saved_at_two_ranks_resumes_at_four() {
     let config = config(Precision::Fp32, 4, None);
-    let saved = world(2, |comm| zero3_rank(comm, &config, 0..2, None, false));
+    let saved = world(2, |comm| zero3_rank(comm, &config, 0..2, None, false).0);
     let ddp = world(2, |comm| ddp_rank(comm, &config, 0..2, None));
     assert_matches(&saved, &ddp, None, "saved");
     assert_eq!(saved[0].2, ddp[0].2, "the whole AdamW state");
@@ -234,7 +244,7 @@ fn zero3_state_saved_at_two_ranks_resumes_at_four() {
     let start = (saved[0].0.clone(), saved[0].2.clone());
     let config = config_at(4);
     let resumed = world(4, |comm| {
-        zero3_rank(comm, &config, 2..4, Some(&start), false)
+        zero3_rank(comm, &config, 2..4, Some(&start), false).0
     });
     let ddp = world(4, |comm| ddp_rank(comm, &config, 2..4, Some(&start)));
     let largest = assert_matches(&resumed, &ddp, Some(1e-6), "resumed");
@@ -331,7 +341,7 @@ fn stack_peak(comm: RingComm, zero3: bool) -> usize {
                 .iter()
                 .enumerate()
                 .fold(x.clone(), |h, (unit, layer)| {
-                    runner.run_unit(unit, &h, |h| layer.forward(h)).tanh()
+                    runner.run_unit(unit, || layer.forward(&h)).tanh()
                 });
             mse(&y, target)
         };

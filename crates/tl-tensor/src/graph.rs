@@ -6,7 +6,7 @@
 //! each VJP chose to save. `backward` *takes* every op's record when it runs it, so saved
 //! activations are freed as the sweep goes, and a graph can be swept only once.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
@@ -165,6 +165,50 @@ fn finish_leaf<E: Element>(node: &GradNode<E>, grad: Buffer<E>) {
     }
 }
 
+thread_local! {
+    /// How many backward sweeps are running on this thread (a VJP may start another, as a
+    /// checkpointed segment's rerun does).
+    static SWEEPS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Whether a backward sweep is running on this thread: true inside a VJP, so inside the
+/// forward rerun of a checkpointed segment, and false in an ordinary forward pass.
+///
+/// ```
+/// use std::cell::Cell;
+/// use std::rc::Rc;
+/// use tl_tensor::{Tensor, in_backward};
+/// let x = Tensor::<f32>::param(tl_tensor::ndarray::arr1(&[2.0]).into_dyn());
+/// let seen = Rc::new(Cell::new(false));
+/// let inside = Rc::clone(&seen);
+/// let y = Tensor::from_op_shared(&x, &[&x], move |g| {
+///     inside.set(in_backward());
+///     vec![Some(g)]
+/// });
+/// assert!(!in_backward());
+/// y.sum_all().backward();
+/// assert!(seen.get() && !in_backward());
+/// ```
+pub fn in_backward() -> bool {
+    SWEEPS.with(Cell::get) > 0
+}
+
+/// Counts one running sweep while alive, also when a VJP panics.
+struct Sweep;
+
+impl Sweep {
+    fn start() -> Self {
+        SWEEPS.with(|n| n.set(n.get() + 1));
+        Self
+    }
+}
+
+impl Drop for Sweep {
+    fn drop(&mut self) {
+        SWEEPS.with(|n| n.set(n.get() - 1));
+    }
+}
+
 /// Backpropagates `grad_out` from `root`, accumulating into the leaves' gradients.
 ///
 /// A leaf with a gradient-ready hook is finished as soon as the last op that consumes it has
@@ -178,6 +222,7 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: ArrayD<E>) 
         root.shape.as_slice(),
         "backward: the output gradient's shape must match the tensor's"
     );
+    let _sweep = Sweep::start();
     let order = topological_order(root);
     let mut waiting = hooked_consumers(&order);
     let mut pending: HashMap<usize, Buffer<E>> = HashMap::new();

@@ -26,7 +26,7 @@ pub mod testing;
 
 pub use element::Element;
 pub use error::{Result, TensorError};
-pub use graph::{GradReadyHook, Vjp};
+pub use graph::{GradReadyHook, Vjp, in_backward};
 pub use mode::{
     GradModeGuard, ModeSnapshot, ModeSnapshotGuard, NoGradGuard, enable_grad, is_grad_enabled,
     no_grad, set_grad_enabled,
