@@ -401,8 +401,8 @@ fn summary_ranks(run: &Path) -> Vec<serde_json::Value> {
 }
 
 /// ZeRO-1 trains DDP's run bit for bit (weights and the gathered optimizer state), with a
-/// smaller per-rank peak, and so does ZeRO-2 (to rounding when clipping sums the shards'
-/// squares), smaller again; a checkpoint resumes at another world size and stage.
+/// smaller per-rank peak, and so do ZeRO-2 and ZeRO-3 (to rounding when clipping sums the
+/// shards' squares), smaller again; a checkpoint resumes at another world size and stage.
 #[test]
 fn zero_stages_train_what_ddp_trains_and_resume_at_any_world_size() {
     let dir = tempfile::tempdir().unwrap();
@@ -429,15 +429,20 @@ fn zero_stages_train_what_ddp_trains_and_resume_at_any_world_size() {
         let sent = |rank: &serde_json::Value| rank["bytes_sent_per_step"].as_f64().unwrap();
         assert!(sent(&zero_rank) > sent(ddp_rank));
     }
-    // ZeRO-2 shards the gradients too: a lower peak again. Clipping sums the squares of
-    // each rank's shard, then over the ranks, an order DDP does not use: equal to rounding.
-    let zero2 = run("zero2", 2, &["--fp16", "--zero", "2"]);
-    assert_losses_close(&train_losses(&zero2), &train_losses(&ddp), 1e-6, "ZeRO-2");
-    let largest = largest_difference(&weights(&zero2), &weights(&ddp));
-    assert!(
-        largest < 1e-6,
-        "ZeRO-2 weights differ from DDP's by {largest}"
-    );
+    // ZeRO-2 shards the gradients too, ZeRO-3 the parameters: lower peaks again. Clipping
+    // sums the squares of each rank's shard, then over the ranks, an order DDP does not
+    // use; ZeRO-3 adds each micro-batch's reduced gradient into the shard, DDP reduces the
+    // rank's sum of them: equal to rounding.
+    for stage in ["2", "3"] {
+        let zero = run(&format!("zero{stage}"), 2, &["--fp16", "--zero", stage]);
+        let what = format!("ZeRO-{stage}");
+        assert_losses_close(&train_losses(&zero), &train_losses(&ddp), 1e-6, &what);
+        let largest = largest_difference(&weights(&zero), &weights(&ddp));
+        assert!(
+            largest < 1e-6,
+            "{what} weights differ from DDP's by {largest}"
+        );
+    }
     // Each stage's per-rank peak lies below the previous stage's where the model's state
     // weighs at the peak: one sequence per rank, checkpointed blocks, and buckets small
     // enough that ZeRO-2 frees gradients while backward runs (with more micro-batches the
@@ -455,12 +460,13 @@ fn zero_stages_train_what_ddp_trains_and_resume_at_any_world_size() {
             .map(|r| r["peak_live_bytes"].as_u64().unwrap())
             .collect::<Vec<_>>()
     };
-    let (zero0, zero1, zero2) = (peaks("0"), peaks("1"), peaks("2"));
-    // Measured (bytes, both ranks): 2,335,744; 1,978,248; 1,895,088 and 1,894,900.
+    let (zero0, zero1, zero2, zero3) = (peaks("0"), peaks("1"), peaks("2"), peaks("3"));
+    // Measured (bytes, both ranks): 2,335,744; 1,978,248; 1,895,088 and 1,894,900;
+    // 1,837,312.
     for rank in 0..2 {
         assert!(
-            zero0[rank] > zero1[rank] && zero1[rank] > zero2[rank],
-            "rank {rank}: {zero0:?} {zero1:?} {zero2:?}"
+            zero0[rank] > zero1[rank] && zero1[rank] > zero2[rank] && zero2[rank] > zero3[rank],
+            "rank {rank}: {zero0:?} {zero1:?} {zero2:?} {zero3:?}"
         );
     }
     // Without clipping every reduction adds in DDP's order: bit for bit.
@@ -469,7 +475,33 @@ fn zero_stages_train_what_ddp_trains_and_resume_at_any_world_size() {
         run("zero2-no-clip", 2, &["--bf16", "--no-clip", "--zero", "2"]),
     );
     assert_eq!(weights(&ddp), weights(&zero2));
+    // ZeRO-3 with checkpointed blocks and dropout, one micro-batch a rank: each gradient
+    // is the sum of the two ranks' in one addition, as DDP's, and the reruns gather what
+    // the forward gathered. Bit for bit.
+    let one_each = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let mut flags = vec!["--steps", "6", "--bf16", "--no-clip", "--dropout", "0.1"];
+        flags.extend_from_slice(&["--checkpoint-activations"]);
+        flags.extend_from_slice(extra);
+        succeed(2, &tiny(&out, 1, &flags));
+        out
+    };
+    let (ddp, zero3) = (
+        one_each("ddp-one", &[]),
+        one_each("zero3-one", &["--zero", "3"]),
+    );
+    assert_eq!(weights(&ddp), weights(&zero3));
+    assert_eq!(train_losses(&ddp), train_losses(&zero3));
     let ddp = dir.path().join("ddp");
+    // Half on two ranks at ZeRO-3, the rest alone, still at ZeRO-3.
+    let split = run("split3", 2, &["--fp16", "--zero", "3", "--until-step", "3"]);
+    succeed(1, &resume(&split, &[]));
+    assert_losses_close(
+        &train_losses(&split),
+        &train_losses(&ddp),
+        1e-5,
+        "2 x ZeRO-3 -> 1 x ZeRO-3",
+    );
     // Half on two ranks at ZeRO-1, the rest on four at ZeRO-0.
     let split = run("split", 2, &["--fp16", "--zero", "1", "--until-step", "3"]);
     succeed(4, &resume(&split, &["--zero", "0"]));

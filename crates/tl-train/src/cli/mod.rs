@@ -150,7 +150,8 @@ pub struct TrainArgs {
     #[arg(long, requires = "resume")]
     pub data_changed_ok: bool,
     /// ZeRO stage over the ranks: 0 (DDP, every rank keeps everything), 1 (AdamW's moments
-    /// partitioned) or 2 (the gradients too) [default: 0, or the run's with --resume].
+    /// partitioned), 2 (the gradients too) or 3 (the parameters too, gathered around each
+    /// block's use) [default: 0, or the run's with --resume].
     #[arg(long, value_name = "S")]
     pub zero: Option<u8>,
     /// MiB of gradients per collective of the reduction, as PyTorch DDP's bucket_cap_mb

@@ -1,6 +1,6 @@
 //! [`Llama`]: the decoder-only model of the capstone.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use tl_precision::round_for_products;
@@ -26,6 +26,11 @@ pub enum Checkpointing {
     Budget(usize),
 }
 
+/// What runs each of the model's units (see [`Llama::units`]) when one is set with
+/// [`Llama::set_unit_hook`]: called with the unit's index and its forward, it returns the
+/// forward's output. ZeRO-3 gathers the unit's parameters around it.
+pub type UnitHook<E> = Rc<dyn Fn(usize, &dyn Fn() -> Tensor<E>) -> Tensor<E>>;
+
 /// A Llama-style decoder: token embedding, `n_layers` pre-norm [`Block`]s, a final RMSNorm
 /// and an untied linear head to the vocabulary.
 ///
@@ -48,6 +53,52 @@ pub struct Llama<E: Element = f32> {
     head: Linear<E>,
     dropout_rng: Generator,
     checkpointing: Cell<Checkpointing>,
+    unit_hook: RefCell<Option<UnitHook<E>>>,
+}
+
+/// A block as one unit of the model: its forward goes through the unit hook, if any.
+/// The blocks are checkpointed in this form, so a checkpointed block's rerun goes through
+/// the hook too.
+struct UnitBlock<E: Element> {
+    unit: usize,
+    block: Rc<Block<E>>,
+    hook: Option<UnitHook<E>>,
+}
+
+impl<E: Element> Clone for UnitBlock<E> {
+    fn clone(&self) -> Self {
+        Self {
+            unit: self.unit,
+            block: Rc::clone(&self.block),
+            hook: self.hook.clone(),
+        }
+    }
+}
+
+impl<E: Element> Module<E> for UnitBlock<E> {
+    fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
+        run_unit(self.hook.as_ref(), self.unit, &|| self.block.forward(x))
+    }
+
+    fn parameters(&self) -> Vec<Tensor<E>> {
+        self.block.parameters()
+    }
+
+    fn set_training(&self, training: bool) {
+        self.block.set_training(training);
+    }
+}
+
+/// `forward()` through `hook` as unit `unit`, or plainly without one.
+fn run_unit<E: Element>(
+    hook: Option<&UnitHook<E>>,
+    unit: usize,
+    forward: &dyn Fn() -> Tensor<E>,
+) -> Tensor<E> {
+    match hook {
+        Some(hook) => hook(unit, forward),
+        None => forward(),
+    }
 }
 
 impl<E: Element> Llama<E> {
@@ -78,6 +129,7 @@ impl<E: Element> Llama<E> {
             head: Linear::new(config.d_model, config.vocab, false, &rng),
             dropout_rng,
             checkpointing: Cell::new(Checkpointing::Off),
+            unit_hook: RefCell::new(None),
         })
     }
 
@@ -101,6 +153,22 @@ impl<E: Element> Llama<E> {
         self.checkpointing.get()
     }
 
+    /// The parameters grouped as the forward pass uses them, one group a *unit*: the
+    /// embedding, each block, then the final norm with the head. Concatenated they are
+    /// [`Module::parameters`], in order.
+    pub fn units(&self) -> Vec<Vec<Tensor<E>>> {
+        let mut units = vec![vec![self.embedding.weight().clone()]];
+        units.extend(self.blocks.iter().map(|block| block.parameters()));
+        units.push(vec![self.norm.weight().clone(), self.head.weight().clone()]);
+        units
+    }
+
+    /// Runs every unit of the following forward passes (and of checkpointed blocks'
+    /// reruns) through `hook`, or plainly with `None`.
+    pub fn set_unit_hook(&self, hook: Option<UnitHook<E>>) {
+        *self.unit_hook.borrow_mut() = hook;
+    }
+
     /// Logits `[rows, time, vocab]` for token ids laid out row-major as `[rows, time]`.
     ///
     /// # Errors
@@ -116,10 +184,15 @@ impl<E: Element> Llama<E> {
             "Llama: {time} positions exceed the context of {}",
             self.config.context
         );
-        let x = self.embedding.forward_ids(ids, &[rows, time]);
-        let x = self.run_blocks(&x)?;
-        let normed = round_for_products(|finish| self.norm.forward_then(&x, finish));
-        Ok(self.head.forward(&normed))
+        let hook = self.unit_hook.borrow().clone();
+        let hook = hook.as_ref();
+        let x = run_unit(hook, 0, &|| self.embedding.forward_ids(ids, &[rows, time]));
+        let x = self.run_blocks(&x, hook)?;
+        let head = self.blocks.len() + 1;
+        Ok(run_unit(hook, head, &|| {
+            let normed = round_for_products(|finish| self.norm.forward_then(&x, finish));
+            self.head.forward(&normed)
+        }))
     }
 
     /// The mean cross-entropy (nats per token) of predicting `targets` from `inputs`, both
@@ -141,19 +214,22 @@ impl<E: Element> Llama<E> {
         ))
     }
 
-    fn run_blocks(&self, x: &Tensor<E>) -> Result<Tensor<E>> {
+    fn run_blocks(&self, x: &Tensor<E>, hook: Option<&UnitHook<E>>) -> Result<Tensor<E>> {
         let rngs = [self.dropout_rng.clone()];
-        let n = self.blocks.len();
+        let blocks: Vec<UnitBlock<E>> = (self.blocks.iter().enumerate())
+            .map(|(i, block)| UnitBlock {
+                unit: i + 1,
+                block: Rc::clone(block),
+                hook: hook.cloned(),
+            })
+            .collect();
         Ok(match self.checkpointing.get() {
-            Checkpointing::Off => self
-                .blocks
-                .iter()
-                .fold(x.clone(), |h, block| block.forward(&h)),
+            Checkpointing::Off => blocks.iter().fold(x.clone(), |h, block| block.forward(&h)),
             Checkpointing::PerBlock => {
-                let every_block: Vec<usize> = (0..n).collect();
-                checkpoint_sequential_with(&self.blocks, x, &every_block, &rngs, false)?
+                let every_block: Vec<usize> = (0..blocks.len()).collect();
+                checkpoint_sequential_with(&blocks, x, &every_block, &rngs, false)?
             }
-            Checkpointing::Budget(budget) => checkpoint_sequential(&self.blocks, x, budget, &rngs)?,
+            Checkpointing::Budget(budget) => checkpoint_sequential(&blocks, x, budget, &rngs)?,
         })
     }
 
@@ -382,6 +458,51 @@ mod tests {
             assert_eq!(loss_and_gradients(&model), plain, "{checkpointing:?}");
             // Later draws are those of the plain run: the rerun's draws were replayed.
             assert_eq!(model.dropout_generator().state(), after_plain);
+        }
+    }
+
+    /// The units are the parameters in order, and the forward runs each through the hook,
+    /// in order: the embedding, the blocks, the head. A checkpointed block runs through it
+    /// again in its rerun during backward, so ZeRO-3 finds it there too. The hook changes
+    /// nothing the model computes.
+    #[test]
+    fn every_unit_runs_through_the_hook_in_order_reruns_included() {
+        let config = ModelConfig {
+            n_layers: 3,
+            ..micro_config(0.25)
+        };
+        let model = Llama::<f32>::new(&config, 2).unwrap();
+        let flattened: Vec<Tensor<f32>> = model.units().into_iter().flatten().collect();
+        let parameters = model.parameters();
+        assert_eq!(model.units().len(), config.n_layers + 2);
+        assert_eq!(flattened.len(), parameters.len());
+        assert!(
+            flattened
+                .iter()
+                .zip(&parameters)
+                .all(|(a, b)| a.shares_storage(b))
+        );
+
+        let start = model.dropout_generator().state();
+        let plain = loss_and_gradients(&model);
+        let calls = Rc::new(RefCell::new(Vec::new()));
+        let seen = Rc::clone(&calls);
+        model.set_unit_hook(Some(Rc::new(move |unit, forward| {
+            seen.borrow_mut().push((unit, tl_tensor::in_backward()));
+            forward()
+        })));
+        for (checkpointing, reruns) in [
+            (Checkpointing::Off, vec![]),
+            (Checkpointing::PerBlock, vec![2, 1]),
+            (Checkpointing::Budget(2), vec![1, 2]),
+        ] {
+            calls.borrow_mut().clear();
+            model.dropout_generator().set_state(&start);
+            model.set_checkpointing(checkpointing);
+            assert_eq!(loss_and_gradients(&model), plain, "{checkpointing:?}");
+            let mut expected: Vec<(usize, bool)> = (0..5).map(|unit| (unit, false)).collect();
+            expected.extend(reruns.iter().map(|&unit| (unit, true)));
+            assert_eq!(*calls.borrow(), expected, "{checkpointing:?}");
         }
     }
 

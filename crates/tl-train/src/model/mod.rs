@@ -15,4 +15,4 @@ pub mod llama;
 pub mod rope;
 
 pub use config::{ModelConfig, Preset};
-pub use llama::{Checkpointing, Llama};
+pub use llama::{Checkpointing, Llama, UnitHook};

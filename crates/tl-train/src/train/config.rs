@@ -114,7 +114,7 @@ impl Default for Parallel {
 }
 
 /// The highest ZeRO stage `tinyllm train` runs.
-pub const MAX_ZERO_STAGE: u8 = 2;
+pub const MAX_ZERO_STAGE: u8 = 3;
 
 /// When a run stops as diverged instead of training on.
 ///

@@ -1,13 +1,16 @@
 //! [`RunOptimizer`]: the run's AdamW, whole on every rank (DDP, ZeRO stage 0), with its
-//! moments and update sharded over the ranks (ZeRO-1), or its gradients too (ZeRO-2).
-//! Whatever the stage a checkpoint holds the whole state, so a run resumes at any world
-//! size and stage.
+//! moments and update sharded over the ranks (ZeRO-1), its gradients too (ZeRO-2), or the
+//! parameters themselves (ZeRO-3). Whatever the stage a checkpoint holds the whole state,
+//! so a run resumes at any world size and stage.
 
-use tl_parallel::{DataParallel, ShardedAdamW, Zero2AdamW};
+use std::rc::Rc;
+
+use tl_parallel::{DataParallel, ShardedAdamW, Zero2AdamW, Zero3};
 use tl_tensor::Tensor;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 
 use crate::error::Result;
+use crate::model::Llama;
 
 /// AdamW as the run's ZeRO stage keeps it.
 pub enum RunOptimizer {
@@ -18,15 +21,26 @@ pub enum RunOptimizer {
     /// Each rank also keeps only its shard of the gradients, reduce-scattered during the
     /// last micro-batch's backward by the run's `DataParallel`.
     Zero2(Zero2AdamW<f32>),
+    /// Each rank keeps only its shard of every parameter too: the model's units are
+    /// gathered around their forward and backward, and their gradients reduce-scattered
+    /// in every micro-batch's backward, by the model's unit hook.
+    Zero3(Zero3<f32>),
 }
 
 impl RunOptimizer {
-    /// `adamw` (fresh, or holding a checkpoint's whole state) at ZeRO stage `zero` over
-    /// `ddp`'s ranks.
+    /// `adamw` (fresh, or holding a checkpoint's whole state) on `model`'s parameters at
+    /// ZeRO stage `zero` over `ddp`'s ranks. At stage 3 the model's whole values are
+    /// released and its unit hook set: from then on they exist only while a unit runs, or
+    /// inside [`with_full_parameters`](Self::with_full_parameters).
     ///
     /// # Errors
     /// [`TrainError::Parallel`](crate::TrainError::Parallel) if the state does not fit.
-    pub fn at_stage(adamw: AdamW<f32>, zero: u8, ddp: &mut DataParallel) -> Result<Self> {
+    pub fn at_stage(
+        adamw: AdamW<f32>,
+        zero: u8,
+        ddp: &mut DataParallel,
+        model: &Llama<f32>,
+    ) -> Result<Self> {
         if zero == 0 {
             return Ok(Self::Whole(adamw));
         }
@@ -40,9 +54,33 @@ impl RunOptimizer {
             sharded.load_full_state(&state)?;
             return Ok(Self::Sharded(sharded));
         }
-        let mut sharded = Zero2AdamW::new(ddp, fresh)?;
-        sharded.load_full_state(&state)?;
-        Ok(Self::Zero2(sharded))
+        if zero == 2 {
+            let mut sharded = Zero2AdamW::new(ddp, fresh)?;
+            sharded.load_full_state(&state)?;
+            return Ok(Self::Zero2(sharded));
+        }
+        let mut zero3 = Zero3::on(ddp, model.units(), &fresh)?;
+        zero3.load_full_state(&state)?;
+        let runner = zero3.runner();
+        model.set_unit_hook(Some(Rc::new(move |unit, forward| {
+            runner.run_unit(unit, forward)
+        })));
+        Ok(Self::Zero3(zero3))
+    }
+
+    /// `read()` with the model's whole values present on every rank: at ZeRO-3 they are
+    /// all-gathered before (a collective every rank must call) and released after.
+    ///
+    /// # Errors
+    /// [`TrainError::Parallel`](crate::TrainError::Parallel) if the gather fails.
+    pub fn with_full_parameters<T>(&self, read: impl FnOnce() -> T) -> Result<T> {
+        let Self::Zero3(zero3) = self else {
+            return Ok(read());
+        };
+        zero3.gather_full_parameters()?;
+        let done = read();
+        zero3.release_full_parameters();
+        Ok(done)
     }
 
     /// The whole state, as an unsharded AdamW holds it: a collective at ZeRO-1, which every
@@ -55,6 +93,7 @@ impl RunOptimizer {
             Self::Whole(adamw) => adamw.state_dict(),
             Self::Sharded(sharded) => sharded.full_state()?,
             Self::Zero2(sharded) => sharded.full_state()?,
+            Self::Zero3(zero3) => zero3.full_state()?,
         })
     }
 }
@@ -65,6 +104,7 @@ impl Optimizer<f32> for RunOptimizer {
             Self::Whole(adamw) => adamw.step(),
             Self::Sharded(sharded) => sharded.step(),
             Self::Zero2(sharded) => sharded.step(),
+            Self::Zero3(zero3) => zero3.step(),
         }
     }
 
@@ -73,6 +113,7 @@ impl Optimizer<f32> for RunOptimizer {
             Self::Whole(adamw) => adamw.zero_grad(),
             Self::Sharded(sharded) => sharded.zero_grad(),
             Self::Zero2(sharded) => sharded.zero_grad(),
+            Self::Zero3(zero3) => zero3.zero_grad(),
         }
     }
 
@@ -81,6 +122,7 @@ impl Optimizer<f32> for RunOptimizer {
             Self::Whole(adamw) => adamw.parameters(),
             Self::Sharded(sharded) => sharded.parameters(),
             Self::Zero2(sharded) => sharded.parameters(),
+            Self::Zero3(zero3) => zero3.parameters(),
         }
     }
 
@@ -89,6 +131,7 @@ impl Optimizer<f32> for RunOptimizer {
             Self::Whole(adamw) => adamw.learning_rate(),
             Self::Sharded(sharded) => sharded.learning_rate(),
             Self::Zero2(sharded) => sharded.learning_rate(),
+            Self::Zero3(zero3) => zero3.learning_rate(),
         }
     }
 
@@ -97,6 +140,7 @@ impl Optimizer<f32> for RunOptimizer {
             Self::Whole(adamw) => adamw.set_learning_rate(lr),
             Self::Sharded(sharded) => sharded.set_learning_rate(lr),
             Self::Zero2(sharded) => sharded.set_learning_rate(lr),
+            Self::Zero3(zero3) => zero3.set_learning_rate(lr),
         }
     }
 }

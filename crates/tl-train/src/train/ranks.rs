@@ -139,10 +139,13 @@ pub struct RankReport {
     pub bytes_sent_per_step: f64,
     /// Seconds it spent inside collectives per training step (mean over the run's steps).
     pub comm_s_per_step: f64,
+    /// The share of its own step time spent inside collectives (waiting for a slower rank
+    /// included), 0 to 1.
+    pub comm_share: f64,
 }
 
 /// Slots of [`RankReport`] exchanged per rank.
-const REPORT_SLOTS: usize = 4;
+const REPORT_SLOTS: usize = 5;
 
 /// This rank's communication over the steps of a run: bytes sent, seconds in collectives,
 /// and the number of steps.
@@ -152,6 +155,8 @@ pub struct StepTraffic {
     pub bytes_sent: u64,
     /// Seconds inside collectives.
     pub comm_s: f64,
+    /// Seconds of the steps, collectives included.
+    pub step_s: f64,
     /// Steps they were spent on.
     pub steps: u64,
 }
@@ -174,6 +179,7 @@ pub fn gather_reports(
         peak_rss_bytes.map_or(0.0, |b| b as f64 + 1.0),
         traffic.bytes_sent as f64,
         traffic.comm_s,
+        traffic.step_s,
     ]);
     if world > 1 {
         ddp.with_communicator(|comm| {
@@ -193,6 +199,7 @@ pub fn gather_reports(
             peak_rss_bytes: (s[1] > 0.0).then(|| s[1] as u64 - 1),
             bytes_sent_per_step: per_step(s[2]),
             comm_s_per_step: per_step(s[3]),
+            comm_share: if s[4] > 0.0 { s[3] / s[4] } else { 0.0 },
         })
         .collect())
 }

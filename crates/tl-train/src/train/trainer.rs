@@ -460,7 +460,7 @@ impl Trainer {
         } = parts;
         let mut ddp = ddp.with_bucket_bytes(config.parallel.bucket_bytes);
         model.set_checkpointing(config.checkpointing);
-        let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &mut ddp)?;
+        let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &mut ddp, &model)?;
         Ok(Self {
             scaler,
             validation: validation_batches(&corpus, &config),
@@ -593,8 +593,20 @@ impl Trainer {
         let started = Instant::now();
         let (sent_before, busy_before) =
             (self.ddp.stats().bytes_sent, self.ddp.communication_time());
-        // ZeRO-2 needs the data-parallel observer even alone: it fills the shards' gradients.
-        let stepped = if self.ddp.world_size() == 1 && config.parallel.zero < 2 {
+        // ZeRO-2 and 3 need their observers even alone: they fill the shards' gradients.
+        let stepped = if let RunOptimizer::Zero3(zero3) = &mut self.optimizer {
+            zero3
+                .train_step(
+                    &self.model,
+                    &micro_batches,
+                    config.sequences_per_step(),
+                    loss,
+                    config.precision,
+                    self.scaler.as_mut(),
+                    config.clip,
+                )
+                .map_err(TrainError::from)
+        } else if self.ddp.world_size() == 1 && config.parallel.zero < 2 {
             train_step_mixed(
                 &self.model,
                 &micro_batches,
@@ -623,6 +635,7 @@ impl Trainer {
         let step_s = started.elapsed().as_secs_f64();
         self.traffic.bytes_sent += self.ddp.stats().bytes_sent - sent_before;
         self.traffic.comm_s += (self.ddp.communication_time() - busy_before).as_secs_f64();
+        self.traffic.step_s += step_s;
         self.traffic.steps += 1;
         self.check_divergence(&report)?;
         self.step += 1;
@@ -741,6 +754,11 @@ impl Trainer {
                 self.diverged(format!("the loss is {loss}"))
             }
             TrainError::Precision(P::NonFiniteGradient { index }) => self.diverged(match index {
+                Some(index) if let RunOptimizer::Zero3(zero3) = &self.optimizer => format!(
+                    "the gradient of {} is not finite in rank {}'s shard",
+                    self.parameter_name(zero3.parameter_of_piece(index)),
+                    self.ddp.rank()
+                ),
                 Some(_) if matches!(self.optimizer, RunOptimizer::Zero2(_)) => format!(
                     "a gradient in rank {}'s shard is not finite",
                     self.ddp.rank()
@@ -759,7 +777,7 @@ impl Trainer {
     }
 
     /// Refuses a step whose loss exploded or whose update left a weight that is not finite.
-    fn check_divergence(&self, report: &StepReport) -> Result<()> {
+    fn check_divergence(&mut self, report: &StepReport) -> Result<()> {
         let limit = self.config.max_loss();
         let within = report.loss.is_finite() && report.loss <= limit;
         if !report.skipped && !within {
@@ -767,6 +785,20 @@ impl Trainer {
                 "the loss is {:.4}, above the limit {limit:.4} (--max-loss)",
                 report.loss
             )));
+        }
+        if let RunOptimizer::Zero3(zero3) = &self.optimizer {
+            // Each rank holds a shard: the ranks learn together whether any is damaged.
+            let local = zero3.nonfinite_parameter();
+            if ranks::any(&mut self.ddp, local.is_some())? {
+                return Err(self.diverged(match local {
+                    Some(index) => format!(
+                        "weight {} holds a value that is not finite",
+                        self.parameter_name(index)
+                    ),
+                    None => "a weight in another rank's shard is not finite".to_string(),
+                }));
+            }
+            return Ok(());
         }
         for (name, tensor) in self.model.named_parameters() {
             let value = tensor.value();
@@ -818,14 +850,21 @@ impl Trainer {
         // Whole tensors whatever the stage: sharded moments are gathered (every rank takes
         // part), and rank 0 writes them.
         let adamw = self.optimizer.full_state()?;
-        if self.metrics.is_none() {
+        let leader = self.metrics.is_some();
+        let weights: Vec<NamedTensor> = self.optimizer.with_full_parameters(|| {
+            let named = if leader {
+                self.model.named_parameters()
+            } else {
+                Vec::new()
+            };
+            named
+                .into_iter()
+                .map(|(name, tensor)| (name, tensor.shape(), tensor.to_vec()))
+                .collect()
+        })?;
+        if !leader {
             return Ok(self.run_dir.join(format!("checkpoint-{:06}", self.step)));
         }
-        let named = self.model.named_parameters();
-        let weights: Vec<NamedTensor> = named
-            .iter()
-            .map(|(name, tensor)| (name.clone(), tensor.shape(), tensor.to_vec()))
-            .collect();
         let state = RunState {
             format: FORMAT_VERSION,
             step: self.step,
