@@ -311,11 +311,7 @@ impl<E: GradElement> Zero3<E> {
     ///
     /// # Errors
     /// As [`Zero3::new`].
-    pub fn on(
-        ddp: &DataParallel,
-        units: Vec<Vec<Tensor<E>>>,
-        adamw: &AdamW<E>,
-    ) -> Result<Self> {
+    pub fn on(ddp: &DataParallel, units: Vec<Vec<Tensor<E>>>, adamw: &AdamW<E>) -> Result<Self> {
         Self::on_link(ddp.link(), units, adamw)
     }
 

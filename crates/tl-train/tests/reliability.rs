@@ -493,6 +493,34 @@ fn staging_directories_and_orphan_checkpoints_are_removed_at_the_next_start() {
     assert!(!orphan.exists());
 }
 
+// 11. A run killed after its last checkpoint and before its summary gets the summary at
+// the next start, rebuilt from its metrics and saying so, with nothing trained again.
+#[test]
+fn a_finished_run_without_its_summary_gets_it_at_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    run_in_process(&tiny_args(&out, &["--steps", "3"]));
+    let written: serde_json::Value =
+        serde_json::from_slice(&fs::read(out.join("summary.json")).unwrap()).unwrap();
+    assert!(written.get("note").is_none());
+    fs::remove_file(out.join("summary.json")).unwrap();
+    fs::remove_file(out.join("loss.svg")).unwrap();
+    let metrics = fs::read(out.join("metrics.jsonl")).unwrap();
+    let resume = ["train", "--resume", out.to_str().unwrap(), "--quiet"].map(String::from);
+    assert_eq!(run_in_process(&resume), Exit::Success);
+    let rebuilt: serde_json::Value =
+        serde_json::from_slice(&fs::read(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(rebuilt["steps"], written["steps"]);
+    assert_eq!(rebuilt["train_loss"], written["train_loss"]);
+    assert!(rebuilt["note"].as_str().unwrap().contains("rebuilt"));
+    assert!(out.join("loss.svg").exists());
+    assert_eq!(
+        fs::read(out.join("metrics.jsonl")).unwrap(),
+        metrics,
+        "nothing trained"
+    );
+}
+
 /// A small deterministic generator for the crash points (the test's own seed).
 fn next_random(state: &mut u64) -> u64 {
     *state ^= *state << 13;

@@ -46,6 +46,14 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
     let leader = trainer.rank() == 0;
     let config = trainer.config().clone();
     let until = args.until_step.unwrap_or(config.steps).min(config.steps);
+    if trainer.is_finished() && !trainer.run_dir().join("summary.json").exists() {
+        // The process that finished the run was stopped after its last checkpoint and
+        // before its summary: write the summary now, from the metrics.
+        let note = "rebuilt from metrics.jsonl: the process that finished the run stopped \
+                    before writing its summary; the memory figures are those of the process \
+                    that rebuilt it, which trained no step";
+        return report(&mut trainer, Some(note)).map(|()| Exit::Success);
+    }
     if trainer.step() >= until && !leader {
         return Ok(Exit::Success);
     }
@@ -104,7 +112,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
     });
     bar.finish_and_clear();
     let stop = outcome?;
-    report(&mut trainer)?;
+    report(&mut trainer, None)?;
     Ok(match stop {
         Stop::Finished => Exit::Success,
         Stop::Interrupted => {
@@ -364,8 +372,9 @@ fn print_header(trainer: &Trainer) {
     );
 }
 
-/// The end-of-run summary: printed, written as `summary.json`, and the loss chart.
-fn report(trainer: &mut Trainer) -> Result<()> {
+/// The end-of-run summary: printed, written as `summary.json` (with `note`, if any), and
+/// the loss chart. A collective: every rank calls it.
+fn report(trainer: &mut Trainer, note: Option<&str>) -> Result<()> {
     let (live, rss) = (memory::peak_bytes() as u64, peak_rss_bytes());
     let ranks = trainer.rank_reports(live, rss)?;
     if trainer.rank() != 0 {
@@ -374,6 +383,10 @@ fn report(trainer: &mut Trainer) -> Result<()> {
     let mut summary = trainer.summary(live, rss)?;
     if ranks.len() > 1 {
         summary.ranks = ranks;
+    }
+    if let Some(note) = note {
+        crate::output::warn(&format!("summary.json was missing; {note}"));
+        summary.note = Some(note.to_string());
     }
     let json = serde_json::to_vec_pretty(&summary).expect("the summary serializes");
     write_atomic(&trainer.run_dir().join("summary.json"), &json)?;
@@ -409,7 +422,7 @@ fn report(trainer: &mut Trainer) -> Result<()> {
     );
     for rank in &summary.ranks {
         say!(
-            "rank {}: peak live tensors {:.1} MiB{}; sent {:.2} MiB per step, {:.3} s per step in collectives ({:.1}% of the step)",
+            "rank {}: peak live tensors {:.1} MiB{}; sent {:.2} MiB per step, {:.3} s per step in collectives ({:.1}% of its step time)",
             rank.rank,
             mib(rank.peak_live_bytes),
             rank.peak_rss_bytes
@@ -417,7 +430,7 @@ fn report(trainer: &mut Trainer) -> Result<()> {
                 .unwrap_or_default(),
             rank.bytes_sent_per_step / f64::from(1u32 << 20),
             rank.comm_s_per_step,
-            100.0 * rank.comm_s_per_step / summary.step_s,
+            100.0 * rank.comm_share,
         );
     }
     say!("loss chart: {}", chart_path.display());

@@ -191,6 +191,7 @@ mod tests {
             peak_rss_bytes: None,
             skipped_steps: 0,
             ranks: Vec::new(),
+            note: None,
         }
     }
 

@@ -29,6 +29,9 @@ pub struct RunSummary {
     /// Each rank's memory, when the run trained on several (the figures above are rank 0's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ranks: Vec<super::ranks::RankReport>,
+    /// What to know about how the summary was made, when it is not the usual way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// How many trailing steps the train loss is averaged over.
@@ -92,6 +95,7 @@ impl RunSummary {
             peak_rss_bytes,
             skipped_steps,
             ranks: Vec::new(),
+            note: None,
         }
     }
 }
