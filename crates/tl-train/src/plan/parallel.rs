@@ -36,7 +36,7 @@ use super::kind::{Stage, TensorKind};
 use super::step::{OptimizerShard, Recipe, StepPrediction, predict_step_sharded};
 use super::zero::{
     BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, StageTerms, ZeroStage,
-    paper_figures, stage_collectives, stage_terms,
+    paper_figures, stage_terms,
 };
 use crate::error::{Result, TrainError};
 
@@ -209,38 +209,39 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
     } else {
         1
     };
-    let calls = stage_collectives(stage, &sizes, recipe.accum, bucket_bytes);
-    let single = predict_step_sharded(recipe, None)?;
     let ranks = (0..listed)
         .map(|rank| {
             let terms = stage_terms(stage, &sizes, world_size, rank, recipe.accum, bucket_bytes);
-            let memory = match stage {
-                ZeroStage::Ddp => from_dry_run(&single, &terms),
-                ZeroStage::OptimizerStates => {
-                    let shard = OptimizerShard {
-                        world_size,
-                        rank,
-                        bucket_bytes: bucket_bytes as usize,
-                    };
-                    from_dry_run(&predict_step_sharded(recipe, Some(shard))?, &terms)
-                }
-                ZeroStage::Gradients | ZeroStage::Parameters => from_terms(&single, &terms),
+            let shard = OptimizerShard {
+                stage,
+                world_size,
+                rank,
+                bucket_bytes: bucket_bytes as usize,
             };
-            let sent: Vec<SentBytes> = calls
+            let prediction = predict_step_sharded(recipe, Some(shard))?;
+            let sent: Vec<SentBytes> = prediction
+                .collectives
                 .iter()
                 .map(|&calls| SentBytes {
                     calls,
                     bytes: calls.calls
-                        * ring_bytes_sent(calls.collective, calls.elements, 4, world_size, rank),
+                        * ring_bytes_sent(
+                            calls.collective,
+                            calls.elements,
+                            calls.element_bytes,
+                            world_size,
+                            rank,
+                        ),
                 })
                 .collect();
+            let memory = from_dry_run(&prediction, stage, &terms);
             Ok(memory.into_rank_plan(rank, terms, sent))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(ParallelPlan {
         recipe: recipe.clone(),
         parallelism: *parallelism,
-        exact: stage.is_implemented(),
+        exact: true,
         paper: paper_figures(stage, sizes.parameters, world_size, recipe.accum),
         sizes,
         ranks,
@@ -380,15 +381,17 @@ fn gather_moment(terms: &StageTerms) -> Moment {
     )
 }
 
-/// Stages 0 and 1: the dry run's peak, split by kind, or the reduction or the gather with
-/// their buffers, whichever holds most.
-fn from_dry_run(prediction: &StepPrediction, terms: &StageTerms) -> Memory {
+/// The dry run's peak, split by kind (the communication buffers tl-parallel puts on the
+/// meter as the buffer term), and for stages 0 and 1 the reduction or the gather with the
+/// stage model's buffers, whichever holds most.
+fn from_dry_run(prediction: &StepPrediction, stage: ZeroStage, terms: &StageTerms) -> Memory {
     let weights = at_peak(prediction, &[TensorKind::Weights]);
     let gradients = at_peak(prediction, &[TensorKind::Gradients]);
     let optimizer = at_peak(
         prediction,
         &[TensorKind::AdamMoments, TensorKind::MasterShard],
     );
+    let buffers = at_peak(prediction, &[TensorKind::CommBuffers]);
     let peak = prediction.peak_bytes;
     let metered = Moment {
         phase: if prediction.peak_at.stage == Stage::Optimizer {
@@ -399,39 +402,18 @@ fn from_dry_run(prediction: &StepPrediction, terms: &StageTerms) -> Memory {
         weights,
         gradients,
         optimizer,
-        activations: peak - weights - gradients - optimizer,
-        buffers: terms.buffers_backward,
+        activations: peak - weights - gradients - optimizer - buffers,
+        buffers,
     };
+    let first = Some(prediction.first_step_peak_bytes);
+    if stage >= ZeroStage::Gradients {
+        return Memory::new(peak, first, &[metered]);
+    }
     let reduction = Moment::state(
         PeakPhase::Reduction,
         terms,
         terms.gradients_backward,
         terms.buffers_reduce,
     );
-    Memory::new(
-        peak,
-        Some(prediction.first_step_peak_bytes),
-        &[metered, reduction, gather_moment(terms)],
-    )
-}
-
-/// Stages 2 and 3: the single-process dry run's activations, with the stage's model state;
-/// their reduction runs during backward, so its buffers are counted there.
-fn from_terms(single: &StepPrediction, terms: &StageTerms) -> Memory {
-    let state = [
-        TensorKind::Weights,
-        TensorKind::Gradients,
-        TensorKind::AdamMoments,
-    ];
-    let backward = Moment {
-        phase: PeakPhase::Backward,
-        weights: terms.weights + terms.gathered_weights,
-        gradients: at_peak(single, &[TensorKind::Gradients]).min(terms.gradients_backward),
-        optimizer: terms.optimizer,
-        activations: single.peak_bytes - at_peak(single, &state),
-        buffers: terms.buffers_backward,
-    };
-    let updating = terms.weights + terms.gradients_reduced + terms.update_copies + terms.optimizer;
-    let peak = (backward.total() - backward.buffers).max(updating);
-    Memory::new(peak, None, &[backward, gather_moment(terms)])
+    Memory::new(peak, first, &[metered, reduction, gather_moment(terms)])
 }

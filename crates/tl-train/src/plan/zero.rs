@@ -288,8 +288,10 @@ pub struct CollectiveCalls {
     pub purpose: &'static str,
     /// The collective.
     pub collective: Collective,
-    /// f32 elements per call.
+    /// Elements per call.
     pub elements: u64,
+    /// Bytes per element: 4 (f32), or 8 for the f64 sum of the clip norm.
+    pub element_bytes: u64,
     /// Calls per step.
     pub calls: u64,
 }
@@ -311,6 +313,7 @@ pub fn stage_collectives(
         purpose,
         collective,
         elements,
+        element_bytes: F32,
         calls,
     };
     let mut out = Vec::new();
