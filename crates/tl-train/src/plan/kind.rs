@@ -168,8 +168,13 @@ pub enum Stage {
     Backward,
     /// A checkpointed segment rerunning its forward pass during backward.
     Recompute,
+    /// Data parallelism's gradient reduction after the last backward (and, under ZeRO-2,
+    /// the buckets left to reduce), before the update.
+    Reduction,
     /// The AdamW update.
     Optimizer,
+    /// The all-gather of the updated weights (ZeRO-1 and 2).
+    Gather,
 }
 
 /// A moment of a training step: which step, which micro-batch, what stage, which layer.
@@ -191,7 +196,9 @@ impl fmt::Display for Phase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let where_ = match self.stage {
             Stage::StepStart => "start".to_string(),
+            Stage::Reduction => "gradient reduction".to_string(),
             Stage::Optimizer => "AdamW update".to_string(),
+            Stage::Gather => "all-gather of the weights".to_string(),
             Stage::Forward => format!("forward, {}", self.layer),
             Stage::Backward => format!("backward, {}", self.layer),
             Stage::Recompute => format!("recompute, {}", self.layer),

@@ -277,6 +277,7 @@ impl ShadowAdamW {
         copies.into_iter().for_each(|copy| dry.release(copy));
         if sharded {
             // The shard's updated weights, then the gather's buffer round by round.
+            dry.phase.stage = Stage::Gather;
             let local = dry.buffer(self.shard_bytes, Layer::Head);
             let mut gathered: Option<Handle> = None;
             for &bytes in &self.gather_rounds {
@@ -501,7 +502,7 @@ fn run_step(
     }
     dry.autocast = false;
     dry.phase.micro_batch = 0;
-    dry.phase.stage = Stage::Optimizer;
+    dry.phase.stage = Stage::Reduction;
     // The observer's `gradients_ready`.
     match shard {
         None => {}
@@ -518,6 +519,7 @@ fn run_step(
             ),
         },
     }
+    dry.phase.stage = Stage::Optimizer;
     // Under ZeRO-2 and 3 the clip norm's sum of squares is added over the ranks, in f64.
     if recipe.clip && matches!(stage, Some(ZeroStage::Gradients | ZeroStage::Parameters)) {
         dry.call("gradient norm", Collective::AllReduce, 1, 8);

@@ -321,3 +321,42 @@ fn a_7b_shape_plans_fast_with_its_real_vocabulary() {
     assert_eq!(plan.sizes.parameters, 6_738_415_616);
     assert_eq!(plan.ranks.len(), 1);
 }
+
+#[test]
+fn the_closed_form_collectives_send_what_the_dry_run_calls() {
+    // Stage 1's gather is written as one call in closed form; its rounds are the dry run's.
+    for checkpointing in [Checkpointing::Off, Checkpointing::PerBlock] {
+        let recipe = Recipe::from(&micro_config(Precision::Fp32, checkpointing, 0.0));
+        let sizes = ModelSizes::of(&recipe.model);
+        for stage in [ZeroStage::Ddp, ZeroStage::Gradients, ZeroStage::Parameters] {
+            for bucket_bytes in [BUCKET_BYTES, 16 << 10] {
+                let parallelism = DataParallelism {
+                    bucket_bytes,
+                    ..DataParallelism::new(3, stage.index()).unwrap()
+                };
+                let plan = plan_ranks(&recipe, &parallelism).unwrap();
+                let calls = stage_collectives(stage, &sizes, recipe.accum, bucket_bytes, true);
+                for rank in &plan.ranks {
+                    let bytes: u64 = calls
+                        .iter()
+                        .map(|c| {
+                            c.calls
+                                * ring_bytes_sent(
+                                    c.collective,
+                                    c.elements,
+                                    c.element_bytes,
+                                    3,
+                                    rank.rank,
+                                )
+                        })
+                        .sum();
+                    assert_eq!(
+                        bytes, rank.sent_bytes,
+                        "stage {stage}, buckets of {bucket_bytes}, rank {}",
+                        rank.rank
+                    );
+                }
+            }
+        }
+    }
+}

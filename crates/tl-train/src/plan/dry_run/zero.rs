@@ -18,7 +18,7 @@
 //!   unit buffer, the gradients dropped, a shard buffer, the pieces' gradients allocated the
 //!   first time and added into after) and released. The hooks are armed in every backward.
 
-use super::{DryRun, Handle, Layer, TensorKind, tag};
+use super::{DryRun, Handle, Layer, Stage, TensorKind, tag};
 use crate::plan::collectives::Collective;
 use crate::plan::ops::F32;
 use tl_collective::shard_range;
@@ -46,7 +46,10 @@ pub(crate) enum Sharding {
 
 /// A 1-D piece of a rank's shard: a master copy, its gradient and its moments.
 struct Piece {
-    /// The master copy, held for its bytes (the replica updates nothing).
+    /// The master copy, held for its bytes (the replica updates nothing): a
+    /// [`MasterShard`](TensorKind::MasterShard) beside the full weights under ZeRO-2, and
+    /// under ZeRO-3, where nothing else keeps them, the rank's
+    /// [`Weights`](TensorKind::Weights).
     _master: Handle,
     bytes: u64,
     layer: Layer,
@@ -55,9 +58,9 @@ struct Piece {
 }
 
 impl Piece {
-    fn new(dry: &mut DryRun, bytes: u64, layer: Layer) -> Self {
+    fn new(dry: &mut DryRun, bytes: u64, layer: Layer, kind: TensorKind) -> Self {
         Self {
-            _master: dry.constant(bytes, tag(layer, TensorKind::MasterShard)),
+            _master: dry.constant(bytes, tag(layer, kind)),
             bytes,
             layer,
             grad: None,
@@ -172,6 +175,7 @@ impl Zero2 {
                         dry,
                         (own.end - own.start) * F32,
                         params[param].1,
+                        TensorKind::MasterShard,
                     ));
                 }
                 offset += seg_len;
@@ -257,6 +261,7 @@ impl Zero2 {
     fn step(&mut self, dry: &mut DryRun) {
         adamw_step(dry, &mut self.pieces);
         zero_pieces(dry, &mut self.pieces);
+        dry.phase.stage = Stage::Gather;
         for bucket in &self.buckets {
             let layer = self.params[bucket.segments[0].0].1;
             let local = dry.buffer(bucket.chunk_len * F32, layer);
@@ -320,7 +325,12 @@ impl Zero3 {
                 let numel = handle.bytes / F32;
                 let own = offset.max(shard_start)..(offset + numel).min(shard_end);
                 if !own.is_empty() {
-                    pieces.push(Piece::new(dry, (own.end - own.start) * F32, *layer));
+                    pieces.push(Piece::new(
+                        dry,
+                        (own.end - own.start) * F32,
+                        *layer,
+                        TensorKind::Weights,
+                    ));
                 }
                 offset += numel;
                 params.push(DryRun::alias(handle));
