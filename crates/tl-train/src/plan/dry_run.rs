@@ -14,7 +14,11 @@
 //! - a leaf's first gradient becomes its `.grad`; later ones are added in place and freed;
 //! - a checkpoint node holds its inputs and, when backward reaches it, reruns its segment
 //!   with the graph on and backpropagates through the rerun (counting the incoming gradient
-//!   a second time, as tl-recompute does).
+//!   a second time, as tl-recompute does);
+//! - a leaf with a gradient-ready hook (ZeRO-2's and ZeRO-3's, `zero.rs`) is finished, its
+//!   hook run, as soon as the last op consuming it has run, and a gradient added into an
+//!   existing one is dropped after the hook; a released value (ZeRO-3) is off the meter,
+//!   whoever holds it, until it is restored.
 //!
 //! So the predicted timeline is the real one, event for event, as long as the replica's op
 //! scripts (`ops.rs`, `model.rs`) mirror the model's code. A test compares the two.
