@@ -14,19 +14,27 @@
 //! - a leaf's first gradient becomes its `.grad`; later ones are added in place and freed;
 //! - a checkpoint node holds its inputs and, when backward reaches it, reruns its segment
 //!   with the graph on and backpropagates through the rerun (counting the incoming gradient
-//!   a second time, as tl-recompute does).
+//!   a second time, as tl-recompute does);
+//! - a leaf with a gradient-ready hook (ZeRO-2's and ZeRO-3's, `zero.rs`) is finished, its
+//!   hook run, as soon as the last op consuming it has run, and a gradient added into an
+//!   existing one is dropped after the hook; a released value (ZeRO-3) is off the meter,
+//!   whoever holds it, until it is restored.
 //!
 //! So the predicted timeline is the real one, event for event, as long as the replica's op
 //! scripts (`ops.rs`, `model.rs`) mirror the model's code. A test compares the two.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::rc::Rc;
 
 use tl_tensor::memory::EventKind;
 
 use super::kind::{Layer, Phase, Stage, TensorKind};
+use super::zero::CollectiveCalls;
 
 mod sweep;
+mod zero;
+
+pub(crate) use zero::{EXTRAS, Sharding, Zero2, Zero3, bucket_plan};
 
 /// Where a counted byte belongs: a layer and a kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -61,6 +69,9 @@ pub(crate) enum Vjp {
     /// tl-recompute's checkpoint: the segment's inputs and how to rerun it. Gradients go to
     /// the inputs only (the parameters' arrive in their `.grad` during the rerun).
     Rerun(Rerun),
+    /// ZeRO-3's identity op on a unit's output: saves nothing, and all-gathers the unit's
+    /// values (unless they are there) before handing the gradient on.
+    Gather(usize),
 }
 
 /// What a checkpoint node owns until backward reruns its segment.
@@ -89,6 +100,8 @@ struct Value {
     bytes: u64,
     handles: u32,
     tag: Tag,
+    /// Off the meter by `Tensor::release_value` (ZeRO-3) until restored.
+    released: bool,
 }
 
 enum NodeKind {
@@ -137,6 +150,14 @@ pub(crate) struct DryRun {
     /// Autocast's memory of the last activation it rounded: the values of the activation
     /// and of its rounded copy (held weakly, as tl-precision holds them).
     last_rounded: Option<(usize, usize)>,
+    /// Gradient-ready hooks, by leaf node.
+    hooks: HashMap<usize, zero::Hook>,
+    /// Backward sweeps running now (a checkpoint's rerun runs inside one).
+    sweeps: u32,
+    /// What ZeRO-2 or ZeRO-3 shards, when the step runs under one of them.
+    pub(crate) sharding: Sharding,
+    /// The collectives the rank has called, one entry per call, in order.
+    calls: Vec<CollectiveCalls>,
 }
 
 impl DryRun {
@@ -165,7 +186,87 @@ impl DryRun {
             events: None,
             keep_frames: Vec::new(),
             last_rounded: None,
+            hooks: HashMap::new(),
+            sweeps: 0,
+            sharding: Sharding::None,
+            calls: Vec::new(),
         }
+    }
+
+    /// `tl_tensor::in_backward`: whether a backward sweep is running.
+    pub(crate) fn in_backward(&self) -> bool {
+        self.sweeps > 0
+    }
+
+    /// Notes one collective call on `elements` elements of `element_bytes` bytes.
+    pub(crate) fn call(
+        &mut self,
+        purpose: &'static str,
+        collective: super::collectives::Collective,
+        elements: u64,
+        element_bytes: u64,
+    ) {
+        self.calls.push(CollectiveCalls {
+            purpose,
+            collective,
+            elements,
+            element_bytes,
+            calls: 1,
+        });
+    }
+
+    /// The collectives called since the last call, runs of equal calls merged (in the
+    /// order of their first call).
+    pub(crate) fn take_calls(&mut self) -> Vec<CollectiveCalls> {
+        let mut merged: Vec<CollectiveCalls> = Vec::new();
+        for call in std::mem::take(&mut self.calls) {
+            match merged
+                .iter_mut()
+                .find(|m| CollectiveCalls { calls: 1, ..**m } == call)
+            {
+                Some(same) => same.calls += 1,
+                None => merged.push(call),
+            }
+        }
+        merged
+    }
+
+    /// A communication buffer of `bytes` (tl-parallel's `Metered::zeros`), in `layer`.
+    pub(crate) fn buffer(&mut self, bytes: u64, layer: Layer) -> Handle {
+        self.constant(bytes, tag(layer, TensorKind::CommBuffers))
+    }
+
+    /// Another handle on a parameter that does not count as one: the parameter outlives
+    /// every use of it (the replica never releases a parameter).
+    fn alias(handle: &Handle) -> Handle {
+        Handle {
+            value: handle.value,
+            node: handle.node,
+            bytes: handle.bytes,
+        }
+    }
+
+    /// `Tensor::release_value`: the value's bytes leave the meter; its handles stay.
+    pub(crate) fn release_value(&mut self, handle: &Handle) {
+        let value = &mut self.values[handle.value];
+        assert!(!value.released, "release: the value is released already");
+        value.released = true;
+        let (tag, bytes) = (value.tag, value.bytes);
+        self.refund(tag, bytes);
+    }
+
+    /// `Tensor::restore_value`: the value's bytes are back on the meter.
+    pub(crate) fn restore_value(&mut self, handle: &Handle) {
+        let value = &mut self.values[handle.value];
+        assert!(value.released, "restore: the value is not released");
+        value.released = false;
+        let (tag, bytes) = (value.tag, value.bytes);
+        self.charge(tag, bytes);
+    }
+
+    /// Whether the value is released.
+    pub(crate) fn is_released(&self, handle: &Handle) -> bool {
+        self.values[handle.value].released
     }
 
     /// Starts listing allocations and frees (dropping any listed before).
@@ -254,6 +355,7 @@ impl DryRun {
             bytes,
             handles: 1,
             tag,
+            released: false,
         });
         Handle {
             value: self.values.len() - 1,
@@ -292,7 +394,7 @@ impl DryRun {
     pub(crate) fn release(&mut self, handle: Handle) {
         let value = &mut self.values[handle.value];
         value.handles -= 1;
-        if value.handles == 0 {
+        if value.handles == 0 && !value.released {
             let (tag, bytes) = (value.tag, value.bytes);
             self.refund(tag, bytes);
         }
@@ -305,6 +407,7 @@ impl DryRun {
                 inputs.into_iter().for_each(|h| self.release(h));
                 kept.into_iter().for_each(|h| self.release(h));
             }
+            Vjp::Gather(_) => {}
         }
     }
 

@@ -50,11 +50,14 @@ pub enum TensorKind {
     WeightCopies,
     /// The loss and its weighted copy (one element each).
     Loss,
+    /// tl-parallel's communication buffers, which it counts on the meter: a gradient
+    /// bucket, a shard or a gathered unit while a collective runs.
+    CommBuffers,
 }
 
 impl TensorKind {
     /// Every kind, model state first, in table order.
-    pub const ALL: [TensorKind; 15] = [
+    pub const ALL: [TensorKind; 16] = [
         TensorKind::Weights,
         TensorKind::Gradients,
         TensorKind::AdamMoments,
@@ -70,6 +73,7 @@ impl TensorKind {
         TensorKind::RoundedCopies,
         TensorKind::WeightCopies,
         TensorKind::Loss,
+        TensorKind::CommBuffers,
     ];
 
     /// The position of this kind in [`TensorKind::ALL`].
@@ -90,9 +94,13 @@ impl TensorKind {
     }
 
     /// Whether this kind is an activation or a value derived from one (everything but the
-    /// model state and the gradients in flight).
+    /// model state, the gradients in flight and the communication buffers).
     pub fn is_activation(self) -> bool {
-        !self.is_model_state() && self != TensorKind::GradientsInFlight
+        !self.is_model_state()
+            && !matches!(
+                self,
+                TensorKind::GradientsInFlight | TensorKind::CommBuffers
+            )
     }
 
     /// A short label for tables.
@@ -113,6 +121,7 @@ impl TensorKind {
             TensorKind::RoundedCopies => "rounded operand copies",
             TensorKind::WeightCopies => "rounded weight copies",
             TensorKind::Loss => "loss",
+            TensorKind::CommBuffers => "communication buffers",
         }
     }
 }
@@ -159,8 +168,13 @@ pub enum Stage {
     Backward,
     /// A checkpointed segment rerunning its forward pass during backward.
     Recompute,
+    /// Data parallelism's gradient reduction after the last backward (and, under ZeRO-2,
+    /// the buckets left to reduce), before the update.
+    Reduction,
     /// The AdamW update.
     Optimizer,
+    /// The all-gather of the updated weights (ZeRO-1 and 2).
+    Gather,
 }
 
 /// A moment of a training step: which step, which micro-batch, what stage, which layer.
@@ -182,7 +196,9 @@ impl fmt::Display for Phase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let where_ = match self.stage {
             Stage::StepStart => "start".to_string(),
+            Stage::Reduction => "gradient reduction".to_string(),
             Stage::Optimizer => "AdamW update".to_string(),
+            Stage::Gather => "all-gather of the weights".to_string(),
             Stage::Forward => format!("forward, {}", self.layer),
             Stage::Backward => format!("backward, {}", self.layer),
             Stage::Recompute => format!("recompute, {}", self.layer),

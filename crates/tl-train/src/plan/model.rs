@@ -106,6 +106,17 @@ impl ShadowLlama {
         all
     }
 
+    /// ZeRO-3's units (`Llama::units`) with the layer each belongs to: the embedding, each
+    /// block, the final norm with the head.
+    pub(crate) fn units(&self) -> Vec<(Vec<&Handle>, Layer)> {
+        let mut units = vec![(vec![&self.embedding], Layer::Embedding)];
+        for (i, b) in self.blocks.iter().enumerate() {
+            units.push((b.all().to_vec(), Layer::Block(i)));
+        }
+        units.push((vec![&self.norm, &self.head], Layer::Head));
+        units
+    }
+
     /// Bytes of `elements_per_token` f32 values for every token of a micro-batch.
     fn per_token(&self, elements_per_token: usize) -> u64 {
         (self.rows * self.config.context * elements_per_token) as u64 * F32
@@ -122,27 +133,34 @@ impl ShadowLlama {
     ) -> Result<Handle> {
         let c = &self.config;
         dry.phase.layer = Layer::Embedding;
-        // `gather_rows` keeps only the ids for backward, a plain vector.
-        let rows = dry.saves_nothing(
-            &[&self.embedding],
-            self.per_token(c.d_model),
-            tag(Layer::Embedding, TensorKind::ResidualStream),
-        );
-        // The embedding's output is block 0's input: counted where it is read.
-        let x0 = dry.layout(&rows, tag(Layer::Block(0), TensorKind::ResidualStream));
-        dry.release(rows);
+        // `gather_rows` keeps only the ids for backward, a plain vector; the reshape is
+        // inside the embedding's unit.
+        let x0 = dry.run_unit(0, |dry| {
+            let rows = dry.saves_nothing(
+                &[&self.embedding],
+                self.per_token(c.d_model),
+                tag(Layer::Embedding, TensorKind::ResidualStream),
+            );
+            // The embedding's output is block 0's input: counted where it is read.
+            let x0 = dry.layout(&rows, tag(Layer::Block(0), TensorKind::ResidualStream));
+            dry.release(rows);
+            x0
+        });
         let last = self.run_blocks(dry, &x0, checkpointing)?;
         dry.phase.layer = Layer::Head;
         let head_tag = |kind| tag(Layer::Head, kind);
-        let normed = dry.rms_norm(&last, &self.norm, head_tag(TensorKind::NormOutputs));
-        let normed = dry.round_for_products(normed);
-        let logits = dry.linear(
-            &normed,
-            &self.head,
-            self.per_token(c.vocab),
-            head_tag(TensorKind::Logits),
-        );
-        dry.release(normed);
+        let logits = dry.run_unit(self.blocks.len() + 1, |dry| {
+            let normed = dry.rms_norm(&last, &self.norm, head_tag(TensorKind::NormOutputs));
+            let normed = dry.round_for_products(normed);
+            let logits = dry.linear(
+                &normed,
+                &self.head,
+                self.per_token(c.vocab),
+                head_tag(TensorKind::Logits),
+            );
+            dry.release(normed);
+            logits
+        });
         dry.release(last);
         dry.release(x0);
         let flat = dry.layout(&logits, head_tag(TensorKind::Logits));
@@ -194,7 +212,8 @@ impl ShadowLlama {
     fn run_layers(&self, dry: &mut DryRun, layers: Range<usize>, x: &Handle) -> Handle {
         let mut hidden = dry.share(x);
         for i in layers {
-            let output = self.block(dry, i, &hidden);
+            // `UnitBlock::forward`: each block is a unit of its own.
+            let output = dry.run_unit(i + 1, |dry| self.block(dry, i, &hidden));
             dry.release(std::mem::replace(&mut hidden, output));
         }
         hidden

@@ -3,23 +3,35 @@
 //!
 //! # How each figure is made
 //!
-//! - **Activations** are the single-process dry run's: a rank runs the recipe's
-//!   micro-batches, and nothing tl-parallel adds during the forward and backward passes is a
-//!   tensor. The activation term is whatever the dry run's peak holds beyond the model
-//!   state: saved activations, their gradients in flight, autocast's weight copies.
-//! - **Stages 0 and 1** are predicted by the dry run itself, with tl-parallel's
-//!   `ShardedAdamW` replicated for stage 1 (its master shard, its moments, its copies of the
-//!   shard's gradients), so the metered peak is exact, rank by rank, and a test checks it
-//!   against ranks training for real.
-//! - **Stages 2 and 3** are not implemented yet: their peak is the stage-0 dry run's
-//!   activations plus the model state [`stage_terms`] gives them, at the backward peak or
-//!   at the update, whichever is larger. The gradients at the backward peak are the fewer of
-//!   what the stage bounds them to and what the dry run has alive there.
-//! - **Communication buffers** (the bucket, the ring's scratch, the gathers' vectors) are
-//!   plain vectors the meter does not count today. They are a term of their own, never
-//!   folded into the metered peak: the total adds them to the live tensors of the phase
-//!   they belong to (after backward for stages 0 and 1, during it for 2 and 3).
-//! - **Bytes sent** follow the ring to the byte ([`ring_bytes_sent`]), headers included.
+//! - **The metered peak** is the dry run's, run as one rank of tl-parallel runs the step:
+//!   the recipe's micro-batches, with what each stage adds on the rank's meter replicated
+//!   allocation for allocation (see `dry_run/zero.rs` and `step.rs`):
+//!   - stage 0: DDP's reduction buffer, reset to each bucket in turn after backward;
+//!   - stage 1: the same, and `ShardedAdamW`'s master shard, moments, copies of the
+//!     shard's gradients and the buffers of its gather, round by round;
+//!   - stage 2: `Zero2AdamW`'s pieces of every bucket's chunk with their gradients and
+//!     moments, and its gradient-ready hooks, armed for the last micro-batch's backward,
+//!     that reduce-scatter each bucket as soon as its gradients are in (a bucket buffer
+//!     and a chunk buffer) and drop the full gradients;
+//!   - stage 3: `Zero3`'s pieces of every unit's shard, the units' values released between
+//!     uses and restored by each gather (a shard buffer and a unit buffer), before a unit's
+//!     forward, in the VJP of the identity op on its output, and in a checkpointed unit's
+//!     rerun, which keeps them for its backward; the hooks reduce-scatter a unit once all
+//!     its gradients are in, every micro-batch, and release it.
+//!
+//!   With hooks armed the sweep finishes a hooked leaf as soon as the last op consuming it
+//!   has run, as tl-tensor's backward does. So the peak is exact, rank by rank, at every
+//!   stage, for the first step and a steady one; tests check it against ranks training
+//!   for real and, in a world of one, event for event against the meter.
+//! - **The terms** split that peak by kind: weights, gradients, optimizer (moments and
+//!   master shards), communication buffers (tl-parallel's, which it counts on the meter),
+//!   and activations (everything else: saved activations, their gradients in flight,
+//!   autocast's copies). The ring's scratch vector (a shard of a bucket) and its headers are
+//!   the only buffers the meter does not see; they are left out. [`stage_terms`] keeps the
+//!   closed-form terms of each stage beside the plan.
+//! - **Bytes sent** are the collectives the dry run calls, each priced by
+//!   [`ring_bytes_sent`], which follows the ring to the byte, headers included; the clip
+//!   norm's all-reduce under stages 2 and 3 is of one f64.
 //!
 //! # Why the dry run, even at 7B
 //!
@@ -36,7 +48,7 @@ use super::kind::{Stage, TensorKind};
 use super::step::{OptimizerShard, Recipe, StepPrediction, predict_step_sharded};
 use super::zero::{
     BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, StageTerms, ZeroStage,
-    paper_figures, stage_collectives, stage_terms,
+    paper_figures, stage_terms,
 };
 use crate::error::{Result, TrainError};
 
@@ -130,18 +142,19 @@ pub struct RankPlan {
     /// Everything else alive then that the meter counts: activations, their gradients in
     /// flight, autocast's copies.
     pub activations_bytes: u64,
-    /// Communication buffers alive then (plain vectors, not metered today).
+    /// tl-parallel's communication buffers alive then (it counts them on the meter).
     pub comm_buffer_bytes: u64,
-    /// The most bytes alive at once, the five terms above together.
+    /// The most bytes alive at once, the five terms above together: the metered peak.
     pub total_bytes: u64,
     /// When that is.
     pub phase: PeakPhase,
     /// The largest of the five terms then.
     pub limiting: Term,
-    /// The peak of live tensors alone, as `tl_tensor::memory::peak_bytes` counts it on the
-    /// rank's thread after a `reset_peak` between steps.
+    /// The metered peak of a steady-state step, as `tl_tensor::memory::peak_bytes` counts
+    /// it on the rank's thread after a `reset_peak` between steps (tensors and
+    /// tl-parallel's buffers).
     pub peak_bytes: u64,
-    /// The first step's metered peak (no moments before its update); stages 0 and 1 only.
+    /// The first step's metered peak (no moments before its update).
     pub first_step_peak_bytes: Option<u64>,
     /// Bytes sent per step, per kind of collective.
     pub sent: Vec<SentBytes>,
@@ -160,9 +173,6 @@ pub struct ParallelPlan {
     pub parallelism: DataParallelism,
     /// The model's sizes.
     pub sizes: ModelSizes,
-    /// Whether the stage's peak comes from the dry run (stages 0 and 1) or from the stage
-    /// model (2 and 3).
-    pub exact: bool,
     /// The paper's arithmetic and tinyllm's f32 counterpart.
     pub paper: PaperFigures,
     /// Rank by rank, or rank 0 alone above [`LISTED_RANKS`] ranks.
@@ -209,53 +219,54 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
     } else {
         1
     };
-    let calls = stage_collectives(stage, &sizes, recipe.accum, bucket_bytes);
-    let single = predict_step_sharded(recipe, None)?;
     let ranks = (0..listed)
         .map(|rank| {
             let terms = stage_terms(stage, &sizes, world_size, rank, recipe.accum, bucket_bytes);
-            let memory = match stage {
-                ZeroStage::Ddp => from_dry_run(&single, &terms),
-                ZeroStage::OptimizerStates => {
-                    let shard = OptimizerShard {
-                        world_size,
-                        rank,
-                        bucket_bytes: bucket_bytes as usize,
-                    };
-                    from_dry_run(&predict_step_sharded(recipe, Some(shard))?, &terms)
-                }
-                ZeroStage::Gradients | ZeroStage::Parameters => from_terms(&single, &terms),
+            let shard = OptimizerShard {
+                stage,
+                world_size,
+                rank,
+                bucket_bytes: bucket_bytes as usize,
             };
-            let sent: Vec<SentBytes> = calls
+            let prediction = predict_step_sharded(recipe, Some(shard))?;
+            let sent: Vec<SentBytes> = prediction
+                .collectives
                 .iter()
                 .map(|&calls| SentBytes {
                     calls,
                     bytes: calls.calls
-                        * ring_bytes_sent(calls.collective, calls.elements, 4, world_size, rank),
+                        * ring_bytes_sent(
+                            calls.collective,
+                            calls.elements,
+                            calls.element_bytes,
+                            world_size,
+                            rank,
+                        ),
                 })
                 .collect();
+            let memory = from_dry_run(&prediction);
             Ok(memory.into_rank_plan(rank, terms, sent))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(ParallelPlan {
         recipe: recipe.clone(),
         parallelism: *parallelism,
-        exact: stage.is_implemented(),
         paper: paper_figures(stage, sizes.parameters, world_size, recipe.accum),
         sizes,
         ranks,
     })
 }
 
-/// When a rank's live bytes, tensors and communication buffers together, are highest.
+/// When a rank's metered bytes are highest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PeakPhase {
-    /// The forward and backward passes (with stage 2's and 3's communication).
+    /// The forward and backward passes (with stage 2's and 3's communication in them).
     Backward,
     /// AdamW's update.
     Update,
-    /// After backward: stage 0's and 1's gradient reduction, bucket by bucket.
+    /// After backward: stage 0's and 1's gradient reduction, bucket by bucket (stage 2's
+    /// buckets that backward left).
     Reduction,
     /// After the update: the all-gather of the updated weights.
     Gather,
@@ -288,22 +299,10 @@ impl Moment {
     fn total(&self) -> u64 {
         self.weights + self.gradients + self.optimizer + self.activations + self.buffers
     }
-
-    /// After backward, the model state only, with the buffers of the phase.
-    fn state(phase: PeakPhase, terms: &StageTerms, gradients: u64, buffers: u64) -> Self {
-        Self {
-            phase,
-            weights: terms.weights,
-            gradients,
-            optimizer: terms.optimizer,
-            activations: 0,
-            buffers,
-        }
-    }
 }
 
-/// A rank's memory figures before the traffic is added: the metered peak and the worst
-/// moment once the communication buffers are counted too.
+/// A rank's memory figures before the traffic is added: the metered peak and what is alive
+/// then, by term.
 struct Memory {
     peak: u64,
     first_step_peak: Option<u64>,
@@ -311,12 +310,7 @@ struct Memory {
 }
 
 impl Memory {
-    /// The metered peak and the largest of the `moments`.
-    fn new(peak: u64, first_step_peak: Option<u64>, moments: &[Moment]) -> Self {
-        let worst = moments
-            .iter()
-            .copied()
-            .fold(moments[0], |w, m| if m.total() > w.total() { m } else { w });
+    fn new(peak: u64, first_step_peak: Option<u64>, worst: Moment) -> Self {
         Self {
             peak,
             first_step_peak,
@@ -369,69 +363,30 @@ fn at_peak(prediction: &StepPrediction, kinds: &[TensorKind]) -> u64 {
         .sum()
 }
 
-/// The gather of the updated weights (stages 1 and 2): the shard's gradient copies are
-/// freed by then, and the gather's vectors are alive.
-fn gather_moment(terms: &StageTerms) -> Moment {
-    Moment::state(
-        PeakPhase::Gather,
-        terms,
-        terms.gradients_reduced,
-        terms.buffers_update,
-    )
-}
-
-/// Stages 0 and 1: the dry run's peak, split by kind, or the reduction or the gather with
-/// their buffers, whichever holds most.
-fn from_dry_run(prediction: &StepPrediction, terms: &StageTerms) -> Memory {
+/// The dry run's peak, split by kind: the communication buffers tl-parallel puts on the
+/// meter are the buffer term, and everything outside the model state and the buffers the
+/// activation term.
+fn from_dry_run(prediction: &StepPrediction) -> Memory {
     let weights = at_peak(prediction, &[TensorKind::Weights]);
     let gradients = at_peak(prediction, &[TensorKind::Gradients]);
     let optimizer = at_peak(
         prediction,
         &[TensorKind::AdamMoments, TensorKind::MasterShard],
     );
+    let buffers = at_peak(prediction, &[TensorKind::CommBuffers]);
     let peak = prediction.peak_bytes;
     let metered = Moment {
-        phase: if prediction.peak_at.stage == Stage::Optimizer {
-            PeakPhase::Update
-        } else {
-            PeakPhase::Backward
+        phase: match prediction.peak_at.stage {
+            Stage::Forward | Stage::Backward | Stage::Recompute => PeakPhase::Backward,
+            Stage::Reduction => PeakPhase::Reduction,
+            Stage::StepStart | Stage::Optimizer => PeakPhase::Update,
+            Stage::Gather => PeakPhase::Gather,
         },
         weights,
         gradients,
         optimizer,
-        activations: peak - weights - gradients - optimizer,
-        buffers: terms.buffers_backward,
+        activations: peak - weights - gradients - optimizer - buffers,
+        buffers,
     };
-    let reduction = Moment::state(
-        PeakPhase::Reduction,
-        terms,
-        terms.gradients_backward,
-        terms.buffers_reduce,
-    );
-    Memory::new(
-        peak,
-        Some(prediction.first_step_peak_bytes),
-        &[metered, reduction, gather_moment(terms)],
-    )
-}
-
-/// Stages 2 and 3: the single-process dry run's activations, with the stage's model state;
-/// their reduction runs during backward, so its buffers are counted there.
-fn from_terms(single: &StepPrediction, terms: &StageTerms) -> Memory {
-    let state = [
-        TensorKind::Weights,
-        TensorKind::Gradients,
-        TensorKind::AdamMoments,
-    ];
-    let backward = Moment {
-        phase: PeakPhase::Backward,
-        weights: terms.weights + terms.gathered_weights,
-        gradients: at_peak(single, &[TensorKind::Gradients]).min(terms.gradients_backward),
-        optimizer: terms.optimizer,
-        activations: single.peak_bytes - at_peak(single, &state),
-        buffers: terms.buffers_backward,
-    };
-    let updating = terms.weights + terms.gradients_reduced + terms.update_copies + terms.optimizer;
-    let peak = (backward.total() - backward.buffers).max(updating);
-    Memory::new(peak, None, &[backward, gather_moment(terms)])
+    Memory::new(peak, Some(prediction.first_step_peak_bytes), metered)
 }

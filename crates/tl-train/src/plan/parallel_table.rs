@@ -49,14 +49,8 @@ pub fn render_parallel(plan: &ParallelPlan) -> String {
     let p = &plan.parallelism;
     let _ = writeln!(
         out,
-        "{} ranks, ZeRO stage {}{}\n",
-        p.ranks,
-        p.stage,
-        if plan.exact {
-            " (implemented: the metered peak is the dry run's, exact)"
-        } else {
-            " (not implemented yet: modelled from its design, see plan/zero.rs)"
-        }
+        "{} ranks, ZeRO stage {} (the metered peak is the dry run's, exact)\n",
+        p.ranks, p.stage,
     );
     let _ = writeln!(
         out,
@@ -92,8 +86,8 @@ pub fn render_parallel(plan: &ParallelPlan) -> String {
     }
     let _ = writeln!(
         out,
-        "bytes; 'meter peak' is the live tensors alone, what tl_tensor::memory counts on the \
-         rank; comm buffers are plain vectors it does not count"
+        "bytes; 'meter peak' is what tl_tensor::memory counts on the rank: tensors and \
+         tl-parallel's communication buffers"
     );
     if plan.ranks.len() < p.ranks {
         let _ = writeln!(
@@ -164,8 +158,8 @@ pub fn render_sweep(plans: &[ParallelPlan]) -> String {
     let _ = writeln!(
         out,
         "per rank (rank 0), steady-state step, {unit_name}: the terms at the moment ('when') the rank \
-         holds most, tensors and communication buffers together; 'meter' the peak of tensors \
-         alone; 'paper' Rajbhandari et al.'s model state with K = 12; 'f32 16P' tinyllm's \
+         holds most; 'meter' the metered peak (tensors and tl-parallel's communication \
+         buffers); 'paper' Rajbhandari et al.'s model state with K = 12; 'f32 16P' tinyllm's \
          4P + 4P + 8P sharded as the stage shards it\n"
     );
     let _ = writeln!(
@@ -193,11 +187,7 @@ pub fn render_sweep(plans: &[ParallelPlan]) -> String {
             out,
             "{:>5} {:>4} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>10} {:>10} {:>10} {:>10}  {}",
             plan.parallelism.ranks,
-            format!(
-                "{}{}",
-                plan.parallelism.stage,
-                if plan.exact { "" } else { "*" }
-            ),
+            plan.parallelism.stage.to_string(),
             gib(rank.weights_bytes),
             gib(rank.gradients_bytes),
             gib(rank.optimizer_bytes),
@@ -212,10 +202,6 @@ pub fn render_sweep(plans: &[ParallelPlan]) -> String {
             rank.limiting.label(),
         );
     }
-    let _ = writeln!(
-        out,
-        "\n* = stage not implemented yet, modelled from its design (plan/zero.rs)."
-    );
     out
 }
 

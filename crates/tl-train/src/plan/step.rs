@@ -9,10 +9,12 @@ use serde::Serialize;
 use tl_collective::shard_range;
 use tl_precision::Precision;
 
-use super::dry_run::{DryRun, Handle, Tag, tag};
+use super::collectives::Collective;
+use super::dry_run::{DryRun, EXTRAS, Handle, Sharding, Tag, Zero2, Zero3, bucket_plan, tag};
 use super::kind::{Layer, Phase, Stage, TensorKind};
 use super::model::ShadowLlama;
 use super::ops::F32;
+use super::zero::{CollectiveCalls, ZeroStage};
 use crate::error::{Result, TrainError};
 use crate::model::{Checkpointing, ModelConfig};
 use crate::train::TrainConfig;
@@ -31,6 +33,9 @@ pub struct Recipe {
     pub precision: Precision,
     /// How the blocks keep their activations.
     pub checkpointing: Checkpointing,
+    /// Whether the gradients' norm is clipped: under ZeRO-2 and 3 the ranks then add their
+    /// shards' sums of squares (one more all-reduce per step).
+    pub clip: bool,
 }
 
 impl From<&TrainConfig> for Recipe {
@@ -41,6 +46,7 @@ impl From<&TrainConfig> for Recipe {
             accum: config.accum,
             precision: config.precision,
             checkpointing: config.checkpointing,
+            clip: config.clip.is_some(),
         }
     }
 }
@@ -99,6 +105,9 @@ pub struct StepPrediction {
     /// Bytes saved for backward at the end of one micro-batch's forward pass, by layer and
     /// kind (the model state left out).
     pub saved: Vec<SavedBytes>,
+    /// The collectives of the steady-state step, in the order of their first call (none
+    /// without data parallelism).
+    pub collectives: Vec<CollectiveCalls>,
 }
 
 /// Bytes of one kind that one layer holds for backward at the end of the forward pass.
@@ -119,13 +128,16 @@ impl StepPrediction {
     }
 }
 
-/// Which shard of the flattened parameters a rank's optimizer owns under ZeRO stage 1:
-/// `shard_range(P, world_size, rank)`, as tl-parallel's `ShardedAdamW` takes it.
+/// One rank of tl-parallel's data parallelism: its stage, and which shards it owns (under
+/// stage 1 `shard_range(P, world_size, rank)` of the flattened parameters, as
+/// `ShardedAdamW` takes it; under stage 2 its chunk of every bucket; under stage 3 its
+/// shard of every unit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct OptimizerShard {
+    pub(crate) stage: ZeroStage,
     pub(crate) world_size: usize,
     pub(crate) rank: usize,
-    /// The reduction's bucket, which sizes the rounds of the weights' all-gather.
+    /// The reduction's bucket, which also sizes the rounds of the weights' all-gather.
     pub(crate) bucket_bytes: usize,
 }
 
@@ -231,8 +243,8 @@ impl ShadowAdamW {
     /// `ShardedAdamW::step`: each piece's gradient is copied out of its parameter's `.grad`
     /// into the piece's own `.grad` (allocated as it is set), the inner AdamW allocates the
     /// moments of pieces that have none and updates in place, and its `zero_grad` frees the
-    /// copies. The all-gather that follows works in plain vectors, which the meter does not
-    /// see (its buffers are the communication term of the parallel plan).
+    /// copies. The all-gather that follows fills a buffer of the shard's updated weights,
+    /// then one buffer per round, each on the meter (tl-parallel's `Metered`).
     fn step(&mut self, dry: &mut DryRun, params: &[(&Handle, Layer)]) {
         let has_grad: Vec<bool> = self
             .pieces
@@ -265,13 +277,15 @@ impl ShadowAdamW {
         copies.into_iter().for_each(|copy| dry.release(copy));
         if sharded {
             // The shard's updated weights, then the gather's buffer round by round.
-            let local = dry.constant(self.shard_bytes, tag(Layer::Head, TensorKind::MasterShard));
+            dry.phase.stage = Stage::Gather;
+            let local = dry.buffer(self.shard_bytes, Layer::Head);
             let mut gathered: Option<Handle> = None;
             for &bytes in &self.gather_rounds {
                 if let Some(previous) = gathered.take() {
                     dry.release(previous);
                 }
-                gathered = Some(dry.constant(bytes, tag(Layer::Head, TensorKind::WeightCopies)));
+                gathered = Some(dry.buffer(bytes, Layer::Head));
+                dry.call("updated weights", Collective::AllGather, bytes / F32, F32);
             }
             if let Some(last) = gathered {
                 dry.release(last);
@@ -281,7 +295,9 @@ impl ShadowAdamW {
     }
 }
 
-/// A fresh model and optimizer (sharded when `shard` is given) in a new dry run.
+/// A fresh model and optimizer in a new dry run: plain AdamW without data parallelism
+/// (`shard` `None`) or under DDP, `ShardedAdamW` under stage 1; under stages 2 and 3 the
+/// optimizer's state is the replica's [`Sharding`] and the AdamW returned is empty.
 fn fresh(recipe: &Recipe, shard: Option<OptimizerShard>) -> (DryRun, Rc<ShadowLlama>, ShadowAdamW) {
     let mut dry = DryRun::new();
     let model = Rc::new(ShadowLlama::new(
@@ -292,10 +308,61 @@ fn fresh(recipe: &Recipe, shard: Option<OptimizerShard>) -> (DryRun, Rc<ShadowLl
     let params = model.parameters();
     let adamw = match shard {
         None => ShadowAdamW::new(&params),
-        Some(shard) => ShadowAdamW::sharded(&mut dry, &params, shard),
+        Some(shard) => match shard.stage {
+            ZeroStage::Ddp => ShadowAdamW::new(&params),
+            ZeroStage::OptimizerStates => ShadowAdamW::sharded(&mut dry, &params, shard),
+            ZeroStage::Gradients => {
+                let zero2 = Zero2::new(
+                    &mut dry,
+                    &params,
+                    shard.world_size,
+                    shard.rank,
+                    shard.bucket_bytes,
+                );
+                dry.sharding = Sharding::Zero2(zero2);
+                ShadowAdamW::new(&[])
+            }
+            ZeroStage::Parameters => {
+                let zero3 = Zero3::new(&mut dry, &model.units(), shard.world_size, shard.rank);
+                dry.sharding = Sharding::Zero3(zero3);
+                ShadowAdamW::new(&[])
+            }
+        },
     };
     drop(params);
     (dry, model, adamw)
+}
+
+/// `DataParallel::reduce_gradients` (stages 0 and 1): one buffer, reset to each bucket's
+/// length in turn (the last grows by the three extras), all-reduced.
+fn ddp_reduce(dry: &mut DryRun, params: &[(&Handle, Layer)], bucket_bytes: usize) {
+    let numels: Vec<u64> = params.iter().map(|(h, _)| h.bytes / F32).collect();
+    let capacity = (bucket_bytes as u64 / F32).max(1);
+    let buckets = bucket_plan(&numels, capacity);
+    let mut buffer: Option<Handle> = None;
+    for (index, bucket) in buckets.iter().enumerate() {
+        let len: u64 = bucket.iter().map(|s| s.2).sum();
+        let layer = bucket.first().map_or(Layer::Head, |s| params[s.0].1);
+        if let Some(old) = buffer.take() {
+            dry.release(old);
+        }
+        let mut current = dry.buffer(len * F32, layer);
+        let last = index + 1 == buckets.len();
+        if last {
+            dry.release(current);
+            current = dry.buffer((len + EXTRAS) * F32, layer);
+        }
+        let (purpose, elements) = if last {
+            ("last gradient bucket", len + EXTRAS)
+        } else {
+            ("gradient buckets", len)
+        };
+        dry.call(purpose, Collective::AllReduce, elements, F32);
+        buffer = Some(current);
+    }
+    if let Some(last) = buffer {
+        dry.release(last);
+    }
 }
 
 /// The allocations and frees of the dry run's second step, as `memory::record` lists them.
@@ -305,9 +372,9 @@ pub(crate) fn second_step_events(
     shard: Option<OptimizerShard>,
 ) -> Vec<(tl_tensor::memory::EventKind, usize)> {
     let (mut dry, model, mut adamw) = fresh(recipe, shard);
-    run_step(&mut dry, &model, &mut adamw, recipe, 1).expect("a valid recipe");
+    run_step(&mut dry, &model, &mut adamw, recipe, shard, 1).expect("a valid recipe");
     dry.start_events();
-    run_step(&mut dry, &model, &mut adamw, recipe, 2).expect("a valid recipe");
+    run_step(&mut dry, &model, &mut adamw, recipe, shard, 2).expect("a valid recipe");
     dry.take_events()
 }
 
@@ -333,9 +400,11 @@ pub fn predict_step(recipe: &Recipe) -> Result<StepPrediction> {
     predict_step_sharded(recipe, None)
 }
 
-/// [`predict_step`] for one rank whose AdamW is sharded ZeRO-1 style (`shard`), or plain.
-/// Data parallelism changes nothing else the meter sees on a rank of tl-parallel's DDP: its
-/// micro-batches are the recipe's, and the reduction works in unmetered buffers.
+/// [`predict_step`] for one rank of tl-parallel's data parallelism (`shard`: its stage and
+/// shards), or for a single process without it (`None`). A rank runs the recipe's
+/// micro-batches; what data parallelism adds on its meter is replicated stage by stage:
+/// DDP's reduction buffer (stages 0 and 1), `ShardedAdamW` (stage 1), `Zero2AdamW` and its
+/// hooks (stage 2), `Zero3` with its units, gathers and hooks (stage 3).
 ///
 /// # Errors
 /// As [`Recipe::validate`].
@@ -346,11 +415,13 @@ pub(crate) fn predict_step_sharded(
     recipe.validate()?;
     let (mut dry, model, mut adamw) = fresh(recipe, shard);
     dry.reset_peak();
-    run_step(&mut dry, &model, &mut adamw, recipe, 1)?;
+    run_step(&mut dry, &model, &mut adamw, recipe, shard, 1)?;
     let (first_step_peak_bytes, _, _) = dry.peak();
     let between_steps_bytes = dry.live();
     dry.reset_peak();
-    let saved = run_step(&mut dry, &model, &mut adamw, recipe, 2)?;
+    dry.take_calls();
+    let saved = run_step(&mut dry, &model, &mut adamw, recipe, shard, 2)?;
+    let collectives = dry.take_calls();
     let (peak_bytes, peak_at, by_kind) = dry.peak();
     let peak_by_kind = TensorKind::ALL
         .into_iter()
@@ -374,6 +445,7 @@ pub(crate) fn predict_step_sharded(
         first_step_peak_bytes,
         between_steps_bytes,
         saved,
+        collectives,
     })
 }
 
@@ -388,9 +460,11 @@ fn run_step(
     model: &Rc<ShadowLlama>,
     adamw: &mut ShadowAdamW,
     recipe: &Recipe,
+    shard: Option<OptimizerShard>,
     step: u32,
 ) -> Result<BTreeMap<Tag, u64>> {
     let params = model.parameters();
+    let stage = shard.map(|s| s.stage);
     dry.phase = Phase {
         step,
         micro_batch: 0,
@@ -398,9 +472,11 @@ fn run_step(
         stage: Stage::StepStart,
         layer: Layer::Embedding,
     };
+    // `model.zero_grad()`, then `opt.zero_grad()` (the pieces' gradients under ZeRO-2/3).
     for (param, _) in &params {
         dry.zero_grad(param);
     }
+    dry.sharded_zero_grad();
     dry.autocast = recipe.precision.format().is_some();
     let mut saved = BTreeMap::new();
     for micro_batch in 1..=recipe.accum {
@@ -411,14 +487,44 @@ fn run_step(
         if micro_batch == 1 {
             saved = dry.live_by_tag();
         }
+        // ZeRO-2 arms its hooks for the last micro-batch's backward only.
+        let armed = micro_batch == recipe.accum && stage == Some(ZeroStage::Gradients);
+        if armed {
+            dry.zero2_arm();
+        }
         // `backward` seeds the sweep with a one-element gradient.
         dry.backward(&weighted, F32);
+        if armed {
+            dry.zero2_disarm();
+        }
         dry.release(weighted);
         dry.release(loss);
     }
     dry.autocast = false;
     dry.phase.micro_batch = 0;
+    dry.phase.stage = Stage::Reduction;
+    // The observer's `gradients_ready`.
+    match shard {
+        None => {}
+        Some(shard) => match shard.stage {
+            ZeroStage::Ddp | ZeroStage::OptimizerStates => {
+                ddp_reduce(dry, &params, shard.bucket_bytes);
+            }
+            ZeroStage::Gradients => dry.zero2_finish(),
+            ZeroStage::Parameters => dry.call(
+                "loss, overflow flag, underflows",
+                Collective::AllReduce,
+                EXTRAS,
+                F32,
+            ),
+        },
+    }
     dry.phase.stage = Stage::Optimizer;
+    // Under ZeRO-2 and 3 the clip norm's sum of squares is added over the ranks, in f64.
+    if recipe.clip && matches!(stage, Some(ZeroStage::Gradients | ZeroStage::Parameters)) {
+        dry.call("gradient norm", Collective::AllReduce, 1, 8);
+    }
     adamw.step(dry, &params);
+    dry.sharded_step();
     Ok(saved)
 }

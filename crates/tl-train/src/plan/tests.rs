@@ -157,26 +157,32 @@ fn the_replay_holds_under_autocast_dropout_and_a_checkpoint_budget() {
     assert_same_timeline(&micro_config(Precision::Fp16, Checkpointing::PerBlock, 0.0));
 }
 
-#[test]
-fn the_sharded_replica_replays_sharded_adamw_event_for_event() {
-    use super::step::OptimizerShard;
+/// The allocations and frees of a rank's second step at ZeRO stage `stage` in a world of
+/// one (tl-collective's `Single`), buckets of `bucket_bytes`, driven as `tinyllm train`
+/// drives it: `RunOptimizer::at_stage`, then `DataParallel::train_step`, or
+/// `Zero3::train_step` at stage 3.
+fn measured_rank_events(
+    config: &TrainConfig,
+    stage: u8,
+    bucket_bytes: usize,
+) -> Vec<(memory::EventKind, usize)> {
     use crate::data::{Corpus, sample_batch};
     use crate::model::Llama;
-    use crate::train::batch_loss;
-    use tl_parallel::{DataParallel, ShardedAdamW};
+    use crate::train::{RunOptimizer, batch_loss};
+    use tl_parallel::DataParallel;
     use tl_tensor::Generator;
     use tl_tensor::nn::Module;
     use tl_tensor::optim::AdamW;
 
-    // A world of one: the rank's shard is every parameter, each a piece with its master
-    // copy, so the order of every piece's allocations is checked.
-    let config = micro_config(Precision::Fp32, Checkpointing::Off, 0.0);
     let model = Llama::<f32>::new(&config.model, 0).unwrap();
-    let ddp = DataParallel::new(Box::new(tl_collective::Single::new()));
+    model.set_checkpointing(config.checkpointing);
+    let mut ddp =
+        DataParallel::new(Box::new(tl_collective::Single::new())).with_bucket_bytes(bucket_bytes);
     let adamw = AdamW::new(model.parameters(), 1e-3).unwrap();
-    let mut opt = ShardedAdamW::new(&ddp, adamw).unwrap();
+    let mut opt = RunOptimizer::at_stage(adamw, stage, &mut ddp, &model).unwrap();
     let corpus = Corpus::builtin(0, 4_000);
     let rng = Generator::new(0);
+    let rows = config.micro_batch * config.accum;
     let mut step = || {
         let batches: Vec<_> = (0..config.accum)
             .map(|_| {
@@ -188,35 +194,85 @@ fn the_sharded_replica_replays_sharded_adamw_event_for_event() {
                 )
             })
             .collect();
-        // The plain step: DDP's bucket is the parallel plan's communication term, not the
-        // dry run's; ShardedAdamW's own buffers (its shard, the gather) are the dry run's.
-        let report = tl_precision::train_step_mixed(
-            &model,
-            &batches,
-            batch_loss,
-            &mut opt,
-            Precision::Fp32,
-            None,
-            Some(1.0),
-        )
+        let precision = config.precision;
+        let report = match &mut opt {
+            RunOptimizer::Zero3(zero3) => zero3.train_step(
+                &model,
+                &batches,
+                rows,
+                batch_loss,
+                precision,
+                None,
+                config.clip,
+            ),
+            opt => ddp.train_step(
+                &model,
+                &batches,
+                rows,
+                batch_loss,
+                opt,
+                precision,
+                None,
+                config.clip,
+            ),
+        }
         .unwrap();
         assert!(!report.skipped);
     };
     step();
     let ((), events) = memory::record(&mut step);
-    let measured: Vec<_> = events.into_iter().map(|e| (e.kind, e.bytes)).collect();
+    events.into_iter().map(|e| (e.kind, e.bytes)).collect()
+}
+
+fn assert_same_rank_timeline(config: &TrainConfig, stage: ZeroStage, bucket_bytes: usize) {
+    use super::step::OptimizerShard;
+    let measured = measured_rank_events(config, stage.index() as u8, bucket_bytes);
     let shard = OptimizerShard {
+        stage,
         world_size: 1,
         rank: 0,
-        bucket_bytes: tl_parallel::DEFAULT_BUCKET_BYTES,
+        bucket_bytes,
     };
-    let predicted = second_step_events(&Recipe::from(&config), Some(shard));
+    let predicted = second_step_events(&Recipe::from(config), Some(shard));
     let first_difference = predicted.iter().zip(&measured).position(|(p, m)| p != m);
+    if let Some(i) = first_difference {
+        let lo = i.saturating_sub(6);
+        eprintln!("DEBUG stage {stage} bucket {bucket_bytes} at {i}");
+        eprintln!(
+            "predicted {:?}",
+            &predicted[lo..(i + 8).min(predicted.len())]
+        );
+        eprintln!("measured  {:?}", &measured[lo..(i + 8).min(measured.len())]);
+    }
     assert_eq!(
         (first_difference, predicted.len()),
         (None, measured.len()),
-        "first differing event, then the event counts"
+        "stage {stage}: first differing event, then the event counts"
     );
+}
+
+#[test]
+fn a_ranks_replica_replays_every_zero_stage_event_for_event() {
+    // A world of one: the rank's shard is every parameter, so every piece's allocations
+    // are checked, in order. Buckets of 16 KiB cut the model (17,040 floats) into five, so
+    // ZeRO-2 reduces during backward, bucket by bucket.
+    let config = micro_config(Precision::Fp32, Checkpointing::Off, 0.0);
+    for stage in ZeroStage::ALL {
+        assert_same_rank_timeline(&config, stage, tl_parallel::DEFAULT_BUCKET_BYTES);
+        assert_same_rank_timeline(&config, stage, 16 << 10);
+    }
+}
+
+#[test]
+fn a_ranks_replica_holds_with_checkpoints_autocast_and_dropout() {
+    // Checkpointed blocks go through ZeRO-3's gathers in the forward pass and again in
+    // their rerun.
+    let per_block = micro_config(Precision::Fp32, Checkpointing::PerBlock, 0.0);
+    let budget = micro_config(Precision::Bf16, Checkpointing::Budget(3), 0.1);
+    for stage in [ZeroStage::Gradients, ZeroStage::Parameters] {
+        assert_same_rank_timeline(&per_block, stage, 16 << 10);
+        assert_same_rank_timeline(&budget, stage, 16 << 10);
+    }
 }
 
 #[test]
@@ -255,6 +311,7 @@ fn a_7b_shape_plans_fast_with_its_real_vocabulary() {
         accum: 1,
         precision: Precision::Fp32,
         checkpointing: Checkpointing::Off,
+        clip: true,
     };
     let started = std::time::Instant::now();
     let plan = plan_ranks(&recipe, &DataParallelism::new(1024, 3).unwrap()).unwrap();
@@ -263,4 +320,43 @@ fn a_7b_shape_plans_fast_with_its_real_vocabulary() {
     assert!(plan.rank0().activations_bytes > 4096 * 32_000 * 4);
     assert_eq!(plan.sizes.parameters, 6_738_415_616);
     assert_eq!(plan.ranks.len(), 1);
+}
+
+#[test]
+fn the_closed_form_collectives_send_what_the_dry_run_calls() {
+    // Stage 1's gather is written as one call in closed form; its rounds are the dry run's.
+    for checkpointing in [Checkpointing::Off, Checkpointing::PerBlock] {
+        let recipe = Recipe::from(&micro_config(Precision::Fp32, checkpointing, 0.0));
+        let sizes = ModelSizes::of(&recipe.model);
+        for stage in [ZeroStage::Ddp, ZeroStage::Gradients, ZeroStage::Parameters] {
+            for bucket_bytes in [BUCKET_BYTES, 16 << 10] {
+                let parallelism = DataParallelism {
+                    bucket_bytes,
+                    ..DataParallelism::new(3, stage.index()).unwrap()
+                };
+                let plan = plan_ranks(&recipe, &parallelism).unwrap();
+                let calls = stage_collectives(stage, &sizes, recipe.accum, bucket_bytes, true);
+                for rank in &plan.ranks {
+                    let bytes: u64 = calls
+                        .iter()
+                        .map(|c| {
+                            c.calls
+                                * ring_bytes_sent(
+                                    c.collective,
+                                    c.elements,
+                                    c.element_bytes,
+                                    3,
+                                    rank.rank,
+                                )
+                        })
+                        .sum();
+                    assert_eq!(
+                        bytes, rank.sent_bytes,
+                        "stage {stage}, buckets of {bucket_bytes}, rank {}",
+                        rank.rank
+                    );
+                }
+            }
+        }
+    }
 }

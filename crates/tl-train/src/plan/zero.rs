@@ -1,21 +1,28 @@
-//! ZeRO's stages on tinyllm's ranks: **the one place** where what each stage keeps on a
-//! rank and what it sends per step is written down, term by term ([`stage_terms`],
-//! [`stage_collectives`]), next to the paper's arithmetic ([`paper_figures`]).
+//! ZeRO's stages on tinyllm's ranks in closed form: what each stage keeps on a rank and what
+//! it sends per step, term by term ([`stage_terms`], [`stage_collectives`]), next to the
+//! paper's arithmetic ([`paper_figures`]).
 //!
-//! Stages 0 and 1 are tl-parallel's `DataParallel` and `ShardedAdamW` as they are; the
-//! parallel plan predicts their metered peak with the dry run and checks it, and the bytes
-//! they send, against real ranks. Stages 2 and 3 are modelled from their design, before
-//! their code exists, and must be matched to it here when it lands:
+//! The parallel plan's figures do not come from here: its dry run replicates what
+//! tl-parallel does at every stage, allocation for allocation and call for call, and a
+//! test checks it against real ranks. These formulas say the same in a few lines, and the
+//! unit tests check them against the dry run:
 //!
-//! - **ZeRO-2**: every micro-batch but the last accumulates full gradients locally, as DDP
-//!   does; during the last one's backward each full bucket is reduce-scattered and the rank
-//!   keeps only its `1/N` shard of the gradients. The sharded AdamW updates that shard and
-//!   the updated weights are all-gathered, as in stage 1.
-//! - **ZeRO-3**: the weights are partitioned per *unit* (the embedding, each block, the
-//!   final norm with the head); a unit's weights are all-gathered before its forward pass
-//!   and again before its backward pass and freed after each, and its gradients are
-//!   reduce-scattered as soon as its backward is done, every micro-batch. Each rank updates
-//!   its shards; nothing is gathered after the update.
+//! - **ZeRO-1** (`ShardedAdamW`): DDP's reduction, then AdamW on the rank's `1/N` of the
+//!   flattened parameters and an all-gather of the updated weights in rounds of a bucket.
+//! - **ZeRO-2** (`Zero2AdamW`): every micro-batch but the last accumulates full gradients
+//!   locally, as DDP does; during the last one's backward each bucket is reduce-scattered
+//!   as soon as its gradients are in, and the rank keeps only its chunk of each. It updates
+//!   its chunks, and the updated weights are all-gathered bucket by bucket.
+//! - **ZeRO-3** (`Zero3`): the weights are partitioned per *unit* (the embedding, each
+//!   block, the final norm with the head); a unit's weights are all-gathered before its
+//!   forward pass and again before its backward pass (a checkpointed unit's rerun gathers
+//!   instead, and keeps them for its backward) and released after each, and its gradients
+//!   are reduce-scattered as soon as its backward is done, every micro-batch. Each rank
+//!   updates its shards; nothing is gathered after the update.
+//!
+//! Under ZeRO-2 and 3 one small all-reduce makes the loss, the overflow flag and the
+//! underflows global, and when the gradients are clipped one more adds the shards' sums
+//! of squares (an f64).
 //!
 //! All sizes are of f32 elements (tinyllm keeps weights, gradients and moments in f32 even
 //! under autocast), so "4P" below is the bytes of the `P` parameters.
@@ -85,11 +92,6 @@ impl ZeroStage {
                 reason: "a ZeRO stage is 0 (plain DDP), 1, 2 or 3".into(),
             })
     }
-
-    /// Whether tl-parallel implements the stage today (so that the plan can be measured).
-    pub fn is_implemented(self) -> bool {
-        self <= ZeroStage::OptimizerStates
-    }
 }
 
 impl fmt::Display for ZeroStage {
@@ -156,8 +158,9 @@ fn buckets(parameters: u64, bucket_bytes: u64) -> (u64, u64, u64) {
 
 /// What one rank holds in each phase of a steady-state step under one stage, in bytes.
 ///
-/// "Metered" terms are tensors, which `tl_tensor::memory` counts; "buffers" are the plain
-/// vectors the reduction and the gathers work in, which it does not see today.
+/// A closed-form model: the parallel plan's peaks come from the dry run. "Buffers" are the
+/// vectors the reduction and the gathers work in (tl-parallel's buckets and gathers, which
+/// it counts on the meter, and the ring's scratch, which it does not).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct StageTerms {
     /// Weights kept between steps: `4P`, or `4P/N` of shards under stage 3.
@@ -288,21 +291,24 @@ pub struct CollectiveCalls {
     pub purpose: &'static str,
     /// The collective.
     pub collective: Collective,
-    /// f32 elements per call.
+    /// Elements per call.
     pub elements: u64,
+    /// Bytes per element: 4 (f32), or 8 for the f64 sum of the clip norm.
+    pub element_bytes: u64,
     /// Calls per step.
     pub calls: u64,
 }
 
 /// The collectives of one steady-state step under `stage`, the same on every rank (see the
-/// [module docs](self)). Stages 2 and 3 are assumed to fold the three scalars into one
-/// small all-reduce of their own, since a reduce-scatter leaves every rank only a shard of
-/// them.
+/// [module docs](self)), `clip` when the gradients are clipped. Stage 1's gather of the
+/// weights is written as one call; `ShardedAdamW` makes it in rounds of about a bucket,
+/// which the dry run follows.
 pub fn stage_collectives(
     stage: ZeroStage,
     sizes: &ModelSizes,
     accum: usize,
     bucket_bytes: u64,
+    clip: bool,
 ) -> Vec<CollectiveCalls> {
     let p = sizes.parameters;
     let (capacity, full, last) = buckets(p, bucket_bytes);
@@ -311,6 +317,7 @@ pub fn stage_collectives(
         purpose,
         collective,
         elements,
+        element_bytes: F32,
         calls,
     };
     let mut out = Vec::new();
@@ -327,6 +334,13 @@ pub fn stage_collectives(
         1,
     );
     let weights = calls("updated weights", Collective::AllGather, p, 1);
+    let norm = CollectiveCalls {
+        purpose: "gradient norm",
+        collective: Collective::AllReduce,
+        elements: 1,
+        element_bytes: 8,
+        calls: 1,
+    };
     match stage {
         ZeroStage::Ddp => bucket_calls(&mut out, Collective::AllReduce, STEP_EXTRAS),
         ZeroStage::OptimizerStates => {
@@ -334,9 +348,27 @@ pub fn stage_collectives(
             out.push(weights);
         }
         ZeroStage::Gradients => {
-            bucket_calls(&mut out, Collective::ReduceScatter, 0);
+            // The buckets as DDP lays them out, the last with room for the three scalars
+            // (left at zero), reduce-scattered; then gathered back the same way.
+            bucket_calls(&mut out, Collective::ReduceScatter, STEP_EXTRAS);
             out.push(extras);
-            out.push(weights);
+            if clip {
+                out.push(norm);
+            }
+            if full > 0 {
+                out.push(calls(
+                    "updated weights",
+                    Collective::AllGather,
+                    capacity,
+                    full,
+                ));
+            }
+            out.push(calls(
+                "updated weights",
+                Collective::AllGather,
+                last + STEP_EXTRAS,
+                1,
+            ));
         }
         ZeroStage::Parameters => {
             let units = &sizes.units;
@@ -385,6 +417,9 @@ pub fn stage_collectives(
                 }
             }
             out.push(extras);
+            if clip {
+                out.push(norm);
+            }
         }
     }
     out
@@ -481,18 +516,18 @@ mod tests {
     #[test]
     fn buckets_are_full_but_the_last_which_carries_the_extras() {
         // Buckets of 1600 bytes = 400 floats: 400 + 400 + 200 (+ 3 scalars).
-        let calls = stage_collectives(ZeroStage::Ddp, &sizes(), 1, 1600);
+        let calls = stage_collectives(ZeroStage::Ddp, &sizes(), 1, 1600, true);
         let shape: Vec<(u64, u64)> = calls.iter().map(|c| (c.elements, c.calls)).collect();
         assert_eq!(shape, [(400, 2), (203, 1)]);
         // ZeRO-1 adds the gather of all 1000 weights.
-        let calls = stage_collectives(ZeroStage::OptimizerStates, &sizes(), 1, 1600);
+        let calls = stage_collectives(ZeroStage::OptimizerStates, &sizes(), 1, 1600, true);
         assert_eq!(calls.last().unwrap().elements, 1000);
         assert_eq!(calls.last().unwrap().collective, Collective::AllGather);
     }
 
     #[test]
     fn zero3_gathers_each_unit_twice_and_scatters_its_gradients_every_micro_batch() {
-        let calls = stage_collectives(ZeroStage::Parameters, &sizes(), 3, BUCKET_BYTES);
+        let calls = stage_collectives(ZeroStage::Parameters, &sizes(), 3, BUCKET_BYTES, false);
         // Two units, no blocks: 3 collectives of each unit per micro-batch, then the extras.
         let per_unit: Vec<(u64, u64)> = calls.iter().map(|c| (c.elements, c.calls)).collect();
         assert_eq!(

@@ -66,11 +66,17 @@ impl DryRun {
 
     /// `backward_with`: sweeps the graph behind `root`, starting from a gradient of
     /// `grad_bytes`.
+    ///
+    /// When leaves of the graph have gradient-ready hooks, each of them is finished (its
+    /// gradient handed over, its hook run) as soon as the last op consuming it has run, as
+    /// tl-tensor's `backward` does, not at its own place in the order.
     pub(crate) fn backward(&mut self, root: &Handle, grad_bytes: u64) {
         let root = root
             .node
             .expect("backward: the tensor does not require grad");
+        self.sweeps += 1;
         let order = self.topological_order(root);
+        let mut waiting = self.hooked_consumers(&order);
         let mut pending: HashMap<usize, u64> = HashMap::new();
         let in_flight = |layer| tag(layer, TensorKind::GradientsInFlight);
         self.charge(in_flight(self.nodes[root].layer), grad_bytes);
@@ -83,19 +89,8 @@ impl DryRun {
             self.phase.stage = Stage::Backward;
             self.phase.layer = layer;
             let (parents, vjp) = match &mut self.nodes[id].kind {
-                NodeKind::Leaf { grad, param } => {
-                    let (first, param) = (grad.is_none(), *param);
-                    if first {
-                        *grad = Some(bytes);
-                    }
-                    if !first {
-                        // Added into the existing gradient; the in-flight one is dropped.
-                        self.refund(in_flight(layer), bytes);
-                    } else if param {
-                        // The buffer itself becomes the parameter's `.grad`.
-                        self.uncount(in_flight(layer), bytes);
-                        self.count(tag(layer, TensorKind::Gradients), bytes);
-                    }
+                NodeKind::Leaf { .. } => {
+                    self.finish_leaf(id, bytes);
                     continue;
                 }
                 NodeKind::Op { parents, vjp } => (parents.clone(), vjp.take().expect("swept once")),
@@ -104,28 +99,91 @@ impl DryRun {
             // stays counted while the VJP runs.
             self.refund(in_flight(layer), bytes);
             self.charge(in_flight(layer), bytes);
-            let receivers: Vec<usize> = match vjp {
+            let receivers = match vjp {
                 Vjp::Saved(saved) => {
                     saved.into_iter().for_each(|h| self.release(h));
-                    parents
+                    parents.len()
                 }
-                Vjp::Rerun(node) => self.rerun(node, bytes, &parents),
+                Vjp::Gather(unit) => {
+                    self.zero3_gather(unit);
+                    parents.len()
+                }
+                Vjp::Rerun(node) => self.rerun(node, bytes),
             };
-            for parent in receivers {
-                if let Entry::Vacant(slot) = pending.entry(parent) {
+            for (index, &parent) in parents.iter().enumerate() {
+                if index < receivers
+                    && let Entry::Vacant(slot) = pending.entry(parent)
+                {
                     let (parent_bytes, parent_layer) =
                         (self.nodes[parent].bytes, self.nodes[parent].layer);
                     slot.insert(parent_bytes);
                     self.charge(in_flight(parent_layer), parent_bytes);
                 }
+                if let Some(count) = waiting.get_mut(&parent) {
+                    *count -= 1;
+                    if *count == 0 {
+                        waiting.remove(&parent);
+                        if let Some(parent_bytes) = pending.remove(&parent) {
+                            self.finish_leaf(parent, parent_bytes);
+                        }
+                    }
+                }
             }
             self.refund(in_flight(layer), bytes);
+        }
+        self.sweeps -= 1;
+    }
+
+    /// tl-tensor's `hooked_consumers`: for each hooked leaf of `order`, how many parent
+    /// slots of its ops point at it. Empty when no leaf of the graph is hooked.
+    fn hooked_consumers(&self, order: &[usize]) -> HashMap<usize, u32> {
+        let mut waiting = HashMap::new();
+        if self.hooks.is_empty() || !order.iter().any(|node| self.hooks.contains_key(node)) {
+            return waiting;
+        }
+        for &node in order {
+            if let NodeKind::Op { parents, .. } = &self.nodes[node].kind {
+                for parent in parents {
+                    if self.hooks.contains_key(parent) {
+                        *waiting.entry(*parent).or_insert(0) += 1;
+                    }
+                }
+            }
+        }
+        waiting
+    }
+
+    /// tl-tensor's `finish_leaf`: a leaf's first gradient becomes its `.grad`, a later one
+    /// is added in and dropped; then the leaf's hook, if any, runs.
+    fn finish_leaf(&mut self, id: usize, bytes: u64) {
+        let layer = self.nodes[id].layer;
+        let in_flight = tag(layer, TensorKind::GradientsInFlight);
+        let NodeKind::Leaf { grad, param } = &mut self.nodes[id].kind else {
+            unreachable!("only leaves accumulate")
+        };
+        let (first, param) = (grad.is_none(), *param);
+        if first {
+            *grad = Some(bytes);
+        }
+        if first && param {
+            // The buffer itself becomes the parameter's `.grad`.
+            self.uncount(in_flight, bytes);
+            self.count(tag(layer, TensorKind::Gradients), bytes);
+        }
+        if let Some(&hook) = self.hooks.get(&id) {
+            self.run_hook(hook);
+        }
+        if !first {
+            // Added into the existing gradient; the in-flight one is dropped when
+            // `finish_leaf` returns, after the hook.
+            self.refund(in_flight, bytes);
         }
     }
 
     /// The VJP of a checkpoint node: rerun the segment from leaf copies of its inputs with
     /// the forward pass's modes, backpropagate `grad_bytes` through the rerun, and hand the
-    /// inputs' gradients on. Returns the parents that receive a gradient.
+    /// inputs' gradients on. Returns how many parents (the first ones, the inputs) receive
+    /// a gradient.
     fn rerun(
         &mut self,
         Rerun {
@@ -136,8 +194,7 @@ impl DryRun {
             layer,
         }: Rerun,
         grad_bytes: u64,
-        parents: &[usize],
-    ) -> Vec<usize> {
+    ) -> usize {
         let leaves: Vec<Handle> = inputs
             .iter()
             .map(|input| {
@@ -171,6 +228,6 @@ impl DryRun {
         let n_inputs = inputs.len();
         inputs.into_iter().for_each(|input| self.release(input));
         self.phase = outer.2;
-        parents[..n_inputs].to_vec()
+        n_inputs
     }
 }
