@@ -523,6 +523,26 @@ impl<E: GradElement> Zero3<E> {
         self.take_error().map_or(Ok(()), Err)
     }
 
+    /// Runs `read(unit)` for each unit in order with that unit's whole values present on
+    /// every rank: gathered before, released after, so a rank holds one unit whole at a time
+    /// (to save the model without holding all of it). A collective per unit.
+    ///
+    /// # Errors
+    /// [`ParallelError::Collective`] if a gather failed; `read` is not called from then on.
+    pub fn for_each_unit_gathered(&self, mut read: impl FnMut(usize)) -> Result<()> {
+        let units = self.core.borrow().units.len();
+        for unit in 0..units {
+            self.core.borrow_mut().gather(unit);
+            if let Some(error) = self.take_error() {
+                self.core.borrow().release(unit);
+                return Err(error);
+            }
+            read(unit);
+            self.core.borrow().release(unit);
+        }
+        Ok(())
+    }
+
     /// Releases every unit's whole values (after
     /// [`gather_full_parameters`](Self::gather_full_parameters)). Local.
     pub fn release_full_parameters(&self) {

@@ -13,6 +13,7 @@ use common::TINY_TRAIN;
 use tl_collective::{RingComm, RingConfig};
 use tl_train::TrainError;
 use tl_train::model::Preset;
+use tl_train::plan::{DataParallelism, Recipe, plan_ranks, relative_error};
 use tl_train::train::{DataSource, Record, TrainConfig, Trainer, read_config, read_records};
 
 /// How long any one multi-process command may take before the test fails.
@@ -447,6 +448,8 @@ fn zero_stages_train_what_ddp_trains_and_resume_at_any_world_size() {
     // weighs at the peak: one sequence per rank, checkpointed blocks, and buckets small
     // enough that ZeRO-2 frees gradients while backward runs (with more micro-batches the
     // earlier ones accumulate whole gradients, communicating nothing).
+    // The whole run's peak, evaluation and checkpoints included, is the step's, and each
+    // rank's is what `tinyllm plan --ranks 2 --zero S` predicts for it.
     let peaks = |zero: &str| {
         let out = dir.path().join(format!("peak-zero{zero}"));
         let mut args = tiny(&out, 1, &["--steps", "2", "--checkpoint-activations"]);
@@ -454,15 +457,30 @@ fn zero_stages_train_what_ddp_trains_and_resume_at_any_world_size() {
         args[at + 1] = "1".into();
         args.extend(["--zero", zero, "--bucket-mib", "0.05"].map(String::from));
         succeed(2, &args);
+        let config = read_config(&out).unwrap();
+        let parallelism = DataParallelism {
+            bucket_bytes: config.parallel.bucket_bytes as u64,
+            ..DataParallelism::new(2, zero.parse().unwrap()).unwrap()
+        };
+        let plan = plan_ranks(&Recipe::from(&config), &parallelism).unwrap();
         let ranks = summary_ranks(&out);
+        for (measured, predicted) in ranks.iter().zip(&plan.ranks) {
+            let measured = measured["peak_live_bytes"].as_u64().unwrap();
+            let error = relative_error(predicted.peak_bytes, measured);
+            assert!(
+                error.abs() <= 0.01,
+                "ZeRO-{zero}: {measured} vs the plan's {}",
+                predicted.peak_bytes
+            );
+        }
         ranks
             .iter()
             .map(|r| r["peak_live_bytes"].as_u64().unwrap())
             .collect::<Vec<_>>()
     };
     let (zero0, zero1, zero2, zero3) = (peaks("0"), peaks("1"), peaks("2"), peaks("3"));
-    // Measured (bytes, both ranks): 2,335,744; 1,978,248; 1,895,088 and 1,894,900;
-    // 1,837,312.
+    // Measured (bytes, both ranks), equal to the plan's: 2,245,128; 1,978,248; 1,895,088
+    // and 1,894,900; 1,651,976.
     for rank in 0..2 {
         assert!(
             zero0[rank] > zero1[rank] && zero1[rank] > zero2[rank] && zero2[rank] > zero3[rank],

@@ -11,6 +11,7 @@ use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 
 use crate::error::Result;
 use crate::model::Llama;
+use crate::store::NamedTensor;
 
 /// AdamW as the run's ZeRO stage keeps it.
 pub enum RunOptimizer {
@@ -31,7 +32,7 @@ impl RunOptimizer {
     /// `adamw` (fresh, or holding a checkpoint's whole state) on `model`'s parameters at
     /// ZeRO stage `zero` over `ddp`'s ranks. At stage 3 the model's whole values are
     /// released and its unit hook set: from then on they exist only while a unit runs, or
-    /// inside [`with_full_parameters`](Self::with_full_parameters).
+    /// while [`named_weights`](Self::named_weights) copies them out.
     ///
     /// # Errors
     /// [`TrainError::Parallel`](crate::TrainError::Parallel) if the state does not fit.
@@ -68,19 +69,35 @@ impl RunOptimizer {
         Ok(Self::Zero3(zero3))
     }
 
-    /// `read()` with the model's whole values present on every rank: at ZeRO-3 they are
-    /// all-gathered before (a collective every rank must call) and released after.
+    /// `model`'s weights by name, in order, when `keep` (the rank that writes them), and
+    /// nothing otherwise. At ZeRO-3 every rank must call it: each unit is all-gathered in
+    /// turn, copied out by the rank that keeps them, and released, so no rank holds more than
+    /// one unit's whole values on top of its shards.
     ///
     /// # Errors
-    /// [`TrainError::Parallel`](crate::TrainError::Parallel) if the gather fails.
-    pub fn with_full_parameters<T>(&self, read: impl FnOnce() -> T) -> Result<T> {
+    /// [`TrainError::Parallel`](crate::TrainError::Parallel) if a gather fails.
+    pub fn named_weights(&self, model: &Llama<f32>, keep: bool) -> Result<Vec<NamedTensor>> {
+        let copy = |(name, tensor): (String, Tensor<f32>)| (name, tensor.shape(), tensor.to_vec());
         let Self::Zero3(zero3) = self else {
-            return Ok(read());
+            return Ok(if keep {
+                model.named_parameters().into_iter().map(copy).collect()
+            } else {
+                Vec::new()
+            });
         };
-        zero3.gather_full_parameters()?;
-        let done = read();
-        zero3.release_full_parameters();
-        Ok(done)
+        // The units are the named parameters, in order: take each unit's run of them.
+        let mut named = model.named_parameters().into_iter();
+        let sizes: Vec<usize> = model.units().iter().map(Vec::len).collect();
+        let mut weights = Vec::new();
+        zero3.for_each_unit_gathered(|unit| {
+            let run = named.by_ref().take(sizes[unit]);
+            if keep {
+                weights.extend(run.map(copy));
+            } else {
+                run.for_each(drop);
+            }
+        })?;
+        Ok(weights)
     }
 
     /// The whole state, as an unsharded AdamW holds it: a collective at ZeRO-1, which every

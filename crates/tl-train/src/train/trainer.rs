@@ -23,7 +23,7 @@ use super::summary::RunSummary;
 use crate::data::{Batch, Corpus, sample_batch, sequential_batches, skip_batch};
 use crate::error::{Result, TrainError};
 use crate::model::Llama;
-use crate::store::{NamedTensor, write_atomic};
+use crate::store::write_atomic;
 
 /// The run's config file in its directory.
 const CONFIG_FILE: &str = "config.json";
@@ -632,6 +632,9 @@ impl Trainer {
                 .map_err(TrainError::from)
         };
         let report = stepped.map_err(|error| self.diverged_from(error))?;
+        // Nothing reads the gradients after the update (the next step drops them first):
+        // dropped now, they do not sit under the evaluation or the checkpoint's write.
+        self.optimizer.zero_grad();
         let step_s = started.elapsed().as_secs_f64();
         self.traffic.bytes_sent += self.ddp.stats().bytes_sent - sent_before;
         self.traffic.comm_s += (self.ddp.communication_time() - busy_before).as_secs_f64();
@@ -851,17 +854,7 @@ impl Trainer {
         // part), and rank 0 writes them.
         let adamw = self.optimizer.full_state()?;
         let leader = self.metrics.is_some();
-        let weights: Vec<NamedTensor> = self.optimizer.with_full_parameters(|| {
-            let named = if leader {
-                self.model.named_parameters()
-            } else {
-                Vec::new()
-            };
-            named
-                .into_iter()
-                .map(|(name, tensor)| (name, tensor.shape(), tensor.to_vec()))
-                .collect()
-        })?;
+        let weights = self.optimizer.named_weights(&self.model, leader)?;
         if !leader {
             return Ok(self.run_dir.join(format!("checkpoint-{:06}", self.step)));
         }
