@@ -100,7 +100,8 @@ pub struct StepPrediction {
     /// Peak live bytes of the very first step of a fresh model (no moments before its
     /// update; they are allocated at its end).
     pub first_step_peak_bytes: u64,
-    /// Live bytes between steps: weights, moments and the last step's gradients.
+    /// Live bytes between steps: weights and moments (the trainer drops the gradients after
+    /// each update).
     pub between_steps_bytes: u64,
     /// Bytes saved for backward at the end of one micro-batch's forward pass, by layer and
     /// kind (the model state left out).
@@ -388,8 +389,9 @@ pub(crate) fn second_step_events(
 /// let mut config = TrainConfig::for_preset(Preset::Tiny);
 /// config.micro_batch = 2;
 /// let prediction = predict_step(&Recipe::from(&config))?;
-/// // Between steps: weights, gradients and moments, 16 bytes per parameter.
-/// assert_eq!(prediction.between_steps_bytes, 16 * 133_440);
+/// // Between steps: weights and moments, 12 bytes per parameter (the trainer drops the
+/// // gradients after the update).
+/// assert_eq!(prediction.between_steps_bytes, 12 * 133_440);
 /// assert!(prediction.peak_bytes > prediction.between_steps_bytes + prediction.saved_total());
 /// # Ok::<(), tl_train::TrainError>(())
 /// ```
@@ -526,5 +528,11 @@ fn run_step(
     }
     adamw.step(dry, &params);
     dry.sharded_step();
+    // `Trainer::train_step` then drops what gradients are left (`opt.zero_grad()`): the
+    // whole ones under plain AdamW, the shards' under ZeRO-3.
+    for (param, _) in &params {
+        dry.zero_grad(param);
+    }
+    dry.sharded_zero_grad();
     Ok(saved)
 }
