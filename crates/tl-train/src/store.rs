@@ -189,6 +189,38 @@ mod tests {
     }
 
     #[test]
+    fn metadata_is_read_back_and_its_bytes_do_not_depend_on_the_order_given() {
+        let tensors = vec![("w".to_string(), vec![1, 2], vec![1.5, -2.0])];
+        let metadata = [
+            ("format", "tinyllm"),
+            ("layout", "[in, out]"),
+            ("z", "last"),
+        ];
+        let bytes = encode_tensors(&tensors, &metadata);
+        let mut reversed = metadata;
+        reversed.reverse();
+        assert_eq!(encode_tensors(&tensors, &reversed), bytes);
+        let header_length = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+        assert!(header_length.is_multiple_of(8), "the header stays padded");
+        let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+        let expected: HashMap<String, String> = metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(header.metadata().as_ref(), Some(&expected));
+        let decoded = decode_tensors(Path::new("x"), &bytes).unwrap();
+        assert_eq!(decoded["w"], (vec![1, 2], vec![1.5, -2.0]));
+        // Without metadata, the bytes are the safetensors crate's own.
+        assert!(
+            SafeTensors::read_metadata(&encode_tensors(&tensors, &[]))
+                .unwrap()
+                .1
+                .metadata()
+                .is_none()
+        );
+    }
+
+    #[test]
     fn garbage_is_a_checkpoint_error_naming_the_file() {
         let error =
             decode_tensors(Path::new("run/model.safetensors"), b"not safetensors").unwrap_err();
