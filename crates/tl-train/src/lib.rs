@@ -9,6 +9,7 @@ pub mod cli;
 pub mod compare;
 pub mod data;
 mod error;
+pub mod export;
 pub mod model;
 pub mod plan;
 pub mod process_memory;

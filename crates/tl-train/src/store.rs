@@ -82,11 +82,16 @@ pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
 /// Decoded tensors by name: shape and row-major values.
 pub type TensorMap = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
-/// The safetensors encoding of `tensors` (dtype F32, little-endian).
+/// The safetensors encoding of `tensors` (dtype F32, little-endian), with `metadata` as the
+/// header's `__metadata__` (none when empty).
+///
+/// The bytes depend only on the arguments: the metadata is written in key order (the
+/// `safetensors` crate writes a `HashMap` in an order that changes from one process to the
+/// next, and a resumed run must write the same bytes as an uninterrupted one).
 ///
 /// # Panics
 /// If a tensor's values do not fill its shape (a bug of the caller).
-pub fn encode_tensors(tensors: &[NamedTensor]) -> Vec<u8> {
+pub fn encode_tensors(tensors: &[NamedTensor], metadata: &[(&str, &str)]) -> Vec<u8> {
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
         .map(|(_, _, values)| values.iter().flat_map(|v| v.to_le_bytes()).collect())
@@ -96,7 +101,37 @@ pub fn encode_tensors(tensors: &[NamedTensor]) -> Vec<u8> {
             .unwrap_or_else(|error| panic!("encode_tensors: {name}: {error}"));
         (name.as_str(), view)
     });
-    serialize(views, None::<HashMap<String, String>>).expect("sizes were checked")
+    let plain = serialize(views, None::<HashMap<String, String>>).expect("sizes were checked");
+    if metadata.is_empty() {
+        plain
+    } else {
+        with_metadata(&plain, metadata)
+    }
+}
+
+/// `plain` (safetensors bytes without metadata) with `metadata` added to its header, keys
+/// sorted. The header stays padded with spaces to a multiple of 8 bytes, as the crate pads
+/// it; tensor offsets count from the end of the header, so they stay as they are.
+fn with_metadata(plain: &[u8], metadata: &[(&str, &str)]) -> Vec<u8> {
+    let length = u64::from_le_bytes(plain[..8].try_into().expect("8 bytes"));
+    let length = usize::try_from(length).expect("a header in memory");
+    let (header, data) = plain[8..].split_at(length);
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(header).expect("safetensors writes a JSON object");
+    let metadata: BTreeMap<&str, &str> = metadata.iter().copied().collect();
+    header.insert(
+        "__metadata__".to_string(),
+        serde_json::to_value(metadata).expect("strings serialize"),
+    );
+    let mut header = serde_json::to_vec(&header).expect("JSON serializes");
+    while !header.len().is_multiple_of(8) {
+        header.push(b' ');
+    }
+    let mut bytes = Vec::with_capacity(8 + header.len() + data.len());
+    bytes.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&header);
+    bytes.extend_from_slice(data);
+    bytes
 }
 
 /// Decodes a safetensors file of `f32` tensors into a map from name to shape and values.
@@ -140,13 +175,49 @@ mod tests {
             ),
             ("b.weight".to_string(), vec![3], vec![0.1, 0.2, 0.3]),
         ];
-        let decoded = decode_tensors(Path::new("x"), &encode_tensors(&tensors)).unwrap();
+        let decoded = decode_tensors(
+            Path::new("x"),
+            &encode_tensors(&tensors, &[("format", "test")]),
+        )
+        .unwrap();
         for (name, shape, values) in &tensors {
             let (got_shape, got) = &decoded[name];
             assert_eq!(got_shape, shape);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(got), bits(values));
         }
+    }
+
+    #[test]
+    fn metadata_is_read_back_and_its_bytes_do_not_depend_on_the_order_given() {
+        let tensors = vec![("w".to_string(), vec![1, 2], vec![1.5, -2.0])];
+        let metadata = [
+            ("format", "tinyllm"),
+            ("layout", "[in, out]"),
+            ("z", "last"),
+        ];
+        let bytes = encode_tensors(&tensors, &metadata);
+        let mut reversed = metadata;
+        reversed.reverse();
+        assert_eq!(encode_tensors(&tensors, &reversed), bytes);
+        let header_length = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+        assert!(header_length.is_multiple_of(8), "the header stays padded");
+        let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+        let expected: HashMap<String, String> = metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(header.metadata().as_ref(), Some(&expected));
+        let decoded = decode_tensors(Path::new("x"), &bytes).unwrap();
+        assert_eq!(decoded["w"], (vec![1, 2], vec![1.5, -2.0]));
+        // Without metadata, the bytes are the safetensors crate's own.
+        assert!(
+            SafeTensors::read_metadata(&encode_tensors(&tensors, &[]))
+                .unwrap()
+                .1
+                .metadata()
+                .is_none()
+        );
     }
 
     #[test]

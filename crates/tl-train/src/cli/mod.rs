@@ -3,6 +3,7 @@
 mod backend;
 mod comm_bench;
 mod compare;
+mod export;
 mod launch;
 mod plan;
 mod profile;
@@ -28,6 +29,10 @@ enum Command {
     Train(Box<TrainArgs>),
     /// Generate text from a trained checkpoint.
     Sample(SampleArgs),
+    /// Write a run's model in Hugging Face's Llama format (config.json, model.safetensors).
+    Export(export::ExportArgs),
+    /// Print a trained model's logits for a prompt as JSON (to compare with an export).
+    Logits(export::LogitsArgs),
     /// MS-L11: train the fp32 baseline and the mixed recipe, compare loss and memory.
     Compare(Box<compare::CompareArgs>),
     /// Predict the memory of a training step before running it (and check it with --measure).
@@ -217,6 +222,8 @@ where
     let outcome = match cli.command {
         Command::Train(args) => train::train(&args),
         Command::Sample(args) => sample::sample(&args).map(|()| Exit::Success),
+        Command::Export(args) => export::export(&args).map(|()| Exit::Success),
+        Command::Logits(args) => export::logits(&args).map(|()| Exit::Success),
         Command::Compare(args) => compare::compare_command(&args),
         Command::Plan(args) => plan::plan(&args),
         Command::Profile(args) => profile::profile(&args),

@@ -180,6 +180,43 @@ pub fn clean(run_dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
+/// The header metadata of a checkpoint's `model.safetensors`: what each tensor is. Readers
+/// go by the tensor names and ignore it; it is there for people and other tools (see
+/// `tinyllm export` for Hugging Face's layout).
+pub const MODEL_METADATA: &[(&str, &str)] = &[
+    ("format", "tinyllm"),
+    ("dtype", "F32, little-endian, row-major"),
+    (
+        "names",
+        "emb.weight; blocks.{i}.{n1.w, wq.weight, wk.weight, wv.weight, wo.weight, n2.w, \
+         w1.weight, w3.weight, w2.weight} for each block i; norm.w; head.weight",
+    ),
+    (
+        "layout",
+        "linear weights (wq, wk, wv, wo, w1, w3, w2, head) are [in, out] and compute x·W; \
+         emb.weight is [vocab, d_model]; n1.w, n2.w and norm.w are RMSNorm gains [d_model]; \
+         the rotary embedding turns the interleaved pairs (2i, 2i+1) of each head of wq's \
+         and wk's outputs",
+    ),
+    (
+        "roles",
+        "n1.w normalises attention's input, n2.w the MLP's; the MLP is \
+         w2·(silu(w1·x) * w3·x) (w1 gate, w3 up, w2 down); head.weight is untied from \
+         emb.weight",
+    ),
+];
+
+/// The header metadata of a checkpoint's `optimizer.safetensors`.
+pub const OPTIMIZER_METADATA: &[(&str, &str)] = &[
+    ("format", "tinyllm"),
+    ("dtype", "F32, little-endian, row-major"),
+    (
+        "contents",
+        "AdamW's moments: {name}.exp_avg and {name}.exp_avg_sq for each tensor {name} of \
+         model.safetensors, in its shape and layout (zeros before the first step)",
+    ),
+];
+
 /// Writes a checkpoint of `state` with `weights` and the optimizer's `adamw` state into
 /// `run_dir`, makes it the latest only once it is complete, then keeps the newest `keep`
 /// checkpoints (at least this one) and removes the older ones. Returns its directory.
@@ -208,10 +245,10 @@ pub fn save(
     fs::create_dir_all(&staging).map_err(io(&staging))?;
 
     let files = [
-        (MODEL_FILE, encode_tensors(weights)),
+        (MODEL_FILE, encode_tensors(weights, MODEL_METADATA)),
         (
             OPTIMIZER_FILE,
-            encode_tensors(&moment_tensors(weights, adamw)),
+            encode_tensors(&moment_tensors(weights, adamw), OPTIMIZER_METADATA),
         ),
         (
             STATE_FILE,

@@ -1,0 +1,271 @@
+//! A trained model in Hugging Face's Llama format, for `tinyllm export`.
+//!
+//! The directory [`export_run`] writes is what `transformers.LlamaForCausalLM
+//! .from_pretrained(dir)` loads: `config.json` and `model.safetensors` (F32, header metadata
+//! `{"format": "pt"}`). tinyllm's model is Hugging Face's Llama computation for computation
+//! (pre-norm RMSNorm `x · rsqrt(mean(x²) + eps) · g`, rotary positions with
+//! `θ = t · base^(−2i/hd)`, attention scaled by `1/√hd`, the SwiGLU MLP
+//! `down(silu(gate(x)) · up(x))`, no biases, an untied head); dropout is off at inference.
+//! Three things differ only in how the weights are laid out, and the export converts them:
+//!
+//! - **Names.** `emb.weight` → `model.embed_tokens.weight`; block `i`'s `n1.w` →
+//!   `model.layers.{i}.input_layernorm.weight`, `wq`/`wk`/`wv`/`wo` →
+//!   `self_attn.{q,k,v,o}_proj`, `n2.w` → `post_attention_layernorm`, `w1` (gate) →
+//!   `mlp.gate_proj`, `w3` (up) → `mlp.up_proj`, `w2` (down) → `mlp.down_proj`;
+//!   `norm.w` → `model.norm.weight`; `head.weight` → `lm_head.weight`.
+//! - **Linear weights are transposed**: tinyllm stores `[in, out]` and computes `x·W`,
+//!   PyTorch stores `[out, in]` and computes `x·Wᵀ`.
+//! - **Rotary pairs.** tinyllm turns the interleaved pairs `(2i, 2i+1)` of each head (as
+//!   Meta's Llama); Hugging Face turns `(j, j + hd/2)` ("rotate half"). Both use frequency
+//!   `i` for pair `i`, so row `j < hd/2` of a head of Hugging Face's `q_proj` (and `k_proj`)
+//!   is tinyllm's output `2j` of that head, and row `j + hd/2` is output `2j + 1`. Queries
+//!   and keys are permuted alike, so every score `q·k` is unchanged; values and the output
+//!   projection keep their order.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use serde_json::json;
+
+use crate::error::{Result, TrainError};
+use crate::model::{Llama, ModelConfig};
+use crate::store::{NamedTensor, encode_tensors, write_atomic};
+use crate::train::load_model;
+
+/// The weights file of an exported model.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// The config file of an exported model.
+pub const CONFIG_FILE: &str = "config.json";
+/// The safetensors header metadata transformers expects of PyTorch weights.
+pub const WEIGHTS_METADATA: &[(&str, &str)] = &[("format", "pt")];
+
+/// What [`export_run`] wrote.
+#[derive(Clone, Debug)]
+pub struct Exported {
+    /// The checkpoint the weights came from.
+    pub checkpoint_step: Option<u64>,
+    /// The model's sizes.
+    pub config: ModelConfig,
+    /// The directory written.
+    pub dir: PathBuf,
+}
+
+/// Hugging Face's name of tinyllm's parameter `name`, and whether it is a linear weight
+/// (to transpose) and a query or key projection (to permute).
+fn hf_name(name: &str) -> Option<(String, bool, bool)> {
+    match name {
+        "emb.weight" => return Some(("model.embed_tokens.weight".into(), false, false)),
+        "norm.w" => return Some(("model.norm.weight".into(), false, false)),
+        "head.weight" => return Some(("lm_head.weight".into(), true, false)),
+        _ => {}
+    }
+    let rest = name.strip_prefix("blocks.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (hf, linear, rotary) = match part {
+        "n1.w" => ("input_layernorm.weight", false, false),
+        "wq.weight" => ("self_attn.q_proj.weight", true, true),
+        "wk.weight" => ("self_attn.k_proj.weight", true, true),
+        "wv.weight" => ("self_attn.v_proj.weight", true, false),
+        "wo.weight" => ("self_attn.o_proj.weight", true, false),
+        "n2.w" => ("post_attention_layernorm.weight", false, false),
+        "w1.weight" => ("mlp.gate_proj.weight", true, false),
+        "w3.weight" => ("mlp.up_proj.weight", true, false),
+        "w2.weight" => ("mlp.down_proj.weight", true, false),
+        _ => return None,
+    };
+    Some((format!("model.layers.{layer}.{hf}"), linear, rotary))
+}
+
+/// tinyllm's output index of row `row` of Hugging Face's q or k projection, for heads of
+/// size `head_dim`: within a head, row `j < hd/2` is output `2j`, row `j + hd/2` is `2j + 1`.
+pub fn rotary_source(row: usize, head_dim: usize) -> usize {
+    let half = head_dim / 2;
+    let (head, j) = (row / head_dim, row % head_dim);
+    head * head_dim + if j < half { 2 * j } else { 2 * (j - half) + 1 }
+}
+
+/// The model's weights under Hugging Face's names and layout, in tinyllm's parameter order.
+///
+/// # Panics
+/// If the model has a parameter this export does not know (a bug: the model and this
+/// mapping changed apart).
+pub fn hf_tensors(model: &Llama<f32>) -> Vec<NamedTensor> {
+    let head_dim = model.config().head_dim();
+    model
+        .named_parameters()
+        .into_iter()
+        .map(|(name, tensor)| {
+            let (hf, linear, rotary) =
+                hf_name(&name).unwrap_or_else(|| panic!("export: unknown parameter {name}"));
+            let shape = tensor.shape();
+            let value = tensor.value();
+            let value = value.as_standard_layout();
+            let values = value.as_slice().expect("standard layout");
+            if !linear {
+                return (hf, shape, values.to_vec());
+            }
+            // [in, out] → [out, in], each output row taken from its source column.
+            let (inputs, outputs) = (shape[0], shape[1]);
+            let mut out = Vec::with_capacity(values.len());
+            for row in 0..outputs {
+                let source = if rotary {
+                    rotary_source(row, head_dim)
+                } else {
+                    row
+                };
+                out.extend((0..inputs).map(|input| values[input * outputs + source]));
+            }
+            (hf, vec![outputs, inputs], out)
+        })
+        .collect()
+}
+
+/// The `config.json` of the exported model.
+///
+/// tinyllm's tokens are bytes and its runs have no begin- or end-of-text token, so
+/// `bos_token_id`, `eos_token_id` and `pad_token_id` are null.
+pub fn hf_config(config: &ModelConfig) -> serde_json::Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": config.d_model,
+        "intermediate_size": config.hidden,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_heads,
+        "head_dim": config.head_dim(),
+        "num_hidden_layers": config.n_layers,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_base,
+        "rope_scaling": null,
+        "vocab_size": config.vocab,
+        "max_position_embeddings": config.context,
+        "tie_word_embeddings": false,
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "mlp_bias": false,
+        "pretraining_tp": 1,
+        "initializer_range": 0.02,
+        "use_cache": true,
+        "bos_token_id": null,
+        "eos_token_id": null,
+        "pad_token_id": null,
+    })
+}
+
+/// Exports the latest checkpoint of `run_dir` to `to` (see [`export_model`]).
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] when `run_dir` has no checkpoint or it is damaged (from
+/// [`load_model`]); then those of [`export_model`]. Nothing is written on any error.
+pub fn export_run(run_dir: &Path, to: &Path, force: bool) -> Result<Exported> {
+    check_target(to, force)?;
+    let (train_config, model) = load_model(run_dir)?;
+    let step = crate::train::snapshot::latest_step(run_dir)?;
+    export_model(&model, to, force)?;
+    Ok(Exported {
+        checkpoint_step: step,
+        config: train_config.model,
+        dir: to.to_path_buf(),
+    })
+}
+
+/// Refuses a `to` that is a file, or a non-empty directory without `force`.
+fn check_target(to: &Path, force: bool) -> Result<()> {
+    match fs::symlink_metadata(to) {
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(error) => Err(TrainError::io(to, error)),
+        Ok(meta) if !meta.is_dir() => Err(TrainError::InvalidArgument {
+            name: "--to",
+            value: to.display().to_string(),
+            reason: "exists and is not a directory".into(),
+        }),
+        Ok(_) => {
+            let empty = fs::read_dir(to)
+                .map_err(|error| TrainError::io(to, error))?
+                .next()
+                .is_none();
+            if empty || force {
+                Ok(())
+            } else {
+                Err(TrainError::InvalidArgument {
+                    name: "--to",
+                    value: to.display().to_string(),
+                    reason: "exists and is not empty; pass --force to replace it".into(),
+                })
+            }
+        }
+    }
+}
+
+/// Writes `model` in Hugging Face's Llama format to the directory `to`: `config.json` and
+/// `model.safetensors`.
+///
+/// The files are written into a temporary directory next to `to`, which is renamed into
+/// place once complete; an existing `to` (empty, or any with `force`) is replaced only then.
+/// A failure leaves `to` as it was and removes the temporary directory.
+///
+/// # Errors
+/// [`TrainError::InvalidArgument`] when `to` is a file, or a non-empty directory and `force`
+/// is false; [`TrainError::Io`] when a file cannot be written.
+pub fn export_model(model: &Llama<f32>, to: &Path, force: bool) -> Result<()> {
+    check_target(to, force)?;
+    let name =
+        to.file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| TrainError::InvalidArgument {
+                name: "--to",
+                value: to.display().to_string(),
+                reason: "must name a directory".into(),
+            })?;
+    let parent = match to.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if !parent.is_dir() {
+        return Err(TrainError::io(
+            &parent,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such directory"),
+        ));
+    }
+    let pid = std::process::id();
+    let staging = parent.join(format!(".{name}.{pid}.tmp"));
+    let old = parent.join(format!(".{name}.{pid}.old"));
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| TrainError::io(path, source)
+    };
+    if staging.exists() {
+        fs::remove_dir_all(&staging).map_err(io(&staging))?;
+    }
+    let write = || -> Result<()> {
+        fs::create_dir(&staging).map_err(io(&staging))?;
+        let config =
+            serde_json::to_vec_pretty(&hf_config(model.config())).expect("JSON serializes");
+        write_atomic(&staging.join(CONFIG_FILE), &config)?;
+        let weights = encode_tensors(&hf_tensors(model), WEIGHTS_METADATA);
+        write_atomic(&staging.join(WEIGHTS_FILE), &weights)?;
+        // Out of the way, not yet removed: put back if the rename below fails.
+        let replaced = to.exists();
+        if replaced {
+            fs::rename(to, &old).map_err(io(to))?;
+        }
+        if let Err(error) = fs::rename(&staging, to) {
+            if replaced {
+                let _ = fs::rename(&old, to);
+            }
+            return Err(TrainError::io(to, error));
+        }
+        if replaced {
+            fs::remove_dir_all(&old).map_err(io(&old))?;
+        }
+        fs::File::open(&parent)
+            .and_then(|dir| dir.sync_all())
+            .map_err(io(&parent))
+    };
+    write().inspect_err(|_| {
+        let _ = fs::remove_dir_all(&staging);
+    })
+}
