@@ -32,6 +32,7 @@ use tl_precision::{
     MicroBatch, Precision, StepObserver, StepPhase, StepReport, train_step_mixed_observed,
     underflow_count,
 };
+use tl_tensor::kernels::finite::all_finite;
 use tl_tensor::nn::Module;
 use tl_tensor::optim::Optimizer;
 use tl_tensor::{Element, Tensor};
@@ -320,7 +321,7 @@ impl DataParallel {
                 let run = &mut buf[offset..offset + s.len];
                 // A parameter without a gradient contributes zeros.
                 params[s.param].with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
-                finite &= run.iter().all(|v| v.is_finite());
+                finite &= all_finite(run);
                 run.iter_mut().for_each(|v| *v *= weight);
                 offset += s.len;
             }

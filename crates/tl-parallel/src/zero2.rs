@@ -41,7 +41,8 @@ use std::ops::Range;
 use std::rc::{Rc, Weak};
 
 use tl_collective::shard_range;
-use tl_precision::underflow_count;
+use tl_precision::{grad_is_finite, underflow_count};
+use tl_tensor::kernels::finite::all_finite;
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 use tl_tensor::{Element, Tensor};
@@ -142,7 +143,7 @@ impl<E: GradElement> Core<E> {
             let param = &parameters[s.param];
             // A parameter without a gradient contributes zeros.
             param.with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
-            *finite &= run.iter().all(|v| v.is_finite());
+            *finite &= all_finite(run);
             run.iter_mut().for_each(|v| *v *= *weight);
             remaining[s.param] -= 1;
             if remaining[s.param] == 0 && param.with_grad(|g| g.is_some()) {
@@ -219,10 +220,7 @@ pub(crate) fn finish<E: GradElement>(
     let mut core = core.borrow_mut();
     core.weight = E::from_f64(weight);
     core.advance(true);
-    let shard_finite = core.pieces.iter().all(|p| {
-        p.values
-            .with_grad(|g| g.is_none_or(|g| g.iter().all(|v| v.is_finite())))
-    });
+    let shard_finite = core.pieces.iter().all(|p| grad_is_finite(&p.values));
     let flag = !(core.finite && shard_finite);
     core.reset();
     let mut extras = [

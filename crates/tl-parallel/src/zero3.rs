@@ -44,9 +44,10 @@ use std::rc::{Rc, Weak};
 
 use tl_collective::{Communicator, shard_range};
 use tl_precision::{
-    DynamicLossScaler, MicroBatch, Precision, StepObserver, StepPhase, StepReport,
+    DynamicLossScaler, MicroBatch, Precision, StepObserver, StepPhase, StepReport, grad_is_finite,
     train_step_mixed_observed, underflow_count,
 };
+use tl_tensor::kernels::finite::all_finite;
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
@@ -184,7 +185,7 @@ impl<E: GradElement> Core<E> {
             let param = &parameters[p];
             let run = &mut buf[offset..offset + param.numel()];
             param.with_grad(|grad| grad.map(|g| read_run(g, 0, run)));
-            *finite &= run.iter().all(|v| v.is_finite());
+            *finite &= all_finite(run);
             run.iter_mut().for_each(|v| *v *= *weight);
             param.set_grad(None);
             offset += run.len();
@@ -699,10 +700,7 @@ impl<E: GradElement> StepObserver<E> for Observer<'_, E> {
 
     fn gradients_ready(&mut self, _params: &[Tensor<E>]) {
         let core = self.core.borrow();
-        let shard_finite = core.pieces.iter().all(|p| {
-            p.values
-                .with_grad(|g| g.is_none_or(|g| g.iter().all(|v| v.is_finite())))
-        });
+        let shard_finite = core.pieces.iter().all(|p| grad_is_finite(&p.values));
         let flag = !(core.finite && shard_finite);
         let mut extras = [
             E::from_f64(self.local_loss.get()),

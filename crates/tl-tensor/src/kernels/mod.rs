@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod batched;
 pub mod exp;
+pub mod finite;
 pub mod gemm;
 pub mod rows;
 mod split;
