@@ -29,6 +29,17 @@ pub enum TrainError {
         /// What it must be.
         reason: String,
     },
+    /// A config file (`--config`) that is not a config: malformed, a key the schema does not
+    /// have, or a value of the wrong type.
+    #[error("{}: {key}: {reason}", path.display())]
+    ConfigFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Where in it, as a path of keys (`model.d_model`).
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A training option outside its valid range.
     #[error("invalid {name}: {value} ({reason})")]
     InvalidArgument {

@@ -30,6 +30,7 @@ fn exit_status(error: &TrainError) -> u8 {
     match error {
         TrainError::InvalidArgument { .. }
         | TrainError::InvalidConfig { .. }
+        | TrainError::ConfigFile { .. }
         | TrainError::UnknownPreset { .. }
         | TrainError::Recompute(_) => 2,
         TrainError::Diverged { .. } => 4,

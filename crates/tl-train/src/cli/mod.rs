@@ -134,6 +134,10 @@ pub struct TrainArgs {
     /// Continue the run in DIR from its latest checkpoint.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Start from this config file (JSON, or TOML by its `.toml` extension), in the schema
+    /// of the `config.json` a run writes; any model size. Flags given too override it.
+    #[arg(long, value_name = "FILE", conflicts_with = "resume")]
+    pub config: Option<PathBuf>,
     /// Stop (with a checkpoint) once this many steps are done; resume later to finish.
     #[arg(long, value_name = "STEP")]
     pub until_step: Option<u64>,

@@ -37,7 +37,12 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
             trainer
         }
         None => {
-            let config = config_from_args(args, None)?;
+            let file = args
+                .config
+                .as_deref()
+                .map(TrainConfig::from_file)
+                .transpose()?;
+            let config = config_from_args(args, file.as_ref())?;
             let out = args.out.clone().unwrap_or_else(|| default_out(&config));
             Trainer::new_on(config, &out, comm)?
         }

@@ -20,6 +20,7 @@ const MAX_LAYERS: usize = 1 << 12;
 /// before loading anything.
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// Vocabulary size: 256 for byte-level tokens.
     pub vocab: usize,

@@ -12,7 +12,7 @@ use crate::model::{Checkpointing, ModelConfig, Preset};
 
 /// Where the training text comes from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase", deny_unknown_fields)]
 pub enum DataSource {
     /// The built-in grammar corpus: `bytes` bytes generated from `seed`.
     Builtin {
@@ -33,6 +33,7 @@ pub enum DataSource {
 /// The checkpoint saves it; resuming refuses a checkpoint whose config differs from the one
 /// asked for.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TrainConfig {
     /// The preset the model came from, if any (informational: `model` is what counts).
     pub preset: Option<Preset>,
@@ -87,11 +88,12 @@ pub struct TrainConfig {
 /// whole tensors whatever the ranks and the stage, so it resumes at another world size (with
 /// `accum` rescaled so the global batch stays the same) or another ZeRO stage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Parallel {
     /// Ranks that train the run.
     pub ranks: usize,
     /// The ZeRO stage: 0 (DDP: every rank keeps everything), 1 (AdamW's moments and update
-    /// partitioned over the ranks), 2 (the gradients too).
+    /// partitioned over the ranks), 2 (the gradients too), 3 (the parameters too).
     pub zero: u8,
     /// Bytes of gradients per collective of the reduction (PyTorch DDP's
     /// `bucket_cap_mb`): fewer, larger messages, or gradients freed sooner under ZeRO-2.
@@ -113,6 +115,46 @@ impl Default for Parallel {
     }
 }
 
+impl TrainConfig {
+    /// A config read from a file, JSON or (by its `.toml` extension) TOML, in the schema of
+    /// the `config.json` a run writes: a run's own config fed back starts the same run.
+    /// Every key must be one of the schema's; the sizes are checked when a run starts
+    /// ([`TrainConfig::validate`]).
+    ///
+    /// # Errors
+    /// [`TrainError::Io`] when the file cannot be read; [`TrainError::ConfigFile`] naming
+    /// the key (`model.d_model`, or the top level) when it is malformed, has an unknown key
+    /// or a value of the wrong type.
+    pub fn from_file(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| TrainError::io(path, source))?;
+        let refuse = |key: String, reason: String| TrainError::ConfigFile {
+            path: path.to_path_buf(),
+            key: if key == "." {
+                "the top level".into()
+            } else {
+                key
+            },
+            reason,
+        };
+        let toml = path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("toml"));
+        if toml {
+            let deserializer = toml::Deserializer::new(&text);
+            serde_path_to_error::deserialize(deserializer)
+                .map_err(|e| refuse(e.path().to_string(), e.inner().message().to_string()))
+        } else {
+            let mut deserializer = serde_json::Deserializer::from_str(&text);
+            let config = serde_path_to_error::deserialize(&mut deserializer)
+                .map_err(|e| refuse(e.path().to_string(), e.inner().to_string()))?;
+            deserializer
+                .end()
+                .map_err(|e| refuse("the top level".into(), e.to_string()))?;
+            Ok(config)
+        }
+    }
+}
+
 /// The highest ZeRO stage `tinyllm train` runs.
 pub const MAX_ZERO_STAGE: u8 = 3;
 
@@ -123,6 +165,7 @@ pub const MAX_ZERO_STAGE: u8 = 3;
 /// loss scale at its floor of 1 (the scale can fall no further: the gradients overflow
 /// whatever it is).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Divergence {
     /// A loss above this, nats per token, is divergence; `None`: twice the loss of guessing
     /// uniformly, `2·ln(vocab)` (11.1 for bytes), which no run that learns comes near.
@@ -146,6 +189,7 @@ fn default_keep_checkpoints() -> usize {
 
 /// A file's size and SHA-256.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct FileFingerprint {
     /// Bytes in the file.
     pub bytes: u64,

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 /// assert_eq!(schedule.at(110), 1e-4);         // the floor, and after
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LrSchedule {
     /// The rate after warmup.
     pub peak: f64,

@@ -1,0 +1,133 @@
+//! `tinyllm train --config FILE`: a run's own `config.json` fed back starts the same run, a
+//! TOML file trains a model of any size, flags override the file, and a file with a key the
+//! schema does not have is refused naming the key.
+
+mod common;
+
+use std::fs;
+use std::path::Path;
+
+use common::{TINY_TRAIN, run_error, tinyllm};
+use tl_train::TrainError;
+use tl_train::train::{TrainConfig, read_config};
+
+fn train(args: &[&str]) {
+    tinyllm(args).unwrap();
+}
+
+fn weights(run: &Path) -> Vec<u8> {
+    let latest = fs::read_to_string(run.join("LATEST")).unwrap();
+    fs::read(run.join(latest.trim()).join("model.safetensors")).unwrap()
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn a_runs_own_config_fed_back_is_the_same_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, again) = (dir.path().join("first"), dir.path().join("again"));
+    let mut args = TINY_TRAIN.to_vec();
+    args.extend(["--steps", "3", "--dropout", "0.1", "--out", path(&first)]);
+    train(&args);
+    let config = first.join("config.json");
+    train(&[
+        "train",
+        "--config",
+        path(&config),
+        "--quiet",
+        "--out",
+        path(&again),
+    ]);
+    assert_eq!(read_config(&first).unwrap(), read_config(&again).unwrap());
+    assert_eq!(weights(&first), weights(&again), "the same bits");
+}
+
+#[test]
+fn a_toml_file_trains_any_size_and_flags_override_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base");
+    let mut args = TINY_TRAIN.to_vec();
+    args.extend(["--steps", "2", "--out", path(&base)]);
+    train(&args);
+    let mut config = read_config(&base).unwrap();
+    config.preset = None;
+    config.model.d_model = 48;
+    config.model.n_layers = 3;
+    config.model.n_heads = 4; // head size 12: even, as the rotary embedding needs
+    config.model.hidden = 96;
+    config.model.context = 32;
+    let file = dir.path().join("custom.toml");
+    fs::write(&file, toml::to_string(&config).unwrap()).unwrap();
+    let run = dir.path().join("custom");
+    train(&[
+        "train",
+        "--config",
+        path(&file),
+        "--steps",
+        "4",
+        "--quiet",
+        "--out",
+        path(&run),
+    ]);
+    let trained = read_config(&run).unwrap();
+    assert_eq!(trained.model, config.model);
+    assert_eq!(trained.steps, 4, "--steps overrides the file");
+    assert_eq!(TrainConfig::from_file(&file).unwrap(), config);
+}
+
+#[test]
+fn unknown_keys_and_sizes_that_do_not_fit_are_typed_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let good =
+        serde_json::to_value(TrainConfig::for_preset(tl_train::model::Preset::Tiny)).unwrap();
+    let write = |name: &str, value: &serde_json::Value| {
+        let file = dir.path().join(name);
+        fs::write(&file, serde_json::to_vec_pretty(value).unwrap()).unwrap();
+        file
+    };
+    let out = dir.path().join("never");
+    let refused = |file: &Path| {
+        run_error(&[
+            "train",
+            "--config",
+            path(file),
+            "--quiet",
+            "--out",
+            path(&out),
+        ])
+    };
+
+    let mut typo = good.clone();
+    typo["model"]["d_modle"] = 64.into();
+    match refused(&write("typo.json", &typo)) {
+        TrainError::ConfigFile { key, reason, .. } => {
+            assert_eq!(key, "model.d_modle");
+            assert!(reason.contains("unknown field"), "{reason}");
+        }
+        other => panic!("{other}"),
+    }
+    let mut top = good.clone();
+    top["learning_rate"] = 1.0.into();
+    assert!(matches!(
+        refused(&write("top.json", &top)),
+        TrainError::ConfigFile { key, .. } if key == "learning_rate"
+    ));
+    let mut wrong_type = good.clone();
+    wrong_type["steps"] = "many".into();
+    assert!(matches!(
+        refused(&write("type.json", &wrong_type)),
+        TrainError::ConfigFile { key, .. } if key == "steps"
+    ));
+    let mut heads = good.clone();
+    heads["model"]["n_heads"] = 5.into(); // 64 is not a multiple of 5
+    assert!(matches!(
+        refused(&write("heads.json", &heads)),
+        TrainError::InvalidConfig { .. }
+    ));
+    let broken = dir.path().join("broken.toml");
+    fs::write(&broken, "model = [").unwrap();
+    assert!(matches!(refused(&broken), TrainError::ConfigFile { .. }));
+    assert!(!out.exists(), "nothing written");
+}
