@@ -11,7 +11,7 @@ use tl_tensor::ndarray::ArrayD;
 
 /// A run of one parameter's elements inside a bucket.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Segment {
+pub struct Segment {
     /// Index of the parameter in the slice that was planned.
     pub param: usize,
     /// First element of the run, in the parameter's logical (row-major) order.
@@ -25,7 +25,7 @@ pub(crate) struct Segment {
 ///
 /// # Panics
 /// If `capacity` is zero.
-pub(crate) fn plan(numels: &[usize], capacity: usize) -> Vec<Vec<Segment>> {
+pub fn plan(numels: &[usize], capacity: usize) -> Vec<Vec<Segment>> {
     assert!(capacity > 0, "bucket capacity must be positive");
     let mut buckets = Vec::new();
     let mut current = Vec::new();

@@ -63,6 +63,7 @@ mod zero2;
 mod zero3;
 
 pub use batch::{BatchShare, batch_share};
+pub use bucket::{Segment as BucketSegment, plan as bucket_plan};
 pub use ddp::{DEFAULT_BUCKET_BYTES, DataParallel, GradElement, StepSummary};
 pub use error::{ParallelError, Result};
 pub use zero::ShardedAdamW;

@@ -114,30 +114,20 @@ pub(crate) struct Zero2 {
     next: usize,
 }
 
-/// tl-parallel's `bucket::plan`: buckets of at most `capacity` elements filled from the last
-/// parameter to the first, a parameter split where a bucket is full; `(parameter, start,
-/// len)` per segment.
+/// tl-parallel's own bucket plan (`tl_parallel::bucket_plan`: buckets of at most
+/// `capacity` elements filled from the last parameter to the first, a parameter split where
+/// a bucket is full), in the dry run's sizes: `(parameter, start, len)` per segment.
 pub(crate) fn bucket_plan(numels: &[u64], capacity: u64) -> Vec<Vec<(usize, u64, u64)>> {
-    let mut buckets = Vec::new();
-    let mut current = Vec::new();
-    let mut filled = 0;
-    for (param, &numel) in numels.iter().enumerate().rev() {
-        let mut start = 0;
-        while start < numel {
-            let len = (numel - start).min(capacity - filled);
-            current.push((param, start, len));
-            start += len;
-            filled += len;
-            if filled == capacity {
-                buckets.push(std::mem::take(&mut current));
-                filled = 0;
-            }
-        }
-    }
-    if !current.is_empty() || buckets.is_empty() {
-        buckets.push(current);
-    }
-    buckets
+    let numels: Vec<usize> = numels.iter().map(|&n| n as usize).collect();
+    tl_parallel::bucket_plan(&numels, capacity as usize)
+        .into_iter()
+        .map(|bucket| {
+            bucket
+                .into_iter()
+                .map(|s| (s.param, s.start as u64, s.len as u64))
+                .collect()
+        })
+        .collect()
 }
 
 /// The scalars DDP appends to the last bucket: loss, non-finite flag, underflows.
