@@ -12,9 +12,9 @@
 //! before its forward and releases them right after. A checkpointed unit's forward (no
 //! graph) does the same; its rerun during backward gathers them again and keeps them for
 //! the unit's backward, which follows at once (as FSDP does not reshard after a
-//! recomputed forward). It puts an identity op on the output
-//! whose VJP all-gathers them again before the unit's backward starts, so the ops that
-//! saved them, or a checkpointed unit's rerun, find them. Each parameter's gradient-ready
+//! recomputed forward). It puts an identity op on the output whose VJP all-gathers them
+//! again before the unit's backward starts (a no-op after a rerun), so the ops that saved
+//! them find them. Each parameter's gradient-ready
 //! hook counts the unit's parameters done; when all are, the unit's gradients (weighted by
 //! this rank's share `n_r/B`) are reduce-scattered into this rank's gradient shard, the
 //! full gradients dropped and the values released. This happens in the backward of every
@@ -23,8 +23,8 @@
 //! the units in the same order, so every rank issues the same collectives in that order.
 //!
 //! Per micro-batch and unit a rank sends `(N−1)/N·U` elements for each of the two gathers
-//! (a checkpointed unit's too) and the reduce-scatter: `3(N−1)/N·P` over a model of `P` elements, against DDP's
-//! `2(N−1)/N·P` per step; the update itself sends nothing.
+//! (a checkpointed unit's too) and the reduce-scatter: `3(N−1)/N·P` over a model of `P`
+//! elements, against DDP's `2(N−1)/N·P` per step; the update itself sends nothing.
 //!
 //! **Why it matches DDP.** With one micro-batch per rank each element of the reduced
 //! gradient is the sum over the ranks of the same weighted local gradients DDP sums; at
@@ -431,7 +431,7 @@ impl<E: GradElement> Zero3<E> {
         let core = self.core.borrow();
         core.pieces
             .iter()
-            .find(|p| p.values.value().iter().any(|v| !v.is_finite()))
+            .find(|p| !all_finite(p.values.value().as_slice().expect("a 1-D piece")))
             .map(|p| p.param)
     }
 

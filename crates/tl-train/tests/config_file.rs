@@ -7,17 +7,12 @@ mod common;
 use std::fs;
 use std::path::Path;
 
-use common::{TINY_TRAIN, run_error, tinyllm};
+use common::{TINY_TRAIN, model_bytes, run_error, tinyllm};
 use tl_train::TrainError;
 use tl_train::train::{TrainConfig, read_config};
 
 fn train(args: &[&str]) {
     tinyllm(args).unwrap();
-}
-
-fn weights(run: &Path) -> Vec<u8> {
-    let latest = fs::read_to_string(run.join("LATEST")).unwrap();
-    fs::read(run.join(latest.trim()).join("model.safetensors")).unwrap()
 }
 
 fn path(p: &Path) -> &str {
@@ -41,7 +36,7 @@ fn a_runs_own_config_fed_back_is_the_same_run() {
         path(&again),
     ]);
     assert_eq!(read_config(&first).unwrap(), read_config(&again).unwrap());
-    assert_eq!(weights(&first), weights(&again), "the same bits");
+    assert_eq!(model_bytes(&first), model_bytes(&again), "the same bits");
 }
 
 #[test]

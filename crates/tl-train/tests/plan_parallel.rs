@@ -74,8 +74,9 @@ fn train_rank(comm: RingComm, config: &TrainConfig, bucket: usize, stage: usize)
             .collect();
         let before = ddp.stats().bytes_sent;
         memory::reset_peak();
-        let report = match opt {
-            RunOptimizer::Zero3(zero3) => zero3.train_step(
+        let report = opt
+            .train_step(
+                ddp,
                 &model,
                 &micro_batches,
                 global_rows,
@@ -83,19 +84,8 @@ fn train_rank(comm: RingComm, config: &TrainConfig, bucket: usize, stage: usize)
                 Precision::Fp32,
                 None,
                 config.clip,
-            ),
-            opt => ddp.train_step(
-                &model,
-                &micro_batches,
-                global_rows,
-                batch_loss,
-                opt,
-                Precision::Fp32,
-                None,
-                config.clip,
-            ),
-        }
-        .unwrap();
+            )
+            .unwrap();
         assert!(report.loss.is_finite() && !report.skipped);
         (
             (memory::peak_bytes() - base) as u64,

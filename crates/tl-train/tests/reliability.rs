@@ -4,15 +4,14 @@
 mod common;
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TINY_TRAIN, run_error, tinyllm};
+use common::{TINY_TRAIN, latest_checkpoint, model_bytes, run_error, tinyllm, train_steps};
 use tl_train::TrainError;
 use tl_train::cli::Exit;
 use tl_train::store::fingerprint;
-use tl_train::train::{Record, read_records};
 
 /// [`TINY_TRAIN`] into `out`, with `extra` flags.
 fn tiny_args(out: &Path, extra: &[&str]) -> Vec<String> {
@@ -49,22 +48,6 @@ fn wait_bounded(child: &mut std::process::Child, limit: Duration) -> ExitStatus 
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-fn latest_checkpoint(run: &Path) -> PathBuf {
-    run.join(fs::read_to_string(run.join("LATEST")).unwrap().trim())
-}
-
-fn train_steps(run: &Path) -> usize {
-    read_records(&run.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .iter()
-        .filter(|record| matches!(record, Record::Train { .. }))
-        .count()
-}
-
-fn weights(run: &Path) -> Vec<u8> {
-    fs::read(latest_checkpoint(run).join("model.safetensors")).unwrap()
 }
 
 /// Entries a crashed writer would leave: hidden temporaries (the lock file aside).
@@ -140,7 +123,7 @@ fn a_run_stopped_before_its_first_checkpoint_resumes_from_step_zero() {
     assert!(again.to_string().contains("--resume"), "{again}");
     let resume = ["train", "--resume", stopped.to_str().unwrap(), "--quiet"].map(String::from);
     assert_eq!(run_in_process(&resume), Exit::Success);
-    assert_eq!(weights(&whole), weights(&stopped));
+    assert_eq!(model_bytes(&whole), model_bytes(&stopped));
 }
 
 // 3. A reader that goes away does not stop the run.
@@ -594,7 +577,7 @@ fn killed_at_random_moments_and_inside_checkpoint_writes_it_ends_bit_identical()
     }
     assert!(faults >= 20 && kills >= 15);
     assert!(
-        weights(&whole) == weights(&crashed),
+        model_bytes(&whole) == model_bytes(&crashed),
         "weights differ after the crashes"
     );
     assert!(leftovers(&crashed).is_empty(), "{:?}", leftovers(&crashed));

@@ -5,11 +5,11 @@
 mod common;
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::TINY_TRAIN;
+use common::{TINY_TRAIN, latest_checkpoint, train_steps};
 use tl_collective::{RingComm, RingConfig};
 use tl_train::TrainError;
 use tl_train::model::Preset;
@@ -91,10 +91,6 @@ fn train_losses(run: &Path) -> Vec<f64> {
             Record::Eval { .. } => None,
         })
         .collect()
-}
-
-fn latest_checkpoint(run: &Path) -> PathBuf {
-    run.join(fs::read_to_string(run.join("LATEST")).unwrap().trim())
 }
 
 /// The float32 weights of a run's latest checkpoint, in file order (safetensors: an 8-byte
@@ -230,14 +226,6 @@ fn rank_pid(launcher: u32, rank: usize) -> Option<u32> {
                     .any(|var| var == format!("TINYLLM_RANK={rank}").as_bytes())
             })
         })
-}
-
-fn train_steps(run: &Path) -> usize {
-    read_records(&run.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .iter()
-        .filter(|record| matches!(record, Record::Train { .. }))
-        .count()
 }
 
 /// Starts a long two-rank run and waits until it has logged `steps` steps.

@@ -6,6 +6,7 @@
 use std::rc::Rc;
 
 use tl_parallel::{DataParallel, ShardedAdamW, Zero2AdamW, Zero3};
+use tl_precision::{DynamicLossScaler, MicroBatch, Precision, StepReport, train_step_mixed};
 use tl_tensor::Tensor;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 
@@ -67,6 +68,54 @@ impl RunOptimizer {
             runner.run_unit(unit, forward)
         })));
         Ok(Self::Zero3(zero3))
+    }
+
+    /// One training step of `model` on this rank's `micro_batches` (of a global batch of
+    /// `global_rows` sequences over `ddp`'s ranks), by the path the stage needs: ZeRO-3's own
+    /// step, tl-precision's plain step for a single process at stages 0 and 1 (nothing to
+    /// communicate), or `DataParallel`'s, whose observer ZeRO-2 needs even alone (it fills
+    /// the shards' gradients).
+    ///
+    /// # Errors
+    /// Those of the step taken, as [`TrainError::Precision`](crate::TrainError::Precision)
+    /// or [`TrainError::Parallel`](crate::TrainError::Parallel); the weights are then
+    /// unchanged.
+    #[allow(clippy::too_many_arguments)]
+    pub fn train_step<B: MicroBatch>(
+        &mut self,
+        ddp: &mut DataParallel,
+        model: &Llama<f32>,
+        micro_batches: &[B],
+        global_rows: usize,
+        loss: impl FnMut(&Llama<f32>, &B) -> Tensor<f32>,
+        precision: Precision,
+        scaler: Option<&mut DynamicLossScaler>,
+        clip: Option<f64>,
+    ) -> Result<StepReport> {
+        Ok(match self {
+            Self::Zero3(zero3) => zero3.train_step(
+                model,
+                micro_batches,
+                global_rows,
+                loss,
+                precision,
+                scaler,
+                clip,
+            )?,
+            Self::Whole(_) | Self::Sharded(_) if ddp.world_size() == 1 => {
+                train_step_mixed(model, micro_batches, loss, self, precision, scaler, clip)?
+            }
+            _ => ddp.train_step(
+                model,
+                micro_batches,
+                global_rows,
+                loss,
+                self,
+                precision,
+                scaler,
+                clip,
+            )?,
+        })
     }
 
     /// `model`'s weights by name, in order, when `keep` (the rank that writes them), and

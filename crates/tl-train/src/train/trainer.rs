@@ -593,44 +593,16 @@ impl Trainer {
         let started = Instant::now();
         let (sent_before, busy_before) =
             (self.ddp.stats().bytes_sent, self.ddp.communication_time());
-        // ZeRO-2 and 3 need their observers even alone: they fill the shards' gradients.
-        let stepped = if let RunOptimizer::Zero3(zero3) = &mut self.optimizer {
-            zero3
-                .train_step(
-                    &self.model,
-                    &micro_batches,
-                    config.sequences_per_step(),
-                    loss,
-                    config.precision,
-                    self.scaler.as_mut(),
-                    config.clip,
-                )
-                .map_err(TrainError::from)
-        } else if self.ddp.world_size() == 1 && config.parallel.zero < 2 {
-            train_step_mixed(
-                &self.model,
-                &micro_batches,
-                loss,
-                &mut self.optimizer,
-                config.precision,
-                self.scaler.as_mut(),
-                config.clip,
-            )
-            .map_err(TrainError::from)
-        } else {
-            self.ddp
-                .train_step(
-                    &self.model,
-                    &micro_batches,
-                    config.sequences_per_step(),
-                    loss,
-                    &mut self.optimizer,
-                    config.precision,
-                    self.scaler.as_mut(),
-                    config.clip,
-                )
-                .map_err(TrainError::from)
-        };
+        let stepped = self.optimizer.train_step(
+            &mut self.ddp,
+            &self.model,
+            &micro_batches,
+            config.sequences_per_step(),
+            loss,
+            config.precision,
+            self.scaler.as_mut(),
+            config.clip,
+        );
         let report = stepped.map_err(|error| self.diverged_from(error))?;
         // Nothing reads the gradients after the update (the next step drops them first):
         // dropped now, they do not sit under the evaluation or the checkpoint's write.

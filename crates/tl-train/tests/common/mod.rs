@@ -3,8 +3,12 @@
 // Each test crate includes this module and uses its own subset of it.
 #![allow(dead_code)]
 
+use std::fs;
+use std::path::{Path, PathBuf};
+
 use tl_train::TrainError;
 use tl_train::cli::{CliError, Exit, run};
+use tl_train::train::{Record, read_records};
 
 /// `tinyllm train` on the tiny preset, 2 × 2 sequences of 64 bytes per step on 40 kB of
 /// built-in corpus, without a progress bar: the run most integration tests train (the run
@@ -36,4 +40,23 @@ pub fn run_error(args: &[&str]) -> TrainError {
         Err(CliError::Run(error)) => error,
         other => panic!("tinyllm {args:?}: expected a run error, got {other:?}"),
     }
+}
+
+/// The directory of a run's latest checkpoint.
+pub fn latest_checkpoint(run: &Path) -> PathBuf {
+    run.join(fs::read_to_string(run.join("LATEST")).unwrap().trim())
+}
+
+/// The bytes of the latest checkpoint's `model.safetensors`.
+pub fn model_bytes(run: &Path) -> Vec<u8> {
+    fs::read(latest_checkpoint(run).join("model.safetensors")).unwrap()
+}
+
+/// Training steps logged in a run's `metrics.jsonl` (none when it does not exist yet).
+pub fn train_steps(run: &Path) -> usize {
+    read_records(&run.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .iter()
+        .filter(|record| matches!(record, Record::Train { .. }))
+        .count()
 }
