@@ -4,6 +4,7 @@
 // First, so that its `say!` is in scope in every module after it.
 #[macro_use]
 pub mod output;
+pub mod bench;
 pub mod chart;
 pub mod cli;
 pub mod compare;
@@ -18,6 +19,9 @@ pub mod store;
 pub mod train;
 
 pub use error::{Result, TrainError};
+
+/// tinyllm's version, as `tinyllm --version` prints it.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The guide to the trainer (`docs/training.md`); its examples run as doctests.
 #[doc = include_str!("../../../docs/training.md")]

@@ -38,6 +38,9 @@ pub struct LogitsArgs {
     /// Print the logits of every position, not only the last.
     #[arg(long)]
     pub all_positions: bool,
+    /// Compute threads.
+    #[command(flatten)]
+    pub threads: super::Threads,
 }
 
 /// Runs `tinyllm export`.

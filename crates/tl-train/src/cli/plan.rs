@@ -5,7 +5,9 @@
 use clap::Args;
 use serde::Serialize;
 
-use super::train::config_from_args;
+use std::path::PathBuf;
+
+use super::train::config_from_flags;
 use super::{Exit, RecipeArgs, TrainArgs};
 use crate::error::Result;
 use crate::plan::{
@@ -24,6 +26,10 @@ pub struct PlanArgs {
     /// The model and the recipe, as `tinyllm train` takes them.
     #[command(flatten)]
     pub recipe: RecipeArgs,
+    /// Plan the model and recipe of this config file (a run's `config.json`, or TOML by its
+    /// `.toml` extension); flags given too override it.
+    #[arg(long, value_name = "FILE", conflicts_with = "shape")]
+    pub config: Option<PathBuf>,
     /// Also train a fresh model for two steps and compare the memory meter's peak with the
     /// prediction.
     #[arg(long, conflicts_with_all = ["ranks", "zero", "shape"])]
@@ -47,6 +53,9 @@ pub struct PlanArgs {
     /// takes it [default: 25].
     #[arg(long, value_name = "MIB")]
     pub bucket_mib: Option<f64>,
+    /// Compute threads.
+    #[command(flatten)]
+    pub threads: super::Threads,
 }
 
 /// What `tinyllm plan --json` prints.
@@ -69,10 +78,11 @@ fn plan_config(args: &PlanArgs) -> Result<TrainConfig> {
     }
     let train_args = TrainArgs {
         recipe,
+        config: args.config.clone(),
         bucket_mib: args.bucket_mib,
         ..TrainArgs::default()
     };
-    let mut config = config_from_args(&train_args, None)?;
+    let mut config = config_from_flags(&train_args)?;
     if let Some(shape) = shape {
         let dropout = config.model.dropout;
         config.preset = None;

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use clap::Args;
 
-use super::train::config_from_args as train_config_from_args;
+use super::train::{config_from_flags, shrink_builtin_corpus};
 use super::{Exit, RecipeArgs, TrainArgs};
 use crate::error::{Result, TrainError};
 use crate::model::{Checkpointing, Preset};
@@ -25,6 +25,10 @@ pub struct ProfileArgs {
     /// (per block when none is given) is profiled against the plain run.
     #[command(flatten)]
     pub recipe: RecipeArgs,
+    /// Profile the model and recipe of this config file (a run's `config.json`, or TOML by
+    /// its `.toml` extension); flags given too override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Steady-state steps to record, after one unrecorded warm-up step.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub steps: usize,
@@ -35,6 +39,9 @@ pub struct ProfileArgs {
     /// [default: profile-PRESET.svg].
     #[arg(long, value_name = "FILE.svg")]
     pub out: Option<PathBuf>,
+    /// Compute threads.
+    #[command(flatten)]
+    pub threads: super::Threads,
 }
 
 /// Runs `tinyllm profile`: every argument is checked before any work, so a bad one writes
@@ -44,7 +51,7 @@ pub(super) fn profile(args: &ProfileArgs) -> Result<Exit> {
     let out = args
         .out
         .clone()
-        .unwrap_or_else(|| default_out(args.recipe.preset.as_deref().unwrap_or("small")));
+        .unwrap_or_else(|| default_out(config.train.preset.map_or("custom", Preset::name)));
     check_out(&out)?;
     print_header(&config);
 
@@ -69,11 +76,12 @@ pub(super) fn profile(args: &ProfileArgs) -> Result<Exit> {
 fn config_from_args(args: &ProfileArgs) -> Result<ProfileConfig> {
     let train_args = TrainArgs {
         recipe: args.recipe.clone(),
-        corpus_bytes: Some(CORPUS_BYTES),
+        config: args.config.clone(),
         seed: Some(args.seed),
         ..TrainArgs::default()
     };
-    let mut train = train_config_from_args(&train_args, None)?;
+    let mut train = config_from_flags(&train_args)?;
+    shrink_builtin_corpus(&mut train, CORPUS_BYTES);
     if train.checkpointing == Checkpointing::Off {
         train.checkpointing = Checkpointing::PerBlock;
     }

@@ -37,12 +37,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
             trainer
         }
         None => {
-            let file = args
-                .config
-                .as_deref()
-                .map(TrainConfig::from_file)
-                .transpose()?;
-            let config = config_from_args(args, file.as_ref())?;
+            let config = config_from_flags(args)?;
             let out = args.out.clone().unwrap_or_else(|| default_out(&config));
             Trainer::new_on(config, &out, comm)?
         }
@@ -187,6 +182,26 @@ fn install_stop_handler(leader: bool) {
     });
 }
 
+/// The config the flags describe, on top of `--config`'s file when one is given (or the
+/// preset's defaults): what every command that takes a recipe trains, plans or times.
+pub(super) fn config_from_flags(args: &TrainArgs) -> Result<TrainConfig> {
+    let file = args
+        .config
+        .as_deref()
+        .map(TrainConfig::from_file)
+        .transpose()?;
+    config_from_args(args, file.as_ref())
+}
+
+/// Caps a built-in corpus at `bytes` (never below the 20 windows a model's context needs),
+/// for the commands whose figures do not depend on what the batches hold.
+pub(super) fn shrink_builtin_corpus(config: &mut TrainConfig, bytes: usize) {
+    let floor = 20 * (config.model.context + 1);
+    if let DataSource::Builtin { bytes: have, .. } = &mut config.data {
+        *have = (*have).min(bytes.max(floor));
+    }
+}
+
 /// The config the flags describe, on top of `base` (or the preset's defaults).
 pub(super) fn config_from_args(
     args: &TrainArgs,
@@ -240,6 +255,10 @@ pub(super) fn config_from_args(
     config.lr.min = args.min_lr.unwrap_or(min);
     config.lr.warmup = args.warmup.unwrap_or(warmup);
     config.weight_decay = args.weight_decay.unwrap_or(config.weight_decay);
+    let adamw = &mut config.adamw;
+    adamw.beta1 = args.adam_beta1.unwrap_or(adamw.beta1);
+    adamw.beta2 = args.adam_beta2.unwrap_or(adamw.beta2);
+    adamw.eps = args.adam_epsilon.unwrap_or(adamw.eps);
     if args.no_clip {
         config.clip = None;
     } else if args.clip.is_some() {
@@ -248,6 +267,7 @@ pub(super) fn config_from_args(
     config.model.dropout = recipe.dropout.unwrap_or(config.model.dropout);
     config.seed = args.seed.unwrap_or(config.seed);
     config.eval_interval = args.eval_interval.unwrap_or(config.eval_interval);
+    config.eval_batches = args.eval_batches.unwrap_or(config.eval_batches);
     config.save_interval = args.save_interval.unwrap_or(config.save_interval);
     config.keep_checkpoints = args.keep_checkpoints.unwrap_or(config.keep_checkpoints);
     if args.max_loss.is_some() {

@@ -55,6 +55,9 @@ pub struct TrainConfig {
     pub lr: LrSchedule,
     /// AdamW's decoupled weight decay.
     pub weight_decay: f64,
+    /// AdamW's moment decay rates and the constant added to its denominator.
+    #[serde(default)]
+    pub adamw: AdamWConfig,
     /// Clip the gradient's total norm to this, if set.
     pub clip: Option<f64>,
     /// Seed of the weights, the batches and dropout.
@@ -151,6 +154,30 @@ impl TrainConfig {
                 .end()
                 .map_err(|e| refuse("the top level".into(), e.to_string()))?;
             Ok(config)
+        }
+    }
+}
+
+/// AdamW's hyperparameters other than the learning rate and the weight decay, as
+/// PyTorch's `torch.optim.AdamW(betas=(beta1, beta2), eps=eps)` takes them.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdamWConfig {
+    /// Decay rate of the first moment (the gradient's running mean), in `[0, 1)`.
+    pub beta1: f64,
+    /// Decay rate of the second moment (the squared gradient's running mean), in `[0, 1)`.
+    pub beta2: f64,
+    /// Added to the second moment's square root in the update's denominator, in `(0, 1]`.
+    pub eps: f64,
+}
+
+impl Default for AdamWConfig {
+    /// PyTorch's defaults: `betas=(0.9, 0.999), eps=1e-8`.
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
         }
     }
 }
@@ -264,6 +291,7 @@ impl TrainConfig {
                 total: steps,
             },
             weight_decay: 0.01,
+            adamw: AdamWConfig::default(),
             clip: Some(1.0),
             seed: 0,
             eval_interval: (steps / 10).max(1),
@@ -402,6 +430,21 @@ impl TrainConfig {
                 "weight-decay",
                 self.weight_decay.to_string(),
                 &format!("must be in [0, {}]", limits::MAX_WEIGHT_DECAY),
+            );
+        }
+        for (name, beta) in [
+            ("adam-beta1", self.adamw.beta1),
+            ("adam-beta2", self.adamw.beta2),
+        ] {
+            if !(0.0..1.0).contains(&beta) {
+                return invalid(name, beta.to_string(), "must be in [0, 1)");
+            }
+        }
+        if !(self.adamw.eps > 0.0 && self.adamw.eps <= 1.0) {
+            return invalid(
+                "adam-epsilon",
+                self.adamw.eps.to_string(),
+                "must be in (0, 1]",
             );
         }
         if let Some(clip) = self.clip

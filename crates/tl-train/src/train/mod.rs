@@ -13,7 +13,8 @@ mod summary;
 mod trainer;
 
 pub use config::{
-    DataSource, Divergence, FileFingerprint, MAX_ZERO_STAGE, Parallel, TrainConfig, limits,
+    AdamWConfig, DataSource, Divergence, FileFingerprint, MAX_ZERO_STAGE, Parallel, TrainConfig,
+    limits,
 };
 pub use metrics::{MetricsLog, Record, read_records};
 pub use optimizer::RunOptimizer;

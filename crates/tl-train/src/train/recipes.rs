@@ -1,5 +1,5 @@
 //! The recipes a capstone step is timed in, by name: what `cargo bench -p tl-train --bench
-//! step` measures and `examples/paired_steps.rs` compares.
+//! step` measures and `tinyllm bench --paired A,B` compares.
 
 use tl_precision::Precision;
 
@@ -10,7 +10,7 @@ use crate::model::{Checkpointing, Preset};
 /// are checkpointed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepRecipe {
-    /// The name the benchmark reports and `paired_steps` accepts, e.g. `bf16+ckpt`.
+    /// The name the benchmark reports and `tinyllm bench --paired` accepts, e.g. `bf16+ckpt`.
     pub name: &'static str,
     /// fp32, or emulated bf16/fp16 autocast.
     pub precision: Precision,

@@ -13,7 +13,7 @@ use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, Optimizer};
 use tl_tensor::{Generator, no_grad};
 
-use super::config::{DataSource, FileFingerprint, TrainConfig};
+use super::config::{AdamWConfig, DataSource, FileFingerprint, TrainConfig};
 use super::lock::RunLock;
 use super::metrics::{MetricsLog, Record, read_records};
 use super::optimizer::RunOptimizer;
@@ -978,9 +978,14 @@ pub(crate) fn mixed_step(
     )?)
 }
 
-/// AdamW on `model`'s parameters with the config's peak learning rate and weight decay.
+/// AdamW on `model`'s parameters with the config's peak learning rate, weight decay, betas
+/// and epsilon.
 pub(crate) fn new_optimizer(model: &Llama<f32>, config: &TrainConfig) -> Result<AdamW<f32>> {
-    Ok(AdamW::new(model.parameters(), config.lr.peak)?.with_weight_decay(config.weight_decay)?)
+    let AdamWConfig { beta1, beta2, eps } = config.adamw;
+    Ok(AdamW::new(model.parameters(), config.lr.peak)?
+        .with_weight_decay(config.weight_decay)?
+        .with_betas(beta1, beta2)?
+        .with_eps(eps)?)
 }
 
 /// The dynamic loss scaler an fp16 run needs, and none otherwise.

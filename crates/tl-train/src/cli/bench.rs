@@ -1,0 +1,212 @@
+//! `tinyllm bench`: the step time of a recipe, as README and docs/benchmarks.md report it,
+//! or two recipes paired step by step.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::backend::{Backend, communicator};
+use super::train::{config_from_flags, mib, shrink_builtin_corpus};
+use super::{Exit, RecipeArgs, TrainArgs};
+use crate::bench::{BenchPlan, BenchReport, Machine, bench_one, bench_paired, paired_recipes};
+use crate::error::{Result, TrainError};
+use crate::model::Preset;
+use crate::train::{TrainConfig, Trainer};
+
+/// Options of `tinyllm bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The model and the recipe, as `tinyllm train` takes them.
+    #[command(flatten)]
+    pub recipe: RecipeArgs,
+    /// Time the model and recipe of this config file (a run's `config.json`, or TOML by its
+    /// `.toml` extension); flags given too override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Timed optimizer steps (pairs of steps with --paired) [default: 5, or 8 pairs].
+    #[arg(long, value_name = "N")]
+    pub steps: Option<usize>,
+    /// Untimed steps each trainer takes first.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub warmup: usize,
+    /// Time two recipes against each other, taking turns step by step in one process:
+    /// two of fp32, bf16, fp16, fp32+ckpt, bf16+ckpt (the precision and per-block
+    /// checkpointing replace the recipe's).
+    #[arg(long, value_name = "A,B", value_delimiter = ',')]
+    pub paired: Vec<String>,
+    /// Print the figures as one JSON object on stdout (progress still goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// Seed of the weights and batches [default: 0].
+    #[arg(long, value_name = "S")]
+    pub seed: Option<u64>,
+    /// How the ranks communicate, when the bench runs on several (`tinyllm launch -n N --
+    /// bench ...`, or mpirun with mpi).
+    #[arg(long, value_enum, default_value_t)]
+    pub backend: Backend,
+    /// Compute threads.
+    #[command(flatten)]
+    pub threads: super::Threads,
+}
+
+/// Bytes of built-in corpus a bench generates: what the batches hold does not change the
+/// time of a step.
+const CORPUS_BYTES: usize = 200_000;
+
+/// The config a bench times: the flags on `--config`'s file, with a small built-in corpus.
+fn bench_config(args: &BenchArgs) -> Result<TrainConfig> {
+    let train_args = TrainArgs {
+        recipe: args.recipe.clone(),
+        config: args.config.clone(),
+        seed: args.seed,
+        ..TrainArgs::default()
+    };
+    let mut config = config_from_flags(&train_args)?;
+    shrink_builtin_corpus(&mut config, CORPUS_BYTES);
+    config.validate()?;
+    Ok(config)
+}
+
+/// Runs `tinyllm bench`.
+pub(super) fn bench(args: &BenchArgs) -> Result<Exit> {
+    let config = bench_config(args)?;
+    let paired = if args.paired.is_empty() {
+        None
+    } else {
+        Some(paired_recipes(&args.paired)?)
+    };
+    let steps = args.steps.unwrap_or(if paired.is_some() { 8 } else { 5 });
+    let dir =
+        tempfile::tempdir().map_err(|source| TrainError::io("a temporary directory", source))?;
+    let plan = BenchPlan {
+        dir: dir.path(),
+        warmup_steps: args.warmup,
+        steps,
+    };
+    let mut comm = Some(communicator(args.backend)?);
+    let (rank, world) = {
+        let comm = comm.as_ref().expect("just made");
+        (comm.rank(), comm.world_size())
+    };
+    let leader = rank == 0;
+    if paired.is_some() && world > 1 {
+        return Err(TrainError::InvalidArgument {
+            name: "paired",
+            value: args.paired.join(","),
+            reason: "pairs two trainers in one process; run it without a launcher".into(),
+        });
+    }
+    if leader {
+        print_header(&config, world, &plan, paired.is_some());
+    }
+    let report = match paired {
+        None => bench_one(
+            &config,
+            &plan,
+            &mut |config, dir| {
+                let comm = comm.take().expect("one trainer");
+                Trainer::new_on(config, dir, comm)
+            },
+            &mut |step, seconds| {
+                if leader {
+                    say!("step {step}: {seconds:.3} s");
+                }
+            },
+        )?,
+        Some(recipes) => {
+            let [a, b] = recipes.map(|recipe| recipe.name);
+            bench_paired(
+                &config,
+                recipes,
+                &plan,
+                &mut |config, dir| Trainer::new(config, dir),
+                &mut |pair, a_s, b_s| {
+                    let order = if pair % 2 == 0 {
+                        format!(" ({b} first)")
+                    } else {
+                        String::new()
+                    };
+                    say!(
+                        "pair {pair}: {a} {a_s:.3} s, {b} {b_s:.3} s, ratio {:.3}{order}",
+                        b_s / a_s
+                    );
+                },
+            )?
+        }
+    };
+    if !leader {
+        return Ok(Exit::Success);
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).expect("the report serializes")
+        );
+    } else {
+        print_summary(&report);
+    }
+    Ok(Exit::Success)
+}
+
+fn print_header(config: &TrainConfig, world: usize, plan: &BenchPlan<'_>, paired: bool) {
+    say!(
+        "tinyllm bench: {} ({} parameters), micro-batch {} x accum {} x context {}{} = {} tokens/step",
+        config.preset.map_or("custom", Preset::name),
+        config.model.num_parameters(),
+        config.micro_batch,
+        config.accum,
+        config.model.context,
+        if world > 1 {
+            format!(" x {world} ranks")
+        } else {
+            String::new()
+        },
+        config.tokens_per_step() * world,
+    );
+    say!("machine: {}", Machine::this().describe());
+    let what = if paired { "pair" } else { "step" };
+    say!(
+        "{} untimed warm-up step{} per trainer, then {} timed {what}{}",
+        plan.warmup_steps,
+        if plan.warmup_steps == 1 { "" } else { "s" },
+        plan.steps,
+        if plan.steps == 1 { "" } else { "s" },
+    );
+}
+
+/// The figures, as lines on stdout.
+fn print_summary(report: &BenchReport) {
+    for recipe in &report.recipes {
+        let s = recipe.seconds;
+        let skipped = if recipe.skipped > 0 {
+            format!(" ({} skipped by the loss scaler)", recipe.skipped)
+        } else {
+            String::new()
+        };
+        println!(
+            "{}: median {:.3} s/step (quartiles {:.3} to {:.3}), {:.0} tokens/s{skipped}",
+            recipe.name, s.median, s.q1, s.q3, recipe.tokens_per_s
+        );
+    }
+    if let Some(paired) = &report.paired {
+        let [a, b] = [0, 1].map(|i| report.recipes[i].name.as_str());
+        let r = paired.ratio;
+        println!(
+            "{b} / {a}: median ratio {:.3}, quartiles {:.3} to {:.3}, over {} pairs",
+            r.median,
+            r.q1,
+            r.q3,
+            paired.ratios.len()
+        );
+    }
+    if let Some(live) = report.peak_live_bytes {
+        let rss = report.peak_rss_bytes.map_or_else(
+            || "peak process memory unavailable here".to_string(),
+            |rss| format!("peak process memory {:.1} MiB", mib(rss)),
+        );
+        println!(
+            "peak live tensors {:.1} MiB (rank 0, timed steps); {rss}",
+            mib(live)
+        );
+    }
+}
