@@ -125,7 +125,10 @@ fn unknown_keys_and_sizes_that_do_not_fit_are_typed_errors() {
     beta["adamw"]["beta2"] = 1.0.into(); // the second moment would never decay
     assert!(matches!(
         refused(&write("beta.json", &beta)),
-        TrainError::InvalidArgument { name: "adam-beta2", .. }
+        TrainError::InvalidArgument {
+            name: "adam-beta2",
+            ..
+        }
     ));
     let broken = dir.path().join("broken.toml");
     fs::write(&broken, "model = [").unwrap();
@@ -172,7 +175,10 @@ fn adamws_knobs_come_from_the_file_or_the_flags_and_older_configs_keep_the_defau
     fs::write(&file, serde_json::to_vec(&old).unwrap()).unwrap();
     let read = TrainConfig::from_file(&file).unwrap();
     assert_eq!(read.adamw, tl_train::train::AdamWConfig::default());
-    assert_eq!((read.adamw.beta1, read.adamw.beta2, read.adamw.eps), (0.9, 0.999, 1e-8));
+    assert_eq!(
+        (read.adamw.beta1, read.adamw.beta2, read.adamw.eps),
+        (0.9, 0.999, 1e-8)
+    );
 }
 
 #[test]
@@ -199,7 +205,11 @@ fn plan_profile_and_compare_take_the_same_config_file() {
         .args(["plan", "--config", path(&file), "--json"])
         .output()
         .unwrap();
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let plan: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     let text = plan.to_string();
     let parameters = config.model.num_parameters();
@@ -231,6 +241,14 @@ fn plan_profile_and_compare_take_the_same_config_file() {
     .unwrap();
     let recipe = read_config(&out.join("recipe")).unwrap();
     assert_eq!(recipe.model, config.model);
-    assert_eq!((recipe.micro_batch, recipe.accum), (2, 2), "the file's batch");
-    assert_eq!(recipe.precision, tl_precision::Precision::Fp16, "the flag on top");
+    assert_eq!(
+        (recipe.micro_batch, recipe.accum),
+        (2, 2),
+        "the file's batch"
+    );
+    assert_eq!(
+        recipe.precision,
+        tl_precision::Precision::Fp16,
+        "the flag on top"
+    );
 }

@@ -18,8 +18,8 @@ use crate::model::{Checkpointing, Preset};
 use crate::process_memory::{peak_rss_bytes, reset_peak_rss};
 use crate::store::write_atomic;
 use crate::train::{
-    DataSource, Event, LrSchedule, Record, ResumeOptions, Stop, TrainConfig, Trainer, limits,
-    read_records,
+    DataSource, Event, LrSchedule, Record, ResumeOptions, Stop, TrainConfig, Trainer,
+    default_eval_interval, default_save_interval, default_warmup, limits, read_records,
 };
 
 /// Runs `tinyllm train`.
@@ -243,9 +243,9 @@ pub(super) fn config_from_args(
         // Intervals and warmup follow the run's length unless given.
         config.steps = steps;
         config.lr.total = steps;
-        config.lr.warmup = (steps / 10).max(1).min(steps);
-        config.eval_interval = (steps / 10).max(1);
-        config.save_interval = (steps / 4).max(1);
+        config.lr.warmup = default_warmup(steps);
+        config.eval_interval = default_eval_interval(steps);
+        config.save_interval = default_save_interval(steps);
     }
     if let Some(lr) = args.lr {
         config.lr.peak = lr;

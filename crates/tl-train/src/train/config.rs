@@ -121,8 +121,15 @@ impl Default for Parallel {
 impl TrainConfig {
     /// A config read from a file, JSON or (by its `.toml` extension) TOML, in the schema of
     /// the `config.json` a run writes: a run's own config fed back starts the same run.
-    /// Every key must be one of the schema's; the sizes are checked when a run starts
-    /// ([`TrainConfig::validate`]).
+    ///
+    /// A file need not name every key: what it leaves out is the defaults of its `preset`
+    /// (of `small` when it names none), as `tinyllm train --preset` would give them, and
+    /// what follows the run's length or learning rate follows the file's (as with the flags
+    /// `--steps` and `--lr`: the schedule's length, warmup and intervals; the final
+    /// learning rate). A model whose sizes are not its preset's is a custom one (`preset`
+    /// is cleared). Every key must be one of the schema's; a top-level `tinyllm` key (the
+    /// version that wrote a run's `config.json`) is ignored. The sizes are checked when a
+    /// run starts ([`TrainConfig::validate`]).
     ///
     /// # Errors
     /// [`TrainError::Io`] when the file cannot be read; [`TrainError::ConfigFile`] naming
@@ -132,7 +139,7 @@ impl TrainConfig {
         let text = std::fs::read_to_string(path).map_err(|source| TrainError::io(path, source))?;
         let refuse = |key: String, reason: String| TrainError::ConfigFile {
             path: path.to_path_buf(),
-            key: if key == "." {
+            key: if key == "." || key.is_empty() {
                 "the top level".into()
             } else {
                 key
@@ -142,20 +149,105 @@ impl TrainConfig {
         let toml = path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("toml"));
-        if toml {
-            let deserializer = toml::Deserializer::new(&text);
-            serde_path_to_error::deserialize(deserializer)
-                .map_err(|e| refuse(e.path().to_string(), e.inner().message().to_string()))
+        let mut file: serde_json::Value = if toml {
+            toml::from_str(&text).map_err(|e| refuse(String::new(), e.message().to_string()))?
         } else {
-            let mut deserializer = serde_json::Deserializer::from_str(&text);
-            let config = serde_path_to_error::deserialize(&mut deserializer)
-                .map_err(|e| refuse(e.path().to_string(), e.inner().to_string()))?;
-            deserializer
-                .end()
-                .map_err(|e| refuse("the top level".into(), e.to_string()))?;
-            Ok(config)
+            serde_json::from_str(&text).map_err(|e| refuse(String::new(), e.to_string()))?
+        };
+        let Some(keys) = file.as_object_mut() else {
+            return Err(refuse(String::new(), "expected a table of keys".into()));
+        };
+        keys.remove(BUILD_KEY);
+        let preset = match keys.get("preset") {
+            Some(serde_json::Value::Null) => None,
+            Some(value) => Some(
+                serde_path_to_error::deserialize::<_, Preset>(value)
+                    .map_err(|e| refuse("preset".into(), e.inner().to_string()))?,
+            ),
+            None => None,
+        };
+        let base = TrainConfig::for_preset(preset.unwrap_or(Preset::Small));
+        let mut merged = serde_json::to_value(&base).expect("a config serializes");
+        merge(&mut merged, &file);
+        let given = |keys: &[&str]| {
+            keys.iter()
+                .try_fold(&file, |value, key| value.get(key))
+                .is_some()
+        };
+        let mut config: TrainConfig = serde_path_to_error::deserialize(merged)
+            .map_err(|e| refuse(e.path().to_string(), e.inner().to_string()))?;
+        // What the file left out follows what it set, as with the flags.
+        if given(&["steps"]) {
+            let steps = config.steps;
+            if !given(&["lr", "total"]) {
+                config.lr.total = steps;
+            }
+            if !given(&["lr", "warmup"]) {
+                config.lr.warmup = default_warmup(steps);
+            }
+            if !given(&["eval_interval"]) {
+                config.eval_interval = default_eval_interval(steps);
+            }
+            if !given(&["save_interval"]) {
+                config.save_interval = default_save_interval(steps);
+            }
         }
+        if given(&["lr", "peak"]) && !given(&["lr", "min"]) {
+            config.lr.min = config.lr.peak / 10.0;
+        }
+        let sizes = |model: &ModelConfig| ModelConfig {
+            dropout: 0.0,
+            ..model.clone()
+        };
+        if config
+            .preset
+            .is_some_and(|preset| sizes(&preset.config()) != sizes(&config.model))
+        {
+            config.preset = None;
+        }
+        Ok(config)
     }
+}
+
+/// The top-level key of a run's `config.json` that names the tinyllm that wrote it: not
+/// part of the config (a run resumes under another build).
+pub const BUILD_KEY: &str = "tinyllm";
+
+/// Lays `over` onto `base`: tables merge key by key, anything else replaces. A table that
+/// names one variant of an enum (`{"file": {...}}` over `{"builtin": {...}}`) replaces
+/// the other variant instead of joining it.
+fn merge(base: &mut serde_json::Value, over: &serde_json::Value) {
+    use serde_json::Value::Object;
+    match (base, over) {
+        (Object(base), Object(over))
+            if !(base.len() == 1 && over.len() == 1 && base.keys().ne(over.keys())) =>
+        {
+            for (key, value) in over {
+                match base.get_mut(key) {
+                    Some(slot) => merge(slot, value),
+                    None => {
+                        base.insert(key.clone(), value.clone());
+                    }
+                }
+            }
+        }
+        (base, over) => *base = over.clone(),
+    }
+}
+
+/// Warmup steps of a run of `steps` steps, unless given: a tenth of the run.
+pub(crate) fn default_warmup(steps: u64) -> u64 {
+    (steps / 10).max(1).min(steps)
+}
+
+/// Steps between validation losses, unless given: ten over the run.
+pub(crate) fn default_eval_interval(steps: u64) -> u64 {
+    (steps / 10).max(1)
+}
+
+/// Steps between checkpoints, unless given: four over the run.
+pub(crate) fn default_save_interval(steps: u64) -> u64 {
+    (steps / 4).max(1)
 }
 
 /// AdamW's hyperparameters other than the learning rate and the weight decay, as
@@ -271,7 +363,7 @@ impl TrainConfig {
             Preset::Small => (200, 2e-3),
             Preset::Capstone => (2000, 1e-3),
         };
-        let warmup = (steps / 10).max(1);
+        let warmup = default_warmup(steps);
         TrainConfig {
             preset: Some(preset),
             model: preset.config(),
@@ -294,9 +386,9 @@ impl TrainConfig {
             adamw: AdamWConfig::default(),
             clip: Some(1.0),
             seed: 0,
-            eval_interval: (steps / 10).max(1),
+            eval_interval: default_eval_interval(steps),
             eval_batches: 4,
-            save_interval: (steps / 4).max(1),
+            save_interval: default_save_interval(steps),
             keep_checkpoints: default_keep_checkpoints(),
             divergence: Divergence::default(),
             data_file: None,

@@ -16,6 +16,7 @@ pub use config::{
     AdamWConfig, DataSource, Divergence, FileFingerprint, MAX_ZERO_STAGE, Parallel, TrainConfig,
     limits,
 };
+pub(crate) use config::{default_eval_interval, default_save_interval, default_warmup};
 pub use metrics::{MetricsLog, Record, read_records};
 pub use optimizer::RunOptimizer;
 pub use ranks::{RankReport, StepBatch, StepTraffic, dropout_state};
