@@ -349,7 +349,7 @@ fn print_header(trainer: &Trainer) {
     let config = trainer.config();
     let corpus = trainer.corpus();
     say!(
-        "tinyllm train: {} ({} parameters), {}, micro-batch {} x accum {} x context {} = {} tokens/step, checkpointing {:?}",
+        "tinyllm train: {} ({} parameters), {}, micro-batch {} x accum {} x context {} = {} tokens/step, checkpointing {}",
         config.preset.map_or("custom", Preset::name),
         config.model.num_parameters(),
         config.precision.name(),

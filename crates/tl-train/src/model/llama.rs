@@ -15,15 +15,44 @@ use super::rope::Rope;
 use crate::error::Result;
 
 /// How the blocks keep their activations for backward.
+///
+/// In JSON and TOML (a run's `config.json`, checkpoints, the plan's and profile's JSON) it
+/// is `"off"`, `"per-block"` or `{"budget": K}`; the names of earlier builds (`"Off"`,
+/// `"PerBlock"`, `{"Budget": K}`) still read, so older run directories resume. Its
+/// [`Display`](std::fmt::Display) is the words `tinyllm` prints.
+///
+/// ```
+/// use tl_train::model::Checkpointing;
+/// assert_eq!(serde_json::to_string(&Checkpointing::PerBlock)?, r#""per-block""#);
+/// assert_eq!(serde_json::from_str::<Checkpointing>(r#"{"Budget":3}"#)?, Checkpointing::Budget(3));
+/// assert_eq!(Checkpointing::Budget(3).to_string(), "optimal schedule for 3 stored block inputs");
+/// # Ok::<(), serde_json::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Checkpointing {
     /// Every block keeps everything its backward needs (fastest, most memory).
+    #[serde(alias = "Off")]
     Off,
     /// Each block keeps only its input and reruns its forward pass during backward, as
     /// `torch.utils.checkpoint` around each block.
+    #[serde(alias = "PerBlock")]
     PerBlock,
     /// tl-recompute's optimal schedule for a budget of this many stored block inputs.
+    #[serde(alias = "Budget")]
     Budget(usize),
+}
+
+impl std::fmt::Display for Checkpointing {
+    /// `off`, `per block`, or `optimal schedule for K stored block inputs`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Checkpointing::Off => f.write_str("off"),
+            Checkpointing::PerBlock => f.write_str("per block"),
+            Checkpointing::Budget(1) => f.write_str("optimal schedule for 1 stored block input"),
+            Checkpointing::Budget(k) => write!(f, "optimal schedule for {k} stored block inputs"),
+        }
+    }
 }
 
 /// What runs each of the model's units (see [`Llama::units`]) when one is set with
@@ -586,5 +615,30 @@ mod tests {
         );
         // At a very low temperature the maximum is (numerically) certain.
         assert_eq!(sample_index(&[0.0, 3.0, 1.0], 1e-3, &Generator::new(0)), 1);
+    }
+
+    #[test]
+    fn checkpointing_has_lowercase_json_names_and_reads_the_old_ones() {
+        for (mode, new, old) in [
+            (Checkpointing::Off, r#""off""#, r#""Off""#),
+            (Checkpointing::PerBlock, r#""per-block""#, r#""PerBlock""#),
+            (
+                Checkpointing::Budget(3),
+                r#"{"budget":3}"#,
+                r#"{"Budget":3}"#,
+            ),
+        ] {
+            assert_eq!(serde_json::to_string(&mode).unwrap(), new);
+            for text in [new, old] {
+                let back: Checkpointing = serde_json::from_str(text).unwrap();
+                assert_eq!(back, mode, "{text}");
+            }
+        }
+        assert_eq!(Checkpointing::Off.to_string(), "off");
+        assert_eq!(Checkpointing::PerBlock.to_string(), "per block");
+        assert_eq!(
+            Checkpointing::Budget(1).to_string(),
+            "optimal schedule for 1 stored block input"
+        );
     }
 }
