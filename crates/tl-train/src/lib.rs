@@ -4,6 +4,7 @@
 // First, so that its `say!` is in scope in every module after it.
 #[macro_use]
 pub mod output;
+pub mod build_info;
 pub mod chart;
 pub mod cli;
 pub mod compare;

@@ -5,6 +5,7 @@ mod common;
 
 use std::fs;
 use std::path::Path;
+use std::process::Command;
 
 use common::{TINY_TRAIN, run_error, tinyllm};
 use tl_train::TrainError;
@@ -213,4 +214,21 @@ fn a_new_run_never_overwrites_an_existing_one() {
         fs::read(latest_checkpoint(&out).join("model.safetensors")).unwrap(),
         before
     );
+}
+
+#[test]
+fn version_names_the_commit_when_built_from_a_checkout() {
+    let output = Command::new(env!("CARGO_BIN_EXE_tinyllm"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+    let text = String::from_utf8(output.stdout).unwrap();
+    assert!(
+        text.starts_with(&format!("tinyllm {}", env!("CARGO_PKG_VERSION"))),
+        "{text}"
+    );
+    if let Some(commit) = tl_train::build_info::COMMIT {
+        assert!(text.contains(commit), "{text}");
+    }
 }

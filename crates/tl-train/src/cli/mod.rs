@@ -17,7 +17,7 @@ use clap::{Args, Parser, Subcommand};
 
 /// Train small Llama models on the CPU with emulated bf16/fp16 numerics.
 #[derive(Debug, Parser)]
-#[command(name = "tinyllm", version, about)]
+#[command(name = "tinyllm", version = crate::build_info::VERSION_LINE, about)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -139,18 +139,20 @@ impl TrainConfig {
         let toml = path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("toml"));
+        // The `tinyllm` key a run's `config.json` carries names the build that wrote it: it
+        // is not part of the config (see `run_config`).
         if toml {
-            let deserializer = toml::Deserializer::new(&text);
-            serde_path_to_error::deserialize(deserializer)
+            let mut table: toml::Table = toml::from_str(&text)
+                .map_err(|e| refuse("the top level".into(), e.message().to_string()))?;
+            super::run_config::strip_build_key_toml(&mut table);
+            serde_path_to_error::deserialize(toml::Value::Table(table))
                 .map_err(|e| refuse(e.path().to_string(), e.inner().message().to_string()))
         } else {
-            let mut deserializer = serde_json::Deserializer::from_str(&text);
-            let config = serde_path_to_error::deserialize(&mut deserializer)
-                .map_err(|e| refuse(e.path().to_string(), e.inner().to_string()))?;
-            deserializer
-                .end()
+            let mut value = super::run_config::parse_json(text.as_bytes())
                 .map_err(|e| refuse("the top level".into(), e.to_string()))?;
-            Ok(config)
+            super::run_config::strip_build_key(&mut value);
+            serde_path_to_error::deserialize(value)
+                .map_err(|e| refuse(e.path().to_string(), e.inner().to_string()))
         }
     }
 }

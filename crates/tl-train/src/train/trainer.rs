@@ -18,6 +18,7 @@ use super::lock::RunLock;
 use super::metrics::{MetricsLog, Record, read_records};
 use super::optimizer::RunOptimizer;
 use super::ranks::{self, RankReport, StepBatch, StepTraffic};
+use super::run_config::{config_json, read_config_json};
 use super::snapshot::{self, AdamWMeta, FORMAT_VERSION, RunState};
 use super::summary::RunSummary;
 use crate::data::{Batch, Corpus, sample_batch, sequential_batches, skip_batch};
@@ -136,7 +137,8 @@ fn check_memory(config: &TrainConfig) -> Result<()> {
     Ok(())
 }
 
-/// The run's config as its `config.json` holds it.
+/// The run's config as its `config.json` holds it (the `tinyllm` key naming the build that
+/// wrote it aside: see [`config_json`]).
 ///
 /// # Errors
 /// [`TrainError::Io`] when the file cannot be read, [`TrainError::Checkpoint`] naming it
@@ -144,7 +146,7 @@ fn check_memory(config: &TrainConfig) -> Result<()> {
 pub fn read_config(run_dir: &Path) -> Result<TrainConfig> {
     let path = run_dir.join(CONFIG_FILE);
     let bytes = fs::read(&path).map_err(|source| TrainError::io(&path, source))?;
-    serde_json::from_slice(&bytes)
+    read_config_json(&bytes)
         .map_err(|error| TrainError::checkpoint(&path, format!("malformed: {error}")))
 }
 
@@ -205,8 +207,7 @@ fn check_data(
         return Ok(());
     }
     crate::output::warn(&message);
-    let json = serde_json::to_vec_pretty(&*config).expect("the config serializes");
-    write_atomic(&run_dir.join(CONFIG_FILE), &json)
+    write_atomic(&run_dir.join(CONFIG_FILE), &config_json(config))
 }
 
 /// Everything one rank holds of a run before it trains on: read from a checkpoint, or at
@@ -274,8 +275,7 @@ fn config_at_world(
                 config.sequences_per_step()
             ));
         }
-        let json = serde_json::to_vec_pretty(&config).expect("the config serializes");
-        write_atomic(&run_dir.join(CONFIG_FILE), &json)?;
+        write_atomic(&run_dir.join(CONFIG_FILE), &config_json(&config))?;
     }
     Ok(config)
 }
@@ -431,8 +431,7 @@ impl Trainer {
                 ));
             }
             snapshot::clean(run_dir)?;
-            let json = serde_json::to_vec_pretty(&config).expect("the config serializes");
-            write_atomic(&run_dir.join(CONFIG_FILE), &json)?;
+            write_atomic(&run_dir.join(CONFIG_FILE), &config_json(&config))?;
             Ok((corpus, Some(lock)))
         })();
         let (corpus, lock) = ranks::agree(&mut ddp, prepared, Some((&config, 0)), "start the run")?;
