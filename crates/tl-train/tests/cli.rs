@@ -216,6 +216,74 @@ fn a_new_run_never_overwrites_an_existing_one() {
     );
 }
 
+/// The records' wall-clock time, training time and tokens: present, in order, and on across
+/// a resume (which goes on from the `elapsed_s` of the checkpoint's step in the log).
+#[test]
+fn metrics_carry_the_time_the_training_time_and_the_tokens_seen() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let run_str = run.to_str().unwrap();
+    tinyllm(&tiny_args(run_str, &["--steps", "5", "--until-step", "3"])).unwrap();
+    // Step 3's record as if the first process had trained for 1000 s.
+    let path = run.join("metrics.jsonl");
+    let lines: Vec<String> = fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let mut value: serde_json::Value = serde_json::from_str(line).unwrap();
+            if value["kind"] == "train" && value["step"] == 3 {
+                value["elapsed_s"] = 1000.0.into();
+            }
+            value.to_string()
+        })
+        .collect();
+    fs::write(&path, lines.join("\n") + "\n").unwrap();
+    tinyllm(&["train", "--resume", run_str, "--quiet"]).unwrap();
+
+    let per_step = tl_train::train::read_config(&run)
+        .unwrap()
+        .tokens_per_step() as u64;
+    let (mut last_time, mut last_elapsed) = (String::new(), 0.0);
+    let mut steps = 0;
+    for record in read_records(&path).unwrap() {
+        let time = match &record {
+            Record::Train {
+                step,
+                time,
+                elapsed_s,
+                tokens,
+                ..
+            } => {
+                steps += 1;
+                assert_eq!(*tokens, Some(step * per_step), "step {step}");
+                let elapsed = elapsed_s.unwrap();
+                assert!(
+                    elapsed > last_elapsed,
+                    "step {step}: {elapsed} after {last_elapsed}"
+                );
+                if *step > 3 {
+                    assert!(
+                        elapsed > 1000.0,
+                        "step {step}: {elapsed} restarted the clock"
+                    );
+                }
+                last_elapsed = elapsed;
+                time.clone().unwrap()
+            }
+            Record::Eval { time, .. } => time.clone().unwrap(),
+        };
+        // RFC 3339 in UTC with milliseconds: fixed width, so in order as text.
+        let shape: String = time
+            .chars()
+            .map(|c| if c.is_ascii_digit() { 'd' } else { c })
+            .collect();
+        assert_eq!(shape, "dddd-dd-ddTdd:dd:dd.dddZ", "{time}");
+        assert!(time >= last_time, "{time} after {last_time}");
+        last_time = time;
+    }
+    assert_eq!(steps, 5);
+}
+
 #[test]
 fn version_names_the_commit_when_built_from_a_checkout() {
     let output = Command::new(env!("CARGO_BIN_EXE_tinyllm"))

@@ -103,7 +103,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
                 "loss {loss:.4}{val} | {tokens_per_s:.0} tok/s{scale}"
             ));
         }
-        Event::Metric(Record::Eval { step, val_loss }) => {
+        Event::Metric(Record::Eval { step, val_loss, .. }) => {
             last_val = Some(*val_loss);
             if leader {
                 say(
@@ -462,7 +462,7 @@ pub(super) fn write_loss_chart(
         for record in read_records(&dir.join("metrics.jsonl"))? {
             match record {
                 Record::Train { step, loss, .. } => train.push((step as f64, loss)),
-                Record::Eval { step, val_loss } => val.push((step as f64, val_loss)),
+                Record::Eval { step, val_loss, .. } => val.push((step as f64, val_loss)),
             }
         }
         let name = |what: &str| {

@@ -16,7 +16,7 @@ mod trainer;
 pub use config::{
     DataSource, Divergence, FileFingerprint, MAX_ZERO_STAGE, Parallel, TrainConfig, limits,
 };
-pub use metrics::{MetricsLog, Record, read_records};
+pub use metrics::{MetricsLog, Record, read_records, rfc3339_utc};
 pub use optimizer::RunOptimizer;
 pub use ranks::{RankReport, StepBatch, StepTraffic, dropout_state};
 pub use recipes::{STEP_RECIPES, StepRecipe};

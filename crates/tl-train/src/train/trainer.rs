@@ -4,7 +4,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use tl_collective::{Communicator, Single};
 use tl_parallel::DataParallel;
@@ -15,7 +15,7 @@ use tl_tensor::{Generator, no_grad};
 
 use super::config::{DataSource, FileFingerprint, TrainConfig};
 use super::lock::RunLock;
-use super::metrics::{MetricsLog, Record, read_records};
+use super::metrics::{MetricsLog, Record, read_records, rfc3339_utc};
 use super::optimizer::RunOptimizer;
 use super::ranks::{self, RankReport, StepBatch, StepTraffic};
 use super::run_config::{config_json, read_config_json};
@@ -81,6 +81,27 @@ pub struct Trainer {
     traffic: StepTraffic,
     /// Held by rank 0 for the trainer's life: no other run writes this directory meanwhile.
     _lock: Option<RunLock>,
+    /// The run's training time, for the records' `elapsed_s`.
+    clock: RunClock,
+}
+
+/// Seconds of training since the run began, across the processes that trained it: the
+/// `elapsed_s` of the last step kept in `metrics.jsonl` when this process took the run up
+/// (the resumed checkpoint's step: the log is cut there), plus the time since.
+///
+/// The log, not the checkpoint, carries it on: it is what the figure is read from, it is
+/// cut at the resumed step exactly, and older checkpoints (which do not hold it) resume
+/// with their time counted. A log from before `elapsed_s` was written starts again at 0.
+#[derive(Clone, Copy, Debug)]
+struct RunClock {
+    before: f64,
+    since: Instant,
+}
+
+impl RunClock {
+    fn elapsed_s(&self) -> f64 {
+        self.before + self.since.elapsed().as_secs_f64()
+    }
 }
 
 /// Choices of [`Trainer::resume`] that are not part of the run's config.
@@ -460,14 +481,20 @@ impl Trainer {
         let mut ddp = ddp.with_bucket_bytes(config.parallel.bucket_bytes);
         model.set_checkpointing(config.checkpointing);
         let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &mut ddp, &model)?;
+        let metrics = lock
+            .is_some()
+            .then(|| MetricsLog::open(run_dir, step))
+            .transpose()?;
+        let clock = RunClock {
+            before: metrics.as_ref().map_or(0.0, MetricsLog::elapsed_s_at_open),
+            since: Instant::now(),
+        };
         Ok(Self {
             scaler,
             validation: validation_batches(&corpus, &config),
             data_rng,
-            metrics: lock
-                .is_some()
-                .then(|| MetricsLog::open(run_dir, step))
-                .transpose()?,
+            metrics,
+            clock,
             run_dir: run_dir.to_path_buf(),
             step,
             tokens_seen,
@@ -625,6 +652,9 @@ impl Trainer {
             underflows: report.underflows,
             tokens_per_s: tokens as f64 / step_s,
             step_s,
+            time: Some(rfc3339_utc(SystemTime::now())),
+            elapsed_s: Some(self.clock.elapsed_s()),
+            tokens: Some(self.tokens_seen),
         };
         self.log(&record)?;
         Ok(record)
@@ -793,6 +823,7 @@ impl Trainer {
         let record = Record::Eval {
             step: self.step,
             val_loss,
+            time: Some(rfc3339_utc(SystemTime::now())),
         };
         self.log(&record)?;
         Ok(record)
