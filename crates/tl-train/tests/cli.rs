@@ -64,6 +64,10 @@ fn a_short_run_lowers_the_loss_and_leaves_a_usable_run_directory() {
     for file in ["config.json", "metrics.jsonl", "loss.svg", "LATEST"] {
         assert!(out.join(file).exists(), "{file} missing");
     }
+    // The loss chart is on a log axis, says so, and draws the entropy floor.
+    let chart = fs::read_to_string(out.join("loss.svg")).unwrap();
+    assert!(chart.contains("loss (nats/byte, log scale)"), "{chart}");
+    assert!(chart.contains("entropy floor"), "{chart}");
     let checkpoint = latest_checkpoint(&out);
     assert!(checkpoint.ends_with("checkpoint-000030"));
     for file in ["model.safetensors", "optimizer.safetensors", "state.json"] {

@@ -396,12 +396,14 @@ fn report(trainer: &mut Trainer, note: Option<&str>) -> Result<()> {
     let json = serde_json::to_vec_pretty(&summary).expect("the summary serializes");
     write_atomic(&trainer.run_dir().join("summary.json"), &json)?;
     let chart_path = trainer.run_dir().join("loss.svg");
+    // A log axis: the loss falls fast from ln 256 and then creeps towards the entropy floor,
+    // and the creeping is what a reader looks for.
     write_loss_chart(
         &chart_path,
         "tinyllm training loss",
         &[("", trainer.run_dir())],
         summary.entropy_floor,
-        false,
+        true,
     )?;
     say!(
         "step {}: train loss {:.4} (mean of the last steps)",
@@ -448,7 +450,7 @@ pub(super) fn mib(bytes: u64) -> f64 {
 }
 
 /// Draws the train and validation losses of each `(label, run directory)` on one chart, with
-/// the entropy floor when known.
+/// the entropy floor when known; on a log y axis (so labelled) with `log_y`.
 pub(super) fn write_loss_chart(
     path: &Path,
     title: &str,
@@ -490,7 +492,11 @@ pub(super) fn write_loss_chart(
         &LineChart {
             title,
             x_label: "optimizer step",
-            y_label: "loss (nats/byte)",
+            y_label: if log_y {
+                "loss (nats/byte, log scale)"
+            } else {
+                "loss (nats/byte)"
+            },
             series: &series,
             hlines: &hlines,
             log_y,
