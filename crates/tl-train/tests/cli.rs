@@ -304,3 +304,153 @@ fn version_names_the_commit_when_built_from_a_checkout() {
         assert!(text.contains(commit), "{text}");
     }
 }
+
+/// `tinyllm sample ARGS..` run as a process: its standard output.
+fn sample_output(args: &[&str]) -> String {
+    let output = Command::new(env!("CARGO_BIN_EXE_tinyllm"))
+        .arg("sample")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "tinyllm sample {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+#[test]
+fn sample_takes_several_samples_top_k_a_checkpoint_and_a_prompt_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let run_str = run.to_str().unwrap();
+    let flags = ["--steps", "4", "--save-interval", "2", "--lr", "1e-2"];
+    tinyllm(&tiny_args(run_str, &flags)).unwrap();
+    let base = ["--from", run_str, "--tokens", "24", "--prompt", "the "];
+    let with = |extra: &[&'static str]| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        sample_output(&args)
+    };
+
+    // --num-samples: continuations of the one prompt from seeds S, S + 1, ..., separated.
+    let three = with(&["--num-samples", "3", "--seed", "5"]);
+    let parts: Vec<&str> = three
+        .split("\n--- sample 2 ---\n")
+        .flat_map(|rest| rest.split("\n--- sample 3 ---\n"))
+        .collect();
+    assert_eq!(parts.len(), 3, "{three}");
+    assert!(parts.iter().all(|part| part.starts_with("the ")), "{three}");
+    assert!(!three.contains("--- sample 1 ---"), "{three}");
+    assert_eq!(with(&["--seed", "5"]), format!("{}\n", parts[0]));
+    assert_eq!(with(&["--seed", "6"]), format!("{}\n", parts[1]));
+    assert!(!with(&["--seed", "5"]).contains("--- sample"));
+
+    // --top-k 1 is greedy whatever the temperature and seed.
+    let greedy = with(&["--temperature", "0"]);
+    assert_eq!(
+        with(&["--top-k", "1", "--temperature", "2", "--seed", "9"]),
+        greedy
+    );
+    with(&["--top-k", "256"]);
+    for k in ["0", "257"] {
+        let mut args = vec!["sample"];
+        args.extend_from_slice(&base);
+        args.extend(["--top-k", k]);
+        match run_error(&args) {
+            TrainError::InvalidArgument { name, reason, .. } => {
+                assert_eq!(name, "top-k");
+                assert!(reason.contains("1..=256"), "{reason}");
+            }
+            other => panic!("--top-k {k}: {other}"),
+        }
+    }
+
+    // --checkpoint: the model of another step; one the run does not have lists those it has.
+    let at_2 = with(&["--checkpoint", "2", "--temperature", "0"]);
+    assert!(at_2.starts_with("the "));
+    assert_eq!(with(&["--checkpoint", "4", "--temperature", "0"]), greedy);
+    let mut missing = vec!["sample"];
+    missing.extend_from_slice(&base);
+    missing.extend(["--checkpoint", "3"]);
+    match run_error(&missing) {
+        TrainError::InvalidArgument {
+            name,
+            value,
+            reason,
+        } => {
+            assert_eq!((name, value.as_str()), ("checkpoint", "3"));
+            assert!(reason.ends_with("steps: 2, 4"), "{reason}");
+        }
+        other => panic!("{other}"),
+    }
+
+    // --prompt-file: the file's bytes as the prompt; an empty file is refused.
+    let prompt = dir.path().join("prompt.txt");
+    fs::write(&prompt, "the ").unwrap();
+    let prompt_str = prompt.to_str().unwrap();
+    let from_file = sample_output(&[
+        "--from",
+        run_str,
+        "--tokens",
+        "24",
+        "--prompt-file",
+        prompt_str,
+        "--temperature",
+        "0",
+    ]);
+    assert_eq!(from_file, greedy);
+    let empty = dir.path().join("empty.txt");
+    fs::write(&empty, "").unwrap();
+    let error = run_error(&[
+        "sample",
+        "--from",
+        run_str,
+        "--prompt-file",
+        empty.to_str().unwrap(),
+    ]);
+    assert!(
+        matches!(
+            &error,
+            TrainError::InvalidArgument {
+                name: "prompt-file",
+                ..
+            }
+        ),
+        "{error}"
+    );
+    let error = run_error(&[
+        "sample",
+        "--from",
+        run_str,
+        "--prompt-file",
+        "/no/such/prompt",
+    ]);
+    assert!(error.to_string().contains("/no/such/prompt"), "{error}");
+    assert!(matches!(
+        tinyllm(&[
+            "sample",
+            "--from",
+            run_str,
+            "--prompt",
+            "a",
+            "--prompt-file",
+            prompt_str
+        ]),
+        Err(CliError::Usage(_))
+    ));
+    for n in ["0", "1001"] {
+        let error = run_error(&["sample", "--from", run_str, "--num-samples", n]);
+        assert!(
+            matches!(
+                &error,
+                TrainError::InvalidArgument {
+                    name: "num-samples",
+                    ..
+                }
+            ),
+            "{error}"
+        );
+    }
+}

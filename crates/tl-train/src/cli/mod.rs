@@ -14,6 +14,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
+pub use sample::SampleArgs;
 
 /// Train small Llama models on the CPU with emulated bf16/fp16 numerics.
 #[derive(Debug, Parser)]
@@ -171,31 +172,6 @@ pub struct TrainArgs {
     /// mpirun, in a build with the `mpi` feature).
     #[arg(long, value_enum, default_value_t)]
     pub backend: backend::Backend,
-}
-
-/// Options of `tinyllm sample`.
-#[derive(Debug, Args)]
-pub struct SampleArgs {
-    /// Run directory of a trained model.
-    #[arg(long, value_name = "DIR")]
-    pub from: PathBuf,
-    /// Text to continue [default: a newline].
-    #[arg(long, value_name = "TEXT")]
-    pub prompt: Option<String>,
-    /// Bytes to generate.
-    #[arg(long, value_name = "N", default_value_t = 200)]
-    pub tokens: usize,
-    /// Sampling temperature; 0 picks the most likely byte.
-    #[arg(
-        long,
-        value_name = "T",
-        default_value_t = 0.8,
-        allow_negative_numbers = true
-    )]
-    pub temperature: f64,
-    /// Seed of the sampling.
-    #[arg(long, value_name = "S", default_value_t = 0)]
-    pub seed: u64,
 }
 
 /// What `tinyllm` exits with.

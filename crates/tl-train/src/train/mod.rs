@@ -23,5 +23,7 @@ pub use recipes::{STEP_RECIPES, StepRecipe};
 pub use run_config::{BUILD_KEY, config_json, read_config_json};
 pub use schedule::LrSchedule;
 pub use summary::RunSummary;
-pub use trainer::{Event, ResumeOptions, Stop, Trainer, batch_loss, load_model, read_config};
+pub use trainer::{
+    Event, ResumeOptions, Stop, Trainer, batch_loss, load_model, load_model_at, read_config,
+};
 pub(crate) use trainer::{load_corpus, mixed_step, new_optimizer, new_scaler};

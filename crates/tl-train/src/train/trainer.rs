@@ -955,7 +955,19 @@ pub fn batch_loss(model: &Llama<f32>, batch: &Batch) -> tl_tensor::Tensor<f32> {
 /// # Errors
 /// [`TrainError::Checkpoint`] when there is no checkpoint or it is damaged.
 pub fn load_model(run_dir: &Path) -> Result<(TrainConfig, Llama<f32>)> {
-    let snapshot = snapshot::load(run_dir)?;
+    load_model_at(run_dir, None)
+}
+
+/// [`load_model`] of the checkpoint of `step` in `run_dir`, or of the latest when `None`.
+///
+/// # Errors
+/// Those of [`load_model`]; [`TrainError::InvalidArgument`] listing the run's checkpoints
+/// when it has none of `step`.
+pub fn load_model_at(run_dir: &Path, step: Option<u64>) -> Result<(TrainConfig, Llama<f32>)> {
+    let snapshot = match step {
+        Some(step) => snapshot::load_step(run_dir, step)?,
+        None => snapshot::load(run_dir)?,
+    };
     let model = restore_model(&snapshot)?;
     for (name, tensor) in model.named_parameters() {
         if let Some(bad) = tensor.value().iter().find(|v| !v.is_finite()) {
