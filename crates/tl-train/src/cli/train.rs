@@ -15,7 +15,7 @@ use super::{Exit, TrainArgs};
 use crate::chart::{LineChart, Series, write_line_chart};
 use crate::error::{Result, TrainError};
 use crate::model::{Checkpointing, Preset};
-use crate::process_memory::{peak_rss_bytes, reset_peak_rss};
+use crate::process_memory::{describe_peak, peak_rss_bytes, reset_peak_rss};
 use crate::store::write_atomic;
 use crate::train::{
     DataSource, Event, LrSchedule, Record, ResumeOptions, Stop, TrainConfig, Trainer, limits,
@@ -422,19 +422,14 @@ fn report(trainer: &mut Trainer, note: Option<&str>) -> Result<()> {
         summary.tokens_per_s,
         summary.step_s,
         mib(summary.peak_live_bytes),
-        summary
-            .peak_rss_bytes
-            .map(|rss| format!(", peak process memory {:.1} MiB", mib(rss)))
-            .unwrap_or_default()
+        describe_peak(summary.peak_rss_bytes)
     );
     for rank in &summary.ranks {
         say!(
             "rank {}: peak live tensors {:.1} MiB{}; sent {:.2} MiB per step, {:.3} s per step in collectives ({:.1}% of its step time)",
             rank.rank,
             mib(rank.peak_live_bytes),
-            rank.peak_rss_bytes
-                .map(|rss| format!(", peak process memory {:.1} MiB", mib(rss)))
-                .unwrap_or_default(),
+            describe_peak(rank.peak_rss_bytes),
             rank.bytes_sent_per_step / f64::from(1u32 << 20),
             rank.comm_s_per_step,
             100.0 * rank.comm_share,
