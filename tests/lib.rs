@@ -13,3 +13,6 @@ pub mod gradient_accumulation_guide {}
 
 #[doc = include_str!("../docs/activation-checkpointing.md")]
 pub mod activation_checkpointing_guide {}
+
+#[doc = include_str!("../README.md")]
+pub mod readme {}

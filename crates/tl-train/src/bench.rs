@@ -384,7 +384,7 @@ pub fn bench_one(
     let config = timed.trainer.config().clone();
     let tokens_per_step = config.tokens_per_step();
     Ok(BenchReport {
-        tinyllm: crate::VERSION.to_string(),
+        tinyllm: crate::build_info::VERSION.to_string(),
         machine: Machine::this(),
         ranks: config.parallel.ranks,
         tokens_per_step,
@@ -436,7 +436,7 @@ pub fn bench_paired(
     let config = a.trainer.config().clone();
     let tokens_per_step = config.tokens_per_step();
     Ok(BenchReport {
-        tinyllm: crate::VERSION.to_string(),
+        tinyllm: crate::build_info::VERSION.to_string(),
         machine: Machine::this(),
         ranks: config.parallel.ranks,
         tokens_per_step,

@@ -5,6 +5,7 @@
 #[macro_use]
 pub mod output;
 pub mod bench;
+pub mod build_info;
 pub mod chart;
 pub mod cli;
 pub mod compare;
@@ -19,9 +20,6 @@ pub mod store;
 pub mod train;
 
 pub use error::{Result, TrainError};
-
-/// tinyllm's version, as `tinyllm --version` prints it.
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The guide to the trainer (`docs/training.md`); its examples run as doctests.
 #[doc = include_str!("../../../docs/training.md")]

@@ -1,15 +1,60 @@
-//! The process's resident memory, from Linux's `/proc/self`: the whole-process view next to
-//! tl-tensor's meter of tensor storage (what `ru_maxrss` or PyTorch's peak RSS report).
+//! The process's resident memory: the whole-process view next to tl-tensor's meter of tensor
+//! storage (what `ru_maxrss` or PyTorch's peak RSS report).
+//!
+//! On Linux it comes from `/proc/self`, and the peak can be reset ([`reset_peak_rss`]) so
+//! that it covers one run. On macOS it is `getrusage(RUSAGE_SELF)`'s `ru_maxrss`, which
+//! cannot be reset: the peak there covers the whole process, from its start. Elsewhere it is
+//! not measured, and the figures say "unavailable".
 
 use std::fs;
 
-/// The peak resident set size of this process (`VmHWM`), in bytes; `None` where
-/// `/proc/self/status` is not available (not Linux).
+/// The peak resident set size of this process, in bytes: Linux's `VmHWM` (since the last
+/// [`reset_peak_rss`]), macOS's `ru_maxrss` (since the process started); `None` where
+/// neither is available.
 pub fn peak_rss_bytes() -> Option<u64> {
+    linux_peak_rss_bytes().or_else(macos_peak_rss_bytes)
+}
+
+/// `VmHWM` of `/proc/self/status`, in bytes.
+fn linux_peak_rss_bytes() -> Option<u64> {
     let status = fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|line| line.starts_with("VmHWM:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    kib.checked_mul(1024)
+}
+
+/// `ru_maxrss` of `getrusage(RUSAGE_SELF)`: bytes on macOS (Linux reports KiB, and is read
+/// from `/proc` instead).
+#[cfg(target_os = "macos")]
+fn macos_peak_rss_bytes() -> Option<u64> {
+    // SAFETY: `getrusage` only writes the `rusage` it is given, which is plain data for
+    // which all zeros is a valid value.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `usage` is a valid, writable `rusage`; RUSAGE_SELF is a valid `who`.
+    let status = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    if status != 0 {
+        return None;
+    }
+    u64::try_from(usage.ru_maxrss)
+        .ok()
+        .filter(|&bytes| bytes > 0)
+}
+
+#[cfg(not(target_os = "macos"))]
+fn macos_peak_rss_bytes() -> Option<u64> {
+    None
+}
+
+/// The peak process memory as `tinyllm` prints it after a figure: `, peak process memory
+/// 12.3 MiB`, or `, peak process memory unavailable` where it is not measured.
+pub fn describe_peak(peak_rss_bytes: Option<u64>) -> String {
+    match peak_rss_bytes {
+        Some(bytes) => format!(
+            ", peak process memory {:.1} MiB",
+            bytes as f64 / f64::from(1u32 << 20)
+        ),
+        None => ", peak process memory unavailable".to_string(),
+    }
 }
 
 /// The machine's physical memory (`MemTotal` of `/proc/meminfo`), in bytes; `None` where
@@ -23,7 +68,8 @@ pub fn total_memory_bytes() -> Option<u64> {
 
 /// Resets the peak resident set size to the current one, so that [`peak_rss_bytes`]
 /// measures from now (Linux ≥ 4.0: writing 5 to `/proc/self/clear_refs`). Returns whether it
-/// worked; when it did not, later peaks include what came before.
+/// worked; when it did not (always on macOS, where the peak cannot be reset), later peaks
+/// include what came before.
 pub fn reset_peak_rss() -> bool {
     fs::write("/proc/self/clear_refs", "5").is_ok()
 }
@@ -35,7 +81,7 @@ mod tests {
     #[test]
     fn the_peak_covers_a_large_allocation_made_after_a_reset() {
         let Some(before) = peak_rss_bytes() else {
-            return; // not Linux: nothing to measure
+            return; // neither Linux nor macOS: nothing to measure
         };
         assert!(before > 0);
         reset_peak_rss();
@@ -43,5 +89,14 @@ mod tests {
         std::hint::black_box(&block);
         let after = peak_rss_bytes().unwrap();
         assert!(after >= 64 << 20, "peak {after} after touching 64 MiB");
+    }
+
+    #[test]
+    fn a_peak_that_is_not_measured_says_so() {
+        assert_eq!(
+            describe_peak(Some(3 << 20)),
+            ", peak process memory 3.0 MiB"
+        );
+        assert_eq!(describe_peak(None), ", peak process memory unavailable");
     }
 }

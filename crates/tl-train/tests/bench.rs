@@ -105,7 +105,7 @@ fn a_custom_size_from_a_config_file_is_timed() {
 precision = "fp32"
 micro_batch = 1
 accum = 1
-checkpointing = "Off"
+checkpointing = "off"
 steps = 10
 weight_decay = 0.01
 clip = 1.0

@@ -65,7 +65,9 @@ fn every_subcommand_has_a_help_in_users_words() {
 
 #[test]
 fn every_command_that_computes_takes_threads() {
-    for command in ["train", "logits", "compare", "plan", "profile", "bench"] {
+    for command in [
+        "train", "sample", "logits", "compare", "plan", "profile", "bench",
+    ] {
         assert!(
             help(&[command]).contains("--threads <N>"),
             "tinyllm {command} has no --threads"

@@ -179,7 +179,7 @@ fn plan_json_holds_the_plan_and_the_measured_error() {
     let output: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(output["plan"]["parameters"], 133_440);
     assert_eq!(output["plan"]["recipe"]["precision"], "bf16");
-    assert_eq!(output["plan"]["checkpointed"]["checkpointing"], "PerBlock");
+    assert_eq!(output["plan"]["checkpointed"]["checkpointing"], "per-block");
     let predicted = output["plan"]["checkpointed"]["peak_bytes"]
         .as_u64()
         .unwrap();

@@ -17,6 +17,17 @@ pub enum Backend {
     MpiRing,
 }
 
+impl std::fmt::Display for Backend {
+    /// The backend's name on the command line: `ring`, `mpi` or `mpi-ring`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Ring => "ring",
+            Backend::Mpi => "mpi",
+            Backend::MpiRing => "mpi-ring",
+        })
+    }
+}
+
 /// Environment variables by which MPI launchers tell a process the size of its world.
 const MPI_WORLD_SIZE: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"];
 
@@ -62,8 +73,21 @@ pub fn communicator(backend: Backend) -> Result<Box<dyn Communicator>> {
         #[cfg(not(feature = "mpi"))]
         Backend::Mpi | Backend::MpiRing => Err(TrainError::InvalidArgument {
             name: "--backend",
-            value: format!("{backend:?}").to_lowercase(),
+            value: backend.to_string(),
             reason: "this tinyllm was built without the `mpi` feature".into(),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_backend_prints_as_its_command_line_name() {
+        for backend in Backend::value_variants() {
+            let name = backend.to_possible_value().unwrap().get_name().to_string();
+            assert_eq!(backend.to_string(), name);
+        }
     }
 }

@@ -60,7 +60,7 @@ pub(super) fn comm_bench(args: &CommBenchArgs) -> Result<Exit> {
     let budget = Duration::from_millis(args.budget_ms);
     if rank == 0 {
         println!(
-            "all_reduce_sum of f32 on {n} rank(s), backend {:?}, {}; busbw = algbw * 2(N-1)/N",
+            "all_reduce_sum of f32 on {n} rank(s), backend {}, {}; busbw = algbw * 2(N-1)/N",
             args.backend,
             cpu_name()
         );

@@ -195,7 +195,7 @@ pub(super) fn compare_command(args: &CompareArgs) -> Result<Exit> {
 fn print_table(c: &Comparison) {
     let recipe = &c.recipe_config;
     let label = format!(
-        "recipe ({}, {}×{}, {:?})",
+        "recipe ({}, {}×{}, checkpointing {})",
         recipe.precision.name(),
         recipe.micro_batch,
         recipe.accum,

@@ -15,6 +15,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
+pub use sample::SampleArgs;
 
 /// What `tinyllm --help` says first.
 const ABOUT: &str = "Train small Llama models on the CPU with the exact numerics of bf16 and fp16 \
@@ -29,7 +30,12 @@ Each command's flags: tinyllm help COMMAND. Guides: docs/ in the source tree.";
 
 /// The `tinyllm` command line.
 #[derive(Debug, Parser)]
-#[command(name = "tinyllm", version, about = ABOUT, after_help = AFTER_HELP)]
+#[command(
+    name = "tinyllm",
+    version = crate::build_info::VERSION_LINE,
+    about = ABOUT,
+    after_help = AFTER_HELP
+)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -246,31 +252,6 @@ pub struct TrainArgs {
     pub threads: Threads,
 }
 
-/// Options of `tinyllm sample`.
-#[derive(Debug, Args)]
-pub struct SampleArgs {
-    /// Run directory of a trained model.
-    #[arg(long, value_name = "DIR")]
-    pub from: PathBuf,
-    /// Text to continue [default: a newline].
-    #[arg(long, value_name = "TEXT")]
-    pub prompt: Option<String>,
-    /// Bytes to generate.
-    #[arg(long, value_name = "N", default_value_t = 200)]
-    pub tokens: usize,
-    /// Sampling temperature; 0 picks the most likely byte.
-    #[arg(
-        long,
-        value_name = "T",
-        default_value_t = 0.8,
-        allow_negative_numbers = true
-    )]
-    pub temperature: f64,
-    /// Seed of the sampling.
-    #[arg(long, value_name = "S", default_value_t = 0)]
-    pub seed: u64,
-}
-
 /// What `tinyllm` exits with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Exit {
@@ -298,14 +279,13 @@ where
     let cli = Cli::try_parse_from(args).map_err(CliError::Usage)?;
     let threads = match &cli.command {
         Command::Train(args) => args.threads,
+        Command::Sample(args) => args.threads,
         Command::Logits(args) => args.threads,
         Command::Compare(args) => args.threads,
         Command::Plan(args) => args.threads,
         Command::Profile(args) => args.threads,
         Command::Bench(args) => args.threads,
-        Command::Sample(_) | Command::Export(_) | Command::Launch(_) | Command::CommBench(_) => {
-            Threads::default()
-        }
+        Command::Export(_) | Command::Launch(_) | Command::CommBench(_) => Threads::default(),
     };
     threads.apply().map_err(CliError::Run)?;
     let outcome = match cli.command {

@@ -1,28 +1,61 @@
 //! `tinyllm sample`: continue a prompt with a trained model.
 
 use std::io::Write;
+use std::path::PathBuf;
 
+use clap::Args;
 use tl_tensor::Generator;
 
-use super::SampleArgs;
 use crate::error::{Result, TrainError};
-use crate::train::load_model;
+use crate::train::load_model_at;
 
-/// Runs `tinyllm sample`: prints the prompt and its continuation to stdout.
+/// Options of `tinyllm sample`.
+#[derive(Debug, Args)]
+pub struct SampleArgs {
+    /// Run directory of a trained model.
+    #[arg(long, value_name = "DIR")]
+    pub from: PathBuf,
+    /// Load the checkpoint of this step instead of the latest.
+    #[arg(long, value_name = "STEP")]
+    pub checkpoint: Option<u64>,
+    /// Text to continue [default: a newline].
+    #[arg(long, value_name = "TEXT")]
+    pub prompt: Option<String>,
+    /// Continue the bytes of this file instead of --prompt.
+    #[arg(long, value_name = "FILE", conflicts_with = "prompt")]
+    pub prompt_file: Option<PathBuf>,
+    /// Bytes to generate.
+    #[arg(long, value_name = "N", default_value_t = 200)]
+    pub tokens: usize,
+    /// Sampling temperature; 0 picks the most likely byte.
+    #[arg(
+        long,
+        value_name = "T",
+        default_value_t = 0.8,
+        allow_negative_numbers = true
+    )]
+    pub temperature: f64,
+    /// Draw each byte only among the K most likely (1 picks the most likely) [default: all].
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
+    /// Seed of the sampling; sample i of --num-samples draws from seed S + i - 1.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// Continuations of the prompt to generate, separated by a line `--- sample i ---`.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub num_samples: usize,
+    /// Compute threads.
+    #[command(flatten)]
+    pub threads: super::Threads,
+}
+
+/// Runs `tinyllm sample`: prints the prompt and its continuation to stdout, once per sample.
 pub(super) fn sample(args: &SampleArgs) -> Result<()> {
     if !(args.temperature.is_finite() && args.temperature >= 0.0) {
         return Err(TrainError::InvalidArgument {
             name: "temperature",
             value: args.temperature.to_string(),
             reason: "must be finite and >= 0".into(),
-        });
-    }
-    let prompt = args.prompt.clone().unwrap_or_else(|| "\n".to_string());
-    if prompt.is_empty() {
-        return Err(TrainError::InvalidArgument {
-            name: "prompt",
-            value: "\"\"".into(),
-            reason: "must hold at least one byte".into(),
         });
     }
     if !(1..=MAX_SAMPLE_TOKENS).contains(&args.tokens) {
@@ -32,27 +65,88 @@ pub(super) fn sample(args: &SampleArgs) -> Result<()> {
             reason: format!("must be in 1..={MAX_SAMPLE_TOKENS}"),
         });
     }
-    let (_, model) = load_model(&args.from)?;
-    let ids: Vec<usize> = prompt.bytes().map(usize::from).collect();
-    let generated = model.generate(
-        &ids,
-        args.tokens,
-        args.temperature,
-        &Generator::new(args.seed),
-    );
-    let bytes: Vec<u8> = generated.into_iter().map(|id| id as u8).collect();
-    let mut stdout = std::io::stdout().lock();
-    let text = format!("{prompt}{}", String::from_utf8_lossy(&bytes));
-    match stdout
-        .write_all(text.as_bytes())
-        .and_then(|()| stdout.write_all(b"\n"))
-        .and_then(|()| stdout.flush())
-    {
-        // A reader that stopped reading (`| head`) has what it wanted.
-        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
-        result => result.map_err(|source| TrainError::io("stdout", source)),
+    if !(1..=MAX_SAMPLES).contains(&args.num_samples) {
+        return Err(TrainError::InvalidArgument {
+            name: "num-samples",
+            value: args.num_samples.to_string(),
+            reason: format!("must be in 1..={MAX_SAMPLES}"),
+        });
     }
+    let prompt = prompt_bytes(args)?;
+    let (config, model) = load_model_at(&args.from, args.checkpoint)?;
+    let vocab = config.model.vocab;
+    if let Some(k) = args.top_k
+        && !(1..=vocab).contains(&k)
+    {
+        return Err(TrainError::InvalidArgument {
+            name: "top-k",
+            value: k.to_string(),
+            reason: format!("must be in 1..={vocab}, the model's vocabulary"),
+        });
+    }
+    let ids: Vec<usize> = prompt.iter().map(|&byte| usize::from(byte)).collect();
+    if let Some(&id) = ids.iter().find(|&&id| id >= vocab) {
+        return Err(TrainError::InvalidArgument {
+            name: "prompt",
+            value: format!("a byte {id}"),
+            reason: format!("the model's vocabulary has {vocab} tokens"),
+        });
+    }
+    let mut stdout = std::io::stdout().lock();
+    for index in 0..args.num_samples {
+        let seed = args.seed.wrapping_add(index as u64);
+        let generated = model.generate(
+            &ids,
+            args.tokens,
+            args.temperature,
+            args.top_k,
+            &Generator::new(seed),
+        );
+        let mut bytes = Vec::new();
+        if index > 0 {
+            bytes.extend_from_slice(format!("--- sample {} ---\n", index + 1).as_bytes());
+        }
+        // The prompt and its continuation decoded together: a character split between them
+        // reads whole.
+        let text: Vec<u8> = prompt
+            .iter()
+            .copied()
+            .chain(generated.into_iter().map(|id| id as u8))
+            .collect();
+        bytes.extend_from_slice(String::from_utf8_lossy(&text).as_bytes());
+        bytes.push(b'\n');
+        match stdout.write_all(&bytes).and_then(|()| stdout.flush()) {
+            Ok(()) => {}
+            // A reader that stopped reading (`| head`) has what it wanted.
+            Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+            Err(source) => return Err(TrainError::io("stdout", source)),
+        }
+    }
+    Ok(())
+}
+
+/// The prompt's bytes: of `--prompt-file`, of `--prompt`, or a newline; never empty.
+fn prompt_bytes(args: &SampleArgs) -> Result<Vec<u8>> {
+    let (bytes, name, value) = match (&args.prompt_file, &args.prompt) {
+        (Some(path), _) => {
+            let bytes = std::fs::read(path).map_err(|source| TrainError::io(path, source))?;
+            (bytes, "prompt-file", path.display().to_string())
+        }
+        (None, Some(text)) => (text.clone().into_bytes(), "prompt", "\"\"".to_string()),
+        (None, None) => (b"\n".to_vec(), "prompt", String::new()),
+    };
+    if bytes.is_empty() {
+        return Err(TrainError::InvalidArgument {
+            name,
+            value,
+            reason: "must hold at least one byte".into(),
+        });
+    }
+    Ok(bytes)
 }
 
 /// The most bytes one `tinyllm sample` generates.
 const MAX_SAMPLE_TOKENS: usize = 1 << 20;
+
+/// The most continuations one `tinyllm sample` generates.
+const MAX_SAMPLES: usize = 1000;

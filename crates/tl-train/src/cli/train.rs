@@ -15,7 +15,7 @@ use super::{Exit, TrainArgs};
 use crate::chart::{LineChart, Series, write_line_chart};
 use crate::error::{Result, TrainError};
 use crate::model::{Checkpointing, Preset};
-use crate::process_memory::{peak_rss_bytes, reset_peak_rss};
+use crate::process_memory::{describe_peak, peak_rss_bytes, reset_peak_rss};
 use crate::store::write_atomic;
 use crate::train::{
     DataSource, Event, LrSchedule, Record, ResumeOptions, Stop, TrainConfig, Trainer,
@@ -98,7 +98,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
                 "loss {loss:.4}{val} | {tokens_per_s:.0} tok/s{scale}"
             ));
         }
-        Event::Metric(Record::Eval { step, val_loss }) => {
+        Event::Metric(Record::Eval { step, val_loss, .. }) => {
             last_val = Some(*val_loss);
             if leader {
                 say(
@@ -369,7 +369,7 @@ fn print_header(trainer: &Trainer) {
     let config = trainer.config();
     let corpus = trainer.corpus();
     say!(
-        "tinyllm train: {} ({} parameters), {}, micro-batch {} x accum {} x context {} = {} tokens/step, checkpointing {:?}",
+        "tinyllm train: {} ({} parameters), {}, micro-batch {} x accum {} x context {} = {} tokens/step, checkpointing {}",
         config.preset.map_or("custom", Preset::name),
         config.model.num_parameters(),
         config.precision.name(),
@@ -416,12 +416,14 @@ fn report(trainer: &mut Trainer, note: Option<&str>) -> Result<()> {
     let json = serde_json::to_vec_pretty(&summary).expect("the summary serializes");
     write_atomic(&trainer.run_dir().join("summary.json"), &json)?;
     let chart_path = trainer.run_dir().join("loss.svg");
+    // A log axis: the loss falls fast from ln 256 and then creeps towards the entropy floor,
+    // and the creeping is what a reader looks for.
     write_loss_chart(
         &chart_path,
         "tinyllm training loss",
         &[("", trainer.run_dir())],
         summary.entropy_floor,
-        false,
+        true,
     )?;
     say!(
         "step {}: train loss {:.4} (mean of the last steps)",
@@ -440,19 +442,14 @@ fn report(trainer: &mut Trainer, note: Option<&str>) -> Result<()> {
         summary.tokens_per_s,
         summary.step_s,
         mib(summary.peak_live_bytes),
-        summary
-            .peak_rss_bytes
-            .map(|rss| format!(", peak process memory {:.1} MiB", mib(rss)))
-            .unwrap_or_default()
+        describe_peak(summary.peak_rss_bytes)
     );
     for rank in &summary.ranks {
         say!(
             "rank {}: peak live tensors {:.1} MiB{}; sent {:.2} MiB per step, {:.3} s per step in collectives ({:.1}% of its step time)",
             rank.rank,
             mib(rank.peak_live_bytes),
-            rank.peak_rss_bytes
-                .map(|rss| format!(", peak process memory {:.1} MiB", mib(rss)))
-                .unwrap_or_default(),
+            describe_peak(rank.peak_rss_bytes),
             rank.bytes_sent_per_step / f64::from(1u32 << 20),
             rank.comm_s_per_step,
             100.0 * rank.comm_share,
@@ -468,7 +465,7 @@ pub(super) fn mib(bytes: u64) -> f64 {
 }
 
 /// Draws the train and validation losses of each `(label, run directory)` on one chart, with
-/// the entropy floor when known.
+/// the entropy floor when known; on a log y axis (so labelled) with `log_y`.
 pub(super) fn write_loss_chart(
     path: &Path,
     title: &str,
@@ -482,7 +479,7 @@ pub(super) fn write_loss_chart(
         for record in read_records(&dir.join("metrics.jsonl"))? {
             match record {
                 Record::Train { step, loss, .. } => train.push((step as f64, loss)),
-                Record::Eval { step, val_loss } => val.push((step as f64, val_loss)),
+                Record::Eval { step, val_loss, .. } => val.push((step as f64, val_loss)),
             }
         }
         let name = |what: &str| {
@@ -510,7 +507,11 @@ pub(super) fn write_loss_chart(
         &LineChart {
             title,
             x_label: "optimizer step",
-            y_label: "loss (nats/byte)",
+            y_label: if log_y {
+                "loss (nats/byte, log scale)"
+            } else {
+                "loss (nats/byte)"
+            },
             series: &series,
             hlines: &hlines,
             log_y,

@@ -15,15 +15,44 @@ use super::rope::Rope;
 use crate::error::Result;
 
 /// How the blocks keep their activations for backward.
+///
+/// In JSON and TOML (a run's `config.json`, checkpoints, the plan's and profile's JSON) it
+/// is `"off"`, `"per-block"` or `{"budget": K}`; the names of earlier builds (`"Off"`,
+/// `"PerBlock"`, `{"Budget": K}`) still read, so older run directories resume. Its
+/// [`Display`](std::fmt::Display) is the words `tinyllm` prints.
+///
+/// ```
+/// use tl_train::model::Checkpointing;
+/// assert_eq!(serde_json::to_string(&Checkpointing::PerBlock)?, r#""per-block""#);
+/// assert_eq!(serde_json::from_str::<Checkpointing>(r#"{"Budget":3}"#)?, Checkpointing::Budget(3));
+/// assert_eq!(Checkpointing::Budget(3).to_string(), "optimal schedule for 3 stored block inputs");
+/// # Ok::<(), serde_json::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Checkpointing {
     /// Every block keeps everything its backward needs (fastest, most memory).
+    #[serde(alias = "Off")]
     Off,
     /// Each block keeps only its input and reruns its forward pass during backward, as
     /// `torch.utils.checkpoint` around each block.
+    #[serde(alias = "PerBlock")]
     PerBlock,
     /// tl-recompute's optimal schedule for a budget of this many stored block inputs.
+    #[serde(alias = "Budget")]
     Budget(usize),
+}
+
+impl std::fmt::Display for Checkpointing {
+    /// `off`, `per block`, or `optimal schedule for K stored block inputs`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Checkpointing::Off => f.write_str("off"),
+            Checkpointing::PerBlock => f.write_str("per block"),
+            Checkpointing::Budget(1) => f.write_str("optimal schedule for 1 stored block input"),
+            Checkpointing::Budget(k) => write!(f, "optimal schedule for {k} stored block inputs"),
+        }
+    }
 }
 
 /// What runs each of the model's units (see [`Llama::units`]) when one is set with
@@ -252,17 +281,20 @@ impl<E: Element> Llama<E> {
     }
 
     /// Continues `prompt` by `n_tokens` tokens, each drawn from `softmax(logits / temperature)`
-    /// of the last position with `rng` (the most likely token when `temperature` is 0). The
-    /// model sees at most its context of most recent tokens.
+    /// of the last position with `rng` (the most likely token when `temperature` is 0). With
+    /// `top_k`, only the `top_k` most likely tokens of each position can be drawn (`Some(1)`
+    /// is the most likely token whatever the temperature). The model sees at most its context
+    /// of most recent tokens.
     ///
     /// # Panics
-    /// If `prompt` is empty, `temperature` is negative or not finite, or an id is not below
-    /// the vocabulary size.
+    /// If `prompt` is empty, `temperature` is negative or not finite, `top_k` is `Some(0)`,
+    /// or an id is not below the vocabulary size.
     pub fn generate(
         &self,
         prompt: &[usize],
         n_tokens: usize,
         temperature: f64,
+        top_k: Option<usize>,
         rng: &Generator,
     ) -> Vec<usize> {
         assert!(
@@ -272,6 +304,10 @@ impl<E: Element> Llama<E> {
         assert!(
             temperature.is_finite() && temperature >= 0.0,
             "Llama::generate: temperature must be finite and >= 0, got {temperature}"
+        );
+        assert!(
+            top_k != Some(0),
+            "Llama::generate: top_k must be at least 1"
         );
         let _inference = no_grad();
         self.set_training(false);
@@ -286,28 +322,36 @@ impl<E: Element> Llama<E> {
                 .iter()
                 .map(|&v| Element::to_f64(v))
                 .collect();
-            tokens.push(sample_index(&last, temperature, rng));
+            tokens.push(sample_index(&last, temperature, top_k, rng));
         }
         tokens.split_off(prompt.len())
     }
 }
 
 /// An index drawn from `softmax(logits / temperature)`, or the first maximum at temperature 0.
-fn sample_index(logits: &[f64], temperature: f64, rng: &Generator) -> usize {
-    let argmax = logits
-        .iter()
-        .enumerate()
-        .fold(0, |best, (i, &v)| if v > logits[best] { i } else { best });
+/// With `top_k`, only the indices of the `top_k` largest logits can be drawn (of equal logits,
+/// the lower indices count as larger, so `Some(1)` is the first maximum).
+fn sample_index(logits: &[f64], temperature: f64, top_k: Option<usize>, rng: &Generator) -> usize {
+    let mut candidates: Vec<usize> = (0..logits.len()).collect();
+    if let Some(k) = top_k.filter(|&k| k < logits.len()) {
+        // A stable sort, largest first: equal logits stay in index order.
+        candidates.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        candidates.truncate(k.max(1));
+        candidates.sort_unstable();
+    }
+    let argmax = candidates.iter().copied().fold(candidates[0], |best, i| {
+        if logits[i] > logits[best] { i } else { best }
+    });
     if temperature == 0.0 {
         return argmax;
     }
     let max = logits[argmax];
-    let weights: Vec<f64> = logits
+    let weights: Vec<f64> = candidates
         .iter()
-        .map(|&v| ((v - max) / temperature).exp())
+        .map(|&i| ((logits[i] - max) / temperature).exp())
         .collect();
     let mut u = rng.next_f64() * weights.iter().sum::<f64>();
-    for (i, &w) in weights.iter().enumerate() {
+    for (&i, &w) in candidates.iter().zip(&weights) {
         if u < w {
             return i;
         }
@@ -567,7 +611,7 @@ mod tests {
         };
         assert_eq!(values(&a), values(&b));
         assert_ne!(values(&a), values(&Llama::<f32>::new(&config, 10).unwrap()));
-        let sample = |m: &Llama<f32>| m.generate(&[1, 2], 12, 1.0, &Generator::new(4));
+        let sample = |m: &Llama<f32>| m.generate(&[1, 2], 12, 1.0, None, &Generator::new(4));
         let text = sample(&a);
         assert_eq!(
             text.len(),
@@ -581,10 +625,71 @@ mod tests {
     #[test]
     fn temperature_zero_picks_the_first_maximum() {
         assert_eq!(
-            sample_index(&[0.0, 3.0, 3.0, -1.0], 0.0, &Generator::new(0)),
+            sample_index(&[0.0, 3.0, 3.0, -1.0], 0.0, None, &Generator::new(0)),
             1
         );
         // At a very low temperature the maximum is (numerically) certain.
-        assert_eq!(sample_index(&[0.0, 3.0, 1.0], 1e-3, &Generator::new(0)), 1);
+        assert_eq!(
+            sample_index(&[0.0, 3.0, 1.0], 1e-3, None, &Generator::new(0)),
+            1
+        );
+    }
+
+    #[test]
+    fn top_k_draws_only_among_the_k_largest_logits() {
+        let logits = [0.5, 2.0, -1.0, 1.9, 2.0, 0.0];
+        let rng = Generator::new(3);
+        // Top-k 1 is the greedy pick (the first maximum), at any temperature.
+        for temperature in [0.0, 1.0, 50.0] {
+            assert_eq!(sample_index(&logits, temperature, Some(1), &rng), 1);
+        }
+        // At a high temperature every candidate is about as likely: all three and only
+        // the three largest (indices 1, 3, 4) come up.
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..400 {
+            seen.insert(sample_index(&logits, 50.0, Some(3), &rng));
+        }
+        assert_eq!(seen.into_iter().collect::<Vec<_>>(), [1, 3, 4]);
+        // K at or above the vocabulary restricts nothing: the same draws as no K.
+        let (a, b) = (Generator::new(8), Generator::new(8));
+        for _ in 0..50 {
+            assert_eq!(
+                sample_index(&logits, 1.0, Some(6), &a),
+                sample_index(&logits, 1.0, None, &b)
+            );
+        }
+    }
+
+    #[test]
+    fn generating_with_top_k_1_is_generating_at_temperature_0() {
+        let model = Llama::<f32>::new(&micro_config(0.0), 5).unwrap();
+        let greedy = model.generate(&[1, 2, 3], 10, 0.0, None, &Generator::new(0));
+        let top1 = model.generate(&[1, 2, 3], 10, 1.5, Some(1), &Generator::new(7));
+        assert_eq!(top1, greedy);
+    }
+
+    #[test]
+    fn checkpointing_has_lowercase_json_names_and_reads_the_old_ones() {
+        for (mode, new, old) in [
+            (Checkpointing::Off, r#""off""#, r#""Off""#),
+            (Checkpointing::PerBlock, r#""per-block""#, r#""PerBlock""#),
+            (
+                Checkpointing::Budget(3),
+                r#"{"budget":3}"#,
+                r#"{"Budget":3}"#,
+            ),
+        ] {
+            assert_eq!(serde_json::to_string(&mode).unwrap(), new);
+            for text in [new, old] {
+                let back: Checkpointing = serde_json::from_str(text).unwrap();
+                assert_eq!(back, mode, "{text}");
+            }
+        }
+        assert_eq!(Checkpointing::Off.to_string(), "off");
+        assert_eq!(Checkpointing::PerBlock.to_string(), "per block");
+        assert_eq!(
+            Checkpointing::Budget(1).to_string(),
+            "optimal schedule for 1 stored block input"
+        );
     }
 }

@@ -152,12 +152,15 @@ impl TrainConfig {
         let mut file: serde_json::Value = if toml {
             toml::from_str(&text).map_err(|e| refuse(String::new(), e.message().to_string()))?
         } else {
-            serde_json::from_str(&text).map_err(|e| refuse(String::new(), e.to_string()))?
+            super::run_config::parse_json(text.as_bytes())
+                .map_err(|e| refuse(String::new(), e.to_string()))?
         };
-        let Some(keys) = file.as_object_mut() else {
+        // The `tinyllm` key a run's `config.json` carries names the build that wrote it: it
+        // is not part of the config (see `run_config`).
+        super::run_config::strip_build_key(&mut file);
+        let Some(keys) = file.as_object() else {
             return Err(refuse(String::new(), "expected a table of keys".into()));
         };
-        keys.remove(BUILD_KEY);
         let preset = match keys.get("preset") {
             Some(serde_json::Value::Null) => None,
             Some(value) => Some(
@@ -208,10 +211,6 @@ impl TrainConfig {
         Ok(config)
     }
 }
-
-/// The top-level key of a run's `config.json` that names the tinyllm that wrote it: not
-/// part of the config (a run resumes under another build).
-pub const BUILD_KEY: &str = "tinyllm";
 
 /// Lays `over` onto `base`: tables merge key by key, anything else replaces. A table that
 /// names one variant of an enum (`{"file": {...}}` over `{"builtin": {...}}`) replaces

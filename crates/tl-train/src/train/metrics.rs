@@ -42,6 +42,20 @@ pub enum Record {
         /// Wall-clock seconds of this step.
         #[serde(with = "float")]
         step_s: f64,
+        /// When the step ended: UTC, RFC 3339 with milliseconds (`2026-12-02T10:15:03.123Z`).
+        /// `None` in the records of builds before it was logged.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        time: Option<String>,
+        /// Seconds of training since the run began when the step ended, across resumes: the
+        /// time the processes of the run spent training, evaluating and checkpointing, not
+        /// the time between them (a resumed process starts from the `elapsed_s` of the
+        /// checkpoint's step in this log). `None` in older records.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        elapsed_s: Option<f64>,
+        /// Tokens trained on so far, over all ranks: `step` × the global batch's tokens per
+        /// step. `None` in older records.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tokens: Option<u64>,
     },
     /// A validation loss.
     Eval {
@@ -50,7 +64,49 @@ pub enum Record {
         /// Mean validation loss, nats per token.
         #[serde(with = "float")]
         val_loss: f64,
+        /// When the evaluation ended (UTC, RFC 3339); `None` in older records.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        time: Option<String>,
     },
+}
+
+/// A moment as UTC in RFC 3339 with milliseconds, as the records' `time` holds it:
+/// `2026-12-02T10:15:03.123Z`. Moments before 1970 are written as 1970's first.
+///
+/// ```
+/// use std::time::{Duration, UNIX_EPOCH};
+/// use tl_train::train::rfc3339_utc;
+/// let moment = UNIX_EPOCH + Duration::from_millis(1_796_206_503_123);
+/// assert_eq!(rfc3339_utc(moment), "2026-12-02T10:15:03.123Z");
+/// ```
+pub fn rfc3339_utc(moment: std::time::SystemTime) -> String {
+    let since = moment
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let (secs, millis) = (since.as_secs(), since.subsec_millis());
+    let (days, of_day) = (secs / 86_400, secs % 86_400);
+    let (year, month, day) = civil_from_days(days);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{millis:03}Z",
+        of_day / 3600,
+        of_day / 60 % 60,
+        of_day % 60
+    )
+}
+
+/// The proleptic Gregorian date `(year, month, day)` of the day `days` after 1970-01-01
+/// (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    (year, month, day)
 }
 
 impl Record {
@@ -67,6 +123,7 @@ impl Record {
 pub struct MetricsLog {
     path: PathBuf,
     file: fs::File,
+    elapsed_s: f64,
 }
 
 impl MetricsLog {
@@ -91,7 +148,25 @@ impl MetricsLog {
             .append(true)
             .open(&path)
             .map_err(|source| TrainError::io(&path, source))?;
-        Ok(Self { path, file })
+        let elapsed_s = kept
+            .iter()
+            .rev()
+            .find_map(|record| match record {
+                Record::Train { elapsed_s, .. } => *elapsed_s,
+                Record::Eval { .. } => None,
+            })
+            .unwrap_or(0.0);
+        Ok(Self {
+            path,
+            file,
+            elapsed_s,
+        })
+    }
+
+    /// The `elapsed_s` of the last training record kept when the log was opened (0 for a new
+    /// run, or a log of records that do not have it): where a resumed run's clock goes on.
+    pub fn elapsed_s_at_open(&self) -> f64 {
+        self.elapsed_s
     }
 
     /// Appends one record.
@@ -251,6 +326,7 @@ mod tests {
         Record::Eval {
             step,
             val_loss: 1.5,
+            time: None,
         }
     }
 
@@ -288,6 +364,9 @@ mod tests {
             underflows: 0,
             tokens_per_s: 10.0,
             step_s: f64::NEG_INFINITY,
+            time: None,
+            elapsed_s: None,
+            tokens: None,
         }
     }
 
@@ -361,5 +440,55 @@ mod tests {
     fn a_line_is_tagged_with_its_kind() {
         let line = serde_json::to_string(&eval(7)).unwrap();
         assert_eq!(line, r#"{"kind":"eval","step":7,"val_loss":1.5}"#);
+    }
+
+    #[test]
+    fn times_are_rfc3339_utc_with_milliseconds() {
+        use std::time::{Duration, UNIX_EPOCH};
+        let at = |millis: u64| rfc3339_utc(UNIX_EPOCH + Duration::from_millis(millis));
+        assert_eq!(at(0), "1970-01-01T00:00:00.000Z");
+        // A leap day, and the last millisecond of a leap year.
+        assert_eq!(at(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(at(1_735_689_599_999), "2024-12-31T23:59:59.999Z");
+        assert_eq!(at(4_107_542_400_000), "2100-03-01T00:00:00.000Z");
+    }
+
+    #[test]
+    fn records_of_older_builds_still_read_and_write_back_unchanged() {
+        let old = r#"{"kind":"train","step":3,"loss":2.5,"lr":0.001,"grad_norm":1.25,"scale":null,"skipped":false,"underflows":0,"tokens_per_s":900.0,"step_s":0.25}"#;
+        let record: Record = serde_json::from_str(old).unwrap();
+        match &record {
+            Record::Train {
+                time,
+                elapsed_s,
+                tokens,
+                ..
+            } => assert_eq!((time, elapsed_s, tokens), (&None, &None, &None)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(serde_json::to_string(&record).unwrap(), old);
+        let old_eval = r#"{"kind":"eval","step":3,"val_loss":2.0}"#;
+        let record: Record = serde_json::from_str(old_eval).unwrap();
+        assert_eq!(serde_json::to_string(&record).unwrap(), old_eval);
+    }
+
+    #[test]
+    fn a_reopened_log_goes_on_from_the_elapsed_time_of_its_last_kept_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = MetricsLog::open(dir.path(), 0).unwrap();
+        assert_eq!(log.elapsed_s_at_open(), 0.0);
+        for step in 1..=3 {
+            let mut record = skipped(step, 1.0);
+            if let Record::Train { elapsed_s, .. } = &mut record {
+                *elapsed_s = Some(step as f64 * 10.0);
+            }
+            log.append(&record).unwrap();
+            log.append(&eval(step)).unwrap();
+        }
+        drop(log);
+        assert_eq!(
+            MetricsLog::open(dir.path(), 2).unwrap().elapsed_s_at_open(),
+            20.0
+        );
     }
 }

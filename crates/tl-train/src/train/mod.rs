@@ -7,6 +7,7 @@ mod metrics;
 mod optimizer;
 mod ranks;
 mod recipes;
+mod run_config;
 mod schedule;
 pub mod snapshot;
 mod summary;
@@ -17,11 +18,14 @@ pub use config::{
     limits,
 };
 pub(crate) use config::{default_eval_interval, default_save_interval, default_warmup};
-pub use metrics::{MetricsLog, Record, read_records};
+pub use metrics::{MetricsLog, Record, read_records, rfc3339_utc};
 pub use optimizer::RunOptimizer;
 pub use ranks::{RankReport, StepBatch, StepTraffic, dropout_state};
 pub use recipes::{STEP_RECIPES, StepRecipe};
+pub use run_config::{BUILD_KEY, config_json, read_config_json};
 pub use schedule::LrSchedule;
 pub use summary::RunSummary;
-pub use trainer::{Event, ResumeOptions, Stop, Trainer, batch_loss, load_model, read_config};
+pub use trainer::{
+    Event, ResumeOptions, Stop, Trainer, batch_loss, load_model, load_model_at, read_config,
+};
 pub(crate) use trainer::{load_corpus, mixed_step, new_optimizer, new_scaler};

@@ -323,6 +323,42 @@ pub fn load(run_dir: &Path) -> Result<Snapshot> {
             ),
         ));
     }
+    load_dir(dir, step)
+}
+
+/// Reads the checkpoint of `step` in `run_dir` (whichever `LATEST` names), checking every
+/// file as [`load`] does.
+///
+/// # Errors
+/// [`TrainError::InvalidArgument`] (`checkpoint`) listing the steps the run has checkpoints
+/// of when it has none of `step`; then those of [`load`].
+pub fn load_step(run_dir: &Path, step: u64) -> Result<Snapshot> {
+    let dir = run_dir.join(checkpoint_name(step));
+    if !fs::symlink_metadata(&dir).is_ok_and(|meta| meta.is_dir()) {
+        let steps = checkpoint_steps(run_dir)?;
+        let have = if steps.is_empty() {
+            "none".to_string()
+        } else {
+            steps
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        return Err(TrainError::InvalidArgument {
+            name: "checkpoint",
+            value: step.to_string(),
+            reason: format!(
+                "{} has no checkpoint of that step; it has checkpoints of steps: {have}",
+                run_dir.display()
+            ),
+        });
+    }
+    load_dir(dir, step)
+}
+
+/// Reads the checkpoint of `step` in `dir`, checking every file against `SHA256SUMS`.
+fn load_dir(dir: PathBuf, step: u64) -> Result<Snapshot> {
     let read = |file: &str| {
         let path = dir.join(file);
         fs::read(&path)

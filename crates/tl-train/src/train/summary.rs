@@ -44,10 +44,12 @@ impl RunSummary {
     /// use tl_train::train::{Record, RunSummary};
     /// let records = [
     ///     Record::Train { step: 1, loss: 3.0, lr: 1e-3, grad_norm: None, scale: None,
-    ///                     skipped: false, underflows: 0, tokens_per_s: 100.0, step_s: 2.0 },
+    ///                     skipped: false, underflows: 0, tokens_per_s: 100.0, step_s: 2.0,
+    ///                     time: None, elapsed_s: Some(2.0), tokens: Some(512) },
     ///     Record::Train { step: 2, loss: 2.0, lr: 1e-3, grad_norm: None, scale: None,
-    ///                     skipped: false, underflows: 0, tokens_per_s: 120.0, step_s: 1.5 },
-    ///     Record::Eval { step: 2, val_loss: 2.5 },
+    ///                     skipped: false, underflows: 0, tokens_per_s: 120.0, step_s: 1.5,
+    ///                     time: None, elapsed_s: Some(3.5), tokens: Some(1024) },
+    ///     Record::Eval { step: 2, val_loss: 2.5, time: None },
     /// ];
     /// let summary = RunSummary::from_records(&records, Some(1.0), 4096, None);
     /// assert_eq!(summary.train_loss, 2.5);      // mean of the last steps: (3 + 2)/2

@@ -4,7 +4,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use tl_collective::{Communicator, Single};
 use tl_parallel::DataParallel;
@@ -15,9 +15,10 @@ use tl_tensor::{Generator, no_grad};
 
 use super::config::{AdamWConfig, DataSource, FileFingerprint, TrainConfig};
 use super::lock::RunLock;
-use super::metrics::{MetricsLog, Record, read_records};
+use super::metrics::{MetricsLog, Record, read_records, rfc3339_utc};
 use super::optimizer::RunOptimizer;
 use super::ranks::{self, RankReport, StepBatch, StepTraffic};
+use super::run_config::{config_json, read_config_json};
 use super::snapshot::{self, AdamWMeta, FORMAT_VERSION, RunState};
 use super::summary::RunSummary;
 use crate::data::{Batch, Corpus, sample_batch, sequential_batches, skip_batch};
@@ -80,6 +81,27 @@ pub struct Trainer {
     traffic: StepTraffic,
     /// Held by rank 0 for the trainer's life: no other run writes this directory meanwhile.
     _lock: Option<RunLock>,
+    /// The run's training time, for the records' `elapsed_s`.
+    clock: RunClock,
+}
+
+/// Seconds of training since the run began, across the processes that trained it: the
+/// `elapsed_s` of the last step kept in `metrics.jsonl` when this process took the run up
+/// (the resumed checkpoint's step: the log is cut there), plus the time since.
+///
+/// The log, not the checkpoint, carries it on: it is what the figure is read from, it is
+/// cut at the resumed step exactly, and older checkpoints (which do not hold it) resume
+/// with their time counted. A log from before `elapsed_s` was written starts again at 0.
+#[derive(Clone, Copy, Debug)]
+struct RunClock {
+    before: f64,
+    since: Instant,
+}
+
+impl RunClock {
+    fn elapsed_s(&self) -> f64 {
+        self.before + self.since.elapsed().as_secs_f64()
+    }
 }
 
 /// Choices of [`Trainer::resume`] that are not part of the run's config.
@@ -136,7 +158,8 @@ fn check_memory(config: &TrainConfig) -> Result<()> {
     Ok(())
 }
 
-/// The run's config as its `config.json` holds it.
+/// The run's config as its `config.json` holds it (the `tinyllm` key naming the build that
+/// wrote it aside: see [`config_json`]).
 ///
 /// # Errors
 /// [`TrainError::Io`] when the file cannot be read, [`TrainError::Checkpoint`] naming it
@@ -144,7 +167,7 @@ fn check_memory(config: &TrainConfig) -> Result<()> {
 pub fn read_config(run_dir: &Path) -> Result<TrainConfig> {
     let path = run_dir.join(CONFIG_FILE);
     let bytes = fs::read(&path).map_err(|source| TrainError::io(&path, source))?;
-    serde_json::from_slice(&bytes)
+    read_config_json(&bytes)
         .map_err(|error| TrainError::checkpoint(&path, format!("malformed: {error}")))
 }
 
@@ -205,8 +228,7 @@ fn check_data(
         return Ok(());
     }
     crate::output::warn(&message);
-    let json = serde_json::to_vec_pretty(&*config).expect("the config serializes");
-    write_atomic(&run_dir.join(CONFIG_FILE), &json)
+    write_atomic(&run_dir.join(CONFIG_FILE), &config_json(config))
 }
 
 /// Everything one rank holds of a run before it trains on: read from a checkpoint, or at
@@ -274,8 +296,7 @@ fn config_at_world(
                 config.sequences_per_step()
             ));
         }
-        let json = serde_json::to_vec_pretty(&config).expect("the config serializes");
-        write_atomic(&run_dir.join(CONFIG_FILE), &json)?;
+        write_atomic(&run_dir.join(CONFIG_FILE), &config_json(&config))?;
     }
     Ok(config)
 }
@@ -431,8 +452,7 @@ impl Trainer {
                 ));
             }
             snapshot::clean(run_dir)?;
-            let json = serde_json::to_vec_pretty(&config).expect("the config serializes");
-            write_atomic(&run_dir.join(CONFIG_FILE), &json)?;
+            write_atomic(&run_dir.join(CONFIG_FILE), &config_json(&config))?;
             Ok((corpus, Some(lock)))
         })();
         let (corpus, lock) = ranks::agree(&mut ddp, prepared, Some((&config, 0)), "start the run")?;
@@ -461,14 +481,20 @@ impl Trainer {
         let mut ddp = ddp.with_bucket_bytes(config.parallel.bucket_bytes);
         model.set_checkpointing(config.checkpointing);
         let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &mut ddp, &model)?;
+        let metrics = lock
+            .is_some()
+            .then(|| MetricsLog::open(run_dir, step))
+            .transpose()?;
+        let clock = RunClock {
+            before: metrics.as_ref().map_or(0.0, MetricsLog::elapsed_s_at_open),
+            since: Instant::now(),
+        };
         Ok(Self {
             scaler,
             validation: validation_batches(&corpus, &config),
             data_rng,
-            metrics: lock
-                .is_some()
-                .then(|| MetricsLog::open(run_dir, step))
-                .transpose()?,
+            metrics,
+            clock,
             run_dir: run_dir.to_path_buf(),
             step,
             tokens_seen,
@@ -626,6 +652,9 @@ impl Trainer {
             underflows: report.underflows,
             tokens_per_s: tokens as f64 / step_s,
             step_s,
+            time: Some(rfc3339_utc(SystemTime::now())),
+            elapsed_s: Some(self.clock.elapsed_s()),
+            tokens: Some(self.tokens_seen),
         };
         self.log(&record)?;
         Ok(record)
@@ -794,6 +823,7 @@ impl Trainer {
         let record = Record::Eval {
             step: self.step,
             val_loss,
+            time: Some(rfc3339_utc(SystemTime::now())),
         };
         self.log(&record)?;
         Ok(record)
@@ -925,7 +955,19 @@ pub fn batch_loss(model: &Llama<f32>, batch: &Batch) -> tl_tensor::Tensor<f32> {
 /// # Errors
 /// [`TrainError::Checkpoint`] when there is no checkpoint or it is damaged.
 pub fn load_model(run_dir: &Path) -> Result<(TrainConfig, Llama<f32>)> {
-    let snapshot = snapshot::load(run_dir)?;
+    load_model_at(run_dir, None)
+}
+
+/// [`load_model`] of the checkpoint of `step` in `run_dir`, or of the latest when `None`.
+///
+/// # Errors
+/// Those of [`load_model`]; [`TrainError::InvalidArgument`] listing the run's checkpoints
+/// when it has none of `step`.
+pub fn load_model_at(run_dir: &Path, step: Option<u64>) -> Result<(TrainConfig, Llama<f32>)> {
+    let snapshot = match step {
+        Some(step) => snapshot::load_step(run_dir, step)?,
+        None => snapshot::load(run_dir)?,
+    };
     let model = restore_model(&snapshot)?;
     for (name, tensor) in model.named_parameters() {
         if let Some(bad) = tensor.value().iter().find(|v| !v.is_finite()) {
