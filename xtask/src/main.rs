@@ -1,6 +1,7 @@
 //! The course harness for this workspace.
 //!
 //! ```text
+//! cargo xtask start L11.1 [--into DIR]               a learner's workspace: the stubs
 //! cargo xtask tests L11.1                            the course test catalog
 //! cargo xtask check L11.1 [--pitfalls-only] [--jobs N]   course tests, then the grade
 //! cargo xtask mutate [L11.1] [--pitfalls-only] [--jobs N] the grade alone
@@ -19,12 +20,15 @@ mod planted;
 mod report;
 mod run;
 mod scratch;
+mod start;
+mod stub;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 const USAGE: &str = "usage:
+  cargo xtask start <MODULE> [--into DIR]                  a learner's workspace: the chapter's crates as stubs
   cargo xtask tests <MODULE>                               print the course test catalog
   cargo xtask check <MODULE> [--pitfalls-only] [--jobs N]  course tests, then the full grade
   cargo xtask mutate [<MODULE>] [--pitfalls-only] [--jobs N] [--only s04,s17] [--shard K/N]  the grade alone
@@ -40,6 +44,10 @@ pub(crate) fn workspace_root() -> PathBuf {
 
 #[derive(Debug, PartialEq)]
 enum Command {
+    Start {
+        module: String,
+        into: Option<PathBuf>,
+    },
     Tests {
         module: String,
     },
@@ -75,11 +83,19 @@ fn parse(args: &[String]) -> Result<Command, String> {
         only: Vec::new(),
         shard: None,
     };
+    let mut into = None;
     let mut rest = rest.iter();
     while let Some(arg) = rest.next() {
         match arg.as_str() {
-            "--pitfalls-only" if command != "tests" => options.pitfalls_only = true,
-            "--jobs" | "-j" if command != "tests" => {
+            "--into" if command == "start" => {
+                into = Some(PathBuf::from(
+                    rest.next().ok_or("--into needs a directory")?,
+                ));
+            }
+            "--pitfalls-only" if !matches!(command.as_str(), "tests" | "start") => {
+                options.pitfalls_only = true
+            }
+            "--jobs" | "-j" if !matches!(command.as_str(), "tests" | "start") => {
                 let value = rest.next().ok_or("--jobs needs a number")?;
                 options.jobs = value
                     .parse()
@@ -87,7 +103,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
                     .filter(|&n| n >= 1)
                     .ok_or_else(|| format!("--jobs takes a whole number ≥ 1, not '{value}'"))?;
             }
-            "--only" if command != "tests" => {
+            "--only" if !matches!(command.as_str(), "tests" | "start") => {
                 let value = rest
                     .next()
                     .ok_or("--only needs pitfall ids, e.g. s04,s17")?;
@@ -100,7 +116,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
                     options.only.push(id.to_string());
                 }
             }
-            "--shard" if command != "tests" => {
+            "--shard" if !matches!(command.as_str(), "tests" | "start") => {
                 let value = rest.next().ok_or("--shard needs K/N, e.g. 0/4")?;
                 let valid = value.split_once('/').is_some_and(|(k, n)| {
                     matches!((k.parse::<u32>(), n.parse::<u32>()), (Ok(k), Ok(n)) if k < n)
@@ -115,6 +131,8 @@ fn parse(args: &[String]) -> Result<Command, String> {
             flag if flag.starts_with('-') => {
                 let known = if command == "tests" {
                     "(none)"
+                } else if command == "start" {
+                    "--into DIR"
                 } else {
                     "--pitfalls-only, --jobs N, --only s01,s02,.., --shard K/N"
                 };
@@ -128,6 +146,10 @@ fn parse(args: &[String]) -> Result<Command, String> {
     }
     let default_module = || catalog::MODULES[0].name.to_string();
     match command.as_str() {
+        "start" => Ok(Command::Start {
+            module: module.ok_or("'start' needs a module, e.g. L11.1")?,
+            into,
+        }),
         "tests" => Ok(Command::Tests {
             module: module.ok_or("'tests' needs a module, e.g. L11.1")?,
         }),
@@ -141,7 +163,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
         }),
         "help" | "--help" | "-h" => Ok(Command::Help),
         other => Err(format!(
-            "unknown command '{other}'; commands: tests, check, mutate"
+            "unknown command '{other}'; commands: start, tests, check, mutate"
         )),
     }
 }
@@ -160,6 +182,12 @@ fn main() -> ExitCode {
             println!("{USAGE}");
             Ok(true)
         }
+        Command::Start { module, into } => start::cache_root()
+            .and_then(|cache| start::start(&module, &workspace_root(), into.as_deref(), &cache))
+            .map(|started| {
+                report::print_started(&module, &started);
+                true
+            }),
         Command::Tests { module } => {
             report::print_catalog(catalog::module(&module).expect("parsed"));
             Ok(true)
@@ -186,6 +214,8 @@ pub(crate) struct Grade {
     /// `None` with --pitfalls-only.
     pub(crate) crates: Option<Vec<grade::CrateGrade>>,
     pub(crate) elapsed: Duration,
+    /// Graded a learner's tests (a workspace made by `start`), not the reference's.
+    pub(crate) learner: bool,
 }
 
 impl Grade {
@@ -204,11 +234,33 @@ fn mutate(options: GradeOptions) -> Result<Grade, String> {
     if !options.pitfalls_only && !run::has_subcommand("mutants") {
         return Err(grade::INSTALL_HINT.to_string());
     }
-    let planted = planted::run_all(&workspace, options.jobs, &options.only)?;
+    let reference = start::learner_reference(&workspace);
+    if let Some(reference) = &reference
+        && !reference.join("COMPLETE").exists()
+    {
+        return Err(format!(
+            "this learner's workspace names its reference at {}, which is gone; run `cargo \
+             xtask start L11.1 --into NEW_DIR` from the course repository again and copy your \
+             crates' src/ and tests/ over",
+            reference.display()
+        ));
+    }
+    let mode = match &reference {
+        Some(reference) => planted::Mode::Learner { reference },
+        None => planted::Mode::Reference,
+    };
+    let planted = planted::run_all(&workspace, options.jobs, &options.only, mode)?;
     let crates = if options.pitfalls_only {
         None
     } else {
-        let scratch = scratch::Scratch::sync(&workspace, "scratch-0")
+        // cargo-mutants mutates the crates of this tree (the learner's own code, in a
+        // learner's workspace) and runs their tests.
+        let name = if reference.is_some() {
+            "scratch-learner"
+        } else {
+            "scratch-0"
+        };
+        let scratch = scratch::Scratch::sync(&workspace, name)
             .map_err(|e| format!("cannot prepare the scratch copy: {e}"))?;
         let grades = grade::GRADED
             .iter()
@@ -229,6 +281,7 @@ fn mutate(options: GradeOptions) -> Result<Grade, String> {
         planted,
         crates,
         elapsed: start.elapsed(),
+        learner: reference.is_some(),
     })
 }
 
@@ -280,6 +333,32 @@ mod tests {
                 }
             })
         );
+    }
+
+    #[test]
+    fn parses_start_with_and_without_a_directory() {
+        assert_eq!(
+            parse(&args(&["start", "L11.1", "--into", "my-l11"])),
+            Ok(Command::Start {
+                module: "L11.1".into(),
+                into: Some(PathBuf::from("my-l11")),
+            })
+        );
+        assert_eq!(
+            parse(&args(&["start", "L11.1"])),
+            Ok(Command::Start {
+                module: "L11.1".into(),
+                into: None,
+            })
+        );
+        assert!(
+            parse(&args(&["start"]))
+                .unwrap_err()
+                .contains("needs a module")
+        );
+        assert!(parse(&args(&["start", "L11.1", "--into"])).is_err());
+        let grading_flag = parse(&args(&["start", "L11.1", "--jobs", "2"])).unwrap_err();
+        assert!(grading_flag.contains("--into DIR"), "{grading_flag}");
     }
 
     #[test]

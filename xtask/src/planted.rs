@@ -49,16 +49,60 @@ pub(crate) struct PlantedResult {
 }
 
 impl PlantedResult {
-    /// Both the crate's own tests and the named course test catch it.
+    /// The crate's own tests catch it, and so does the named course test where it ran (in
+    /// this repository; a learner's check grades only the learner's tests).
     pub(crate) fn passes(&self) -> bool {
-        self.own.is_caught() && self.course_caught == Some(true)
+        self.own.is_caught() && self.course_caught != Some(false)
     }
+}
+
+/// Whose tests the pitfall mutants are graded against.
+#[derive(Clone, Copy)]
+pub(crate) enum Mode<'a> {
+    /// This repository: the reference's own tests (unit and integration) and the course
+    /// test named for each pitfall.
+    Reference,
+    /// A learner's workspace: the pitfalls are planted in the reference implementation kept
+    /// in the course cache (`reference`), and only the learner's tests (the crate's
+    /// `tests/` directory) must catch each.
+    Learner {
+        /// The cached reference of the learner's crates.
+        reference: &'a Path,
+    },
+}
+
+impl Mode<'_> {
+    fn is_learner(self) -> bool {
+        matches!(self, Mode::Learner { .. })
+    }
+}
+
+/// A scratch copy of `workspace` for `mode`: for a learner, the learner's crates' sources
+/// replaced by the reference's (the learner's tests stay).
+pub(crate) fn prepare_scratch(
+    workspace: &Path,
+    name: &str,
+    mode: Mode<'_>,
+) -> std::io::Result<Scratch> {
+    let scratch = Scratch::sync(workspace, name)?;
+    if let Mode::Learner { reference } = mode {
+        for learner in &crate::start::LEARNER_CRATES {
+            let src = reference.join(learner.dir).join("src");
+            crate::scratch::sync_dir(&src, &scratch.root.join(learner.dir).join("src"), false)?;
+        }
+    }
+    Ok(scratch)
 }
 
 const BUILD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
-fn own_test_args(pitfall: &Pitfall, no_run: bool) -> Vec<&'static str> {
-    let mut args = vec!["test", "-p", pitfall.package, "--lib", "--tests"];
+fn own_test_args(package: &'static str, mode: Mode<'_>, no_run: bool) -> Vec<&'static str> {
+    let mut args = if mode.is_learner() {
+        // The learner's integration tests only: the reference's unit tests are not theirs.
+        vec!["test", "-p", package, "--test", "*"]
+    } else {
+        vec!["test", "-p", package, "--lib", "--tests"]
+    };
     if no_run {
         args.push("--no-run");
     }
@@ -83,25 +127,42 @@ fn cargo_in(scratch: &Scratch, args: &[&str], timeout: Duration) -> std::io::Res
 
 /// Builds and tests the unmutated copy; returns the time the own tests take to run, from
 /// which each mutant's timeout is set.
-pub(crate) fn baseline(scratch: &Scratch) -> Result<Duration, String> {
+pub(crate) fn baseline(scratch: &Scratch, mode: Mode<'_>) -> Result<Duration, String> {
     let mut slowest = Duration::ZERO;
     for package in ["tl-precision", "tl-recompute"] {
-        let build = ["test", "-p", package, "--lib", "--tests", "--no-run"];
+        let build = own_test_args(package, mode, true);
         let built = cargo_in(scratch, &build, BUILD_TIMEOUT).map_err(|e| e.to_string())?;
         if !built.success {
             return Err(format!(
-                "the unmutated {package} does not build:\n{}",
+                "the unmutated {package} does not build{}:\n{}",
+                if mode.is_learner() {
+                    " with your tests (they must compile against the chapter's interface)"
+                } else {
+                    ""
+                },
                 run::tail(&built.output, 30)
             ));
         }
-        let tested = cargo_in(scratch, &build[..5], BUILD_TIMEOUT).map_err(|e| e.to_string())?;
+        let run_args = own_test_args(package, mode, false);
+        let tested = cargo_in(scratch, &run_args, BUILD_TIMEOUT).map_err(|e| e.to_string())?;
         if !tested.success {
-            return Err(format!(
-                "the unmutated {package} fails its own tests; fix that first:\n{}",
-                run::tail(&tested.output, 30)
-            ));
+            return Err(if mode.is_learner() {
+                format!(
+                    "your tests of {package} fail on the reference implementation, so they \
+                     test something the chapter does not ask; fix them first:\n{}",
+                    run::tail(&tested.output, 30)
+                )
+            } else {
+                format!(
+                    "the unmutated {package} fails its own tests; fix that first:\n{}",
+                    run::tail(&tested.output, 30)
+                )
+            });
         }
         slowest = slowest.max(tested.elapsed);
+    }
+    if mode.is_learner() {
+        return Ok(slowest);
     }
     let course: Vec<String> = course_test_args("", true);
     let course: Vec<&str> = course.iter().map(String::as_str).collect();
@@ -120,6 +181,7 @@ pub(crate) fn run_one(
     scratch: &Scratch,
     pitfall: &'static Pitfall,
     test_timeout: Duration,
+    mode: Mode<'_>,
 ) -> std::io::Result<PlantedResult> {
     let start = std::time::Instant::now();
     let original = scratch.read(pitfall.file)?;
@@ -139,15 +201,19 @@ pub(crate) fn run_one(
     };
     scratch.write(pitfall.file, &mutated)?;
     let outcome = (|| {
-        if !cargo_in(scratch, &own_test_args(pitfall, true), BUILD_TIMEOUT)?.success {
+        let own_args = |no_run| own_test_args(pitfall.package, mode, no_run);
+        if !cargo_in(scratch, &own_args(true), BUILD_TIMEOUT)?.success {
             return Ok((Verdict::Unviable, None));
         }
-        let own = cargo_in(scratch, &own_test_args(pitfall, false), test_timeout)?;
+        let own = cargo_in(scratch, &own_args(false), test_timeout)?;
         let own = match (own.success, own.timed_out) {
             (_, true) => Verdict::Timeout,
             (true, false) => Verdict::Missed,
             (false, false) => Verdict::Caught,
         };
+        if mode.is_learner() {
+            return Ok((own, None));
+        }
         let test_path = crate::catalog::L11_1
             .iter()
             .find(|t| t.name == pitfall.course_test)
@@ -174,6 +240,7 @@ pub(crate) fn run_all(
     workspace: &Path,
     jobs: usize,
     only: &[String],
+    mode: Mode<'_>,
 ) -> Result<Vec<PlantedResult>, String> {
     let selected: Vec<&'static Pitfall> = PITFALLS
         .iter()
@@ -181,7 +248,7 @@ pub(crate) fn run_all(
         .collect();
     let jobs = jobs.clamp(1, selected.len().max(1));
     let scratches: Vec<Scratch> = (0..jobs)
-        .map(|i| Scratch::sync(workspace, &format!("scratch-{i}")))
+        .map(|i| prepare_scratch(workspace, &format!("scratch-{i}"), mode))
         .collect::<Result<_, _>>()
         .map_err(|e| format!("cannot prepare the scratch copy: {e}"))?;
     eprintln!(
@@ -191,7 +258,7 @@ pub(crate) fn run_all(
     let baselines: Vec<Duration> = std::thread::scope(|s| {
         let handles: Vec<_> = scratches
             .iter()
-            .map(|sc| s.spawn(|| baseline(sc)))
+            .map(|sc| s.spawn(move || baseline(sc, mode)))
             .collect();
         handles
             .into_iter()
@@ -213,7 +280,7 @@ pub(crate) fn run_all(
                         .skip(job)
                         .step_by(jobs)
                         .map(|pitfall| {
-                            let r = run_one(scratch, pitfall, test_timeout);
+                            let r = run_one(scratch, pitfall, test_timeout, mode);
                             if let Ok(r) = &r {
                                 eprintln!(
                                     "xtask: {} {:<8} course test {:<6} ({:.0} s)",

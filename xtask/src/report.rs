@@ -33,6 +33,31 @@ pub(crate) fn print_catalog(module: &Module) {
     );
 }
 
+/// What `start` made, and what to do next.
+pub(crate) fn print_started(module: &str, started: &crate::start::Started) {
+    let dir = started.workspace.display();
+    println!("{module}: your workspace is {dir}\n");
+    for learner in &crate::start::LEARNER_CRATES {
+        println!(
+            "  {}/src     the stubs: every body is a todo! naming what to write and the guide to read",
+            learner.dir
+        );
+        println!(
+            "  {}/tests   your tests (one worked example to start from)",
+            learner.dir
+        );
+    }
+    println!(
+        "\nThe reference implementation is kept outside your tree, in {}.",
+        started.reference.display()
+    );
+    println!("\nNext:");
+    println!("  cd {dir}");
+    println!("  cargo xtask tests {module}     # the course tests: read the catalog first");
+    println!("  cargo test -p tl-course --test l11_1   # they fail, naming the function to write");
+    println!("  cargo xtask check {module}     # the course tests, then your tests graded");
+}
+
 /// Pass/fail of each course test, by name.
 pub(crate) struct CourseResults {
     pub(crate) results: Vec<(&'static str, Option<bool>)>,
@@ -113,7 +138,15 @@ pub(crate) fn print_grade(grade: &Grade) {
         .filter(|r| !r.own.is_caught())
         .map(|r| r.pitfall.id)
         .collect();
-    if !missed.is_empty() {
+    if grade.learner {
+        for r in grade.planted.iter().filter(|r| !r.own.is_caught()) {
+            println!(
+                "\n{} not caught: none of your tests of {} fails when {} (the course test {} \
+                 shows one way to catch it)",
+                r.pitfall.id, r.pitfall.package, r.pitfall.description, r.pitfall.course_test
+            );
+        }
+    } else if !missed.is_empty() {
         println!(
             "\nNot caught by the crates' own tests: {} — write the test that fails on each.",
             missed.join(", ")
@@ -179,18 +212,25 @@ pub(crate) fn print_check(module: &Module, course: &CourseResults, grade: &Grade
         format!("{passed}/{}", course.results.len()),
         mark(course.all_pass())
     );
+    let whose = if grade.learner {
+        "pitfalls caught by your tests"
+    } else {
+        "pitfalls caught by the crates' own tests"
+    };
     println!(
         "  {:<44} {:>7}  {}",
-        "pitfalls caught by the crates' own tests",
+        whose,
         format!("{own}/{total}"),
         mark(own == total)
     );
-    println!(
-        "  {:<44} {:>7}  {}",
-        "pitfalls caught by their named course test",
-        format!("{by_course}/{total}"),
-        mark(by_course == total)
-    );
+    if !grade.learner {
+        println!(
+            "  {:<44} {:>7}  {}",
+            "pitfalls caught by their named course test",
+            format!("{by_course}/{total}"),
+            mark(by_course == total)
+        );
+    }
     if let Some(crates) = &grade.crates {
         for c in crates {
             println!(

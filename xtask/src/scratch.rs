@@ -42,7 +42,7 @@ impl Scratch {
 }
 
 /// Makes `dst` a copy of `src`: new and changed files written, stale ones removed.
-fn sync_dir(src: &Path, dst: &Path, top: bool) -> io::Result<()> {
+pub(crate) fn sync_dir(src: &Path, dst: &Path, top: bool) -> io::Result<()> {
     let mut wanted = Vec::new();
     for entry in fs::read_dir(src)? {
         let entry = entry?;

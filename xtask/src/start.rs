@@ -1,0 +1,446 @@
+//! `cargo xtask start L11.1 [--into DIR]`: a learner's workspace for the chapter.
+//!
+//! The learner's tree is this workspace with the chapter's two crates, tl-precision and
+//! tl-recompute, turned into stubs (see `stub.rs`): the contract's types, signatures and
+//! doc comments, every body a `todo!` naming the function and the guide to read, and one
+//! starter test file per crate in place of the reference's own tests. Everything the
+//! chapter builds on (tl-numerics, tl-tensor), everything built on it (tl-parallel,
+//! tl-train), the course tests, the harness and the guides stay as they are.
+//!
+//! The reference implementation is not in the learner's tree. `start` copies the two crates
+//! into the course cache (`$TINYLLM_COURSE_CACHE`, else `$XDG_CACHE_HOME/tinyllm-course`,
+//! else `~/.cache/tinyllm-course`), under a name that holds a hash of their sources, and
+//! the learner's tree names that copy in its `.course` file; the harness grades against it
+//! and `diff` compares with it. `cargo clean` does not lose it.
+//!
+//! `start` never overwrites work: `--into` must name a new or empty directory; without it,
+//! the current workspace is stubbed in place, and only when git says it has no uncommitted
+//! change (so that `git checkout .` undoes it).
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::scratch::sync_dir;
+use crate::stub::{StubContext, stub_source};
+
+/// The name of the file that marks a learner's workspace and says where its reference is.
+pub(crate) const MARKER: &str = ".course";
+
+/// A crate the learner writes, and the guide each of its source files sends them to.
+pub(crate) struct LearnerCrate {
+    /// Its directory, relative to the workspace root.
+    pub(crate) dir: &'static str,
+    /// `(file name, guide)`: the guide of the functions of a source file; the last entry,
+    /// with an empty name, is the crate's default.
+    guides: &'static [(&'static str, &'static str)],
+    /// The starter test file written into the learner's `tests/`.
+    starter: &'static str,
+}
+
+/// The crates of L11.1 that the learner writes.
+pub(crate) const LEARNER_CRATES: [LearnerCrate; 2] = [
+    LearnerCrate {
+        dir: "crates/tl-precision",
+        guides: &[
+            ("scaler.rs", "docs/loss-scaling.md"),
+            ("scaler_state.rs", "docs/loss-scaling.md"),
+            ("observer.rs", "docs/loss-scaling.md"),
+            ("accumulate.rs", "docs/gradient-accumulation.md"),
+            ("step.rs", "docs/gradient-accumulation.md"),
+            ("", "docs/mixed-precision.md"),
+        ],
+        starter: PRECISION_STARTER,
+    },
+    LearnerCrate {
+        dir: "crates/tl-recompute",
+        guides: &[("", "docs/activation-checkpointing.md")],
+        starter: RECOMPUTE_STARTER,
+    },
+];
+
+impl LearnerCrate {
+    fn guide(&self, file: &str) -> &'static str {
+        self.guides
+            .iter()
+            .find(|(name, _)| *name == file || name.is_empty())
+            .map(|(_, guide)| *guide)
+            .expect("a default guide")
+    }
+}
+
+/// The starter tests of tl-precision: one worked example of the chapter, to copy from.
+const PRECISION_STARTER: &str = r#"//! Your tests of tl-precision. `cargo xtask check L11.1` grades them: each of the chapter's
+//! planted pitfalls must make at least one of them fail, and cargo-mutants must find them
+//! catching at least 80% of the mutants of your code. Add a test for every rule of
+//! docs/mixed-precision.md, docs/loss-scaling.md and docs/gradient-accumulation.md.
+
+use tl_precision::{Format, cast};
+use tl_tensor::Tensor;
+
+/// A worked example of the chapter: 1 + 2⁻⁸ lies halfway between bf16's neighbours 1 and
+/// 1 + 2⁻⁷, and a tie rounds to the even one, 1. fp16, with three more mantissa bits,
+/// keeps it.
+#[test]
+fn a_tie_rounds_to_even_in_bf16_and_fp16_keeps_it() {
+    let x = Tensor::<f32>::from_vec(vec![1.0 + 2f32.powi(-8)], &[1]).unwrap();
+    assert_eq!(cast(&x, Format::Bf16).to_vec(), [1.0]);
+    assert_eq!(cast(&x, Format::Fp16).to_vec(), [1.0 + 2f32.powi(-8)]);
+}
+"#;
+
+/// The starter tests of tl-recompute.
+const RECOMPUTE_STARTER: &str = r#"//! Your tests of tl-recompute. `cargo xtask check L11.1` grades them: each of the chapter's
+//! planted pitfalls must make at least one of them fail, and cargo-mutants must find them
+//! catching at least 80% of the mutants of your code. Add a test for every rule of
+//! docs/activation-checkpointing.md.
+
+use tl_recompute::checkpoint;
+use tl_tensor::{Tensor, ndarray::arr2};
+
+/// A worked example of the chapter: a checkpointed function gives the value and the
+/// gradient of the plain one. Here y = (x·w)² with x = 3, w = 2: y = 36, dy/dw = 2·6·3 = 36.
+#[test]
+fn a_checkpointed_square_gives_the_plain_value_and_gradient() {
+    let w = Tensor::<f64>::param(arr2(&[[2.0]]).into_dyn());
+    let x = Tensor::<f64>::full(&[1, 1], 3.0);
+    let weight = w.clone();
+    let square = move |xs: &[Tensor<f64>]| xs[0].matmul(&weight).powi(2);
+    let y = checkpoint(square, &[x], &[w.clone()], &[]);
+    assert_eq!(y.item(), 36.0);
+    y.sum_all().backward();
+    assert_eq!(w.grad().unwrap()[[0, 0]], 36.0);
+}
+"#;
+
+/// What the learner's `lib.rs` says first, so that the stubs build without a wall of
+/// warnings.
+const STUB_ALLOW: &str = "// L11.1 stubs: the bodies are yours to write. Remove this line when you are done.\n#![allow(unused_variables, unused_imports, unused_mut, dead_code)]\n";
+
+/// Where `start` wrote the learner's workspace and the reference.
+#[derive(Debug)]
+pub(crate) struct Started {
+    /// The learner's workspace.
+    pub(crate) workspace: PathBuf,
+    /// The cached reference of the learner's crates.
+    pub(crate) reference: PathBuf,
+}
+
+/// Runs `start` for `module` from the reference workspace `source`, into `into` (or
+/// `source` itself, in place), keeping the reference under `cache` ([`cache_root`]).
+///
+/// # Errors
+/// A message saying what was refused or failed; nothing is overwritten.
+pub(crate) fn start(
+    module: &str,
+    source: &Path,
+    into: Option<&Path>,
+    cache: &Path,
+) -> Result<Started, String> {
+    if source.join(MARKER).exists() {
+        return Err(format!(
+            "{} is already a learner's workspace (it has {MARKER}); start from the course's own \
+             repository",
+            source.display()
+        ));
+    }
+    let workspace = match into {
+        Some(dir) => {
+            let empty = fs::read_dir(dir).map(|mut entries| entries.next().is_none());
+            match empty {
+                Ok(false) => {
+                    return Err(format!(
+                        "{} exists and is not empty: choose a new directory (start never \
+                         overwrites work)",
+                        dir.display()
+                    ));
+                }
+                Ok(true) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(format!("{}: {e}", dir.display())),
+            }
+            dir.to_path_buf()
+        }
+        None => {
+            check_clean(source)?;
+            source.to_path_buf()
+        }
+    };
+    let reference = cache_reference(module, source, cache)?;
+    if workspace != source {
+        fs::create_dir_all(&workspace).map_err(|e| format!("{}: {e}", workspace.display()))?;
+        sync_dir(source, &workspace, true).map_err(|e| format!("copying the workspace: {e}"))?;
+    }
+    for learner in &LEARNER_CRATES {
+        stub_crate(module, &workspace.join(learner.dir), learner)?;
+    }
+    let marker = format!(
+        "# This is a learner's workspace of the course (cargo xtask start).\nmodule = {module}\nreference = {}\n",
+        reference.display()
+    );
+    write(&workspace.join(MARKER), &marker)?;
+    if workspace != source {
+        git_init(&workspace, module);
+    }
+    Ok(Started {
+        workspace,
+        reference,
+    })
+}
+
+/// Refuses a workspace with uncommitted changes (or not under git): stubbing it in place
+/// must be undoable.
+fn check_clean(dir: &Path) -> Result<(), String> {
+    let output = Command::new("git")
+        .args(["status", "--porcelain"])
+        .current_dir(dir)
+        .output()
+        .map_err(|e| format!("git is needed to start in place ({e}); or use --into DIR"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{} is not a git checkout: start in place only where git can undo it, or use \
+             --into DIR",
+            dir.display()
+        ));
+    }
+    if !output.stdout.is_empty() {
+        return Err(format!(
+            "{} has uncommitted changes: commit or stash them first, or use --into DIR \
+             (start never overwrites work)",
+            dir.display()
+        ));
+    }
+    Ok(())
+}
+
+/// The course cache's root: `$TINYLLM_COURSE_CACHE`, else `$XDG_CACHE_HOME/tinyllm-course`,
+/// else `~/.cache/tinyllm-course`.
+///
+/// # Errors
+/// When none of the three can be found.
+pub(crate) fn cache_root() -> Result<PathBuf, String> {
+    if let Some(dir) = std::env::var_os("TINYLLM_COURSE_CACHE") {
+        return Ok(PathBuf::from(dir));
+    }
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
+        return Ok(PathBuf::from(dir).join("tinyllm-course"));
+    }
+    let home = std::env::var_os("HOME")
+        .ok_or("no HOME to keep the course cache in: set TINYLLM_COURSE_CACHE")?;
+    Ok(PathBuf::from(home).join(".cache").join("tinyllm-course"))
+}
+
+/// Copies the reference of the learner's crates into the course cache (once per version of
+/// their sources) and returns where.
+fn cache_reference(module: &str, source: &Path, cache: &Path) -> Result<PathBuf, String> {
+    let mut files = Vec::new();
+    for learner in &LEARNER_CRATES {
+        collect_files(&source.join(learner.dir), &mut files)
+            .map_err(|e| format!("reading {}: {e}", learner.dir))?;
+    }
+    files.sort();
+    let mut hash = Fnv::default();
+    for file in &files {
+        let relative = file.strip_prefix(source).expect("under the source");
+        hash.write(relative.to_string_lossy().as_bytes());
+        hash.write(&fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?);
+    }
+    let dir = cache.join(format!("{module}-{:016x}", hash.0));
+    if dir.join("COMPLETE").exists() {
+        return Ok(dir);
+    }
+    let partial = dir.with_extension("partial");
+    let _ = fs::remove_dir_all(&partial);
+    for learner in &LEARNER_CRATES {
+        let to = partial.join(learner.dir);
+        fs::create_dir_all(&to).map_err(|e| format!("{}: {e}", to.display()))?;
+        sync_dir(&source.join(learner.dir), &to, false)
+            .map_err(|e| format!("caching the reference: {e}"))?;
+    }
+    write(&partial.join("COMPLETE"), "")?;
+    let _ = fs::remove_dir_all(&dir);
+    fs::rename(&partial, &dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    Ok(dir)
+}
+
+/// Every file under `dir`.
+fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> io::Result<()> {
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            collect_files(&entry.path(), out)?;
+        } else {
+            out.push(entry.path());
+        }
+    }
+    Ok(())
+}
+
+/// FNV-1a, 64 bits: a stable name for a version of the reference (not a security hash).
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= u64::from(b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        // A separator, so that ("ab", "c") and ("a", "bc") differ.
+        self.0 = self.0.rotate_left(5) ^ 0xff;
+    }
+}
+
+/// Turns the crate at `dir` into the learner's: stubbed sources, no reference tests, the
+/// starter tests.
+fn stub_crate(module: &str, dir: &Path, learner: &LearnerCrate) -> Result<(), String> {
+    let mut sources = Vec::new();
+    collect_files(&dir.join("src"), &mut sources).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for path in sources {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name == "tests.rs" {
+            // A `#[cfg(test)] mod tests;` of the reference: the stub drops the declaration.
+            fs::remove_file(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            continue;
+        }
+        if path.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        let text = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let context = StubContext {
+            module,
+            guide: learner.guide(name),
+        };
+        let mut stub =
+            stub_source(&text, &context).map_err(|e| format!("{}: {e}", path.display()))?;
+        if name == "lib.rs" {
+            stub = with_allow(&stub);
+        }
+        write(&path, &stub)?;
+    }
+    let tests = dir.join("tests");
+    if tests.exists() {
+        fs::remove_dir_all(&tests).map_err(|e| format!("{}: {e}", tests.display()))?;
+    }
+    fs::create_dir_all(&tests).map_err(|e| format!("{}: {e}", tests.display()))?;
+    write(&tests.join("my_tests.rs"), learner.starter)
+}
+
+/// `lib.rs` with [`STUB_ALLOW`] after its inner doc comment.
+fn with_allow(lib: &str) -> String {
+    let header: usize = lib
+        .lines()
+        .take_while(|line| line.starts_with("//!") || line.trim().is_empty())
+        .map(|line| line.len() + 1)
+        .sum();
+    let header = header.min(lib.len());
+    format!("{}{STUB_ALLOW}\n{}", &lib[..header], &lib[header..])
+}
+
+fn write(path: &Path, text: &str) -> Result<(), String> {
+    fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Makes the new workspace a git repository with one commit, so that the learner sees their
+/// own changes (`git diff`); quietly nothing when git is missing.
+fn git_init(dir: &Path, module: &str) {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(dir)
+            .env("GIT_AUTHOR_NAME", "tinyllm course")
+            .env("GIT_AUTHOR_EMAIL", "course@tinyllm.invalid")
+            .env("GIT_COMMITTER_NAME", "tinyllm course")
+            .env("GIT_COMMITTER_EMAIL", "course@tinyllm.invalid")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let _ = git(&["init", "-q"])
+        && git(&["add", "-A"])
+        && git(&["commit", "-q", "-m", &format!("Start {module}: the stubs")]);
+}
+
+/// The reference a learner's workspace names in its [`MARKER`], if it is one.
+pub(crate) fn learner_reference(workspace: &Path) -> Option<PathBuf> {
+    let marker = fs::read_to_string(workspace.join(MARKER)).ok()?;
+    marker
+        .lines()
+        .find_map(|line| line.strip_prefix("reference = "))
+        .map(PathBuf::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A throwaway directory under the system's temporary directory.
+    fn temp(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("xtask-start-{}-{name}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn start_writes_stubs_keeps_the_reference_outside_and_refuses_to_overwrite() {
+        let (into, cache) = (temp("learner"), temp("cache"));
+        let source = crate::workspace_root();
+        let started = start("L11.1", &source, Some(&into), &cache).unwrap();
+        assert_eq!(learner_reference(&into), Some(started.reference.clone()));
+        assert!(
+            started.reference.starts_with(&cache),
+            "outside the learner's tree"
+        );
+
+        let cast = fs::read_to_string(into.join("crates/tl-precision/src/cast.rs")).unwrap();
+        assert!(cast.contains("pub fn cast<"), "the contract stays");
+        assert!(cast.contains("todo!(\"L11.1: cast — see docs/mixed-precision.md\")"));
+        assert!(!cast.contains("fn cast_vjp"), "private helpers go");
+        assert!(!cast.contains("mod tests"), "the reference's tests go");
+        let reference_cast =
+            fs::read_to_string(started.reference.join("crates/tl-precision/src/cast.rs")).unwrap();
+        assert_eq!(
+            reference_cast,
+            fs::read_to_string(source.join("crates/tl-precision/src/cast.rs")).unwrap()
+        );
+        let scaler = fs::read_to_string(into.join("crates/tl-precision/src/scaler.rs")).unwrap();
+        assert!(scaler.contains("see docs/loss-scaling.md"));
+        let lib = fs::read_to_string(into.join("crates/tl-recompute/src/lib.rs")).unwrap();
+        assert!(lib.contains("#![allow(unused_variables"));
+        assert!(
+            !into
+                .join("crates/tl-recompute/src/schedule/tests.rs")
+                .exists()
+        );
+        assert!(!into.join("crates/tl-precision/tests/behaviour").exists());
+        assert!(into.join("crates/tl-precision/tests/my_tests.rs").exists());
+        assert!(
+            into.join("crates/tl-tensor/src/lib.rs").exists(),
+            "the rest stays"
+        );
+        assert!(!into.join("target").exists());
+
+        // Twice into the same place, or from the learner's tree: refused.
+        let again = start("L11.1", &source, Some(&into), &cache).unwrap_err();
+        assert!(again.contains("not empty"), "{again}");
+        let nested = start("L11.1", &into, Some(&temp("nested")), &cache).unwrap_err();
+        assert!(nested.contains("already a learner's workspace"), "{nested}");
+        let _ = fs::remove_dir_all(&into);
+        let _ = fs::remove_dir_all(&cache);
+    }
+
+    #[test]
+    fn lib_rs_gets_the_allow_after_its_doc_comment() {
+        let lib = with_allow("//! Docs.\n//! More.\n\nmod a;\n");
+        assert!(
+            lib.starts_with("//! Docs.\n//! More.\n\n// L11.1 stubs"),
+            "{lib}"
+        );
+        assert!(lib.ends_with("dead_code)]\n\nmod a;\n"), "{lib}");
+    }
+}
