@@ -5,6 +5,7 @@
 //! cargo xtask tests L11.1                            the course test catalog
 //! cargo xtask check L11.1 [--pitfalls-only] [--jobs N]   course tests, then the grade
 //! cargo xtask mutate [L11.1] [--pitfalls-only] [--jobs N] the grade alone
+//! cargo xtask diff L11.1                             after a passing check: yours against the reference
 //! ```
 //!
 //! The grade has two parts: the 24 pitfall mutants of the chapter, each planted in a scratch
@@ -32,6 +33,7 @@ const USAGE: &str = "usage:
   cargo xtask tests <MODULE>                               print the course test catalog
   cargo xtask check <MODULE> [--pitfalls-only] [--jobs N]  course tests, then the full grade
   cargo xtask mutate [<MODULE>] [--pitfalls-only] [--jobs N] [--only s04,s17] [--shard K/N]  the grade alone
+  cargo xtask diff <MODULE>                                a learner's code against the reference, once check passes
 modules: L11.1";
 
 /// The workspace root (the parent of this crate's directory).
@@ -47,6 +49,9 @@ enum Command {
     Start {
         module: String,
         into: Option<PathBuf>,
+    },
+    Diff {
+        module: String,
     },
     Tests {
         module: String,
@@ -92,10 +97,10 @@ fn parse(args: &[String]) -> Result<Command, String> {
                     rest.next().ok_or("--into needs a directory")?,
                 ));
             }
-            "--pitfalls-only" if !matches!(command.as_str(), "tests" | "start") => {
+            "--pitfalls-only" if !matches!(command.as_str(), "tests" | "start" | "diff") => {
                 options.pitfalls_only = true
             }
-            "--jobs" | "-j" if !matches!(command.as_str(), "tests" | "start") => {
+            "--jobs" | "-j" if !matches!(command.as_str(), "tests" | "start" | "diff") => {
                 let value = rest.next().ok_or("--jobs needs a number")?;
                 options.jobs = value
                     .parse()
@@ -103,7 +108,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
                     .filter(|&n| n >= 1)
                     .ok_or_else(|| format!("--jobs takes a whole number ≥ 1, not '{value}'"))?;
             }
-            "--only" if !matches!(command.as_str(), "tests" | "start") => {
+            "--only" if !matches!(command.as_str(), "tests" | "start" | "diff") => {
                 let value = rest
                     .next()
                     .ok_or("--only needs pitfall ids, e.g. s04,s17")?;
@@ -116,7 +121,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
                     options.only.push(id.to_string());
                 }
             }
-            "--shard" if !matches!(command.as_str(), "tests" | "start") => {
+            "--shard" if !matches!(command.as_str(), "tests" | "start" | "diff") => {
                 let value = rest.next().ok_or("--shard needs K/N, e.g. 0/4")?;
                 let valid = value.split_once('/').is_some_and(|(k, n)| {
                     matches!((k.parse::<u32>(), n.parse::<u32>()), (Ok(k), Ok(n)) if k < n)
@@ -129,7 +134,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
                 options.shard = Some(value.clone());
             }
             flag if flag.starts_with('-') => {
-                let known = if command == "tests" {
+                let known = if command == "tests" || command == "diff" {
                     "(none)"
                 } else if command == "start" {
                     "--into DIR"
@@ -153,6 +158,9 @@ fn parse(args: &[String]) -> Result<Command, String> {
         "tests" => Ok(Command::Tests {
             module: module.ok_or("'tests' needs a module, e.g. L11.1")?,
         }),
+        "diff" => Ok(Command::Diff {
+            module: module.ok_or("'diff' needs a module, e.g. L11.1")?,
+        }),
         "check" => Ok(Command::Check {
             module: module.ok_or("'check' needs a module, e.g. L11.1")?,
             options,
@@ -163,7 +171,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
         }),
         "help" | "--help" | "-h" => Ok(Command::Help),
         other => Err(format!(
-            "unknown command '{other}'; commands: start, tests, check, mutate"
+            "unknown command '{other}'; commands: start, tests, check, mutate, diff"
         )),
     }
 }
@@ -188,6 +196,7 @@ fn main() -> ExitCode {
                 report::print_started(&module, &started);
                 true
             }),
+        Command::Diff { module } => diff(&module, &workspace_root()),
         Command::Tests { module } => {
             report::print_catalog(catalog::module(&module).expect("parsed"));
             Ok(true)
@@ -287,10 +296,81 @@ fn mutate(options: GradeOptions) -> Result<Grade, String> {
 
 fn check(module: &str, options: GradeOptions) -> Result<bool, String> {
     let module = catalog::module(module)?;
+    let workspace = workspace_root();
+    let full = !options.pitfalls_only && options.only.is_empty() && options.shard.is_none();
+    let before = start::learner_sources_hash(&workspace)?;
     eprintln!("xtask: running the course tests of {}…", module.name);
     let course = report::run_course_tests(module)?;
     let grade = mutate(options)?;
-    Ok(report::print_check(module, &course, &grade))
+    let passed = report::print_check(module, &course, &grade);
+    if grade.learner {
+        // `diff` shows the reference only once a full check passed on these very sources.
+        let stamp = start::passed_stamp(&workspace);
+        let _ = std::fs::remove_file(&stamp);
+        if passed && full && start::learner_sources_hash(&workspace)? == before {
+            std::fs::create_dir_all(stamp.parent().expect("under target"))
+                .and_then(|()| std::fs::write(&stamp, format!("{before:016x}\n")))
+                .map_err(|e| format!("{}: {e}", stamp.display()))?;
+            println!(
+                "\nNext: cargo xtask diff {}   # your code against the reference",
+                module.name
+            );
+        }
+    }
+    Ok(passed)
+}
+
+/// `diff`: the learner's crates in `workspace` against the reference, once a full check has
+/// passed on them; `Ok(false)` (and nothing shown) before.
+fn diff(module: &str, workspace: &std::path::Path) -> Result<bool, String> {
+    let Some(reference) = start::learner_reference(workspace) else {
+        return Err(format!(
+            "diff compares a learner's workspace with the reference; this is the reference \
+             itself (make a learner's workspace with `cargo xtask start {module} --into DIR`)"
+        ));
+    };
+    let stamp = std::fs::read_to_string(start::passed_stamp(workspace)).unwrap_or_default();
+    let now = format!("{:016x}", start::learner_sources_hash(workspace)?);
+    if stamp.trim() != now {
+        println!(
+            "The reference is shown once `cargo xtask check {module}` passes in full on your \
+             current code and tests ({}).",
+            if stamp.is_empty() {
+                "it has not passed yet"
+            } else {
+                "they changed since it last passed"
+            }
+        );
+        return Ok(false);
+    }
+    for learner in &start::LEARNER_CRATES {
+        let (theirs, yours) = (
+            reference.join(learner.dir).join("src"),
+            workspace.join(learner.dir).join("src"),
+        );
+        println!(
+            "== {}/src: the reference (---) against yours (+++)",
+            learner.dir
+        );
+        let shown = std::process::Command::new("git")
+            .args(["diff", "--no-index", "--"])
+            .arg(&theirs)
+            .arg(&yours)
+            .status()
+            .or_else(|_| {
+                std::process::Command::new("diff")
+                    .arg("-ru")
+                    .arg(&theirs)
+                    .arg(&yours)
+                    .status()
+            })
+            .map_err(|e| format!("neither git nor diff runs here: {e}"))?;
+        // Both exit with 1 when the trees differ, which is what they are for.
+        if !matches!(shown.code(), Some(0 | 1)) {
+            return Err(format!("comparing {} failed", learner.dir));
+        }
+    }
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -333,6 +413,44 @@ mod tests {
                 }
             })
         );
+    }
+
+    #[test]
+    fn diff_shows_the_reference_only_after_a_full_check_passed_on_these_sources() {
+        let base = std::env::temp_dir().join(format!("xtask-diff-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let (learner, reference) = (base.join("learner"), base.join("reference"));
+        for root in [&learner, &reference] {
+            for krate in &start::LEARNER_CRATES {
+                let src = root.join(krate.dir).join("src");
+                std::fs::create_dir_all(&src).unwrap();
+                std::fs::write(src.join("lib.rs"), format!("// {}\n", root.display())).unwrap();
+            }
+        }
+        assert!(
+            diff("L11.1", &workspace_root())
+                .unwrap_err()
+                .contains("the reference itself")
+        );
+        std::fs::write(
+            learner.join(start::MARKER),
+            format!("module = L11.1\nreference = {}\n", reference.display()),
+        )
+        .unwrap();
+        assert_eq!(diff("L11.1", &learner), Ok(false), "no check has passed");
+        let stamp = start::passed_stamp(&learner);
+        std::fs::create_dir_all(stamp.parent().unwrap()).unwrap();
+        let hash = start::learner_sources_hash(&learner).unwrap();
+        std::fs::write(&stamp, format!("{hash:016x}\n")).unwrap();
+        assert_eq!(diff("L11.1", &learner), Ok(true));
+        // Changed after passing: check again first.
+        std::fs::write(
+            learner.join("crates/tl-precision/src/lib.rs"),
+            "// edited\n",
+        )
+        .unwrap();
+        assert_eq!(diff("L11.1", &learner), Ok(false));
+        let _ = std::fs::remove_dir_all(&base);
     }
 
     #[test]

@@ -190,7 +190,17 @@ pub(crate) fn print_check(module: &Module, course: &CourseResults, grade: &Grade
             Some(false) => "FAIL",
             None => "NOT RUN",
         };
-        println!("  {label:<8} {name}");
+        // What a failing course test guards against, so the learner knows where to look.
+        let guards: Vec<String> = PITFALLS
+            .iter()
+            .filter(|p| p.course_test == *name && *result != Some(true))
+            .map(|p| format!("{}: {}", p.id, p.description))
+            .collect();
+        if guards.is_empty() {
+            println!("  {label:<8} {name}");
+        } else {
+            println!("  {label:<8} {name}  (it catches {})", guards.join("; "));
+        }
     }
     print_grade(grade);
     let own = grade.planted.iter().filter(|r| r.own.is_caught()).count();

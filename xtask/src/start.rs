@@ -264,6 +264,40 @@ fn cache_reference(module: &str, source: &Path, cache: &Path) -> Result<PathBuf,
     Ok(dir)
 }
 
+/// A hash of the learner's sources and tests (both crates' `src/` and `tests/` under
+/// `workspace`): what a passing check is recorded against.
+///
+/// # Errors
+/// When a file cannot be read.
+pub(crate) fn learner_sources_hash(workspace: &Path) -> Result<u64, String> {
+    let mut files = Vec::new();
+    for learner in &LEARNER_CRATES {
+        for part in ["src", "tests"] {
+            let dir = workspace.join(learner.dir).join(part);
+            if dir.exists() {
+                collect_files(&dir, &mut files).map_err(|e| format!("{}: {e}", dir.display()))?;
+            }
+        }
+    }
+    files.sort();
+    let mut hash = Fnv::default();
+    for file in &files {
+        hash.write(
+            file.strip_prefix(workspace)
+                .unwrap_or(file)
+                .to_string_lossy()
+                .as_bytes(),
+        );
+        hash.write(&fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?);
+    }
+    Ok(hash.0)
+}
+
+/// Where a learner's workspace records the sources its last full check passed on.
+pub(crate) fn passed_stamp(workspace: &Path) -> PathBuf {
+    workspace.join("target").join("xtask").join("check-passed")
+}
+
 /// Every file under `dir`.
 fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> io::Result<()> {
     for entry in fs::read_dir(dir)? {
