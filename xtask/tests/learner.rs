@@ -16,21 +16,27 @@ fn workspace() -> PathBuf {
         .to_path_buf()
 }
 
-/// `cargo ARGS..` in `dir`, with the course cache and a target directory kept under this
-/// workspace's `target/` (so the dependencies build once across runs).
+/// `cargo ARGS..` in `dir`, with the course cache. In a learner's workspace the builds go to
+/// a target directory of their own under this workspace's `target/` (kept across runs, so
+/// the dependencies build once); never this workspace's own, where the learner's `xtask`
+/// binary would replace this one's.
 fn cargo(dir: &Path, cache: &Path, args: &[&str]) -> (bool, String) {
-    let target = workspace().join("target").join("xtask-learner-e2e");
+    let mut command = Command::new(env!("CARGO"));
+    command
+        .args(args)
+        .current_dir(dir)
+        .env("TINYLLM_COURSE_CACHE", cache);
+    if dir != workspace() {
+        command.env(
+            "CARGO_TARGET_DIR",
+            workspace().join("target").join("xtask-learner-e2e"),
+        );
+    }
     let Output {
         status,
         stdout,
         stderr,
-    } = Command::new(env!("CARGO"))
-        .args(args)
-        .current_dir(dir)
-        .env("TINYLLM_COURSE_CACHE", cache)
-        .env("CARGO_TARGET_DIR", target)
-        .output()
-        .expect("cargo runs");
+    } = command.output().expect("cargo runs");
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&stdout),
