@@ -239,14 +239,7 @@ fn cache_reference(module: &str, source: &Path, cache: &Path) -> Result<PathBuf,
         collect_files(&source.join(learner.dir), &mut files)
             .map_err(|e| format!("reading {}: {e}", learner.dir))?;
     }
-    files.sort();
-    let mut hash = Fnv::default();
-    for file in &files {
-        let relative = file.strip_prefix(source).expect("under the source");
-        hash.write(relative.to_string_lossy().as_bytes());
-        hash.write(&fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?);
-    }
-    let dir = cache.join(format!("{module}-{:016x}", hash.0));
+    let dir = cache.join(format!("{module}-{:016x}", hash_files(source, files)?));
     if dir.join("COMPLETE").exists() {
         return Ok(dir);
     }
@@ -279,15 +272,17 @@ pub(crate) fn learner_sources_hash(workspace: &Path) -> Result<u64, String> {
             }
         }
     }
+    hash_files(workspace, files)
+}
+
+/// The FNV hash of `files` (under `root`): their paths relative to it and their bytes, in
+/// sorted order.
+fn hash_files(root: &Path, mut files: Vec<PathBuf>) -> Result<u64, String> {
     files.sort();
     let mut hash = Fnv::default();
     for file in &files {
-        hash.write(
-            file.strip_prefix(workspace)
-                .unwrap_or(file)
-                .to_string_lossy()
-                .as_bytes(),
-        );
+        let relative = file.strip_prefix(root).unwrap_or(file);
+        hash.write(relative.to_string_lossy().as_bytes());
         hash.write(&fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?);
     }
     Ok(hash.0)

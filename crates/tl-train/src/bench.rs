@@ -380,21 +380,8 @@ pub fn bench_one(
         let seconds = timed.step(true)?;
         on_step(i, seconds);
     }
-    let (live, rss) = (memory::peak_bytes() as u64, peak_rss_bytes());
-    let config = timed.trainer.config().clone();
-    let tokens_per_step = config.tokens_per_step();
-    Ok(BenchReport {
-        tinyllm: crate::build_info::VERSION.to_string(),
-        machine: Machine::this(),
-        ranks: config.parallel.ranks,
-        tokens_per_step,
-        warmup_steps: plan.warmup_steps,
-        recipes: vec![timed.into_times(tokens_per_step)],
-        paired: None,
-        peak_live_bytes: Some(live),
-        peak_rss_bytes: rss,
-        config,
-    })
+    let peaks = (Some(memory::peak_bytes() as u64), peak_rss_bytes());
+    Ok(report(vec![timed], plan, None, peaks))
 }
 
 /// The paired mode: `plan.steps` pairs of one step of `base` in recipe A and one in
@@ -433,24 +420,39 @@ pub fn bench_paired(
         ratios.push(b_s / a_s);
         second_first.push(b_first);
     }
-    let config = a.trainer.config().clone();
+    let paired = Paired {
+        ratio: Spread::of(&ratios).expect("at least one pair"),
+        ratios,
+        second_first,
+    };
+    Ok(report(vec![a, b], plan, Some(paired), (None, None)))
+}
+
+/// The report of the timed trainers (the first one's config), with the peaks of live
+/// tensors and of the process's memory when they were measured.
+fn report(
+    timed: Vec<Timed>,
+    plan: &BenchPlan<'_>,
+    paired: Option<Paired>,
+    (peak_live_bytes, peak_rss_bytes): (Option<u64>, Option<u64>),
+) -> BenchReport {
+    let config = timed[0].trainer.config().clone();
     let tokens_per_step = config.tokens_per_step();
-    Ok(BenchReport {
+    BenchReport {
         tinyllm: crate::build_info::VERSION.to_string(),
         machine: Machine::this(),
         ranks: config.parallel.ranks,
         tokens_per_step,
         warmup_steps: plan.warmup_steps,
-        recipes: vec![a.into_times(tokens_per_step), b.into_times(tokens_per_step)],
-        paired: Some(Paired {
-            ratio: Spread::of(&ratios).expect("at least one pair"),
-            ratios,
-            second_first,
-        }),
-        peak_live_bytes: None,
-        peak_rss_bytes: None,
+        recipes: timed
+            .into_iter()
+            .map(|t| t.into_times(tokens_per_step))
+            .collect(),
+        paired,
+        peak_live_bytes,
+        peak_rss_bytes,
         config,
-    })
+    }
 }
 
 #[cfg(test)]

@@ -307,17 +307,9 @@ fn version_names_the_commit_when_built_from_a_checkout() {
 
 /// `tinyllm sample ARGS..` run as a process: its standard output.
 fn sample_output(args: &[&str]) -> String {
-    let output = Command::new(env!("CARGO_BIN_EXE_tinyllm"))
-        .arg("sample")
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "tinyllm sample {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8(output.stdout).unwrap()
+    let mut all = vec!["sample"];
+    all.extend(args);
+    common::stdout_of(&all)
 }
 
 #[test]

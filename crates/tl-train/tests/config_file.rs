@@ -201,16 +201,13 @@ fn plan_profile_and_compare_take_the_same_config_file() {
     fs::write(&file, toml::to_string(&config).unwrap()).unwrap();
 
     // plan: the prediction is of the file's model.
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_tinyllm"))
-        .args(["plan", "--config", path(&file), "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let plan: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let plan: serde_json::Value = serde_json::from_str(&common::stdout_of(&[
+        "plan",
+        "--config",
+        path(&file),
+        "--json",
+    ]))
+    .unwrap();
     let text = plan.to_string();
     let parameters = config.model.num_parameters();
     assert!(

@@ -3,9 +3,7 @@
 
 mod common;
 
-use std::process::Command;
-
-use common::{run_error, tinyllm};
+use common::{run_error, stdout_of, tinyllm};
 use tl_precision::Precision;
 use tl_train::TrainError;
 use tl_train::cli::{CliError, Exit};
@@ -128,20 +126,6 @@ fn the_capstone_predictions_are_the_release_measurements() {
             "{precision} {checkpointing:?}: {error:+e}"
         );
     }
-}
-
-/// The built `tinyllm` binary's standard output for `ARGS..`.
-fn stdout_of(args: &[&str]) -> String {
-    let output = Command::new(env!("CARGO_BIN_EXE_tinyllm"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8(output.stdout).unwrap()
 }
 
 #[test]

@@ -31,6 +31,21 @@ pub fn tinyllm(args: &[&str]) -> Result<Exit, CliError> {
     run(std::iter::once("tinyllm").chain(args.iter().copied()))
 }
 
+/// The standard output of the built `tinyllm` binary run with `ARGS..`, which must succeed
+/// (its standard error in the panic message otherwise).
+pub fn stdout_of(args: &[&str]) -> String {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_tinyllm"))
+        .args(args)
+        .output()
+        .expect("tinyllm runs");
+    assert!(
+        output.status.success(),
+        "tinyllm {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).expect("UTF-8 output")
+}
+
 /// The error of a `tinyllm ARGS..` that must fail after parsing its arguments.
 ///
 /// # Panics
