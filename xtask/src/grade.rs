@@ -52,72 +52,211 @@ fn lines_of(dir: &Path, name: &str) -> Vec<String> {
         .collect()
 }
 
-/// Runs cargo-mutants on one crate inside the scratch copy (in place: the copy is ours, and
-/// its persistent target directory keeps the builds incremental).
-pub(crate) fn grade_crate(
-    workspace: &Path,
-    scratch: &Scratch,
-    package: &'static str,
-    jobs: usize,
-    shard: Option<&str>,
-) -> Result<CrateGrade, String> {
-    let out_dir = workspace
-        .join("target")
-        .join("xtask")
-        .join(format!("mutants-{package}"));
-    std::fs::create_dir_all(&out_dir).map_err(|e| e.to_string())?;
-    let root = scratch.root.to_string_lossy().into_owned();
-    let out = out_dir.to_string_lossy().into_owned();
-    let jobs = jobs.to_string();
-    let mut args = vec![
-        "mutants",
-        "--dir",
-        &root,
-        "--package",
-        package,
-        "--output",
-        &out,
-        "--no-shuffle",
-    ];
-    if let Some(shard) = shard {
-        args.extend(["--shard", shard]);
-    }
-    if jobs == "1" {
-        args.push("--in-place");
-    } else {
-        args.extend(["--jobs", &jobs]);
-    }
+/// The mutants cargo-mutants finds in `package` of the tree at `root` (`--list`: no build).
+fn count_mutants(root: &str, package: &str) -> Result<usize, String> {
     let outcome = run::cargo(
-        &scratch.root,
-        (jobs == "1").then_some(scratch.target_dir.as_path()),
-        &args,
-        Duration::from_secs(6 * 3600),
+        Path::new(root),
+        None,
+        &["mutants", "--list", "--dir", root, "--package", package],
+        Duration::from_secs(300),
     )
     .map_err(|e| format!("cannot run cargo-mutants: {e}"))?;
-    let results = out_dir.join("mutants.out");
-    if !results.join("outcomes.json").exists() {
+    if !outcome.success {
         return Err(format!(
-            "cargo-mutants produced no outcomes for {package}:\n{}",
+            "cargo mutants --list failed for {package}:\n{}",
             run::tail(&outcome.output, 30)
         ));
     }
-    if outcome
+    Ok(outcome
         .output
-        .contains("baseline test with no mutations failed")
-        || outcome.output.contains("FAILED in baseline")
-    {
-        return Err(format!(
-            "{package}'s own tests fail without any mutation:\n{}",
-            run::tail(&outcome.output, 30)
-        ));
-    }
-    Ok(CrateGrade {
+        .lines()
+        .filter(|l| l.contains(".rs:"))
+        .count())
+}
+
+/// The outcome files of one run of cargo-mutants under `out`, read so far.
+fn read_grade(package: &'static str, out: &Path) -> CrateGrade {
+    let results = out.join("mutants.out");
+    CrateGrade {
         package,
         caught: lines_of(&results, "caught.txt").len(),
         missed: lines_of(&results, "missed.txt"),
         timeout: lines_of(&results, "timeout.txt").len(),
         unviable: lines_of(&results, "unviable.txt").len(),
-    })
+    }
+}
+
+impl CrateGrade {
+    fn tested(&self) -> usize {
+        self.caught + self.missed.len() + self.timeout + self.unviable
+    }
+
+    fn add(mut self, other: CrateGrade) -> CrateGrade {
+        self.caught += other.caught;
+        self.missed.extend(other.missed);
+        self.timeout += other.timeout;
+        self.unviable += other.unviable;
+        self
+    }
+}
+
+/// Runs cargo-mutants on one crate, in place in the scratch copies (they are ours): with
+/// one copy and `shard`, that shard of the mutants; with several, shard `i` of
+/// `scratches.len()` in copy `i`, all at once. All build into the workspace's target
+/// directory, so while cargo builds one shard's mutant (its lock serializes the builds),
+/// another shard's tests run. Progress (mutants done, time left) is shown as it goes.
+pub(crate) fn grade_crate(
+    workspace: &Path,
+    scratches: &[Scratch],
+    package: &'static str,
+    shard: Option<&str>,
+    tool: run::TestTool,
+) -> Result<CrateGrade, String> {
+    let out_dir = workspace
+        .join("target")
+        .join("xtask")
+        .join(format!("mutants-{package}"));
+    let _ = std::fs::remove_dir_all(&out_dir);
+    let shards: Vec<(String, &Scratch, std::path::PathBuf)> = match (shard, scratches) {
+        (Some(shard), [first, ..]) => vec![(shard.to_string(), first, out_dir.clone())],
+        (None, [only]) => vec![(String::new(), only, out_dir.clone())],
+        (None, many) => many
+            .iter()
+            .enumerate()
+            .map(|(i, sc)| {
+                let n = many.len();
+                (format!("{i}/{n}"), sc, out_dir.join(format!("shard-{i}")))
+            })
+            .collect(),
+        (Some(_), []) => return Err("no scratch copy to mutate in".into()),
+    };
+    let root0 = shards[0].1.root.to_string_lossy().into_owned();
+    let total = count_mutants(&root0, package)?;
+    let total = match shard {
+        // One shard of n holds about 1/n of them.
+        Some(shard) => {
+            let n: usize = shard
+                .split_once('/')
+                .map_or(1, |(_, n)| n.parse().unwrap_or(1));
+            total.div_ceil(n)
+        }
+        None => total,
+    };
+    eprintln!(
+        "xtask: {package}: {total} mutants, tests by {}, {} shard{} at once",
+        tool.name(),
+        shards.len(),
+        if shards.len() == 1 { "" } else { "s" }
+    );
+    let progress = run::Progress::new(total);
+    let outcomes: Vec<run::Outcome> = std::thread::scope(|s| {
+        let handles: Vec<_> = shards
+            .iter()
+            .enumerate()
+            .map(|(i, (shard, scratch, out))| {
+                let (progress, shards) = (&progress, &shards);
+                s.spawn(move || {
+                    std::fs::create_dir_all(out).map_err(|e| e.to_string())?;
+                    let root = scratch.root.to_string_lossy().into_owned();
+                    let out_text = out.to_string_lossy().into_owned();
+                    let mut args = vec![
+                        "mutants",
+                        "--in-place",
+                        "--dir",
+                        &root,
+                        "--package",
+                        package,
+                        "--output",
+                        &out_text,
+                        "--no-shuffle",
+                    ];
+                    if !shard.is_empty() {
+                        args.extend(["--shard", shard]);
+                    }
+                    let config: Vec<String> = scratch
+                        .slot
+                        .config()
+                        .iter()
+                        .map(|c| format!("--cargo-arg=--config={c}"))
+                        .collect();
+                    args.extend(config.iter().map(String::as_str));
+                    if tool == run::TestTool::Nextest {
+                        args.extend(["--test-tool", "nextest"]);
+                    }
+                    // The first shard's thread reports for all of them.
+                    let mut shown = 0;
+                    let mut tick = || {
+                        if i != 0 {
+                            return;
+                        }
+                        let so_far = shards
+                            .iter()
+                            .map(|(_, _, out)| read_grade(package, out))
+                            .fold(CrateGrade::empty(package), CrateGrade::add);
+                        if so_far.tested() > shown {
+                            shown = so_far.tested();
+                            progress.at(
+                                shown,
+                                &format!(
+                                    "{package}: caught {}, missed {}, timeout {}, unviable {}",
+                                    so_far.caught,
+                                    so_far.missed.len(),
+                                    so_far.timeout,
+                                    so_far.unviable
+                                ),
+                            );
+                        }
+                    };
+                    run::cargo_watched(
+                        &scratch.root,
+                        Some(&scratch.target_dir),
+                        &args,
+                        Duration::from_secs(6 * 3600),
+                        &mut tick,
+                    )
+                    .map_err(|e| format!("cannot run cargo-mutants: {e}"))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("cargo-mutants thread"))
+            .collect::<Result<_, String>>()
+    })?;
+    let mut grade = CrateGrade::empty(package);
+    for ((_, _, out), outcome) in shards.iter().zip(&outcomes) {
+        if !out.join("mutants.out").join("outcomes.json").exists() {
+            return Err(format!(
+                "cargo-mutants produced no outcomes for {package}:\n{}",
+                run::tail(&outcome.output, 30)
+            ));
+        }
+        if outcome
+            .output
+            .contains("baseline test with no mutations failed")
+            || outcome.output.contains("FAILED in baseline")
+        {
+            return Err(format!(
+                "{package}'s own tests fail without any mutation:\n{}",
+                run::tail(&outcome.output, 30)
+            ));
+        }
+        grade = grade.add(read_grade(package, out));
+    }
+    grade.missed.sort();
+    Ok(grade)
+}
+
+impl CrateGrade {
+    fn empty(package: &'static str) -> CrateGrade {
+        CrateGrade {
+            package,
+            caught: 0,
+            missed: Vec::new(),
+            timeout: 0,
+            unviable: 0,
+        }
+    }
 }
 
 #[cfg(test)]

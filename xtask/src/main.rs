@@ -3,8 +3,8 @@
 //! ```text
 //! cargo xtask start L11.1 [--into DIR]               a learner's workspace: the stubs
 //! cargo xtask tests L11.1                            the course test catalog
-//! cargo xtask check L11.1 [--pitfalls-only] [--jobs N]   course tests, then the grade
-//! cargo xtask mutate [L11.1] [--pitfalls-only] [--jobs N] the grade alone
+//! cargo xtask check L11.1 [--ref-deps] [--pitfalls-only] [--jobs N]   course tests, then the grade
+//! cargo xtask mutate [L11.1] [--ref-deps] [--pitfalls-only] [--jobs N] the grade alone
 //! cargo xtask diff L11.1                             after a passing check: yours against the reference
 //! ```
 //!
@@ -31,17 +31,33 @@ use std::time::{Duration, Instant};
 const USAGE: &str = "usage:
   cargo xtask start <MODULE> [--into DIR]                  a learner's workspace: the chapter's crates as stubs
   cargo xtask tests <MODULE>                               print the course test catalog
-  cargo xtask check <MODULE> [--pitfalls-only] [--jobs N]  course tests, then the full grade
-  cargo xtask mutate [<MODULE>] [--pitfalls-only] [--jobs N] [--only s04,s17] [--shard K/N]  the grade alone
+  cargo xtask check <MODULE> [--ref-deps] [--pitfalls-only] [--jobs N]  course tests, then the full grade
+  cargo xtask mutate [<MODULE>] [--ref-deps] [--pitfalls-only] [--jobs N] [--only s04,s17] [--shard K/N]  the grade alone
+  (--ref-deps: in a learner's workspace, the reference stands in for a crate with todo!s left)
   cargo xtask diff <MODULE>                                a learner's code against the reference, once check passes
 modules: L11.1";
 
-/// The workspace root (the parent of this crate's directory).
+/// The workspace the harness works on: the nearest directory at or above the current one
+/// that holds this course's layout (`Cargo.toml`, `xtask/`, the chapter's crates), as cargo
+/// finds its workspace; else the one this harness was built in. So a harness binary run in
+/// a learner's tree grades that tree.
 pub(crate) fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_path_buf()
+    let course = |dir: &std::path::Path| {
+        dir.join("Cargo.toml").is_file()
+            && dir.join("xtask").join("Cargo.toml").is_file()
+            && start::LEARNER_CRATES
+                .iter()
+                .all(|c| dir.join(c.dir).join("Cargo.toml").is_file())
+    };
+    std::env::current_dir()
+        .ok()
+        .and_then(|cwd| cwd.ancestors().find(|d| course(d)).map(PathBuf::from))
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .parent()
+                .expect("xtask lives in the workspace")
+                .to_path_buf()
+        })
 }
 
 #[derive(Debug, PartialEq)]
@@ -75,6 +91,9 @@ struct GradeOptions {
     only: Vec<String>,
     /// Run one shard `k/n` of cargo-mutants' mutants (`--shard 0/4`), to split the grade.
     shard: Option<String>,
+    /// In a learner's workspace, the reference stands in for a crate whose bodies are not
+    /// all written yet, and only the others are graded.
+    ref_deps: bool,
 }
 
 fn parse(args: &[String]) -> Result<Command, String> {
@@ -87,6 +106,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
         jobs: 1,
         only: Vec::new(),
         shard: None,
+        ref_deps: false,
     };
     let mut into = None;
     let mut rest = rest.iter();
@@ -99,6 +119,9 @@ fn parse(args: &[String]) -> Result<Command, String> {
             }
             "--pitfalls-only" if !matches!(command.as_str(), "tests" | "start" | "diff") => {
                 options.pitfalls_only = true
+            }
+            "--ref-deps" if !matches!(command.as_str(), "tests" | "start" | "diff") => {
+                options.ref_deps = true
             }
             "--jobs" | "-j" if !matches!(command.as_str(), "tests" | "start" | "diff") => {
                 let value = rest.next().ok_or("--jobs needs a number")?;
@@ -139,7 +162,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
                 } else if command == "start" {
                     "--into DIR"
                 } else {
-                    "--pitfalls-only, --jobs N, --only s01,s02,.., --shard K/N"
+                    "--ref-deps, --pitfalls-only, --jobs N, --only s01,s02,.., --shard K/N"
                 };
                 return Err(format!(
                     "unknown flag '{flag}' for '{command}'; flags: {known}"
@@ -202,7 +225,7 @@ fn main() -> ExitCode {
             Ok(true)
         }
         Command::Check { module, options } => check(&module, options),
-        Command::Mutate { options, .. } => mutate(options).map(|grade| {
+        Command::Mutate { module, options } => mutate(&module, options).map(|grade| {
             report::print_grade(&grade);
             grade.passes()
         }),
@@ -225,11 +248,16 @@ pub(crate) struct Grade {
     pub(crate) elapsed: Duration,
     /// Graded a learner's tests (a workspace made by `start`), not the reference's.
     pub(crate) learner: bool,
+    /// The learner's crates with bodies still to write: not graded by cargo-mutants.
+    pub(crate) unfinished: Vec<start::Unfinished>,
+    /// `--ref-deps`: the reference stood in for the unfinished crates.
+    pub(crate) ref_deps: bool,
 }
 
 impl Grade {
     pub(crate) fn passes(&self) -> bool {
-        self.planted.iter().all(planted::PlantedResult::passes)
+        (self.unfinished.is_empty() || self.ref_deps)
+            && self.planted.iter().all(planted::PlantedResult::passes)
             && self
                 .crates
                 .as_ref()
@@ -237,7 +265,7 @@ impl Grade {
     }
 }
 
-fn mutate(options: GradeOptions) -> Result<Grade, String> {
+fn mutate(module: &str, options: GradeOptions) -> Result<Grade, String> {
     let start = Instant::now();
     let workspace = workspace_root();
     if !options.pitfalls_only && !run::has_subcommand("mutants") {
@@ -258,29 +286,72 @@ fn mutate(options: GradeOptions) -> Result<Grade, String> {
         Some(reference) => planted::Mode::Learner { reference },
         None => planted::Mode::Reference,
     };
-    let planted = planted::run_all(&workspace, options.jobs, &options.only, mode)?;
+    let unfinished = start::unfinished(module, &workspace)?;
+    // With --ref-deps, an unfinished crate is not graded at all: the reference stands in.
+    let graded: Vec<&'static str> = grade::GRADED
+        .iter()
+        .copied()
+        .filter(|p| !options.ref_deps || unfinished.iter().all(|u| u.package != *p))
+        .collect();
+    if graded.is_empty() {
+        return Err(
+            "every crate of the chapter still has todo!s: write one crate's bodies first, then \
+             check it with --ref-deps"
+                .into(),
+        );
+    }
+    let tool = run::TestTool::detect();
+    let plan = planted::Plan {
+        jobs: options.jobs,
+        only: &options.only,
+        packages: &graded,
+        mode,
+        tool,
+    };
+    let planted = planted::run_all(&workspace, &plan)?;
     let crates = if options.pitfalls_only {
         None
     } else {
         // cargo-mutants mutates the crates of this tree (the learner's own code, in a
-        // learner's workspace) and runs their tests.
+        // learner's workspace) and runs their tests; a crate with stubs left has nothing
+        // to mutate yet.
         let name = if reference.is_some() {
             "scratch-learner"
         } else {
             "scratch-0"
         };
-        let scratch = scratch::Scratch::sync(&workspace, name)
+        let copies = if options.shard.is_some() {
+            1
+        } else {
+            options.jobs
+        };
+        let scratches: Vec<scratch::Scratch> = (0..copies)
+            .map(|i| match i {
+                // In this repository the first copy is the pitfalls' (the same code):
+                // its builds are warm.
+                0 if reference.is_none() => {
+                    scratch::Scratch::sync(&workspace, name, scratch::Slot::pitfalls(0))
+                }
+                0 => scratch::Scratch::sync(&workspace, name, scratch::Slot::mutants(0)),
+                i => scratch::Scratch::sync(
+                    &workspace,
+                    &format!("{name}-{i}"),
+                    scratch::Slot::mutants(i),
+                ),
+            })
+            .collect::<Result<_, _>>()
             .map_err(|e| format!("cannot prepare the scratch copy: {e}"))?;
-        let grades = grade::GRADED
+        let grades = graded
             .iter()
+            .filter(|p| unfinished.iter().all(|u| u.package != **p))
             .map(|package| {
                 eprintln!("xtask: cargo-mutants over {package}…");
                 grade::grade_crate(
                     &workspace,
-                    &scratch,
+                    &scratches,
                     package,
-                    options.jobs,
                     options.shard.as_deref(),
+                    tool,
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -291,6 +362,8 @@ fn mutate(options: GradeOptions) -> Result<Grade, String> {
         crates,
         elapsed: start.elapsed(),
         learner: reference.is_some(),
+        unfinished,
+        ref_deps: options.ref_deps,
     })
 }
 
@@ -299,9 +372,40 @@ fn check(module: &str, options: GradeOptions) -> Result<bool, String> {
     let workspace = workspace_root();
     let full = !options.pitfalls_only && options.only.is_empty() && options.shard.is_none();
     let before = start::learner_sources_hash(&workspace)?;
+    let stand_ins: Vec<&'static str> = if options.ref_deps {
+        start::unfinished(module.name, &workspace)?
+            .iter()
+            .map(|u| u.package)
+            .collect()
+    } else {
+        Vec::new()
+    };
     eprintln!("xtask: running the course tests of {}…", module.name);
-    let course = report::run_course_tests(module)?;
-    let grade = mutate(options)?;
+    let course = if stand_ins.is_empty() {
+        let slot = scratch::Slot::COURSE.of(&workspace);
+        report::run_course_tests(module, &workspace, None, slot)?
+    } else {
+        // The learner's tree with the reference's sources in the unfinished crates.
+        let reference = start::learner_reference(&workspace).ok_or(
+            "--ref-deps needs a learner's workspace (made by cargo xtask start), whose \
+             reference can stand in",
+        )?;
+        let scratch = planted::prepare_scratch(
+            &workspace,
+            "scratch-course",
+            scratch::Slot::COURSE_REF,
+            Some((&reference, &stand_ins)),
+        )
+        .map_err(|e| format!("cannot prepare the scratch copy: {e}"))?;
+        report::run_course_tests(
+            module,
+            &scratch.root,
+            Some(&scratch.target_dir),
+            scratch.slot,
+        )?
+    };
+    let grade = mutate(module.name, options)?;
+    let full = full && stand_ins.is_empty();
     let passed = report::print_check(module, &course, &grade);
     if grade.learner {
         // `diff` shows the reference only once a full check passed on these very sources.
@@ -398,9 +502,16 @@ mod tests {
                     jobs: 2,
                     only: vec![],
                     shard: None,
+                    ref_deps: false,
                 }
             })
         );
+        let Ok(Command::Check { options, .. }) = parse(&args(&["check", "L11.1", "--ref-deps"]))
+        else {
+            panic!("check --ref-deps parses");
+        };
+        assert!(options.ref_deps && !options.pitfalls_only);
+        assert!(parse(&args(&["tests", "L11.1", "--ref-deps"])).is_err());
         assert_eq!(
             parse(&args(&["mutate", "--pitfalls-only"])),
             Ok(Command::Mutate {
@@ -410,6 +521,7 @@ mod tests {
                     jobs: 1,
                     only: vec![],
                     shard: None,
+                    ref_deps: false,
                 }
             })
         );

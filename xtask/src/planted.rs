@@ -4,7 +4,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::pitfalls::{PITFALLS, Pitfall};
-use crate::run::{self, Outcome};
+use crate::run::{self, Outcome, TestTool};
 use crate::scratch::Scratch;
 
 /// What became of one planted pitfall.
@@ -77,18 +77,21 @@ impl Mode<'_> {
     }
 }
 
-/// A scratch copy of `workspace` for `mode`: for a learner, the learner's crates' sources
-/// replaced by the reference's (the learner's tests stay).
+/// A scratch copy of `workspace`, with the reference's sources in place of the learner's
+/// in the crates named by `overlay` (`(reference, packages)`); the learner's tests stay.
 pub(crate) fn prepare_scratch(
     workspace: &Path,
     name: &str,
-    mode: Mode<'_>,
+    slot: crate::scratch::Slot,
+    overlay: Option<(&Path, &[&'static str])>,
 ) -> std::io::Result<Scratch> {
-    let scratch = Scratch::sync(workspace, name)?;
-    if let Mode::Learner { reference } = mode {
+    let scratch = Scratch::sync(workspace, name, slot)?;
+    if let Some((reference, packages)) = overlay {
         for learner in &crate::start::LEARNER_CRATES {
-            let src = reference.join(learner.dir).join("src");
-            crate::scratch::sync_dir(&src, &scratch.root.join(learner.dir).join("src"), false)?;
+            if packages.contains(&learner.package()) {
+                let src = reference.join(learner.dir).join("src");
+                crate::scratch::sync_dir(&src, &scratch.root.join(learner.dir).join("src"), false)?;
+            }
         }
     }
     Ok(scratch)
@@ -96,17 +99,21 @@ pub(crate) fn prepare_scratch(
 
 const BUILD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
-fn own_test_args(package: &'static str, mode: Mode<'_>, no_run: bool) -> Vec<&'static str> {
-    let mut args = if mode.is_learner() {
+/// The cargo arguments that build (`no_run`) or run the tests that must catch a pitfall of
+/// `package`.
+fn own_test_args(
+    package: &'static str,
+    mode: Mode<'_>,
+    tool: TestTool,
+    no_run: bool,
+) -> Vec<&'static str> {
+    let targets: &[&str] = if mode.is_learner() {
         // The learner's integration tests only: the reference's unit tests are not theirs.
-        vec!["test", "-p", package, "--test", "*"]
+        &["--test", "*"]
     } else {
-        vec!["test", "-p", package, "--lib", "--tests"]
+        &["--lib", "--tests"]
     };
-    if no_run {
-        args.push("--no-run");
-    }
-    args
+    tool.args(package, targets, no_run)
 }
 
 fn course_test_args(test_path: &str, no_run: bool) -> Vec<String> {
@@ -121,16 +128,24 @@ fn course_test_args(test_path: &str, no_run: bool) -> Vec<String> {
     args
 }
 
+/// `cargo ARGS..` in the scratch copy, in the copy's slot.
 fn cargo_in(scratch: &Scratch, args: &[&str], timeout: Duration) -> std::io::Result<Outcome> {
-    run::cargo(&scratch.root, Some(&scratch.target_dir), args, timeout)
+    let slot = scratch.slot.args();
+    let args = crate::scratch::with_after_subcommand(args, &slot);
+    run::cargo(&scratch.root, Some(&scratch.target_dir), &args, timeout)
 }
 
 /// Builds and tests the unmutated copy; returns the time the own tests take to run, from
 /// which each mutant's timeout is set.
-pub(crate) fn baseline(scratch: &Scratch, mode: Mode<'_>) -> Result<Duration, String> {
+pub(crate) fn baseline(
+    scratch: &Scratch,
+    packages: &[&'static str],
+    mode: Mode<'_>,
+    tool: TestTool,
+) -> Result<Duration, String> {
     let mut slowest = Duration::ZERO;
-    for package in ["tl-precision", "tl-recompute"] {
-        let build = own_test_args(package, mode, true);
+    for &package in packages {
+        let build = own_test_args(package, mode, tool, true);
         let built = cargo_in(scratch, &build, BUILD_TIMEOUT).map_err(|e| e.to_string())?;
         if !built.success {
             return Err(format!(
@@ -143,7 +158,7 @@ pub(crate) fn baseline(scratch: &Scratch, mode: Mode<'_>) -> Result<Duration, St
                 run::tail(&built.output, 30)
             ));
         }
-        let run_args = own_test_args(package, mode, false);
+        let run_args = own_test_args(package, mode, tool, false);
         let tested = cargo_in(scratch, &run_args, BUILD_TIMEOUT).map_err(|e| e.to_string())?;
         if !tested.success {
             return Err(if mode.is_learner() {
@@ -182,6 +197,7 @@ pub(crate) fn run_one(
     pitfall: &'static Pitfall,
     test_timeout: Duration,
     mode: Mode<'_>,
+    tool: TestTool,
 ) -> std::io::Result<PlantedResult> {
     let start = std::time::Instant::now();
     let original = scratch.read(pitfall.file)?;
@@ -201,8 +217,14 @@ pub(crate) fn run_one(
     };
     scratch.write(pitfall.file, &mutated)?;
     let outcome = (|| {
-        let own_args = |no_run| own_test_args(pitfall.package, mode, no_run);
-        if !cargo_in(scratch, &own_args(true), BUILD_TIMEOUT)?.success {
+        let own_args = |no_run| own_test_args(pitfall.package, mode, tool, no_run);
+        // One build for everything this mutant runs: cargo compiles the crate's test
+        // binaries and the course tests side by side on both cores.
+        let mut build = own_args(true);
+        if !mode.is_learner() {
+            build.splice(build.len() - 1..build.len() - 1, ["-p", "tl-course"]);
+        }
+        if !cargo_in(scratch, &build, BUILD_TIMEOUT)?.success {
             return Ok((Verdict::Unviable, None));
         }
         let own = cargo_in(scratch, &own_args(false), test_timeout)?;
@@ -219,11 +241,6 @@ pub(crate) fn run_one(
             .find(|t| t.name == pitfall.course_test)
             .map(|t| t.path())
             .unwrap_or_else(|| pitfall.course_test.to_string());
-        let build: Vec<String> = course_test_args(&test_path, true);
-        let build: Vec<&str> = build.iter().map(String::as_str).collect();
-        if !cargo_in(scratch, &build, BUILD_TIMEOUT)?.success {
-            return Ok((own, Some(false)));
-        }
         let course: Vec<String> = course_test_args(&test_path, false);
         let course: Vec<&str> = course.iter().map(String::as_str).collect();
         let course = cargo_in(scratch, &course, test_timeout)?;
@@ -235,30 +252,56 @@ pub(crate) fn run_one(
     Ok(result(own, course_caught))
 }
 
-/// Runs the selected pitfalls over `jobs` scratch copies in parallel.
-pub(crate) fn run_all(
-    workspace: &Path,
-    jobs: usize,
-    only: &[String],
-    mode: Mode<'_>,
-) -> Result<Vec<PlantedResult>, String> {
+/// Which pitfall mutants to run, and how.
+pub(crate) struct Plan<'a> {
+    /// Copies of the workspace tested in parallel.
+    pub(crate) jobs: usize,
+    /// The pitfall ids asked for (`--only`); empty for all.
+    pub(crate) only: &'a [String],
+    /// The crates graded: a pitfall of another crate is not run.
+    pub(crate) packages: &'a [&'static str],
+    pub(crate) mode: Mode<'a>,
+    pub(crate) tool: TestTool,
+}
+
+/// Runs the selected pitfalls over `plan.jobs` scratch copies in parallel, showing each
+/// result as it comes with the time elapsed and an estimate of the time left.
+pub(crate) fn run_all(workspace: &Path, plan: &Plan<'_>) -> Result<Vec<PlantedResult>, String> {
+    let mode = plan.mode;
     let selected: Vec<&'static Pitfall> = PITFALLS
         .iter()
-        .filter(|p| only.is_empty() || only.iter().any(|id| id == p.id))
+        .filter(|p| plan.only.is_empty() || plan.only.iter().any(|id| id == p.id))
+        .filter(|p| plan.packages.contains(&p.package))
         .collect();
-    let jobs = jobs.clamp(1, selected.len().max(1));
+    if selected.is_empty() {
+        return Ok(Vec::new());
+    }
+    let jobs = plan.jobs.clamp(1, selected.len());
     let scratches: Vec<Scratch> = (0..jobs)
-        .map(|i| prepare_scratch(workspace, &format!("scratch-{i}"), mode))
+        .map(|i| {
+            // For a learner, the pitfalls are planted in the reference's code.
+            let overlay = match mode {
+                Mode::Learner { reference } => Some((reference, crate::grade::GRADED)),
+                Mode::Reference => None,
+            };
+            let slot = crate::scratch::Slot::pitfalls(i);
+            prepare_scratch(workspace, &format!("scratch-{i}"), slot, overlay)
+        })
         .collect::<Result<_, _>>()
         .map_err(|e| format!("cannot prepare the scratch copy: {e}"))?;
     eprintln!(
-        "xtask: building the unmutated workspace in {jobs} scratch cop{}…",
-        if jobs == 1 { "y" } else { "ies" }
+        "xtask: building the unmutated workspace in {jobs} scratch cop{} (tests by {})…",
+        if jobs == 1 { "y" } else { "ies" },
+        plan.tool.name()
     );
+    let mut packages: Vec<&'static str> = selected.iter().map(|p| p.package).collect();
+    packages.sort_unstable();
+    packages.dedup();
+    let packages = &packages;
     let baselines: Vec<Duration> = std::thread::scope(|s| {
         let handles: Vec<_> = scratches
             .iter()
-            .map(|sc| s.spawn(move || baseline(sc, mode)))
+            .map(|sc| s.spawn(move || baseline(sc, packages, mode, plan.tool)))
             .collect();
         handles
             .into_iter()
@@ -267,7 +310,8 @@ pub(crate) fn run_all(
     })?;
     let slowest = baselines.into_iter().max().unwrap_or_default();
     let test_timeout = (slowest * 5).max(Duration::from_secs(60));
-    let selected = &selected;
+    let progress = run::Progress::new(selected.len());
+    let (selected, progress) = (&selected, &progress);
     let mut results: Vec<PlantedResult> = std::thread::scope(|s| {
         let handles: Vec<_> = scratches
             .iter()
@@ -280,10 +324,10 @@ pub(crate) fn run_all(
                         .skip(job)
                         .step_by(jobs)
                         .map(|pitfall| {
-                            let r = run_one(scratch, pitfall, test_timeout, mode);
+                            let r = run_one(scratch, pitfall, test_timeout, mode, plan.tool);
                             if let Ok(r) = &r {
-                                eprintln!(
-                                    "xtask: {} {:<8} course test {:<6} ({:.0} s)",
+                                progress.done(&format!(
+                                    "{} {:<8} course test {:<6} ({:.0} s)",
                                     pitfall.id,
                                     r.own.label(),
                                     match r.course_caught {
@@ -292,7 +336,7 @@ pub(crate) fn run_all(
                                         None => "-",
                                     },
                                     r.seconds
-                                );
+                                ));
                             }
                             r
                         })

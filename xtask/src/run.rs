@@ -18,12 +18,37 @@ pub(crate) struct Outcome {
 }
 
 /// Runs `cargo args..` in `dir` with `CARGO_TARGET_DIR=target_dir` (if given), killing it
-/// after `timeout`. Output goes to a file rather than a pipe, so a chatty child never blocks.
+/// and everything it started (the test binaries) after `timeout`. Output goes to a file
+/// rather than a pipe, so a chatty child never blocks.
 pub(crate) fn cargo(
     dir: &Path,
     target_dir: Option<&Path>,
     args: &[&str],
     timeout: Duration,
+) -> io::Result<Outcome> {
+    cargo_watched(dir, target_dir, args, timeout, &mut || {})
+}
+
+/// [`cargo`], calling `tick` about once a second while it runs (to show progress).
+pub(crate) fn cargo_watched(
+    dir: &Path,
+    target_dir: Option<&Path>,
+    args: &[&str],
+    timeout: Duration,
+    tick: &mut dyn FnMut(),
+) -> io::Result<Outcome> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    run_program(&cargo, dir, target_dir, args, timeout, tick)
+}
+
+/// [`cargo_watched`] for any program.
+fn run_program(
+    program: &str,
+    dir: &Path,
+    target_dir: Option<&Path>,
+    args: &[&str],
+    timeout: Duration,
+    tick: &mut dyn FnMut(),
 ) -> io::Result<Outcome> {
     let log_path = std::env::temp_dir().join(format!(
         "xtask-{}-{:?}.log",
@@ -31,7 +56,7 @@ pub(crate) fn cargo(
         std::thread::current().id()
     ));
     let log = File::create(&log_path)?;
-    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    let mut command = Command::new(program);
     command
         .args(args)
         .current_dir(dir)
@@ -42,14 +67,21 @@ pub(crate) fn cargo(
     if let Some(target_dir) = target_dir {
         command.env("CARGO_TARGET_DIR", target_dir);
     }
+    #[cfg(unix)]
+    std::os::unix::process::CommandExt::process_group(&mut command, 0);
     let start = Instant::now();
     let mut child = command.spawn()?;
+    let mut ticked = start;
     let (status, timed_out) = loop {
+        if ticked.elapsed() >= Duration::from_secs(1) {
+            tick();
+            ticked = Instant::now();
+        }
         if let Some(status) = child.try_wait()? {
             break (Some(status), false);
         }
         if start.elapsed() > timeout {
-            child.kill()?;
+            kill_group(&mut child)?;
             child.wait()?;
             break (None, true);
         }
@@ -63,6 +95,124 @@ pub(crate) fn cargo(
         output,
         elapsed: start.elapsed(),
     })
+}
+
+/// Kills `child` and its process group: a test binary that loops on a mutant is cargo's
+/// child, and killing cargo alone would leave it spinning.
+fn kill_group(child: &mut std::process::Child) -> io::Result<()> {
+    #[cfg(unix)]
+    {
+        let killed = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", child.id())])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if killed.is_ok_and(|s| s.success()) {
+            return Ok(());
+        }
+    }
+    child.kill()
+}
+
+/// How the harness runs a crate's tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TestTool {
+    /// cargo-nextest: every test in its own process, all binaries in parallel, and the
+    /// run stops at the first failure, which is all a mutant needs.
+    Nextest,
+    /// `cargo test`, where nextest is not installed (or `XTASK_TEST_TOOL=cargo`).
+    Cargo,
+}
+
+impl TestTool {
+    /// nextest when `cargo nextest` works, unless `XTASK_TEST_TOOL=cargo` asks otherwise.
+    pub(crate) fn detect() -> TestTool {
+        let forced_cargo = std::env::var("XTASK_TEST_TOOL").is_ok_and(|tool| tool == "cargo");
+        if !forced_cargo && has_subcommand("nextest") {
+            TestTool::Nextest
+        } else {
+            TestTool::Cargo
+        }
+    }
+
+    /// The arguments of cargo that build (`no_run`) or run the tests of `package` in
+    /// `targets` (e.g. `["--lib", "--tests"]`).
+    pub(crate) fn args(
+        self,
+        package: &'static str,
+        targets: &[&'static str],
+        no_run: bool,
+    ) -> Vec<&'static str> {
+        let mut args = match self {
+            // A crate with no test yet passes: no test failed.
+            TestTool::Nextest => vec!["nextest", "run", "--no-tests=pass", "-p", package],
+            TestTool::Cargo => vec!["test", "-p", package],
+        };
+        args.extend_from_slice(targets);
+        if no_run {
+            args.push("--no-run");
+        }
+        args
+    }
+
+    /// The name shown in reports.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            TestTool::Nextest => "cargo nextest",
+            TestTool::Cargo => "cargo test",
+        }
+    }
+}
+
+/// Counts finished mutants and prints each with the elapsed time and the time left,
+/// estimated from the mean so far.
+pub(crate) struct Progress {
+    total: usize,
+    done: std::sync::atomic::AtomicUsize,
+    start: std::time::Instant,
+}
+
+impl Progress {
+    pub(crate) fn new(total: usize) -> Progress {
+        Progress {
+            total,
+            done: 0.into(),
+            start: std::time::Instant::now(),
+        }
+    }
+
+    /// Records one more finished mutant and prints `line` with the count and the times.
+    pub(crate) fn done(&self, line: &str) {
+        let done = 1 + self.done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.at(done, line);
+    }
+
+    /// Prints `line` with `done` mutants finished so far, and the times.
+    pub(crate) fn at(&self, done: usize, line: &str) {
+        let elapsed = self.start.elapsed().as_secs_f64();
+        eprintln!("xtask: {}", self.line(done.min(self.total), elapsed, line));
+    }
+
+    fn line(&self, done: usize, elapsed: f64, line: &str) -> String {
+        let left = elapsed / done as f64 * (self.total - done) as f64;
+        let width = self.total.to_string().len();
+        format!(
+            "[{done:>width$}/{}] {line}  {} elapsed, about {} left",
+            self.total,
+            clock(elapsed),
+            clock(left)
+        )
+    }
+}
+
+/// `seconds` as `1h02m`, `3m07s` or `42s`.
+pub(crate) fn clock(seconds: f64) -> String {
+    let s = seconds.max(0.0).round() as u64;
+    match (s / 3600, s / 60 % 60, s % 60) {
+        (0, 0, s) => format!("{s}s"),
+        (0, m, s) => format!("{m}m{s:02}s"),
+        (h, m, _) => format!("{h}h{m:02}m"),
+    }
 }
 
 /// Whether a program is installed as a cargo subcommand (`cargo NAME --version` works).
@@ -79,4 +229,84 @@ pub(crate) fn has_subcommand(name: &str) -> bool {
 pub(crate) fn tail(output: &str, lines: usize) -> String {
     let all: Vec<&str> = output.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clock_reads_like_a_stopwatch() {
+        assert_eq!(clock(0.4), "0s");
+        assert_eq!(clock(42.0), "42s");
+        assert_eq!(clock(187.0), "3m07s");
+        assert_eq!(clock(3720.0), "1h02m");
+    }
+
+    #[test]
+    fn test_tools_build_then_run_the_same_targets() {
+        let nextest = TestTool::Nextest.args("tl-precision", &["--test", "*"], true);
+        assert_eq!(
+            nextest,
+            [
+                "nextest",
+                "run",
+                "--no-tests=pass",
+                "-p",
+                "tl-precision",
+                "--test",
+                "*",
+                "--no-run"
+            ]
+        );
+        let cargo = TestTool::Cargo.args("tl-recompute", &["--lib", "--tests"], false);
+        assert_eq!(cargo, ["test", "-p", "tl-recompute", "--lib", "--tests"]);
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_timed_out_run_is_killed_with_its_children() {
+        let dir = std::env::temp_dir();
+        let pid_file = dir.join(format!("xtask-kill-{}", std::process::id()));
+        let script = format!("sleep 30 & echo $! > {}; wait", pid_file.display());
+        let started = Instant::now();
+        // The program here is sh, whose child sleeps (as cargo's test binary would run):
+        // both must go at the timeout.
+        let outcome = run_program(
+            "sh",
+            &dir,
+            None,
+            &["-c", &script],
+            Duration::from_millis(500),
+            &mut || {},
+        )
+        .unwrap();
+        assert!(outcome.timed_out && !outcome.success);
+        assert!(started.elapsed() < Duration::from_secs(10));
+        let pid = std::fs::read_to_string(&pid_file).unwrap();
+        let _ = std::fs::remove_file(&pid_file);
+        std::thread::sleep(Duration::from_millis(100));
+        // Gone, or a zombie no one has reaped yet (a container's init may never): not running.
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim()));
+        let state = stat.map(|s| {
+            s.rsplit(") ")
+                .next()
+                .and_then(|rest| rest.chars().next())
+                .unwrap_or('?')
+        });
+        assert!(
+            matches!(state, Err(_) | Ok('Z' | 'X')),
+            "the grandchild {} outlived the timeout: {state:?}",
+            pid.trim()
+        );
+    }
+
+    #[test]
+    fn progress_counts_and_estimates_from_the_mean_so_far() {
+        let progress = Progress::new(24);
+        // 3 done in a minute: 20 s each, so 21 left take 7 minutes.
+        let line = progress.line(3, 60.0, "s03 CAUGHT");
+        assert_eq!(line, "[ 3/24] s03 CAUGHT  1m00s elapsed, about 7m00s left");
+        assert!(progress.line(24, 480.0, "s24").ends_with("about 0s left"));
+    }
 }

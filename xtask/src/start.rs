@@ -61,6 +61,11 @@ pub(crate) const LEARNER_CRATES: [LearnerCrate; 2] = [
 ];
 
 impl LearnerCrate {
+    /// Its package name (the directory's last part).
+    pub(crate) fn package(&self) -> &'static str {
+        self.dir.rsplit('/').next().expect("a directory")
+    }
+
     fn guide(&self, file: &str) -> &'static str {
         self.guides
             .iter()
@@ -288,6 +293,59 @@ fn hash_files(root: &Path, mut files: Vec<PathBuf>) -> Result<u64, String> {
     Ok(hash.0)
 }
 
+/// A learner's crate with bodies still to write.
+#[derive(Debug, PartialEq)]
+pub(crate) struct Unfinished {
+    pub(crate) package: &'static str,
+    /// How many stubs are left.
+    pub(crate) stubs: usize,
+    /// The first of them, by file name and order in the file: `(file, function)`.
+    pub(crate) first: (String, String),
+}
+
+/// The learner's crates under `workspace` whose sources still hold a stub of `module`
+/// (a body `start` wrote and the learner has not replaced), in [`LEARNER_CRATES`] order.
+///
+/// # Errors
+/// When a source file cannot be read.
+pub(crate) fn unfinished(module: &str, workspace: &Path) -> Result<Vec<Unfinished>, String> {
+    let markers = [
+        format!("todo!(\"{module}: "),
+        format!("panic!(\"not yet implemented: {module}: "),
+    ];
+    let mut out = Vec::new();
+    for learner in &LEARNER_CRATES {
+        let mut files = Vec::new();
+        let src = workspace.join(learner.dir).join("src");
+        collect_files(&src, &mut files).map_err(|e| format!("{}: {e}", src.display()))?;
+        files.sort();
+        let (mut stubs, mut first) = (0, None);
+        for file in files
+            .iter()
+            .filter(|f| f.extension().is_some_and(|e| e == "rs"))
+        {
+            let text = fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+            for marker in &markers {
+                for (at, _) in text.match_indices(marker.as_str()) {
+                    stubs += 1;
+                    let rest = &text[at + marker.len()..];
+                    let name = rest.split(" — ").next().unwrap_or(rest);
+                    let relative = file.strip_prefix(workspace).unwrap_or(file);
+                    first.get_or_insert_with(|| (relative.display().to_string(), name.to_string()));
+                }
+            }
+        }
+        if let Some(first) = first {
+            out.push(Unfinished {
+                package: learner.package(),
+                stubs,
+                first,
+            });
+        }
+    }
+    Ok(out)
+}
+
 /// Where a learner's workspace records the sources its last full check passed on.
 pub(crate) fn passed_stamp(workspace: &Path) -> PathBuf {
     workspace.join("target").join("xtask").join("check-passed")
@@ -459,6 +517,44 @@ mod tests {
         assert!(again.contains("not empty"), "{again}");
         let nested = start("L11.1", &into, Some(&temp("nested")), &cache).unwrap_err();
         assert!(nested.contains("already a learner's workspace"), "{nested}");
+        let _ = fs::remove_dir_all(&into);
+        let _ = fs::remove_dir_all(&cache);
+    }
+
+    #[test]
+    fn unfinished_counts_the_stubs_left_and_names_the_first() {
+        let (into, cache) = (temp("unfinished"), temp("unfinished-cache"));
+        let source = crate::workspace_root();
+        let started = start("L11.1", &source, Some(&into), &cache).unwrap();
+        let left = unfinished("L11.1", &into).unwrap();
+        assert_eq!(
+            left.iter().map(|u| u.package).collect::<Vec<_>>(),
+            ["tl-precision", "tl-recompute"]
+        );
+        assert!(left.iter().all(|u| u.stubs > 3), "{left:?}");
+        assert!(
+            left[0].first.0.starts_with("crates/tl-precision/src/"),
+            "{left:?}"
+        );
+        assert!(!left[0].first.1.contains('"'), "a bare name: {left:?}");
+
+        // tl-recompute written (the reference's sources): only tl-precision is left.
+        let src = into.join("crates/tl-recompute/src");
+        fs::remove_dir_all(&src).unwrap();
+        fs::create_dir_all(&src).unwrap();
+        sync_dir(
+            &started.reference.join("crates/tl-recompute/src"),
+            &src,
+            false,
+        )
+        .unwrap();
+        let left = unfinished("L11.1", &into).unwrap();
+        assert_eq!(left.len(), 1);
+        assert_eq!(left[0].package, "tl-precision");
+        assert!(
+            unfinished("L11.1", &source).unwrap().is_empty(),
+            "the reference"
+        );
         let _ = fs::remove_dir_all(&into);
         let _ = fs::remove_dir_all(&cache);
     }

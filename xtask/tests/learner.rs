@@ -16,27 +16,22 @@ fn workspace() -> PathBuf {
         .to_path_buf()
 }
 
-/// `cargo ARGS..` in `dir`, with the course cache. In a learner's workspace the builds go to
-/// a target directory of their own under this workspace's `target/` (kept across runs, so
-/// the dependencies build once); never this workspace's own, where the learner's `xtask`
-/// binary would replace this one's.
-fn cargo(dir: &Path, cache: &Path, args: &[&str]) -> (bool, String) {
-    let mut command = Command::new(env!("CARGO"));
-    command
-        .args(args)
-        .current_dir(dir)
-        .env("TINYLLM_COURSE_CACHE", cache);
-    if dir != workspace() {
-        command.env(
-            "CARGO_TARGET_DIR",
-            workspace().join("target").join("xtask-learner-e2e"),
-        );
-    }
+/// This workspace's target directory (the parent of cargo's temporary directory for tests).
+fn target_dir() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .expect("tmp lies in the target directory")
+        .to_path_buf()
+}
+
+/// Runs `command` with the course cache, returning whether it passed and its output.
+fn output(mut command: Command, cache: &Path) -> (bool, String) {
+    command.env("TINYLLM_COURSE_CACHE", cache);
     let Output {
         status,
         stdout,
         stderr,
-    } = command.output().expect("cargo runs");
+    } = command.output().expect("it runs");
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&stdout),
@@ -45,9 +40,42 @@ fn cargo(dir: &Path, cache: &Path, args: &[&str]) -> (bool, String) {
     (status.success(), text)
 }
 
-/// Replaces the learner's crate directories `src/` and `tests/` with the reference's.
-fn copy_reference(reference: &Path, learner: &Path, what: &str) {
-    for krate in ["crates/tl-precision", "crates/tl-recompute"] {
+/// `cargo test -p tl-course --test l11_1` in the learner's workspace `dir`, building into
+/// this workspace's target directory, so that the dependencies built for this workspace
+/// are reused. Cargo would give the learner's `crates/tl-precision` the file names of this
+/// workspace's own (it hashes a path crate's path relative to its workspace), so these
+/// builds set a value that tells them apart, as the harness's slots do.
+fn course_tests(dir: &Path, cache: &Path) -> (bool, String) {
+    let mut command = Command::new(env!("CARGO"));
+    command.args(["test", "-p", "tl-course", "--test", "l11_1"]);
+    for krate in ["tl-precision", "tl-recompute", "tl-course"] {
+        command.args([
+            "--config",
+            &format!("profile.dev.package.{krate}.codegen-units=250"),
+        ]);
+    }
+    command
+        .current_dir(dir)
+        .env("CARGO_TARGET_DIR", target_dir());
+    output(command, cache)
+}
+
+/// The harness run in `dir`, as `cargo xtask ARGS..` would run it there, building into this
+/// workspace's target directory (its slots keep the learner's artifacts apart). It is this
+/// workspace's binary: the learner's is the same source (the test builds it once, apart),
+/// and building it into this target directory would replace `target/debug/xtask`.
+fn xtask(dir: &Path, cache: &Path, args: &[&str]) -> (bool, String) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_xtask"));
+    command
+        .args(args)
+        .current_dir(dir)
+        .env("CARGO_TARGET_DIR", target_dir());
+    output(command, cache)
+}
+
+/// Writes the learner's `krate` as the reference has it: its `src/` and `tests/`.
+fn copy_reference(reference: &Path, learner: &Path, krate: &str) {
+    for what in ["src", "tests"] {
         let (from, to) = (
             reference.join(krate).join(what),
             learner.join(krate).join(what),
@@ -78,17 +106,9 @@ fn a_learner_goes_from_start_to_a_passing_check_and_check_names_what_falls_short
     let (learner, cache) = (base.join("learner"), base.join("cache"));
     let into = learner.to_str().unwrap();
 
-    let (ok, out) = cargo(
-        &workspace(),
-        &cache,
-        &["xtask", "start", "L11.1", "--into", into],
-    );
+    let (ok, out) = xtask(&workspace(), &cache, &["start", "L11.1", "--into", into]);
     assert!(ok, "{out}");
-    let (ok, out) = cargo(
-        &workspace(),
-        &cache,
-        &["xtask", "start", "L11.1", "--into", into],
-    );
+    let (ok, out) = xtask(&workspace(), &cache, &["start", "L11.1", "--into", into]);
     assert!(!ok && out.contains("not empty"), "start twice: {out}");
     let marker = fs::read_to_string(learner.join(".course")).unwrap();
     let reference = PathBuf::from(
@@ -98,30 +118,58 @@ fn a_learner_goes_from_start_to_a_passing_check_and_check_names_what_falls_short
             .expect("the marker names the reference"),
     );
 
+    // `cargo xtask` works in the learner's tree (its own harness, built apart).
+    let mut alias = Command::new(env!("CARGO"));
+    alias
+        .args(["xtask", "tests", "L11.1"])
+        .current_dir(&learner)
+        .env("CARGO_TARGET_DIR", target_dir().join("xtask-learner-e2e"));
+    let (ok, out) = output(alias, &cache);
+    assert!(ok && out.contains("test_hand_example_bf16_matmul"), "{out}");
+
     // The stubs build, and the course tests fail naming what to write.
-    let (ok, out) = cargo(
-        &learner,
-        &cache,
-        &["test", "-p", "tl-course", "--test", "l11_1"],
-    );
+    let (ok, out) = course_tests(&learner, &cache);
     assert!(!ok, "the stubs pass the course tests?");
     assert!(
         out.contains("not yet implemented: L11.1: autocast — see docs/mixed-precision.md"),
         "{out}"
     );
 
-    // The learner writes every body (the reference's) and the reference's tests: check passes.
-    copy_reference(&reference, &learner, "src");
-    copy_reference(&reference, &learner, "tests");
-    let check = [
-        "xtask",
-        "check",
-        "L11.1",
-        "--pitfalls-only",
-        "--only",
-        "s01,s07",
-    ];
-    let (ok, out) = cargo(&learner, &cache, &check);
+    // tl-recompute written first (the reference's bodies and tests), tl-precision not yet:
+    // check names what is left, and --ref-deps grades tl-recompute alone.
+    copy_reference(&reference, &learner, "crates/tl-recompute");
+    let recompute = ["check", "L11.1", "--pitfalls-only", "--only", "s01,s20"];
+    let (ok, out) = xtask(&learner, &cache, &recompute);
+    assert!(!ok, "{out}");
+    assert!(out.contains("tl-precision: "), "{out}");
+    assert!(
+        out.contains("bodies are left to write, starting with `"),
+        "{out}"
+    );
+    assert!(out.contains("cargo xtask check L11.1 --ref-deps"), "{out}");
+    let (ok, out) = xtask(
+        &learner,
+        &cache,
+        &[&recompute[..], &["--ref-deps"]].concat(),
+    );
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("pitfalls caught by your tests                    1/1  ok"),
+        "only s20, of tl-recompute: {out}"
+    );
+    assert!(
+        out.contains("PASS, in part: the reference stood in for tl-precision"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("FAIL"),
+        "the reference passes its course tests: {out}"
+    );
+
+    // Then tl-precision: every body written, check passes.
+    copy_reference(&reference, &learner, "crates/tl-precision");
+    let check = ["check", "L11.1", "--pitfalls-only", "--only", "s01,s07"];
+    let (ok, out) = xtask(&learner, &cache, &check);
     assert!(ok, "{out}");
     assert!(
         out.contains("pitfalls caught by your tests                    2/2  ok"),
@@ -134,7 +182,7 @@ fn a_learner_goes_from_start_to_a_passing_check_and_check_names_what_falls_short
     let good = fs::read_to_string(&autocast).unwrap();
     assert_eq!(good.matches("cast_owned(product, f)").count(), 1);
     fs::write(&autocast, good.replace("cast_owned(product, f)", "product")).unwrap();
-    let (ok, out) = cargo(&learner, &cache, &check);
+    let (ok, out) = xtask(&learner, &cache, &check);
     assert!(!ok, "{out}");
     assert!(
         out.contains("FAIL     test_hand_example_bf16_matmul  (it catches s01"),
@@ -149,7 +197,7 @@ fn a_learner_goes_from_start_to_a_passing_check_and_check_names_what_falls_short
         fs::create_dir_all(&tests).unwrap();
         fs::write(tests.join("my_tests.rs"), "#[test]\nfn nothing_yet() {}\n").unwrap();
     }
-    let (ok, out) = cargo(&learner, &cache, &check);
+    let (ok, out) = xtask(&learner, &cache, &check);
     assert!(!ok, "{out}");
     assert!(
         out.contains("s07 not caught: none of your tests of tl-precision fails when micro-batches weighted 1/k"),
