@@ -37,6 +37,29 @@ impl CrateGrade {
     pub(crate) fn passes(&self) -> bool {
         self.score() >= THRESHOLD
     }
+
+    fn empty(package: &'static str) -> CrateGrade {
+        CrateGrade {
+            package,
+            caught: 0,
+            missed: Vec::new(),
+            timeout: 0,
+            unviable: 0,
+        }
+    }
+
+    /// The mutants with an outcome so far.
+    fn tested(&self) -> usize {
+        self.caught + self.missed.len() + self.timeout + self.unviable
+    }
+
+    fn add(mut self, other: CrateGrade) -> CrateGrade {
+        self.caught += other.caught;
+        self.missed.extend(other.missed);
+        self.timeout += other.timeout;
+        self.unviable += other.unviable;
+        self
+    }
 }
 
 /// The install hint shown when cargo-mutants is missing.
@@ -83,20 +106,6 @@ fn read_grade(package: &'static str, out: &Path) -> CrateGrade {
         missed: lines_of(&results, "missed.txt"),
         timeout: lines_of(&results, "timeout.txt").len(),
         unviable: lines_of(&results, "unviable.txt").len(),
-    }
-}
-
-impl CrateGrade {
-    fn tested(&self) -> usize {
-        self.caught + self.missed.len() + self.timeout + self.unviable
-    }
-
-    fn add(mut self, other: CrateGrade) -> CrateGrade {
-        self.caught += other.caught;
-        self.missed.extend(other.missed);
-        self.timeout += other.timeout;
-        self.unviable += other.unviable;
-        self
     }
 }
 
@@ -245,18 +254,6 @@ pub(crate) fn grade_crate(
     }
     grade.missed.sort();
     Ok(grade)
-}
-
-impl CrateGrade {
-    fn empty(package: &'static str) -> CrateGrade {
-        CrateGrade {
-            package,
-            caught: 0,
-            missed: Vec::new(),
-            timeout: 0,
-            unviable: 0,
-        }
-    }
 }
 
 #[cfg(test)]

@@ -371,6 +371,15 @@ fn check(module: &str, options: GradeOptions) -> Result<bool, String> {
     let module = catalog::module(module)?;
     let workspace = workspace_root();
     let full = !options.pitfalls_only && options.only.is_empty() && options.shard.is_none();
+    if !options.pitfalls_only && !run::has_subcommand("mutants") {
+        // Said before the course tests run, not minutes after.
+        return Err(format!(
+            "{}; or, for the course tests and the pitfalls alone: cargo xtask check {} \
+             --pitfalls-only",
+            grade::INSTALL_HINT,
+            module.name
+        ));
+    }
     let before = start::learner_sources_hash(&workspace)?;
     let stand_ins: Vec<&'static str> = if options.ref_deps {
         start::unfinished(module.name, &workspace)?

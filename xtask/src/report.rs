@@ -56,6 +56,9 @@ pub(crate) fn print_started(module: &str, started: &crate::start::Started) {
     println!("  cargo xtask tests {module}     # the course tests: read the catalog first");
     println!("  cargo test -p tl-course --test l11_1   # they fail, naming the function to write");
     println!("  cargo xtask check {module}     # the course tests, then your tests graded");
+    println!(
+        "  cargo xtask check {module} --ref-deps   # one crate done: the reference stands in for the other"
+    );
 }
 
 /// Pass/fail of each course test, by name.
