@@ -225,10 +225,12 @@ fn main() -> ExitCode {
             Ok(true)
         }
         Command::Check { module, options } => check(&module, options),
-        Command::Mutate { module, options } => mutate(&module, options).map(|grade| {
-            report::print_grade(&grade);
-            grade.passes()
-        }),
+        Command::Mutate { module, options } => start::unfinished(&module, &workspace_root())
+            .and_then(|unfinished| mutate(options, unfinished))
+            .map(|grade| {
+                report::print_grade(&grade);
+                grade.passes()
+            }),
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,
@@ -265,7 +267,8 @@ impl Grade {
     }
 }
 
-fn mutate(module: &str, options: GradeOptions) -> Result<Grade, String> {
+/// The grade of `options`, given the learner's crates still `unfinished` (none here).
+fn mutate(options: GradeOptions, unfinished: Vec<start::Unfinished>) -> Result<Grade, String> {
     let start = Instant::now();
     let workspace = workspace_root();
     if !options.pitfalls_only && !run::has_subcommand("mutants") {
@@ -286,7 +289,6 @@ fn mutate(module: &str, options: GradeOptions) -> Result<Grade, String> {
         Some(reference) => planted::Mode::Learner { reference },
         None => planted::Mode::Reference,
     };
-    let unfinished = start::unfinished(module, &workspace)?;
     // With --ref-deps, an unfinished crate is not graded at all: the reference stands in.
     let graded: Vec<&'static str> = grade::GRADED
         .iter()
@@ -381,11 +383,9 @@ fn check(module: &str, options: GradeOptions) -> Result<bool, String> {
         ));
     }
     let before = start::learner_sources_hash(&workspace)?;
+    let unfinished = start::unfinished(module.name, &workspace)?;
     let stand_ins: Vec<&'static str> = if options.ref_deps {
-        start::unfinished(module.name, &workspace)?
-            .iter()
-            .map(|u| u.package)
-            .collect()
+        unfinished.iter().map(|u| u.package).collect()
     } else {
         Vec::new()
     };
@@ -413,7 +413,7 @@ fn check(module: &str, options: GradeOptions) -> Result<bool, String> {
             scratch.slot,
         )?
     };
-    let grade = mutate(module.name, options)?;
+    let grade = mutate(options, unfinished)?;
     let full = full && stand_ins.is_empty();
     let passed = report::print_check(module, &course, &grade);
     if grade.learner {

@@ -37,8 +37,12 @@ pub(crate) fn cargo_watched(
     timeout: Duration,
     tick: &mut dyn FnMut(),
 ) -> io::Result<Outcome> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    run_program(&cargo, dir, target_dir, args, timeout, tick)
+    run_program(&cargo_program(), dir, target_dir, args, timeout, tick)
+}
+
+/// The cargo that runs the harness (`$CARGO`), else the one on the path.
+fn cargo_program() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }
 
 /// [`cargo_watched`] for any program.
@@ -221,7 +225,7 @@ pub(crate) fn clock(seconds: f64) -> String {
 
 /// Whether a program is installed as a cargo subcommand (`cargo NAME --version` works).
 pub(crate) fn has_subcommand(name: &str) -> bool {
-    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+    Command::new(cargo_program())
         .args([name, "--version"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
