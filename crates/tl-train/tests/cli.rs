@@ -21,7 +21,13 @@ fn tiny_args<'a>(out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
 }
 
 fn latest_checkpoint(run: &Path) -> std::path::PathBuf {
-    run.join(fs::read_to_string(run.join("LATEST")).unwrap().trim())
+    run.join(
+        fs::read_to_string(run.join("LATEST"))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
 }
 
 fn train_losses(run: &Path) -> Vec<(u64, u64)> {

@@ -326,7 +326,11 @@ fn a_trained_run_exports_through_the_cli_and_its_metadata_says_what_it_holds() {
 
     // Our own checkpoint's header says what its tensors are.
     let latest = fs::read_to_string(run.join("LATEST")).unwrap();
-    let bytes = fs::read(run.join(latest.trim()).join("model.safetensors")).unwrap();
+    let bytes = fs::read(
+        run.join(latest.lines().next().unwrap())
+            .join("model.safetensors"),
+    )
+    .unwrap();
     let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
     let metadata = header.metadata().clone().unwrap();
     assert_eq!(metadata["format"], "tinyllm");
@@ -392,7 +396,9 @@ fn a_missing_or_damaged_checkpoint_is_a_typed_error_and_writes_nothing() {
     train.extend(["--out", run_str, "--steps", "1"]);
     tinyllm(&train).unwrap();
     let latest = fs::read_to_string(run.join("LATEST")).unwrap();
-    let weights = run.join(latest.trim()).join("model.safetensors");
+    let weights = run
+        .join(latest.lines().next().unwrap())
+        .join("model.safetensors");
     let mut bytes = fs::read(&weights).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 1;

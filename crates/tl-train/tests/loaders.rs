@@ -225,3 +225,33 @@ proptest! {
         })?;
     }
 }
+
+/// Every single-byte change of `LATEST` (each position, each nonzero XOR mask) either still
+/// names the same checkpoint or is refused naming `LATEST`: no damage can point it at an
+/// older checkpoint, which would resume a step back and clean the newer ones away.
+#[test]
+fn no_single_byte_damage_of_latest_names_another_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = micro_run(dir.path());
+    assert!(run.join("checkpoint-000001").is_dir());
+    let path = run.join("LATEST");
+    let original = fs::read(&path).unwrap();
+    let mut refused = 0;
+    for at in 0..original.len() {
+        for mask in 1..=255u8 {
+            let mut damaged = original.clone();
+            damaged[at] ^= mask;
+            fs::write(&path, &damaged).unwrap();
+            match tl_train::train::snapshot::latest_step(&run) {
+                Ok(step) => assert_eq!(step, Some(2), "{:?}", String::from_utf8_lossy(&damaged)),
+                Err(error) => {
+                    assert!(names(&error, "LATEST"), "{error}");
+                    refused += 1;
+                }
+            }
+        }
+    }
+    fs::write(&path, &original).unwrap();
+    // Only whitespace at the end may change and still be read.
+    assert!(refused > original.len() * 250, "{refused} refused");
+}

@@ -59,7 +59,8 @@ fn leftovers(run: &Path) -> Vec<String> {
         .collect()
 }
 
-/// Rewrites a checkpoint's SHA256SUMS after a deliberate edit, as a forger would.
+/// Rewrites a checkpoint's SHA256SUMS after a deliberate edit, as a forger would, and points
+/// `LATEST` at it by name alone, as a person writes it.
 fn reseal(checkpoint: &Path) {
     let mut sums = String::new();
     for file in ["model.safetensors", "optimizer.safetensors", "state.json"] {
@@ -67,6 +68,8 @@ fn reseal(checkpoint: &Path) {
         sums.push_str(&format!("{}  {file}\n", fingerprint(&bytes)));
     }
     fs::write(checkpoint.join("SHA256SUMS"), sums).unwrap();
+    let name = checkpoint.file_name().unwrap().to_str().unwrap();
+    fs::write(checkpoint.parent().unwrap().join("LATEST"), name).unwrap();
 }
 
 // 1. Every stopping signal checkpoints and exits with 128 + signal.
@@ -276,6 +279,50 @@ fn an_edited_state_or_a_latest_pointing_elsewhere_is_refused() {
         "{error}"
     );
     fs::write(out.join("LATEST"), "checkpoint-000002").unwrap();
+    assert_eq!(run_in_process(&resume), Exit::Success);
+}
+
+// 7b. A damaged LATEST that names another intact checkpoint (one digit off) is refused, and
+// nothing is deleted as a crash's leftovers: LATEST is sealed with its checkpoint's sums.
+#[test]
+fn a_latest_damaged_into_naming_an_older_checkpoint_is_refused_and_nothing_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    run_in_process(&tiny_args(&out, &["--steps", "4", "--until-step", "2"]));
+    let latest = out.join("LATEST");
+    let sealed = fs::read_to_string(&latest).unwrap();
+    let mut lines = sealed.lines();
+    assert_eq!(lines.next(), Some("checkpoint-000002"));
+    let seal = lines.next().unwrap();
+    assert!(seal.ends_with("  checkpoint-000002/SHA256SUMS"), "{seal}");
+    let sums = fs::read(out.join("checkpoint-000002/SHA256SUMS")).unwrap();
+    assert_eq!(seal.split_once("  ").unwrap().0, fingerprint(&sums));
+
+    // '2' XOR 3 is '1': the flip the loaders' proptest found.
+    assert!(out.join("checkpoint-000001").is_dir());
+    fs::write(&latest, sealed.replacen("000002", "000001", 1)).unwrap();
+    let resume = ["train", "--resume", out.to_str().unwrap(), "--quiet"].map(String::from);
+    let error = error_in_process(&resume);
+    assert!(matches!(error, TrainError::Checkpoint { .. }), "{error}");
+    assert!(error.to_string().contains("LATEST"), "{error}");
+    assert!(error.to_string().contains("damaged"), "{error}");
+    assert!(
+        out.join("checkpoint-000002").is_dir(),
+        "the newer checkpoint was removed"
+    );
+
+    // Both lines renamed: the seal is not the older checkpoint's.
+    fs::write(&latest, sealed.replace("000002", "000001")).unwrap();
+    let error = error_in_process(&resume);
+    assert!(error.to_string().contains("LATEST"), "{error}");
+    assert!(error.to_string().contains("SHA-256"), "{error}");
+    assert!(out.join("checkpoint-000002").is_dir());
+
+    // A damaged seal is refused the same way; the intact LATEST resumes.
+    fs::write(&latest, sealed.replacen("  checkpoint", "0  checkpoint", 1)).unwrap();
+    let error = error_in_process(&resume);
+    assert!(error.to_string().contains("LATEST"), "{error}");
+    fs::write(&latest, &sealed).unwrap();
     assert_eq!(run_in_process(&resume), Exit::Success);
 }
 

@@ -15,6 +15,20 @@
 //! Saving writes a new directory beside the old ones, flushes it, renames it into place, then
 //! points `LATEST` at it with an atomic rename, and only then deletes the checkpoints past
 //! the number kept: a crash at any moment leaves `LATEST` naming a complete checkpoint.
+//!
+//! `LATEST` is sealed too. Its first line names the checkpoint; its second is the SHA-256
+//! of that checkpoint's `SHA256SUMS`, in `sha256sum`'s format:
+//!
+//! ```text
+//! checkpoint-000002
+//! 3f9c…e1  checkpoint-000002/SHA256SUMS
+//! ```
+//!
+//! Without the seal, one damaged digit would name an older checkpoint that is itself
+//! intact: the run would resume a step back, and [`clean`] would delete the newer
+//! checkpoints as a crash's leftovers. With it, such a `LATEST` is refused and nothing is
+//! removed. A `LATEST` of the name alone is still read, as a person writes it to roll a
+//! run back by hand.
 //! Whatever a crash leaves behind (a staging directory, a temporary file, a complete
 //! checkpoint that `LATEST` never came to name) is removed by [`clean`] at the next start.
 
@@ -123,11 +137,13 @@ pub fn checkpoint_steps(run_dir: &Path) -> Result<Vec<u64>> {
     Ok(steps)
 }
 
-/// The step `LATEST` names, or `None` when the run has no checkpoint yet.
+/// The step `LATEST` names, or `None` when the run has no checkpoint yet. A sealed `LATEST`
+/// (see the module's documentation) is checked against the `SHA256SUMS` it names.
 ///
 /// # Errors
 /// [`TrainError::Checkpoint`] when `LATEST` exists but does not name a checkpoint of this
-/// run; [`TrainError::Io`] when it cannot be read.
+/// run, or its seal does not match that checkpoint; [`TrainError::Io`] when it cannot be
+/// read.
 pub fn latest_step(run_dir: &Path) -> Result<Option<u64>> {
     let latest = run_dir.join(LATEST_FILE);
     let bytes = match fs::read(&latest) {
@@ -135,17 +151,64 @@ pub fn latest_step(run_dir: &Path) -> Result<Option<u64>> {
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(source) => return Err(TrainError::io(latest, source)),
     };
-    let name = std::str::from_utf8(&bytes).unwrap_or("").trim();
-    match checkpoint_step(name) {
-        Some(step) => Ok(Some(step)),
-        None => Err(TrainError::checkpoint(
+    let text = std::str::from_utf8(&bytes).unwrap_or("");
+    let mut lines = text.trim_end().lines();
+    let name = lines.next().unwrap_or("").trim();
+    let seal = lines.next();
+    let Some(step) = checkpoint_step(name).filter(|_| lines.next().is_none()) else {
+        return Err(TrainError::checkpoint(
             &latest,
             format!(
                 "names {:?}, which is not a checkpoint of this run (expected checkpoint-NNNNNN)",
                 String::from_utf8_lossy(&bytes)
             ),
-        )),
+        ));
+    };
+    if let Some(seal) = seal {
+        check_seal(run_dir, &latest, name, seal)?;
     }
+    Ok(Some(step))
+}
+
+/// The contents of a sealed `LATEST` naming the checkpoint `name` with `sums`, the bytes of
+/// its `SHA256SUMS`.
+fn seal(name: &str, sums: &[u8]) -> String {
+    format!("{name}\n{}  {name}/{SUMS_FILE}\n", fingerprint(sums))
+}
+
+/// Checks the second line of `LATEST` (at `latest`), `seal`, against the `SHA256SUMS` of
+/// the checkpoint `name` in `run_dir`.
+fn check_seal(run_dir: &Path, latest: &Path, name: &str, seal: &str) -> Result<()> {
+    let sums_path = format!("{name}/{SUMS_FILE}");
+    let (recorded, file) = seal
+        .split_once("  ")
+        .filter(|(hash, _)| hash.len() == 64 && hash.bytes().all(|b| b.is_ascii_hexdigit()))
+        .ok_or_else(|| {
+            TrainError::checkpoint(
+                latest,
+                format!("damaged: its second line is not `SHA256  {sums_path}`"),
+            )
+        })?;
+    if file != sums_path {
+        return Err(TrainError::checkpoint(
+            latest,
+            format!("damaged: its first line names {name}, its second {file:?}"),
+        ));
+    }
+    let sums = fs::read(run_dir.join(&sums_path)).map_err(|error| {
+        TrainError::checkpoint(
+            latest,
+            format!("names {name}, whose {SUMS_FILE} cannot be read: {error}"),
+        )
+    })?;
+    let actual = fingerprint(&sums);
+    if actual != recorded {
+        return Err(TrainError::checkpoint(
+            latest,
+            format!("damaged: it records {recorded} for {sums_path}, whose SHA-256 is {actual}"),
+        ));
+    }
+    Ok(())
 }
 
 /// Removes what an interrupted writer left in `run_dir`: staging directories and temporary
@@ -270,7 +333,10 @@ pub fn save(
     }
     fault_point();
     fs::rename(&staging, &final_dir).map_err(io(&final_dir))?;
-    write_atomic(&run_dir.join(LATEST_FILE), name.as_bytes())?;
+    write_atomic(
+        &run_dir.join(LATEST_FILE),
+        seal(&name, sums.as_bytes()).as_bytes(),
+    )?;
     let steps = checkpoint_steps(run_dir)?;
     let kept_from = steps.len().saturating_sub(keep.max(1));
     for &step in &steps[..kept_from] {

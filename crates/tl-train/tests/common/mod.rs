@@ -59,7 +59,13 @@ pub fn run_error(args: &[&str]) -> TrainError {
 
 /// The directory of a run's latest checkpoint.
 pub fn latest_checkpoint(run: &Path) -> PathBuf {
-    run.join(fs::read_to_string(run.join("LATEST")).unwrap().trim())
+    run.join(
+        fs::read_to_string(run.join("LATEST"))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
 }
 
 /// The bytes of the latest checkpoint's `model.safetensors`.
