@@ -331,6 +331,9 @@ fn a_run_written_by_another_build_or_with_the_old_names_resumes() {
         &tl_train::store::fingerprint(old_state.as_bytes()),
     );
     fs::write(&sums_file, sums).unwrap();
+    // Builds before the sealed LATEST wrote the checkpoint's name alone.
+    let name = checkpoint.file_name().unwrap().to_str().unwrap();
+    fs::write(run.join("LATEST"), name).unwrap();
 
     train(&["train", "--resume", path(&run), "--quiet"]);
     assert_eq!(common::train_steps(&run), 3);
