@@ -4,8 +4,9 @@ use thiserror::Error;
 
 /// An error from tl-numerics.
 ///
-/// The only fallible operation is parsing a format name; rounding itself is total
-/// (every input, NaN and infinities included, has a defined result).
+/// The fallible operations are parsing a format name and making a block FMA; rounding and
+/// accumulation themselves are total (every input, NaN and infinities included, has a
+/// defined result).
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum NumericsError {
     /// A format name that is neither `"bf16"` nor `"fp16"`.
@@ -13,6 +14,18 @@ pub enum NumericsError {
     UnknownFormat {
         /// The text that was given, verbatim.
         input: String,
+    },
+    /// A block FMA with a block of 0 or beyond `MAX_BLOCK` products, or more than
+    /// `MAX_EXTRA_BITS` extra alignment bits.
+    #[error(
+        "invalid tensor-core accumulation: a block of {block} products with {extra_bits} extra \
+         bits (a block must be 1 to 65536, extra bits 0 to 40)"
+    )]
+    InvalidBlockFma {
+        /// The block size given.
+        block: usize,
+        /// The extra alignment bits given.
+        extra_bits: u32,
     },
 }
 

@@ -25,10 +25,12 @@
 //! assert_eq!(xs, [1.0, 1.00390625, 0.0]); // 1e-8 is below half of fp16's 2^-24
 //! ```
 
+pub mod block_fma;
 mod error;
 mod format;
 mod round;
 
+pub use block_fma::{BlockFma, GemmElement};
 pub use error::{NumericsError, Result};
 pub use format::Format;
 pub use round::Round;
