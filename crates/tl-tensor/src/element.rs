@@ -9,6 +9,7 @@ use num_traits::Float;
 
 use crate::Tensor;
 use crate::ops::matmul::MatmulHook;
+use crate::ops::matmul_with::ProductKernel;
 
 /// A floating-point element type of a [`Tensor`]: implemented for `f32` and `f64`.
 ///
@@ -60,6 +61,19 @@ pub trait Element:
         lhs: &Tensor<Self>,
         rhs: &Tensor<Self>,
     ) -> Tensor<Self>;
+
+    /// Calls the product kernel's method for this element type (the dispatch behind
+    /// [`Tensor::matmul_with`]).
+    #[doc(hidden)]
+    fn kernel_product(
+        kernel: &dyn ProductKernel,
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[Self],
+        rhs: &[Self],
+        out: &mut [Self],
+    );
 }
 
 impl Element for f32 {
@@ -87,6 +101,18 @@ impl Element for f32 {
 
     fn dispatch_matmul(hook: &dyn MatmulHook, lhs: &Tensor<f32>, rhs: &Tensor<f32>) -> Tensor<f32> {
         hook.matmul_f32(lhs, rhs)
+    }
+
+    fn kernel_product(
+        kernel: &dyn ProductKernel,
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[f32],
+        rhs: &[f32],
+        out: &mut [f32],
+    ) {
+        kernel.product_f32(m, k, n, lhs, rhs, out);
     }
 }
 
@@ -117,5 +143,17 @@ impl Element for f64 {
 
     fn dispatch_matmul(hook: &dyn MatmulHook, lhs: &Tensor<f64>, rhs: &Tensor<f64>) -> Tensor<f64> {
         hook.matmul_f64(lhs, rhs)
+    }
+
+    fn kernel_product(
+        kernel: &dyn ProductKernel,
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[f64],
+        rhs: &[f64],
+        out: &mut [f64],
+    ) {
+        kernel.product_f64(m, k, n, lhs, rhs, out);
     }
 }

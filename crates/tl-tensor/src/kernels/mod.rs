@@ -7,4 +7,4 @@ pub mod exp;
 pub mod finite;
 pub mod gemm;
 pub mod rows;
-mod split;
+pub(crate) mod split;

@@ -21,7 +21,7 @@ use crate::Element;
 
 /// Products with fewer multiply-adds than this stay on the calling thread: below it, handing
 /// work to the pool costs more than it saves.
-pub(super) const PARALLEL_WORK: usize = 64 * 64 * 64;
+pub(crate) const PARALLEL_WORK: usize = 64 * 64 * 64;
 
 /// Rows per block of a tall product: enough that re-packing the right operand for each block
 /// costs little (≤ 1/512 of the block's work), few enough that 4096 rows make 8 blocks.

@@ -4,6 +4,7 @@ pub mod elementwise;
 pub mod gated;
 pub mod index;
 pub mod matmul;
+pub mod matmul_with;
 pub mod reduce;
 pub mod shape;
 pub mod softmax;

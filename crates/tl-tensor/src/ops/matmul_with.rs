@@ -1,0 +1,340 @@
+//! Matrix products whose inner sums follow another arithmetic than the element type's:
+//! [`Tensor::matmul_with`] and the [`ProductKernel`] it takes.
+//!
+//! A plain product accumulates in the element type, in the order the GEMM library chooses.
+//! Hardware with other accumulation rules (a tensor core adds blocks of products at once and
+//! truncates) is emulated by a kernel that computes each output from its row and column by
+//! those rules. This crate knows nothing of the rules: it lays the operands out for the
+//! kernel, spreads the work over threads, and records the autograd node, whose two VJPs are
+//! products by the same kernel, as they would be on that hardware.
+
+use std::fmt;
+use std::sync::Arc;
+
+use ndarray::{ArrayD, ArrayViewD, IxDyn};
+use rayon::prelude::*;
+
+use super::{broadcast_shape, unbroadcast};
+use crate::kernels::split::PARALLEL_WORK;
+use crate::{Element, Tensor};
+
+/// The arithmetic of a matrix product's inner sums, for [`Tensor::matmul_with`].
+///
+/// Every method computes `out = lhs · rhs` for contiguous row-major matrices (`lhs` m×k,
+/// `rhs` k×n, `out` m×n). Each output must depend on its row of `lhs` and its column of
+/// `rhs` only — never on `m` — so that a product split by rows over threads gives the same
+/// bits as in one piece.
+pub trait ProductKernel: Send + Sync + fmt::Debug {
+    /// The product of f32 matrices.
+    fn product_f32(&self, m: usize, k: usize, n: usize, lhs: &[f32], rhs: &[f32], out: &mut [f32]);
+    /// The product of f64 matrices.
+    fn product_f64(&self, m: usize, k: usize, n: usize, lhs: &[f64], rhs: &[f64], out: &mut [f64]);
+}
+
+/// Matrices of this many rows or more are split by rows over threads.
+const MIN_ROWS_PER_TASK: usize = 16;
+
+/// `lhs · rhs` for contiguous row-major matrices by `kernel`, the rows spread over the rayon
+/// pool when the product is large.
+fn product<E: Element>(
+    kernel: &dyn ProductKernel,
+    (m, k, n): (usize, usize, usize),
+    lhs: &[E],
+    rhs: &[E],
+    out: &mut [E],
+    parallel: bool,
+) {
+    let threads = rayon::current_num_threads();
+    let work = m.saturating_mul(n).saturating_mul(k);
+    if !parallel || threads == 1 || work < PARALLEL_WORK || m < 2 * MIN_ROWS_PER_TASK || n == 0 {
+        E::kernel_product(kernel, m, k, n, lhs, rhs, out);
+        return;
+    }
+    // Rows in about four pieces per thread: enough for the pool to balance.
+    let rows = m.div_ceil(4 * threads).max(MIN_ROWS_PER_TASK);
+    out.par_chunks_mut(rows * n)
+        .zip(lhs.par_chunks(rows * k))
+        .for_each(|(out, lhs)| E::kernel_product(kernel, out.len() / n, k, n, lhs, rhs, out));
+}
+
+/// The batched product `[b.., m, k] · [b.., k, n]` of two views whose batch axes agree, by
+/// `kernel`; each matrix is copied into row-major order first unless it is already.
+fn batched<E: Element>(
+    kernel: &dyn ProductKernel,
+    lhs: ArrayViewD<'_, E>,
+    rhs: ArrayViewD<'_, E>,
+) -> ArrayD<E> {
+    let nd = lhs.ndim();
+    let (m, k, n) = (
+        lhs.shape()[nd - 2],
+        lhs.shape()[nd - 1],
+        rhs.shape()[nd - 1],
+    );
+    let batch = lhs.shape()[..nd - 2].to_vec();
+    let count: usize = batch.iter().product();
+    let mut out_shape = batch.clone();
+    out_shape.extend([m, n]);
+    let mut out = vec![E::zero(); count * m * n];
+    let lhs = lhs.as_standard_layout();
+    let rhs = rhs.as_standard_layout();
+    let (lhs, rhs) = (
+        lhs.as_slice().expect("standard layout"),
+        rhs.as_slice().expect("standard layout"),
+    );
+    if m * n > 0 {
+        let items = out
+            .chunks_mut(m * n)
+            .zip(lhs.chunks(m * k.max(1)))
+            .zip(rhs.chunks(k.max(1) * n));
+        if count >= 4 {
+            items
+                .collect::<Vec<_>>()
+                .into_par_iter()
+                .for_each(|((out, lhs), rhs)| {
+                    product(kernel, (m, k, n), &lhs[..m * k], &rhs[..k * n], out, false);
+                });
+        } else {
+            for ((out, lhs), rhs) in items {
+                product(kernel, (m, k, n), &lhs[..m * k], &rhs[..k * n], out, true);
+            }
+        }
+    }
+    ArrayD::from_shape_vec(IxDyn(&out_shape), out).expect("the product's shape")
+}
+
+/// A view with its last two axes swapped.
+fn transposed<'a, E>(view: ArrayViewD<'a, E>) -> ArrayViewD<'a, E> {
+    let mut view = view;
+    let nd = view.ndim();
+    view.swap_axes(nd - 2, nd - 1);
+    view
+}
+
+/// `view` broadcast to `batch` followed by its own last two axes.
+fn with_batch<'a, E>(view: &'a ArrayViewD<'_, E>, batch: &[usize]) -> ArrayViewD<'a, E> {
+    let mut shape = batch.to_vec();
+    shape.extend_from_slice(&view.shape()[view.ndim() - 2..]);
+    view.broadcast(IxDyn(&shape)).expect("batch axes broadcast")
+}
+
+/// `view` with every axis before the last folded into rows: `[.., k] → [rows, k]`.
+fn as_rows<E: Element>(view: ArrayViewD<'_, E>) -> ArrayD<E> {
+    let k = view.shape()[view.ndim() - 1];
+    let rows = view.len() / k.max(1);
+    view.as_standard_layout()
+        .into_owned()
+        .into_shape_with_order(IxDyn(&[rows, k]))
+        .expect("a standard-layout array folds into rows")
+}
+
+impl<E: Element> Tensor<E> {
+    /// The matrix product of [`matmul`](Self::matmul) — the same shapes and broadcasting —
+    /// with every inner sum computed by `kernel`, forward and in both VJPs
+    /// (`d lhs = grad · rhsᵀ`, `d rhs = lhsᵀ · grad`, each by `kernel`, then summed back
+    /// over broadcast batch axes). No hook is consulted: this is what a hook calls.
+    ///
+    /// A `[.., m, k] · [k, n]` product (a linear layer) is one `[rows, k] · [k, n]` product
+    /// over all rows, and its weight's gradient one `[k, rows] · [rows, n]` product.
+    ///
+    /// # Panics
+    /// As [`matmul`](Self::matmul).
+    pub fn matmul_with(&self, rhs: &Tensor<E>, kernel: &Arc<dyn ProductKernel>) -> Tensor<E> {
+        let (lhs_shape, rhs_shape) = (self.shape(), rhs.shape());
+        let (lhs_nd, rhs_nd) = (lhs_shape.len(), rhs_shape.len());
+        assert!(
+            lhs_nd >= 2 && rhs_nd >= 2 && lhs_shape[lhs_nd - 1] == rhs_shape[rhs_nd - 2],
+            "matmul: cannot multiply shapes {lhs_shape:?} and {rhs_shape:?}"
+        );
+        if rhs_nd == 2 && lhs_nd > 2 {
+            return self.rows_times_matrix_with(rhs, kernel);
+        }
+        let batch = broadcast_shape("matmul", &lhs_shape[..lhs_nd - 2], &rhs_shape[..rhs_nd - 2]);
+        let forward = {
+            let (lhs, rhs) = (self.value(), rhs.value());
+            let (lhs, rhs) = (lhs.view(), rhs.view());
+            batched(
+                kernel.as_ref(),
+                with_batch(&lhs, &batch),
+                with_batch(&rhs, &batch),
+            )
+        };
+        let (lhs_saved, rhs_saved, kernel) = (self.clone(), rhs.clone(), Arc::clone(kernel));
+        Tensor::from_op(forward, &[self, rhs], move |grad| {
+            let lhs_grad = lhs_saved.requires_grad().then(|| {
+                let rhs_value = rhs_saved.value();
+                let rhs_view = rhs_value.view();
+                let rhs_t = transposed(with_batch(&rhs_view, &batch));
+                unbroadcast(batched(kernel.as_ref(), grad.view(), rhs_t), &lhs_shape)
+            });
+            let rhs_grad = rhs_saved.requires_grad().then(|| {
+                let lhs_value = lhs_saved.value();
+                let lhs_view = lhs_value.view();
+                let lhs_t = transposed(with_batch(&lhs_view, &batch));
+                unbroadcast(batched(kernel.as_ref(), lhs_t, grad.view()), &rhs_shape)
+            });
+            vec![lhs_grad, rhs_grad]
+        })
+    }
+
+    /// [`matmul_with`](Self::matmul_with) of `[.., m, k] · [k, n]`, the batch folded into rows.
+    fn rows_times_matrix_with(
+        &self,
+        rhs: &Tensor<E>,
+        kernel: &Arc<dyn ProductKernel>,
+    ) -> Tensor<E> {
+        let lhs_shape = self.shape();
+        let n = rhs.shape()[1];
+        let mut out_shape = lhs_shape[..lhs_shape.len() - 1].to_vec();
+        out_shape.push(n);
+        let value = {
+            let rows = as_rows(self.value().view());
+            batched(kernel.as_ref(), rows.view(), rhs.value().view())
+                .into_shape_with_order(IxDyn(&out_shape))
+                .expect("a fresh product is in standard layout")
+        };
+        let (lhs_saved, rhs_saved, kernel) = (self.clone(), rhs.clone(), Arc::clone(kernel));
+        Tensor::from_op(value, &[self, rhs], move |grad| {
+            let grad_rows = as_rows(grad.view());
+            let lhs_grad = lhs_saved.requires_grad().then(|| {
+                let rhs_value = rhs_saved.value();
+                batched(
+                    kernel.as_ref(),
+                    grad_rows.view(),
+                    transposed(rhs_value.view()),
+                )
+                .into_shape_with_order(IxDyn(&lhs_shape))
+                .expect("a fresh product is in standard layout")
+            });
+            let rhs_grad = rhs_saved.requires_grad().then(|| {
+                let lhs_rows = as_rows(lhs_saved.value().view());
+                let mut lhs_t = lhs_rows.view();
+                lhs_t.swap_axes(0, 1);
+                batched(kernel.as_ref(), lhs_t, grad_rows.view())
+            });
+            vec![lhs_grad, rhs_grad]
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Generator;
+    use crate::testing::random_array;
+
+    /// A kernel that sums each output in plain f64 order, and counts nothing: with integer
+    /// operands every order gives the same result, so it must equal the plain product.
+    #[derive(Debug)]
+    struct Naive;
+
+    fn naive<E: Element>(m: usize, k: usize, n: usize, lhs: &[E], rhs: &[E], out: &mut [E]) {
+        for i in 0..m {
+            for j in 0..n {
+                let mut sum = E::zero();
+                for p in 0..k {
+                    sum += lhs[i * k + p] * rhs[p * n + j];
+                }
+                out[i * n + j] = sum;
+            }
+        }
+    }
+
+    impl ProductKernel for Naive {
+        fn product_f32(
+            &self,
+            m: usize,
+            k: usize,
+            n: usize,
+            lhs: &[f32],
+            rhs: &[f32],
+            out: &mut [f32],
+        ) {
+            naive(m, k, n, lhs, rhs, out);
+        }
+        fn product_f64(
+            &self,
+            m: usize,
+            k: usize,
+            n: usize,
+            lhs: &[f64],
+            rhs: &[f64],
+            out: &mut [f64],
+        ) {
+            naive(m, k, n, lhs, rhs, out);
+        }
+    }
+
+    fn integers(shape: &[usize], rng: &Generator) -> ArrayD<f64> {
+        ArrayD::from_shape_simple_fn(IxDyn(shape), || rng.below(7) as f64 - 3.0)
+    }
+
+    #[test]
+    fn values_and_gradients_equal_the_plain_products_on_every_shape() {
+        let kernel: Arc<dyn ProductKernel> = Arc::new(Naive);
+        let rng = Generator::new(3);
+        let shapes: [(&[usize], &[usize]); 5] = [
+            (&[3, 4], &[4, 5]),
+            (&[2, 3, 4], &[4, 5]),
+            (&[2, 3, 4], &[2, 4, 5]),
+            (&[2, 1, 3, 4], &[3, 4, 2]),
+            (&[5, 40, 7], &[7, 3]),
+        ];
+        for (ls, rs) in shapes {
+            let (a, b) = (integers(ls, &rng), integers(rs, &rng));
+            let upstream_shape = {
+                let plain = Tensor::<f64>::from_array(a.clone())
+                    .matmul_plain(&Tensor::from_array(b.clone()));
+                plain.shape()
+            };
+            let upstream = integers(&upstream_shape, &rng);
+            let run = |with: bool| {
+                let (x, y) = (
+                    Tensor::<f64>::param(a.clone()),
+                    Tensor::<f64>::param(b.clone()),
+                );
+                let z = if with {
+                    x.matmul_with(&y, &kernel)
+                } else {
+                    x.matmul_plain(&y)
+                };
+                z.backward_with(upstream.clone());
+                (z.to_vec(), x.grad().unwrap(), y.grad().unwrap())
+            };
+            assert_eq!(run(true), run(false), "{ls:?} · {rs:?}");
+        }
+        // f32 too.
+        let a = random_array(&[64, 33], &rng).mapv(|x| (x * 8.0).round() as f32);
+        let b = random_array(&[33, 9], &rng).mapv(|x| (x * 8.0).round() as f32);
+        let (x, y) = (Tensor::from_array(a), Tensor::from_array(b));
+        assert_eq!(
+            x.matmul_with(&y, &kernel).to_vec(),
+            x.matmul_plain(&y).to_vec()
+        );
+    }
+
+    #[test]
+    fn the_split_over_threads_does_not_change_a_bit() {
+        let kernel: Arc<dyn ProductKernel> = Arc::new(Naive);
+        let rng = Generator::new(5);
+        let a = random_array(&[300, 64], &rng).mapv(|x| x as f32);
+        let b = random_array(&[64, 80], &rng).mapv(|x| x as f32);
+        let on = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let (x, y) = (Tensor::from_array(a.clone()), Tensor::from_array(b.clone()));
+                let bits: Vec<u32> = x
+                    .matmul_with(&y, &kernel)
+                    .to_vec()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                bits
+            })
+        };
+        let one = on(1);
+        assert_eq!(one, on(3));
+    }
+}
