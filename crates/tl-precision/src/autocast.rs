@@ -17,10 +17,13 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use tl_numerics::{Format, round_slice};
-use tl_tensor::{Element, Finisher, MatmulHook, Tensor, WeakValue, matmul_hook, set_matmul_hook};
+use tl_tensor::{
+    Element, Finisher, MatmulHook, ProductKernel, Tensor, WeakValue, matmul_hook, set_matmul_hook,
+};
 
 use crate::cast::{cast, cast_owned, cast_sharing};
 use crate::error::Result;
+use crate::tensor_core::Accumulation;
 
 /// The format every matmul on this thread rounds to, or `None` outside autocast.
 ///
@@ -43,11 +46,32 @@ pub fn autocast_format() -> Option<Format> {
     format_of(matmul_hook().as_deref())
 }
 
+/// How the products of this thread's autocast accumulate: [`Accumulation::F32`] outside
+/// autocast or under plain [`autocast`], the model of [`autocast_with`] otherwise. Like
+/// [`autocast_format`], it is read off the installed hook, so a checkpoint's rerun sees its
+/// forward's model.
+///
+/// ```
+/// use tl_numerics::Format;
+/// use tl_precision::{Accumulation, autocast_accumulation, autocast_with};
+///
+/// assert_eq!(autocast_accumulation(), Accumulation::F32);
+/// let _h100 = autocast_with(Format::Bf16, Accumulation::H100);
+/// assert_eq!(autocast_accumulation(), Accumulation::H100);
+/// ```
+pub fn autocast_accumulation() -> Accumulation {
+    rounded_of(matmul_hook().as_deref()).map_or(Accumulation::F32, |rounded| rounded.accumulation)
+}
+
 /// The format of `hook` if it is autocast's.
 fn format_of(hook: Option<&(dyn MatmulHook + 'static)>) -> Option<Format> {
+    rounded_of(hook).map(|rounded| rounded.format)
+}
+
+/// `hook` if it is autocast's.
+fn rounded_of<'a>(hook: Option<&'a (dyn MatmulHook + 'static)>) -> Option<&'a RoundedMatmul> {
     let hook: &dyn Any = hook?;
     hook.downcast_ref::<RoundedMatmul>()
-        .map(|rounded| rounded.format)
 }
 
 /// Parses a 16-bit format name: exactly `"bf16"` or `"fp16"`.
@@ -67,9 +91,12 @@ pub fn parse_format(name: &str) -> Result<Format> {
     Ok(name.parse::<Format>()?)
 }
 
-/// The hook autocast installs: the product of the rounded operands, rounded.
+/// The hook autocast installs: the product of the rounded operands, rounded; summed by the
+/// accumulation model's kernel, or in f32 by the plain GEMM.
 struct RoundedMatmul {
     format: Format,
+    accumulation: Accumulation,
+    kernel: Option<Arc<dyn ProductKernel>>,
 }
 
 impl RoundedMatmul {
@@ -79,7 +106,11 @@ impl RoundedMatmul {
     /// place.
     fn product<E: Element>(&self, lhs: &Tensor<E>, rhs: &Tensor<E>) -> Tensor<E> {
         let f = self.format;
-        let product = rounded_operand(lhs, f).matmul_plain(&rounded_operand(rhs, f));
+        let (lhs, rhs) = (rounded_operand(lhs, f), rounded_operand(rhs, f));
+        let product = match &self.kernel {
+            Some(kernel) => lhs.matmul_with(&rhs, kernel),
+            None => lhs.matmul_plain(&rhs),
+        };
         cast_owned(product, f)
     }
 }
@@ -305,7 +336,49 @@ impl Drop for AutocastGuard {
 /// # Ok::<(), tl_tensor::TensorError>(())
 /// ```
 pub fn autocast(format: Format) -> AutocastGuard {
-    let hook: Arc<dyn MatmulHook> = Arc::new(RoundedMatmul { format });
+    autocast_with(format, Accumulation::F32)
+}
+
+/// [`autocast`] with the products accumulated by `accumulation`: for a tensor-core model,
+/// every product of the thread — forward, and the two of each backward — is
+/// `cast(D)` with `D` the binary32 result of the model's block FMA on the rounded operands
+/// (see tl-numerics' `BlockFma`). Guards nest and restore exactly as [`autocast`]'s, the
+/// model included.
+///
+/// # Panics
+/// If `accumulation` is a [`TensorCore`](Accumulation::TensorCore) with an invalid block
+/// (check it first with [`Accumulation::block_fma`]; parsing a name checks it).
+///
+/// ```
+/// use tl_numerics::Format;
+/// use tl_precision::{Accumulation, autocast_with};
+/// use tl_tensor::Tensor;
+///
+/// // 1 + 2^-11 + 2^-24 + 2^-24, all fp16 values. In f32 each 2^-24 is a tie that goes to
+/// // the even 1 + 2^-11, itself a tie between fp16's 1 and 1 + 2^-10: 1. An H100 keeps
+/// // both 2^-24 terms (two extra bits), so the binary32 sum lies above the tie.
+/// let a = Tensor::<f32>::from_vec(vec![1.0, 2f32.powi(-11), 2f32.powi(-24), 2f32.powi(-24)], &[1, 4])?;
+/// let b = Tensor::<f32>::from_vec(vec![1.0; 4], &[4, 1])?;
+/// {
+///     let _h100 = autocast_with(Format::Fp16, Accumulation::H100);
+///     assert_eq!(a.matmul(&b).item(), 1.0 + 2f32.powi(-10));
+///     let _v100 = autocast_with(Format::Fp16, Accumulation::V100); // cuts 2^-24 away
+///     assert_eq!(a.matmul(&b).item(), 1.0);
+/// }
+/// let _f32 = autocast_with(Format::Fp16, Accumulation::F32);
+/// assert_eq!(a.matmul(&b).item(), 1.0);
+/// # Ok::<(), tl_tensor::TensorError>(())
+/// ```
+pub fn autocast_with(format: Format, accumulation: Accumulation) -> AutocastGuard {
+    let kernel = match accumulation.kernel(format) {
+        Ok(kernel) => kernel,
+        Err(error) => panic!("autocast_with: {error}"),
+    };
+    let hook: Arc<dyn MatmulHook> = Arc::new(RoundedMatmul {
+        format,
+        accumulation,
+        kernel,
+    });
     let previous = set_matmul_hook(Some(hook));
     AutocastGuard {
         previous,

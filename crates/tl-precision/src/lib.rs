@@ -3,7 +3,9 @@
 //!
 //! - [`cast`] rounds a tensor into a 16-bit [`Format`], and its gradient on the way back.
 //! - [`autocast`] makes every matmul on the thread read and write 16-bit values, as a tensor
-//!   core does, while parameters and their updates stay f32 ("master weights").
+//!   core does, while parameters and their updates stay f32 ("master weights");
+//!   [`autocast_with`] also adds the products up as a given GPU's tensor cores do
+//!   ([`Accumulation`]).
 //! - [`DynamicLossScaler`] keeps fp16 gradients from underflowing, skipping the steps whose
 //!   gradients overflow.
 //! - [`grad_accumulate`] builds the gradient of a big batch from micro-batches of any sizes.
@@ -30,11 +32,12 @@ mod precision;
 mod scaler;
 mod scaler_state;
 mod step;
+mod tensor_core;
 
 pub use accumulate::{MicroBatch, grad_accumulate};
 pub use autocast::{
-    AutocastGuard, autocast, autocast_bf16, autocast_format, mark_rounded, parse_format,
-    round_for_products,
+    AutocastGuard, autocast, autocast_accumulation, autocast_bf16, autocast_format, autocast_with,
+    mark_rounded, parse_format, round_for_products,
 };
 pub use cast::{cast, record_underflows, round_gradient, take_underflow_count, underflow_count};
 pub use error::{PrecisionError, Result};
@@ -43,5 +46,6 @@ pub use precision::Precision;
 pub use scaler::{DynamicLossScaler, StepOutcome, grad_is_finite};
 pub use scaler_state::ScalerState;
 pub use step::{StepReport, train_step_mixed, train_step_mixed_observed};
+pub use tensor_core::Accumulation;
 /// The 16-bit formats, re-exported from tl-numerics.
 pub use tl_numerics::Format;

@@ -10,4 +10,5 @@ mod common;
 mod hand_examples;
 mod scaler;
 mod scaler_state;
+mod tensor_core;
 mod train_step;

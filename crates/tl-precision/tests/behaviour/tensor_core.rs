@@ -1,0 +1,175 @@
+//! Tensor-core accumulation under autocast: forward and both backward products by the
+//! model, wherever backward runs, and guards that nest and restore the model.
+
+use tl_numerics::{BlockFma, Round};
+use tl_precision::{
+    Accumulation, Format, autocast, autocast_accumulation, autocast_format, autocast_with,
+};
+use tl_tensor::Tensor;
+use tl_tensor::ndarray::{Array2, ArrayD, IxDyn};
+use tl_tensor::{Generator, testing::random_array};
+
+/// `rd(model(rd(a) · rd(b)))` for row-major matrices, by tl-numerics directly.
+fn model_product(fma: BlockFma, format: Format, a: &Array2<f64>, b: &Array2<f64>) -> Array2<f64> {
+    let (m, k, n) = (a.nrows(), a.ncols(), b.ncols());
+    let a: Vec<f64> = a.iter().map(|v| v.round_to(format)).collect();
+    let b: Vec<f64> = b.iter().map(|v| v.round_to(format)).collect();
+    let mut out = vec![0.0; m * n];
+    fma.gemm(format, m, k, n, &a, &b, &mut out);
+    Array2::from_shape_vec((m, n), out.iter().map(|v| v.round_to(format)).collect()).unwrap()
+}
+
+fn as2(x: ArrayD<f64>) -> Array2<f64> {
+    x.into_dimensionality().unwrap()
+}
+
+/// Values of several binades whose sums cancel and spill low bits: the models differ.
+fn operands(shape: &[usize], rng: &Generator) -> ArrayD<f64> {
+    random_array(shape, rng).mapv(|v| v * 2f64.powi((v * 40.0) as i32 % 9))
+}
+
+#[test]
+fn forward_and_both_backward_products_follow_the_model_wherever_backward_runs() {
+    let rng = Generator::new(11);
+    for (format, accumulation) in [
+        (Format::Fp16, Accumulation::V100),
+        (Format::Bf16, Accumulation::A100),
+        (Format::Fp16, Accumulation::H100),
+        (
+            Format::Bf16,
+            Accumulation::TensorCore {
+                block: 3,
+                extra_bits: 5,
+            },
+        ),
+    ] {
+        let fma = accumulation.block_fma().unwrap().unwrap();
+        let (a, b, g) = (
+            operands(&[6, 37], &rng),
+            operands(&[37, 5], &rng),
+            operands(&[6, 5], &rng),
+        );
+        for backward_inside in [true, false] {
+            let (x, y) = (
+                Tensor::<f64>::param(a.clone()),
+                Tensor::<f64>::param(b.clone()),
+            );
+            let guard = autocast_with(format, accumulation);
+            let z = x.matmul(&y);
+            if !backward_inside {
+                drop(guard);
+                z.backward_with(g.clone());
+            } else {
+                z.backward_with(g.clone());
+                drop(guard);
+            }
+            let (a2, b2, g2) = (as2(a.clone()), as2(b.clone()), as2(g.clone()));
+            let expected = model_product(fma, format, &a2, &b2);
+            assert_eq!(
+                as2(z.value().clone()),
+                expected,
+                "{accumulation} {format} value"
+            );
+            // d x = rd(model(rd(g)·rd(y)ᵀ)), d y = rd(model(rd(x)ᵀ·rd(g))).
+            let dx = model_product(fma, format, &g2, &b2.t().to_owned());
+            let dy = model_product(fma, format, &a2.t().to_owned(), &g2);
+            assert_eq!(as2(x.grad().unwrap()), dx, "{accumulation} {format} d lhs");
+            assert_eq!(as2(y.grad().unwrap()), dy, "{accumulation} {format} d rhs");
+        }
+    }
+}
+
+#[test]
+fn the_models_change_results_that_f32_accumulation_gives_otherwise() {
+    let rng = Generator::new(5);
+    // Each row starts with 2^12 and -2^12 against ones: they cancel exactly, but a model
+    // aligns the small terms of their block to 2^12 first and truncates them.
+    let mut a = random_array(&[16, 64], &rng).mapv(|v| v / 64.0);
+    let mut b = random_array(&[64, 16], &rng);
+    for i in 0..16 {
+        a[[i, 0]] = 4096.0;
+        a[[i, 1]] = -4096.0;
+        b[[0, i]] = 1.0;
+        b[[1, i]] = 1.0;
+    }
+    let product = |accumulation| {
+        let _guard = autocast_with(Format::Fp16, accumulation);
+        Tensor::<f32>::from_array(a.mapv(|v| v as f32))
+            .matmul(&Tensor::from_array(b.mapv(|v| v as f32)))
+            .to_vec()
+    };
+    let f32_sum = product(Accumulation::F32);
+    let plain = {
+        let _guard = autocast(Format::Fp16);
+        Tensor::<f32>::from_array(a.mapv(|v| v as f32))
+            .matmul(&Tensor::from_array(b.mapv(|v| v as f32)))
+            .to_vec()
+    };
+    assert_eq!(f32_sum, plain, "F32 is plain autocast");
+    for accumulation in [Accumulation::V100, Accumulation::A100, Accumulation::H100] {
+        let model = product(accumulation);
+        let differ = model.iter().zip(&f32_sum).filter(|(x, y)| x != y).count();
+        assert!(differ > 0, "{accumulation} changes no output of 256");
+    }
+}
+
+#[test]
+fn f32_and_f64_tensors_give_the_same_bits_under_a_model() {
+    let rng = Generator::new(8);
+    let (a, b) = (operands(&[2, 5, 24], &rng), operands(&[24, 7], &rng));
+    let _guard = autocast_with(Format::Bf16, Accumulation::H100);
+    let wide = Tensor::<f64>::from_array(a.clone())
+        .matmul(&Tensor::from_array(b.clone()))
+        .to_vec();
+    let narrow = Tensor::<f32>::from_array(a.mapv(|v| v as f32))
+        .matmul(&Tensor::from_array(b.mapv(|v| v as f32)))
+        .to_vec();
+    let narrow: Vec<f64> = narrow.into_iter().map(f64::from).collect();
+    // The operands round to the same bf16 values from f32 and from f64 (bf16 has 8 bits).
+    assert_eq!(wide, narrow);
+    let _ = ArrayD::<f64>::zeros(IxDyn(&[0]));
+}
+
+#[test]
+fn guards_nest_and_restore_the_model_with_the_format() {
+    assert_eq!(autocast_accumulation(), Accumulation::F32);
+    {
+        let _outer = autocast_with(Format::Bf16, Accumulation::H100);
+        assert_eq!(
+            (autocast_format(), autocast_accumulation()),
+            (Some(Format::Bf16), Accumulation::H100)
+        );
+        {
+            let _inner = autocast(Format::Fp16);
+            assert_eq!(
+                (autocast_format(), autocast_accumulation()),
+                (Some(Format::Fp16), Accumulation::F32)
+            );
+            {
+                let _innermost = autocast_with(Format::Fp16, Accumulation::V100);
+                assert_eq!(autocast_accumulation(), Accumulation::V100);
+            }
+            assert_eq!(autocast_accumulation(), Accumulation::F32);
+        }
+        assert_eq!(
+            (autocast_format(), autocast_accumulation()),
+            (Some(Format::Bf16), Accumulation::H100)
+        );
+    }
+    assert_eq!(
+        (autocast_format(), autocast_accumulation()),
+        (None, Accumulation::F32)
+    );
+}
+
+#[test]
+#[should_panic(expected = "invalid tensor-core accumulation: a block of 0")]
+fn an_invalid_custom_model_panics_naming_it() {
+    let _guard = autocast_with(
+        Format::Fp16,
+        Accumulation::TensorCore {
+            block: 0,
+            extra_bits: 0,
+        },
+    );
+}
