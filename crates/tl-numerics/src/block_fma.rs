@@ -256,6 +256,38 @@ impl BlockFma {
         b: &[E],
         out: &mut [E],
     ) {
+        self.gemm_from(inputs, (m, k, n), a, b, out, false);
+    }
+
+    /// `out = out + a · b` as [`gemm`](Self::gemm), each output's old value (as binary32)
+    /// the accumulator its first block starts from: the instruction's `D = C + A·B`, as a
+    /// GEMM split along its inner dimension chains it.
+    ///
+    /// # Panics
+    /// If a slice's length does not match its shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_accumulate<E: GemmElement>(
+        self,
+        inputs: Format,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: &[E],
+        b: &[E],
+        out: &mut [E],
+    ) {
+        self.gemm_from(inputs, (m, k, n), a, b, out, true);
+    }
+
+    fn gemm_from<E: GemmElement>(
+        self,
+        inputs: Format,
+        (m, k, n): (usize, usize, usize),
+        a: &[E],
+        b: &[E],
+        out: &mut [E],
+        accumulate: bool,
+    ) {
         assert!(
             a.len() == m * k && b.len() == k * n && out.len() == m * n,
             "BlockFma::gemm: slices of {}, {} and {} elements do not fit {m}×{k} by {k}×{n}",
@@ -267,10 +299,13 @@ impl BlockFma {
             return;
         }
         let emin = inputs.min_exponent();
+        let initial = |o: E| if accumulate { o.to_f64() as f32 } else { 0.0 };
+        let finite_initial = !accumulate || out.iter().all(|o| o.to_f64().is_finite());
         if self.fits_fast_kernel()
+            && finite_initial
             && let (Some(a), Some(b)) = (fast::pack(a, emin), fast::pack(b, emin))
         {
-            fast::gemm(self, m, k, n, &a, &b, out);
+            fast::gemm(self, (m, k, n), &a, &b, out, accumulate);
             return;
         }
         let a: Vec<f64> = a.iter().map(|x| x.to_f64()).collect();
@@ -280,7 +315,13 @@ impl BlockFma {
                 *c = b[p * n + j].to_f64();
             }
             for i in 0..m {
-                out[i * n + j] = E::from_f32(self.dot(inputs, &a[i * k..(i + 1) * k], &column));
+                let o = &mut out[i * n + j];
+                *o = E::from_f32(self.dot_with(
+                    inputs,
+                    initial(*o),
+                    &a[i * k..(i + 1) * k],
+                    &column,
+                ));
             }
         }
     }
@@ -478,15 +519,15 @@ mod fast {
         Some(packed)
     }
 
-    /// `out = a · b` on packed operands, `a` m×k and `b` k×n row-major.
+    /// `out = a · b` (or `out + a · b`, each output's old value as binary32 the starting
+    /// accumulator) on packed operands, `a` m×k and `b` k×n row-major.
     pub(super) fn gemm<E: GemmElement>(
         fma: BlockFma,
-        m: usize,
-        k: usize,
-        n: usize,
+        (m, k, n): (usize, usize, usize),
         a: &[Packed],
         b: &[Packed],
         out: &mut [E],
+        accumulate: bool,
     ) {
         let mut panel = vec![Packed::default(); k * LANES];
         for j0 in (0..n).step_by(LANES) {
@@ -501,8 +542,15 @@ mod fast {
                 });
             }
             for i in 0..m {
-                let acc = row_tile(fma, &a[i * k..(i + 1) * k], &panel);
-                for (o, &v) in out[i * n + j0..i * n + j0 + width].iter_mut().zip(&acc) {
+                let outputs = &mut out[i * n + j0..i * n + j0 + width];
+                let mut acc = [0u32; LANES];
+                if accumulate {
+                    for (a, o) in acc.iter_mut().zip(outputs.iter()) {
+                        *a = (o.to_f64() as f32).to_bits();
+                    }
+                }
+                let acc = row_tile(fma, &a[i * k..(i + 1) * k], &panel, acc);
+                for (o, &v) in outputs.iter_mut().zip(&acc) {
                     *o = E::from_f32(f32::from_bits(v));
                 }
             }
@@ -511,19 +559,29 @@ mod fast {
 
     /// One row of `a` against a packed panel of `LANES` columns: the binary32 bits of the
     /// `LANES` outputs.
-    fn row_tile(fma: BlockFma, row: &[Packed], panel: &[Packed]) -> [u32; LANES] {
+    fn row_tile(
+        fma: BlockFma,
+        row: &[Packed],
+        panel: &[Packed],
+        acc: [u32; LANES],
+    ) -> [u32; LANES] {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { row_tile_avx2(fma, row, panel) };
+            return unsafe { row_tile_avx2(fma, row, panel, acc) };
         }
-        row_tile_portable(fma, row, panel)
+        row_tile_portable(fma, row, panel, acc)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    unsafe fn row_tile_avx2(fma: BlockFma, row: &[Packed], panel: &[Packed]) -> [u32; LANES] {
-        row_tile_portable(fma, row, panel)
+    unsafe fn row_tile_avx2(
+        fma: BlockFma,
+        row: &[Packed],
+        panel: &[Packed],
+        acc: [u32; LANES],
+    ) -> [u32; LANES] {
+        row_tile_portable(fma, row, panel, acc)
     }
 
     /// The lanes' loops, written once and compiled for any x86-64 and for AVX2: integer
@@ -533,9 +591,9 @@ mod fast {
         fma: BlockFma,
         row: &[Packed],
         panel: &[Packed],
+        mut acc: [u32; LANES],
     ) -> [u32; LANES] {
         let extra = fma.extra_bits as i32;
-        let mut acc = [0u32; LANES];
         let mut magnitudes = [[0u32; LANES]; FAST_MAX_BLOCK];
         let mut negatives = [[0u32; LANES]; FAST_MAX_BLOCK];
         let mut exponents = [[0i32; LANES]; FAST_MAX_BLOCK];
@@ -677,7 +735,7 @@ mod tests {
                 let pa = fast::pack(a, Format::Bf16.min_exponent()).unwrap();
                 let pb = fast::pack(b, Format::Bf16.min_exponent()).unwrap();
                 let mut out = [0.0f32];
-                fast::gemm(fma, 1, a.len(), 1, &pa, &pb, &mut out);
+                fast::gemm(fma, (1, a.len(), 1), &pa, &pb, &mut out, false);
                 assert_eq!(out[0].to_bits(), expected.to_bits(), "{fma:?} {a:?}·{b:?}");
             }
         }

@@ -63,6 +63,13 @@ pub fn autocast_accumulation() -> Accumulation {
     rounded_of(matmul_hook().as_deref()).map_or(Accumulation::F32, |rounded| rounded.accumulation)
 }
 
+/// The product kernel of this thread's autocast model, `None` outside autocast or under
+/// [`Accumulation::F32`]: for an op that computes its own products (a fused attention), so
+/// that they add up as autocast's matmuls do.
+pub fn autocast_product_kernel() -> Option<Arc<dyn ProductKernel>> {
+    rounded_of(matmul_hook().as_deref()).and_then(|rounded| rounded.kernel.clone())
+}
+
 /// The format of `hook` if it is autocast's.
 fn format_of(hook: Option<&(dyn MatmulHook + 'static)>) -> Option<Format> {
     rounded_of(hook).map(|rounded| rounded.format)
@@ -370,7 +377,7 @@ pub fn autocast(format: Format) -> AutocastGuard {
 /// # Ok::<(), tl_tensor::TensorError>(())
 /// ```
 pub fn autocast_with(format: Format, accumulation: Accumulation) -> AutocastGuard {
-    let kernel = match accumulation.kernel(format) {
+    let kernel = match accumulation.product_kernel(format) {
         Ok(kernel) => kernel,
         Err(error) => panic!("autocast_with: {error}"),
     };

@@ -36,8 +36,8 @@ mod tensor_core;
 
 pub use accumulate::{MicroBatch, grad_accumulate};
 pub use autocast::{
-    AutocastGuard, autocast, autocast_accumulation, autocast_bf16, autocast_format, autocast_with,
-    mark_rounded, parse_format, round_for_products,
+    AutocastGuard, autocast, autocast_accumulation, autocast_bf16, autocast_format,
+    autocast_product_kernel, autocast_with, mark_rounded, parse_format, round_for_products,
 };
 pub use cast::{cast, record_underflows, round_gradient, take_underflow_count, underflow_count};
 pub use error::{PrecisionError, Result};

@@ -88,8 +88,13 @@ impl Accumulation {
         !(self == Accumulation::V100 && format == Format::Bf16)
     }
 
-    /// The product kernel of this model for operands of `format` (`None` for `F32`).
-    pub(crate) fn kernel(self, format: Format) -> Result<Option<Arc<dyn ProductKernel>>> {
+    /// The product kernel of this model for operands of `format` (`None` for `F32`): what
+    /// autocast multiplies with, and what a fused op that computes its own products (an
+    /// attention kernel) takes to multiply as autocast does.
+    ///
+    /// # Errors
+    /// As [`block_fma`](Self::block_fma).
+    pub fn product_kernel(self, format: Format) -> Result<Option<Arc<dyn ProductKernel>>> {
         Ok(self.block_fma()?.map(|fma| {
             let kernel: Arc<dyn ProductKernel> = Arc::new(TensorCoreProduct { fma, format });
             kernel
@@ -149,12 +154,40 @@ struct TensorCoreProduct {
 }
 
 impl ProductKernel for TensorCoreProduct {
-    fn product_f32(&self, m: usize, k: usize, n: usize, lhs: &[f32], rhs: &[f32], out: &mut [f32]) {
-        self.fma.gemm(self.format, m, k, n, lhs, rhs, out);
+    fn product_f32(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[f32],
+        rhs: &[f32],
+        out: &mut [f32],
+        accumulate: bool,
+    ) {
+        if accumulate {
+            self.fma
+                .gemm_accumulate(self.format, m, k, n, lhs, rhs, out);
+        } else {
+            self.fma.gemm(self.format, m, k, n, lhs, rhs, out);
+        }
     }
 
-    fn product_f64(&self, m: usize, k: usize, n: usize, lhs: &[f64], rhs: &[f64], out: &mut [f64]) {
-        self.fma.gemm(self.format, m, k, n, lhs, rhs, out);
+    fn product_f64(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[f64],
+        rhs: &[f64],
+        out: &mut [f64],
+        accumulate: bool,
+    ) {
+        if accumulate {
+            self.fma
+                .gemm_accumulate(self.format, m, k, n, lhs, rhs, out);
+        } else {
+            self.fma.gemm(self.format, m, k, n, lhs, rhs, out);
+        }
     }
 }
 

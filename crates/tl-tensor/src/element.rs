@@ -67,12 +67,11 @@ pub trait Element:
     #[doc(hidden)]
     fn kernel_product(
         kernel: &dyn ProductKernel,
-        m: usize,
-        k: usize,
-        n: usize,
+        shape: (usize, usize, usize),
         lhs: &[Self],
         rhs: &[Self],
         out: &mut [Self],
+        accumulate: bool,
     );
 }
 
@@ -105,14 +104,13 @@ impl Element for f32 {
 
     fn kernel_product(
         kernel: &dyn ProductKernel,
-        m: usize,
-        k: usize,
-        n: usize,
+        (m, k, n): (usize, usize, usize),
         lhs: &[f32],
         rhs: &[f32],
         out: &mut [f32],
+        accumulate: bool,
     ) {
-        kernel.product_f32(m, k, n, lhs, rhs, out);
+        kernel.product_f32(m, k, n, lhs, rhs, out, accumulate);
     }
 }
 
@@ -147,13 +145,12 @@ impl Element for f64 {
 
     fn kernel_product(
         kernel: &dyn ProductKernel,
-        m: usize,
-        k: usize,
-        n: usize,
+        (m, k, n): (usize, usize, usize),
         lhs: &[f64],
         rhs: &[f64],
         out: &mut [f64],
+        accumulate: bool,
     ) {
-        kernel.product_f64(m, k, n, lhs, rhs, out);
+        kernel.product_f64(m, k, n, lhs, rhs, out, accumulate);
     }
 }

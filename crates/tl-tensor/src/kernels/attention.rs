@@ -24,7 +24,7 @@ use rayon::prelude::*;
 
 use super::gemm::gemm_serial_into;
 use super::rows::{contiguous, copy_rows, lane_dot, lane_sum};
-use crate::{Element, Finisher};
+use crate::{Element, Finisher, ProductKernel};
 
 /// Query rows per block: 64 rows of up to 512 scores (128 KiB in f32) and their gradient
 /// fit in a core's L2 cache next to the head's keys and values.
@@ -39,6 +39,9 @@ pub struct Rounding<'a, E> {
     pub values: &'a Finisher<'a, E>,
     /// Rounds gradient values in place; returns how many became zero.
     pub gradients: &'a (dyn Fn(&mut [E]) -> u64 + Sync + 'a),
+    /// Computes every product (forward and backward) when the hardware's inner sums are not
+    /// the element type's (a tensor core's); `None` for the plain GEMM.
+    pub products: Option<&'a dyn ProductKernel>,
 }
 
 /// The geometry of one fused attention: `batch` sequences of `time` positions, `n_heads`
@@ -172,7 +175,13 @@ impl<E: Element> CausalAttention<E> {
                 (rounding.values)(rows);
             }
             let mut out_rows = out.slice_mut(s![start..end, ..]);
-            gemm_serial_into(&mut out_rows, probs.view(), v.slice(s![..end, ..]), false);
+            product(
+                &mut out_rows,
+                probs.view(),
+                v.slice(s![..end, ..]),
+                false,
+                rounding,
+            );
             if let Some(rounding) = rounding {
                 // A head's output rows are slices of the `[T, d]` result, `hd` apart.
                 for mut row in out_rows.rows_mut() {
@@ -215,7 +224,13 @@ impl<E: Element> CausalAttention<E> {
             )
             .expect("the scratch holds a block");
             // dP = dO·vᵀ, then dS = scale·P ⊙ (dP − Σ_j dP_j P_j), row by row.
-            gemm_serial_into(&mut d_scores, d_out_rows, v.slice(s![..end, ..]).t(), false);
+            product(
+                &mut d_scores,
+                d_out_rows,
+                v.slice(s![..end, ..]).t(),
+                false,
+                rounding,
+            );
             let p_rows = probs.as_slice_mut().expect("contiguous block");
             let d_rows = d_scores.as_slice_mut().expect("contiguous block");
             for (t, (p_row, d_row)) in row_pairs(p_rows, d_rows, start, end) {
@@ -244,15 +259,22 @@ impl<E: Element> CausalAttention<E> {
             let (probs, d_scores) = (probs.view(), d_scores.view());
             // dv[..end] += Pᵀ·dO, dk[..end] += dSᵀ·q, dq[rows] = dS·k.
             let keys = s![..end, ..];
-            gemm_serial_into(&mut dv_sum.slice_mut(keys), probs.t(), d_out_rows, true);
-            gemm_serial_into(
+            product(
+                &mut dv_sum.slice_mut(keys),
+                probs.t(),
+                d_out_rows,
+                true,
+                rounding,
+            );
+            product(
                 &mut dk_sum.slice_mut(keys),
                 d_scores.t(),
                 q.slice(s![start..end, ..]),
                 true,
+                rounding,
             );
             let mut dq_rows = dq_block.slice_mut(s![..end - start, ..]);
-            gemm_serial_into(&mut dq_rows, d_scores, k.slice(keys), false);
+            product(&mut dq_rows, d_scores, k.slice(keys), false, rounding);
             round_grad(dq_rows.as_slice_mut().expect("the front rows of a matrix"));
             copy_rows(dq.slice_mut(s![start..end, ..]), dq_rows.view());
         }
@@ -284,11 +306,12 @@ impl<E: Element> CausalAttention<E> {
         let mut block =
             ArrayViewMut2::from_shape((end - start, end), &mut scratch[..(end - start) * end])
                 .expect("the scratch holds a block");
-        gemm_serial_into(
+        product(
             &mut block,
             q.slice(s![start..end, ..]),
             k.slice(s![..end, ..]).t(),
             false,
+            rounding,
         );
         if let Some(rounding) = rounding {
             (rounding.values)(block.as_slice_mut().expect("contiguous block"));
@@ -356,6 +379,34 @@ fn row_pairs<'a, E>(
         .zip(grads.chunks_exact_mut(end))
         .enumerate()
         .map(move |(i, rows)| (start + i, rows))
+}
+
+/// `out = lhs · rhs` (or `out += lhs · rhs` with `accumulate`) on this thread: by the
+/// rounding's product kernel when it has one (on row-major copies of the operands), by the
+/// plain GEMM otherwise.
+fn product<E: Element>(
+    out: &mut ArrayViewMut2<'_, E>,
+    lhs: ArrayView2<'_, E>,
+    rhs: ArrayView2<'_, E>,
+    accumulate: bool,
+    rounding: Option<&Rounding<'_, E>>,
+) {
+    let Some(kernel) = rounding.and_then(|r| r.products) else {
+        gemm_serial_into(out, lhs, rhs, accumulate);
+        return;
+    };
+    let ((m, k), n) = (lhs.dim(), rhs.ncols());
+    let (lhs, rhs) = (contiguous(lhs), contiguous(rhs));
+    let mut result = contiguous(out.view());
+    E::kernel_product(
+        kernel,
+        (m, k, n),
+        lhs.as_slice().expect("standard layout"),
+        rhs.as_slice().expect("standard layout"),
+        result.as_slice_mut().expect("standard layout"),
+        accumulate,
+    );
+    out.assign(&result);
 }
 
 /// A head's `[T, hd]` operand as a contiguous matrix, rounded if asked.
@@ -440,6 +491,7 @@ mod tests {
             xs.len() as u64
         };
         let rounding = Rounding {
+            products: None,
             values: &values,
             gradients: &gradients,
         };
@@ -450,5 +502,86 @@ mod tests {
         // dO first (15 values), then per block dP and dS (the 5×5 block twice), dq (15),
         // and dk, dv (15 each).
         assert_eq!(flushed, 15 + 2 * 25 + 15 + 2 * 15);
+    }
+
+    /// A product kernel that sums in plain f64 order and counts its calls.
+    #[derive(Debug, Default)]
+    struct Counting(std::sync::atomic::AtomicUsize);
+
+    impl ProductKernel for Counting {
+        fn product_f32(
+            &self,
+            _: usize,
+            _: usize,
+            _: usize,
+            _: &[f32],
+            _: &[f32],
+            _: &mut [f32],
+            _: bool,
+        ) {
+            unreachable!("f64 only")
+        }
+        fn product_f64(
+            &self,
+            m: usize,
+            k: usize,
+            n: usize,
+            lhs: &[f64],
+            rhs: &[f64],
+            out: &mut [f64],
+            accumulate: bool,
+        ) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            for i in 0..m {
+                for j in 0..n {
+                    let start = if accumulate { out[i * n + j] } else { 0.0 };
+                    out[i * n + j] =
+                        start + (0..k).map(|p| lhs[i * k + p] * rhs[p * n + j]).sum::<f64>();
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_product_goes_through_the_rounding_s_kernel_when_it_has_one() {
+        let rng = Generator::new(9);
+        let kernel = CausalAttention {
+            batch: 2,
+            time: ROW_BLOCK + 6,
+            n_heads: 2,
+            head_dim: 4,
+            scale: 0.5,
+        };
+        let shape = [2, ROW_BLOCK + 6, 8];
+        let [q, k, v, d_out] = [(); 4].map(|()| random_array(&shape, &rng));
+        let identity = |_: &mut [f64]| {};
+        let no_flush = |_: &mut [f64]| 0;
+        let counting = Counting::default();
+        let with = Rounding {
+            values: &identity,
+            gradients: &no_flush,
+            products: Some(&counting),
+        };
+        let (out, stats) = kernel.forward(&q, &k, &v, Some(&with));
+        let (plain, plain_stats) = kernel.forward(&q, &k, &v, None);
+        // Two products per block of rows of each of the 4 (sequence, head) tasks.
+        assert_eq!(
+            counting.0.load(std::sync::atomic::Ordering::Relaxed),
+            4 * 2 * 2
+        );
+        let (grads, _) = kernel.backward([&q, &k, &v], &stats, &d_out, Some(&with));
+        let (plain_grads, _) = kernel.backward([&q, &k, &v], &plain_stats, &d_out, None);
+        // Backward: the scores again, dP, dv, dk and dq per block.
+        assert_eq!(
+            counting.0.load(std::sync::atomic::Ordering::Relaxed),
+            4 * 2 * (2 + 5)
+        );
+        let pairs = out
+            .iter()
+            .zip(&plain)
+            .chain(grads.iter().flatten().zip(plain_grads.iter().flatten()));
+        for (x, y) in pairs {
+            assert!((x - y).abs() < 1e-12, "{x} vs {y}");
+        }
     }
 }

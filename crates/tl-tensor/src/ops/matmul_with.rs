@@ -18,17 +18,40 @@ use super::{broadcast_shape, unbroadcast};
 use crate::kernels::split::PARALLEL_WORK;
 use crate::{Element, Tensor};
 
-/// The arithmetic of a matrix product's inner sums, for [`Tensor::matmul_with`].
+/// The arithmetic of a matrix product's inner sums, for [`Tensor::matmul_with`] and the
+/// fused attention kernel.
 ///
 /// Every method computes `out = lhs · rhs` for contiguous row-major matrices (`lhs` m×k,
-/// `rhs` k×n, `out` m×n). Each output must depend on its row of `lhs` and its column of
-/// `rhs` only — never on `m` — so that a product split by rows over threads gives the same
-/// bits as in one piece.
+/// `rhs` k×n, `out` m×n), or with `accumulate`, `out = out + lhs · rhs` with each output's
+/// old value as the accumulator the sum starts from (a tensor core's `D = C + A·B`). Each
+/// output must depend on its row of `lhs`, its column of `rhs` (and its old value) only —
+/// never on `m` — so that a product split by rows over threads gives the same bits as in one
+/// piece.
 pub trait ProductKernel: Send + Sync + fmt::Debug {
     /// The product of f32 matrices.
-    fn product_f32(&self, m: usize, k: usize, n: usize, lhs: &[f32], rhs: &[f32], out: &mut [f32]);
+    #[allow(clippy::too_many_arguments)]
+    fn product_f32(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[f32],
+        rhs: &[f32],
+        out: &mut [f32],
+        accumulate: bool,
+    );
     /// The product of f64 matrices.
-    fn product_f64(&self, m: usize, k: usize, n: usize, lhs: &[f64], rhs: &[f64], out: &mut [f64]);
+    #[allow(clippy::too_many_arguments)]
+    fn product_f64(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[f64],
+        rhs: &[f64],
+        out: &mut [f64],
+        accumulate: bool,
+    );
 }
 
 /// Matrices of this many rows or more are split by rows over threads.
@@ -47,14 +70,16 @@ fn product<E: Element>(
     let threads = rayon::current_num_threads();
     let work = m.saturating_mul(n).saturating_mul(k);
     if !parallel || threads == 1 || work < PARALLEL_WORK || m < 2 * MIN_ROWS_PER_TASK || n == 0 {
-        E::kernel_product(kernel, m, k, n, lhs, rhs, out);
+        E::kernel_product(kernel, (m, k, n), lhs, rhs, out, false);
         return;
     }
     // Rows in about four pieces per thread: enough for the pool to balance.
     let rows = m.div_ceil(4 * threads).max(MIN_ROWS_PER_TASK);
     out.par_chunks_mut(rows * n)
         .zip(lhs.par_chunks(rows * k))
-        .for_each(|(out, lhs)| E::kernel_product(kernel, out.len() / n, k, n, lhs, rhs, out));
+        .for_each(|(out, lhs)| {
+            E::kernel_product(kernel, (out.len() / n, k, n), lhs, rhs, out, false)
+        });
 }
 
 /// The batched product `[b.., m, k] · [b.., k, n]` of two views whose batch axes agree, by
@@ -227,10 +252,22 @@ mod tests {
     #[derive(Debug)]
     struct Naive;
 
-    fn naive<E: Element>(m: usize, k: usize, n: usize, lhs: &[E], rhs: &[E], out: &mut [E]) {
+    fn naive<E: Element>(
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[E],
+        rhs: &[E],
+        out: &mut [E],
+        accumulate: bool,
+    ) {
         for i in 0..m {
             for j in 0..n {
-                let mut sum = E::zero();
+                let mut sum = if accumulate {
+                    out[i * n + j]
+                } else {
+                    E::zero()
+                };
                 for p in 0..k {
                     sum += lhs[i * k + p] * rhs[p * n + j];
                 }
@@ -248,8 +285,9 @@ mod tests {
             lhs: &[f32],
             rhs: &[f32],
             out: &mut [f32],
+            accumulate: bool,
         ) {
-            naive(m, k, n, lhs, rhs, out);
+            naive(m, k, n, lhs, rhs, out, accumulate);
         }
         fn product_f64(
             &self,
@@ -259,8 +297,9 @@ mod tests {
             lhs: &[f64],
             rhs: &[f64],
             out: &mut [f64],
+            accumulate: bool,
         ) {
-            naive(m, k, n, lhs, rhs, out);
+            naive(m, k, n, lhs, rhs, out, accumulate);
         }
     }
 

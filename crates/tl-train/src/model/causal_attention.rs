@@ -40,11 +40,13 @@
 
 use std::rc::Rc;
 
+use std::sync::Arc;
 use tl_numerics::{Format, round_slice, round_slice_counting_flushes};
-use tl_precision::{autocast_format, mark_rounded, record_underflows};
+
+use tl_precision::{autocast_format, autocast_product_kernel, mark_rounded, record_underflows};
 use tl_recompute::keep_for_rerun;
 use tl_tensor::kernels::attention::{CausalAttention, Rounding};
-use tl_tensor::{Element, Tensor};
+use tl_tensor::{Element, ProductKernel, Tensor};
 
 /// `softmax(q·kᵀ/√hd + M)·v` for each of `n_heads` heads, where `q`, `k`, `v` are `[B, T, d]`
 /// with head `h` in columns `h·hd..(h+1)·hd` (`hd = d / n_heads`), `M = −∞` above the
@@ -82,12 +84,14 @@ pub fn causal_attention<E: Element>(
         head_dim,
         scale: E::from_f64(1.0 / (head_dim as f64).sqrt()),
     };
-    // The format in force now; the backward pass rounds to it too, wherever it runs.
+    // The format and the accumulation model in force now; the backward pass rounds to it
+    // and multiplies by it too, wherever it runs.
     let format = autocast_format();
+    let products = autocast_product_kernel();
     // The most expensive part of a block's forward pass for one `[B, T, d]` result: a
     // checkpointed block keeps it rather than computing it again in its rerun.
     let (output, row_stats) = keep_for_rerun(|| {
-        let (value, row_stats) = with_rounding(format, |rounding| {
+        let (value, row_stats) = with_rounding(format, products.as_ref(), |rounding| {
             kernel.forward(&q.value(), &k.value(), &v.value(), rounding)
         });
         (Tensor::from_array(value), Rc::new(row_stats))
@@ -95,7 +99,7 @@ pub fn causal_attention<E: Element>(
     let saved = [q.clone(), k.clone(), v.clone()];
     let result = Tensor::from_op_shared(&output, &[q, k, v], move |grad| {
         let [q, k, v] = &saved;
-        let (grads, flushed) = with_rounding(format, |rounding| {
+        let (grads, flushed) = with_rounding(format, products.as_ref(), |rounding| {
             kernel.backward(
                 [&q.value(), &k.value(), &v.value()],
                 &row_stats,
@@ -118,9 +122,11 @@ pub fn causal_attention<E: Element>(
 }
 
 /// Runs `f` with the kernel's rounding into `format` (tl-numerics' rounding, and its count
-/// of gradient values flushed to zero, as tl-precision's `cast` counts them), or none.
+/// of gradient values flushed to zero, as tl-precision's `cast` counts them) and products by
+/// autocast's accumulation model, or none.
 fn with_rounding<E: Element, T>(
     format: Option<Format>,
+    products: Option<&Arc<dyn ProductKernel>>,
     f: impl FnOnce(Option<&Rounding<'_, E>>) -> T,
 ) -> T {
     let Some(format) = format else {
@@ -131,6 +137,7 @@ fn with_rounding<E: Element, T>(
     f(Some(&Rounding {
         values: &values,
         gradients: &gradients,
+        products: products.map(|kernel| kernel.as_ref()),
     }))
 }
 
@@ -138,7 +145,7 @@ fn with_rounding<E: Element, T>(
 mod tests {
     use super::*;
     use tl_numerics::Round;
-    use tl_precision::{autocast, take_underflow_count};
+    use tl_precision::{Accumulation, autocast, autocast_with, take_underflow_count};
     use tl_tensor::kernels::attention::ROW_BLOCK;
     use tl_tensor::ndarray::IxDyn;
     use tl_tensor::testing::{assert_gradients, random_array};
@@ -254,6 +261,47 @@ mod tests {
         // Without autocast the same output is not bf16, so the check above can fail.
         let plain = run(|q, k, v| causal_attention(q, k, v, 2), &inputs, &d_out);
         assert!(!plain[0].iter().all(bf16));
+    }
+
+    #[test]
+    fn under_a_tensor_core_model_it_multiplies_as_the_separate_ops_do() {
+        // The separate ops' products go through autocast's hook, hence the model; the fused
+        // kernel takes the same model's kernel. Blocks of 64 query rows are whole blocks of
+        // every model, so even dk and dv, chained across row blocks, add up as one product.
+        let (inputs, d_out) = inputs(64, 6);
+        let (inputs, d_out) = (inputs.each_ref().map(to_f32), to_f32(&d_out));
+        for accumulation in [Accumulation::V100, Accumulation::H100] {
+            let under = |accumulation, fused: bool| {
+                let _guard = autocast_with(Format::Fp16, accumulation);
+                if fused {
+                    run(|q, k, v| causal_attention(q, k, v, 2), &inputs, &d_out)
+                } else {
+                    run(|q, k, v| separate_ops(q, k, v, 2), &inputs, &d_out)
+                }
+            };
+            let (fused, separate) = (under(accumulation, true), under(accumulation, false));
+            let f32_sums = under(Accumulation::F32, true);
+            let mut changed = 0;
+            for (i, name) in ["output", "dq", "dk", "dv"].iter().enumerate() {
+                // Only the softmax's own f32 sums differ between the two; they move a
+                // rounding boundary now and then.
+                let differ = fused[i]
+                    .iter()
+                    .zip(&separate[i])
+                    .filter(|(x, y)| x != y)
+                    .count();
+                assert!(
+                    differ * 100 < fused[i].len(),
+                    "{accumulation} {name}: {differ} differ"
+                );
+                changed += fused[i]
+                    .iter()
+                    .zip(&f32_sums[i])
+                    .filter(|(x, y)| x != y)
+                    .count();
+            }
+            assert!(changed > 0, "{accumulation} changes nothing in attention");
+        }
     }
 
     #[test]
