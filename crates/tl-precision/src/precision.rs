@@ -6,7 +6,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use tl_numerics::Format;
 
-use crate::autocast::{AutocastGuard, autocast};
+use crate::autocast::{AutocastGuard, autocast_accumulation, autocast_with};
 use crate::error::PrecisionError;
 
 /// The precision of a training step: plain f32, or f32 masters with emulated 16-bit matmuls.
@@ -60,8 +60,23 @@ impl Precision {
 
     /// Turns on the autocast of this precision until the guard drops (`None` for fp32, which
     /// leaves the thread's current mode alone).
+    ///
+    /// The products keep the accumulation model in force on the thread
+    /// ([`autocast_accumulation`]): a caller that chose the hardware with
+    /// [`autocast_with`] runs a recipe's steps, which turn on their precision themselves, on
+    /// that hardware.
+    ///
+    /// ```
+    /// use tl_numerics::Format;
+    /// use tl_precision::{Accumulation, Precision, autocast_accumulation, autocast_with};
+    ///
+    /// let _h100 = autocast_with(Format::Bf16, Accumulation::H100);
+    /// let _fp16 = Precision::Fp16.autocast();
+    /// assert_eq!(autocast_accumulation(), Accumulation::H100);
+    /// ```
     pub fn autocast(self) -> Option<AutocastGuard> {
-        self.format().map(autocast)
+        self.format()
+            .map(|format| autocast_with(format, autocast_accumulation()))
     }
 }
 

@@ -40,6 +40,10 @@ pub struct CompareArgs {
     /// The recipe in fp32 (to isolate accumulation and checkpointing).
     #[arg(long)]
     pub fp32: bool,
+    /// The recipe's 16-bit products add up as these tensor cores do: v100, a100, h100 or
+    /// tensor-core:BLOCK:EXTRA_BITS [default: f32].
+    #[arg(long, value_name = "MODEL", conflicts_with = "fp32")]
+    pub accumulate: Option<tl_precision::Accumulation>,
     /// Sequences per micro-batch of the recipe [default: 8].
     #[arg(long, value_name = "N")]
     pub micro_batch: Option<usize>,
@@ -87,6 +91,7 @@ fn recipe_config(args: &CompareArgs) -> Result<TrainConfig> {
             preset: args.preset.clone(),
             bf16: defaults && !args.fp16 && !args.fp32,
             fp16: args.fp16,
+            accumulate: args.accumulate,
             micro_batch: args.micro_batch.or(defaults.then_some(8)),
             accum: args.accum.or(defaults.then_some(4)),
             checkpoint_activations: defaults

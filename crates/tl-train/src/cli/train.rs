@@ -232,6 +232,7 @@ pub(super) fn config_from_args(
     } else if recipe.fp16 {
         config.precision = Precision::Fp16;
     }
+    config.accumulation = recipe.accumulate.unwrap_or(config.accumulation);
     config.micro_batch = recipe.micro_batch.unwrap_or(config.micro_batch);
     config.accum = recipe.accum.unwrap_or(config.accum);
     if recipe.checkpoint_activations {

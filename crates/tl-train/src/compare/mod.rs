@@ -63,6 +63,7 @@ pub struct Comparison {
 pub fn baseline_for(recipe: &TrainConfig) -> TrainConfig {
     TrainConfig {
         precision: Precision::Fp32,
+        accumulation: tl_precision::Accumulation::F32,
         micro_batch: recipe.micro_batch * recipe.accum,
         accum: 1,
         checkpointing: Checkpointing::Off,

@@ -457,15 +457,16 @@ mod tests {
         loss_and_gradients_under(model, None, true)
     }
 
-    /// [`loss_and_gradients`] with the forward pass (loss included) under autocast in
-    /// `format`, and the backward pass inside the guard or after it has dropped.
+    /// [`loss_and_gradients`] with the forward pass (loss included) under autocast in a format
+    /// and an accumulation model, and the backward pass inside the guard or after it has
+    /// dropped.
     fn loss_and_gradients_under(
         model: &Llama<f32>,
-        format: Option<tl_precision::Format>,
+        autocast: Option<(tl_precision::Format, tl_precision::Accumulation)>,
         backward_inside: bool,
     ) -> (u32, Vec<Vec<u32>>) {
         model.zero_grad();
-        let guard = format.map(tl_precision::autocast);
+        let guard = autocast.map(|(format, model)| tl_precision::autocast_with(format, model));
         let loss = model.loss(&INPUTS, &TARGETS, 2, 4).unwrap();
         if backward_inside {
             loss.backward();
@@ -555,7 +556,7 @@ mod tests {
     /// (the fused attention asks for the autocast format again in the rerun).
     #[test]
     fn checkpointed_runs_under_autocast_match_the_plain_run_wherever_backward_runs() {
-        use tl_precision::Format;
+        use tl_precision::{Accumulation, Format};
         let config = ModelConfig {
             n_layers: 4,
             ..micro_config(0.25)
@@ -565,7 +566,7 @@ mod tests {
         for format in [Format::Bf16, Format::Fp16] {
             model.set_checkpointing(Checkpointing::Off);
             model.dropout_generator().set_state(&start);
-            let plain = loss_and_gradients_under(&model, Some(format), true);
+            let plain = loss_and_gradients_under(&model, Some((format, Accumulation::F32)), true);
             model.dropout_generator().set_state(&start);
             let no_autocast = loss_and_gradients(&model);
             assert_ne!(
@@ -577,9 +578,61 @@ mod tests {
                 for backward_inside in [true, false] {
                     model.dropout_generator().set_state(&start);
                     assert_eq!(
-                        loss_and_gradients_under(&model, Some(format), backward_inside),
+                        loss_and_gradients_under(
+                            &model,
+                            Some((format, Accumulation::F32)),
+                            backward_inside
+                        ),
                         plain,
                         "{format}, {checkpointing:?}, backward inside the guard: {backward_inside}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A tensor-core model meets checkpointing: the rerun during a backward that runs after
+    /// the guard must multiply by the forward's model (the hook travels in the modes a
+    /// checkpoint captures; the fused attention keeps the kernel it took at forward time).
+    #[test]
+    fn checkpointed_runs_under_a_tensor_core_model_match_the_plain_run() {
+        use tl_precision::{Accumulation, Format};
+        let config = ModelConfig {
+            n_layers: 4,
+            ..micro_config(0.25)
+        };
+        let model = Llama::<f32>::new(&config, 4).unwrap();
+        let start = model.dropout_generator().state();
+        for (format, accumulation) in [
+            (Format::Fp16, Accumulation::V100),
+            (Format::Fp16, Accumulation::H100),
+        ] {
+            model.set_checkpointing(Checkpointing::Off);
+            model.dropout_generator().set_state(&start);
+            let plain = loss_and_gradients_under(&model, Some((format, accumulation)), true);
+            model.dropout_generator().set_state(&start);
+            let f32_sums =
+                loss_and_gradients_under(&model, Some((format, Accumulation::F32)), true);
+            // The micro model's sums are a block or two long: an H100 adds them almost
+            // exactly, like f32, and its fp16 results agree; a V100 truncates every four.
+            if accumulation == Accumulation::V100 {
+                assert!(
+                    plain != f32_sums,
+                    "{accumulation}: the model changes no gradient"
+                );
+            }
+            for checkpointing in [Checkpointing::PerBlock, Checkpointing::Budget(3)] {
+                model.set_checkpointing(checkpointing);
+                for backward_inside in [true, false] {
+                    model.dropout_generator().set_state(&start);
+                    let checkpointed = loss_and_gradients_under(
+                        &model,
+                        Some((format, accumulation)),
+                        backward_inside,
+                    );
+                    assert!(
+                        checkpointed == plain,
+                        "{accumulation} {format}, {checkpointing:?}, backward inside: {backward_inside}"
                     );
                 }
             }

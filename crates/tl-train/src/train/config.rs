@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use tl_precision::Precision;
+use tl_precision::{Accumulation, AutocastGuard, Precision, autocast_with};
 use tl_recompute::checkpoint_schedule;
 
 use super::schedule::LrSchedule;
@@ -43,6 +43,10 @@ pub struct TrainConfig {
     pub data: DataSource,
     /// fp32, or bf16/fp16 autocast (fp16 with a dynamic loss scaler).
     pub precision: Precision,
+    /// How autocast's products add up: in f32, or as a GPU's tensor cores do (absent from
+    /// a config file: f32).
+    #[serde(default, skip_serializing_if = "is_f32_accumulation")]
+    pub accumulation: Accumulation,
     /// Rows (sequences of `model.context` tokens) per micro-batch.
     pub micro_batch: usize,
     /// Micro-batches accumulated per optimizer step.
@@ -305,6 +309,10 @@ fn default_keep_checkpoints() -> usize {
     2
 }
 
+fn is_f32_accumulation(accumulation: &Accumulation) -> bool {
+    *accumulation == Accumulation::F32
+}
+
 /// A file's size and SHA-256.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -354,6 +362,14 @@ pub mod limits {
 }
 
 impl TrainConfig {
+    /// The autocast of the run's precision on the run's accumulation model, until the guard
+    /// drops (`None` in fp32). Steps turn on their precision inside it and keep the model.
+    pub fn autocast(&self) -> Option<AutocastGuard> {
+        self.precision
+            .format()
+            .map(|format| autocast_with(format, self.accumulation))
+    }
+
     /// The defaults of `tinyllm train` for `preset`: the mixed recipe's batch of
     /// 8 × 4 sequences, fp32, no checkpointing, the built-in corpus.
     pub fn for_preset(preset: Preset) -> Self {
@@ -371,6 +387,7 @@ impl TrainConfig {
                 bytes: 2_000_000,
             },
             precision: Precision::Fp32,
+            accumulation: Accumulation::F32,
             micro_batch: 8,
             accum: 4,
             checkpointing: Checkpointing::Off,
@@ -596,6 +613,30 @@ impl TrainConfig {
                 self.parallel.zero.to_string(),
                 &format!("tinyllm train runs ZeRO stages 0 to {MAX_ZERO_STAGE}"),
             );
+        }
+        if self.accumulation != Accumulation::F32 {
+            let value = self.accumulation.to_string();
+            let Some(format) = self.precision.format() else {
+                return invalid(
+                    "accumulate",
+                    value,
+                    "a tensor-core model multiplies 16-bit operands: add --bf16 or --fp16",
+                );
+            };
+            if self.accumulation.block_fma().is_err() {
+                return invalid(
+                    "accumulate",
+                    value,
+                    "a tensor-core block must be 1 to 65536 products with 0 to 40 extra bits",
+                );
+            }
+            if !self.accumulation.supports(format) {
+                return invalid(
+                    "accumulate",
+                    value,
+                    "V100 tensor cores have no bf16 mode: use --fp16, or a100/h100",
+                );
+            }
         }
         if self.eval_batches == 0 {
             return invalid("eval-batches", "0".into(), "must be at least 1");

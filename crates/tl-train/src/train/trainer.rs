@@ -619,6 +619,8 @@ impl Trainer {
         let started = Instant::now();
         let (sent_before, busy_before) =
             (self.ddp.stats().bytes_sent, self.ddp.communication_time());
+        // The run's hardware: the step turns on its precision inside and keeps the model.
+        let hardware = config.autocast();
         let stepped = self.optimizer.train_step(
             &mut self.ddp,
             &self.model,
@@ -629,6 +631,7 @@ impl Trainer {
             self.scaler.as_mut(),
             config.clip,
         );
+        drop(hardware);
         let report = stepped.map_err(|error| self.diverged_from(error))?;
         // Nothing reads the gradients after the update (the next step drops them first):
         // dropped now, they do not sit under the evaluation or the checkpoint's write.
@@ -832,7 +835,7 @@ impl Trainer {
     /// The mean validation loss, nats per token, weighting each batch by its rows.
     pub fn validation_loss(&self) -> f64 {
         let _no_graph = no_grad();
-        let _autocast = self.config.precision.autocast();
+        let _autocast = self.config.autocast();
         self.model.set_training(false);
         let (mut total, mut rows) = (0.0, 0);
         for batch in &self.validation {
@@ -1009,6 +1012,7 @@ pub(crate) fn mixed_step(
     scaler: Option<&mut DynamicLossScaler>,
     config: &TrainConfig,
 ) -> Result<StepReport> {
+    let _hardware = config.autocast();
     Ok(train_step_mixed(
         model,
         micro_batches,
