@@ -69,7 +69,8 @@
 //!   an infinity wins with its sign.
 //! - **Overflow.** A sum at or beyond `2^128` gives ±∞, not the largest finite value that
 //!   truncation would suggest (the models do the same, and a loss scaler must see it).
-//! - **Zero.** A sum that is exactly zero is `+0`, whatever the signs that cancelled.
+//! - **Zero.** A sum that is exactly zero is `+0`, whatever the signs that cancelled; a
+//!   nonzero sum below `2^-149` truncates to a zero of its own sign.
 //! - **Subnormals** are kept, in the inputs and in the result (a multiple of `2^-149`).
 
 use crate::error::{NumericsError, Result};
@@ -154,6 +155,16 @@ impl BlockFma {
     /// The alignment bits kept beyond binary32's 24.
     pub const fn extra_bits(self) -> u32 {
         self.extra_bits
+    }
+
+    /// The smallest alignment exponent, if the model has one (the A100's −132, the
+    /// H100's −133; none for the V100 and for [`new`](Self::new)'s models).
+    pub const fn min_alignment_exponent(self) -> Option<i32> {
+        if self.min_alignment == NO_LIMIT {
+            None
+        } else {
+            Some(self.min_alignment)
+        }
     }
 
     /// One multiply-accumulate, `acc + Σ a[i]·b[i]` over one block, for operands of format
@@ -476,12 +487,21 @@ fn truncate_to_f32(negative: bool, magnitude: u128, unit: i32) -> f32 {
 
 /// The vectorised kernel: eight output columns side by side in 32-bit integer lanes, each
 /// operand as a 12-bit significand and its format exponent.
+///
+/// For one row of `a` and a panel of eight columns of `b`, a block of products takes two
+/// passes. The first finds each lane's alignment exponent, the largest `e(x) + e(y)` (the
+/// accumulator's exponent and the model's floor included); a zero operand's exponent is so
+/// low that its products never count. The second multiplies the significands (the panel's
+/// are stored shifted left by `1 + extra` bits, so that a product's units are one right shift
+/// away) and adds each term, truncated by that shift, into a sum of positive and a sum of
+/// negative terms (each below 2^32). The accumulator is then normalised and truncated into
+/// binary32 from the difference.
 mod fast {
-    use super::{BlockFma, FAST_MAX_BLOCK, GemmElement, LANES, ZERO_EXPONENT, format_exponent};
+    use super::{BlockFma, GemmElement, LANES, ZERO_EXPONENT, format_exponent};
 
     /// An operand: sign in bit 31 and a significand below 2^12 (`|x| = s · 2^(e - 11)`),
     /// and its format exponent `e` (`ZERO_EXPONENT` for zero).
-    #[derive(Clone, Copy, Default)]
+    #[derive(Clone, Copy, Default, Debug)]
     pub(super) struct Packed {
         signed: u32,
         exponent: i32,
@@ -519,6 +539,29 @@ mod fast {
         Some(packed)
     }
 
+    /// Operands laid out for the lanes: significands, exponents and sign masks (all ones
+    /// for a negative value) in separate arrays.
+    #[derive(Default)]
+    pub(super) struct Lanes {
+        significands: Vec<u32>,
+        exponents: Vec<i32>,
+        negatives: Vec<u32>,
+    }
+
+    impl Lanes {
+        fn fill(&mut self, packed: impl Iterator<Item = Packed>, shift: u32) {
+            self.significands.clear();
+            self.exponents.clear();
+            self.negatives.clear();
+            for p in packed {
+                self.significands.push((p.signed & 0xFFF) << shift);
+                self.exponents.push(p.exponent);
+                self.negatives
+                    .push(if p.signed >> 31 == 1 { u32::MAX } else { 0 });
+            }
+        }
+    }
+
     /// `out = a · b` (or `out + a · b`, each output's old value as binary32 the starting
     /// accumulator) on packed operands, `a` m×k and `b` k×n row-major.
     pub(super) fn gemm<E: GemmElement>(
@@ -529,19 +572,27 @@ mod fast {
         out: &mut [E],
         accumulate: bool,
     ) {
-        let mut panel = vec![Packed::default(); k * LANES];
+        let zero = Packed {
+            signed: 0,
+            exponent: ZERO_EXPONENT,
+        };
+        let mut row = Lanes::default();
+        let mut panel = Lanes::default();
+        let rows: Vec<Lanes> = (0..m)
+            .map(|i| {
+                row.fill(a[i * k..(i + 1) * k].iter().copied(), 0);
+                std::mem::take(&mut row)
+            })
+            .collect();
         for j0 in (0..n).step_by(LANES) {
             let width = LANES.min(n - j0);
-            // The columns j0.. of b, packed k × LANES, zeros past the edge (a zero product
-            // changes neither the alignment nor the sum).
-            for (p, row) in panel.chunks_exact_mut(LANES).enumerate() {
-                row[..width].copy_from_slice(&b[p * n + j0..p * n + j0 + width]);
-                row[width..].fill(Packed {
-                    signed: 0,
-                    exponent: ZERO_EXPONENT,
-                });
-            }
-            for i in 0..m {
+            // The columns j0.. of b, k × LANES, zeros past the edge (a zero product changes
+            // neither the alignment nor the sum).
+            let columns = (0..k).flat_map(|p| {
+                (0..LANES).map(move |l| if l < width { b[p * n + j0 + l] } else { zero })
+            });
+            panel.fill(columns, 1 + fma.extra_bits);
+            for (i, row) in rows.iter().enumerate() {
                 let outputs = &mut out[i * n + j0..i * n + j0 + width];
                 let mut acc = [0u32; LANES];
                 if accumulate {
@@ -549,7 +600,7 @@ mod fast {
                         *a = (o.to_f64() as f32).to_bits();
                     }
                 }
-                let acc = row_tile(fma, &a[i * k..(i + 1) * k], &panel, acc);
+                let acc = row_tile(fma, row, &panel, acc);
                 for (o, &v) in outputs.iter_mut().zip(&acc) {
                     *o = E::from_f32(f32::from_bits(v));
                 }
@@ -557,51 +608,29 @@ mod fast {
         }
     }
 
-    /// One row of `a` against a packed panel of `LANES` columns: the binary32 bits of the
-    /// `LANES` outputs.
-    fn row_tile(
-        fma: BlockFma,
-        row: &[Packed],
-        panel: &[Packed],
-        acc: [u32; LANES],
-    ) -> [u32; LANES] {
+    /// One row against a panel of `LANES` columns: the binary32 bits of the outputs.
+    fn row_tile(fma: BlockFma, row: &Lanes, panel: &Lanes, acc: [u32; LANES]) -> [u32; LANES] {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { row_tile_avx2(fma, row, panel, acc) };
+            return unsafe { avx2::row_tile(fma, row, panel, acc) };
         }
         row_tile_portable(fma, row, panel, acc)
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn row_tile_avx2(
-        fma: BlockFma,
-        row: &[Packed],
-        panel: &[Packed],
-        acc: [u32; LANES],
-    ) -> [u32; LANES] {
-        row_tile_portable(fma, row, panel, acc)
-    }
-
-    /// The lanes' loops, written once and compiled for any x86-64 and for AVX2: integer
-    /// operations only, so both builds give the same bits.
-    #[inline(always)]
+    /// The kernel in plain Rust, lane by lane: the definition the AVX2 build must match bit
+    /// for bit (a test compares them).
     pub(super) fn row_tile_portable(
         fma: BlockFma,
-        row: &[Packed],
-        panel: &[Packed],
+        row: &Lanes,
+        panel: &Lanes,
         mut acc: [u32; LANES],
     ) -> [u32; LANES] {
         let extra = fma.extra_bits as i32;
-        let mut magnitudes = [[0u32; LANES]; FAST_MAX_BLOCK];
-        let mut negatives = [[0u32; LANES]; FAST_MAX_BLOCK];
-        let mut exponents = [[0i32; LANES]; FAST_MAX_BLOCK];
-        for (row_block, panel_block) in row.chunks(fma.block).zip(panel.chunks(fma.block * LANES)) {
-            let count = row_block.len();
-            // The accumulator's exponent (-126 for a subnormal, none for zero), then the
-            // exact products and the largest exponent, per lane.
-            let mut top = [fma.min_alignment; LANES];
+        let k = row.significands.len();
+        for t0 in (0..k).step_by(fma.block) {
+            let t1 = (t0 + fma.block).min(k);
+            let mut top = [0i32; LANES];
             let mut acc_exponent = [0i32; LANES];
             for l in 0..LANES {
                 let field = ((acc[l] >> 23) & 0xFF) as i32;
@@ -611,48 +640,36 @@ mod fast {
                 } else {
                     field.max(1) - 127
                 };
-                top[l] = top[l].max(acc_exponent[l]);
+                top[l] = fma.min_alignment.max(acc_exponent[l]);
             }
-            for t in 0..count {
-                let x = row_block[t];
-                let xs = x.signed & 0xFFF;
-                for l in 0..LANES {
-                    let y = panel_block[t * LANES + l];
-                    let magnitude = xs * (y.signed & 0xFFF);
-                    let exponent = if magnitude == 0 {
-                        ZERO_EXPONENT
-                    } else {
-                        x.exponent + y.exponent
-                    };
-                    magnitudes[t][l] = magnitude;
-                    negatives[t][l] = (x.signed ^ y.signed) >> 31;
-                    exponents[t][l] = exponent;
-                    top[l] = top[l].max(exponent);
+            for t in t0..t1 {
+                let exponents = &panel.exponents[t * LANES..(t + 1) * LANES];
+                for (top, &e) in top.iter_mut().zip(exponents) {
+                    *top = (*top).max(row.exponents[t] + e);
                 }
             }
-            // Every term in units of 2^(top - 23 - extra), truncated toward zero: a product
-            // s·2^(e - 22) shifts by e - top + 1 + extra, the accumulator m·2^(e - 23) by
-            // e - top + extra. Positive and negative terms add up apart, in u32.
-            let mut positive = [0u32; LANES];
-            let mut negative = [0u32; LANES];
+            let (mut positive, mut negative) = ([0u32; LANES], [0u32; LANES]);
             for l in 0..LANES {
                 let hidden = if acc[l] & 0x7F80_0000 != 0 {
                     0x80_0000
                 } else {
                     0
                 };
-                let significand = (acc[l] & 0x7F_FFFF) | hidden;
-                let units = align(significand, acc_exponent[l] - top[l] + extra);
-                let is_negative = acc[l] >> 31;
-                positive[l] = if is_negative == 0 { units } else { 0 };
-                negative[l] = if is_negative == 1 { units } else { 0 };
+                let significand = ((acc[l] & 0x7F_FFFF) | hidden) << extra;
+                let units = shr(significand, top[l] - acc_exponent[l]);
+                let is_negative = acc[l] >> 31 == 1;
+                positive[l] = if is_negative { 0 } else { units };
+                negative[l] = if is_negative { units } else { 0 };
             }
-            for t in 0..count {
+            for t in t0..t1 {
                 for l in 0..LANES {
-                    let units = align(magnitudes[t][l], exponents[t][l] - top[l] + 1 + extra);
-                    let is_negative = negatives[t][l] == 1;
-                    positive[l] += if is_negative { 0 } else { units };
-                    negative[l] += if is_negative { units } else { 0 };
+                    let at = t * LANES + l;
+                    let product = row.significands[t] * panel.significands[at];
+                    let exponent = row.exponents[t] + panel.exponents[at];
+                    let units = shr(product, top[l] - exponent);
+                    let mask = row.negatives[t] ^ panel.negatives[at];
+                    positive[l] += units & !mask;
+                    negative[l] += units & mask;
                 }
             }
             for l in 0..LANES {
@@ -664,16 +681,11 @@ mod fast {
         acc
     }
 
-    /// `x` shifted left by `shift`, or right (truncating) by `-shift`; 0 when everything is
-    /// shifted out. A left shift is at most `1 + extra` bits.
+    /// `x >> count`, 0 from 32 on (as AVX2's variable shift); `count` is never negative.
     #[inline(always)]
-    fn align(x: u32, shift: i32) -> u32 {
-        let left = x << shift.clamp(0, 31);
-        let right = x >> (-shift).clamp(0, 31);
-        if shift >= 0 {
-            left
-        } else if shift > -32 {
-            right
+    fn shr(x: u32, count: i32) -> u32 {
+        if (0..32).contains(&count) {
+            x >> count
         } else {
             0
         }
@@ -684,29 +696,251 @@ mod fast {
     #[inline(always)]
     fn normalize(positive: u32, negative: u32, unit: i32) -> u32 {
         let magnitude = positive.max(negative) - positive.min(negative);
+        if magnitude == 0 {
+            return 0;
+        }
         let sign = if negative > positive { 0x8000_0000 } else { 0 };
         let length = 32 - magnitude.leading_zeros() as i32;
         // The biased exponent of the result's leading bit, 2^(unit + length - 1).
         let field = unit + length - 1 + 127;
-        let significand = if length > 24 {
-            magnitude >> (length - 24).clamp(0, 31)
-        } else {
-            magnitude << (24 - length).clamp(0, 31)
-        };
-        let normal = ((field.clamp(0, 255) as u32) << 23) | (significand & 0x7F_FFFF);
-        let subnormal = if field > -31 {
-            significand >> (1 - field).clamp(0, 31)
-        } else {
-            0
-        };
+        let significand = (magnitude >> (length - 24).max(0)) << (24 - length).max(0);
         let bits = if field >= 255 {
             0x7F80_0000
         } else if field >= 1 {
-            normal
+            ((field as u32) << 23) | (significand & 0x7F_FFFF)
         } else {
-            subnormal
+            shr(significand, 1 - field)
         };
-        if magnitude == 0 { 0 } else { sign | bits }
+        sign | bits
+    }
+
+    /// The same kernel in AVX2 intrinsics, eight lanes per instruction.
+    #[cfg(target_arch = "x86_64")]
+    mod avx2 {
+        use std::arch::x86_64::*;
+
+        use super::super::{BlockFma, LANES, ZERO_EXPONENT};
+        use super::Lanes;
+
+        /// [`row_tile_portable`](super::row_tile_portable), bit for bit.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2.
+        #[target_feature(enable = "avx2")]
+        pub(in super::super) unsafe fn row_tile(
+            fma: BlockFma,
+            row: &Lanes,
+            panel: &Lanes,
+            acc: [u32; LANES],
+        ) -> [u32; LANES] {
+            let k = row.significands.len();
+            assert!(panel.significands.len() == k * LANES && panel.exponents.len() == k * LANES);
+            assert!(panel.negatives.len() == k * LANES && row.exponents.len() == k);
+            let extra = fma.extra_bits as i32;
+            let load = |v: &[u32], at: usize| {
+                // SAFETY: `at + 8 <= len`, checked by the asserts above for every `at` used.
+                unsafe { _mm256_loadu_si256(v.as_ptr().add(at).cast()) }
+            };
+            let load_i = |v: &[i32], at: usize| {
+                // SAFETY: as above.
+                unsafe { _mm256_loadu_si256(v.as_ptr().add(at).cast()) }
+            };
+            let mut acc = load(&acc, 0);
+            let abs_mask = _mm256_set1_epi32(0x7FFF_FFFF);
+            let infinity = _mm256_set1_epi32(0x7F80_0000);
+            let zero = _mm256_setzero_si256();
+            let extra_v = _mm_cvtsi32_si128(extra);
+            for t0 in (0..k).step_by(fma.block) {
+                let t1 = (t0 + fma.block).min(k);
+                // The accumulator's exponent: its field (at least 1) - 127, none for zero.
+                let field = _mm256_and_si256(_mm256_srli_epi32::<23>(acc), _mm256_set1_epi32(0xFF));
+                let is_zero = _mm256_cmpeq_epi32(_mm256_and_si256(acc, abs_mask), zero);
+                let acc_exponent = _mm256_blendv_epi8(
+                    _mm256_sub_epi32(
+                        _mm256_max_epi32(field, _mm256_set1_epi32(1)),
+                        _mm256_set1_epi32(127),
+                    ),
+                    _mm256_set1_epi32(ZERO_EXPONENT),
+                    is_zero,
+                );
+                let mut top = _mm256_max_epi32(_mm256_set1_epi32(fma.min_alignment), acc_exponent);
+                for t in t0..t1 {
+                    let e = _mm256_add_epi32(
+                        _mm256_set1_epi32(row.exponents[t]),
+                        load_i(&panel.exponents, t * LANES),
+                    );
+                    top = _mm256_max_epi32(top, e);
+                }
+                // The accumulator's term.
+                let hidden = _mm256_andnot_si256(
+                    _mm256_cmpeq_epi32(field, zero),
+                    _mm256_set1_epi32(0x80_0000),
+                );
+                let significand = _mm256_sll_epi32(
+                    _mm256_or_si256(_mm256_and_si256(acc, _mm256_set1_epi32(0x7F_FFFF)), hidden),
+                    extra_v,
+                );
+                let units = _mm256_srlv_epi32(significand, _mm256_sub_epi32(top, acc_exponent));
+                let acc_negative = _mm256_srai_epi32::<31>(acc);
+                let mut positive = _mm256_andnot_si256(acc_negative, units);
+                let mut negative = _mm256_and_si256(acc_negative, units);
+                for t in t0..t1 {
+                    let at = t * LANES;
+                    let product = _mm256_mullo_epi32(
+                        _mm256_set1_epi32(row.significands[t] as i32),
+                        load(&panel.significands, at),
+                    );
+                    let e = _mm256_add_epi32(
+                        _mm256_set1_epi32(row.exponents[t]),
+                        load_i(&panel.exponents, at),
+                    );
+                    let units = _mm256_srlv_epi32(product, _mm256_sub_epi32(top, e));
+                    let mask = _mm256_xor_si256(
+                        _mm256_set1_epi32(row.negatives[t] as i32),
+                        load(&panel.negatives, at),
+                    );
+                    positive = _mm256_add_epi32(positive, _mm256_andnot_si256(mask, units));
+                    negative = _mm256_add_epi32(negative, _mm256_and_si256(mask, units));
+                }
+                let next = normalize(
+                    positive,
+                    negative,
+                    _mm256_sub_epi32(top, _mm256_set1_epi32(23 + extra)),
+                );
+                let overflowed = _mm256_cmpeq_epi32(_mm256_and_si256(acc, abs_mask), infinity);
+                acc = _mm256_blendv_epi8(next, acc, overflowed);
+            }
+            let mut out = [0u32; LANES];
+            // SAFETY: `out` holds 8 u32.
+            unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), acc) };
+            out
+        }
+
+        /// [`normalize`](super::normalize) on eight lanes.
+        #[target_feature(enable = "avx2")]
+        fn normalize(positive: __m256i, negative: __m256i, unit: __m256i) -> __m256i {
+            let magnitude = _mm256_sub_epi32(
+                _mm256_max_epu32(positive, negative),
+                _mm256_min_epu32(positive, negative),
+            );
+            let flip = _mm256_set1_epi32(i32::MIN);
+            let sign = _mm256_and_si256(
+                _mm256_cmpgt_epi32(
+                    _mm256_xor_si256(negative, flip),
+                    _mm256_xor_si256(positive, flip),
+                ),
+                flip,
+            );
+            // The bit length, from the exponent of an exact conversion to f32: of the top 24
+            // bits when there are more than 8, else of the value itself.
+            let high = _mm256_srli_epi32::<8>(magnitude);
+            let has_high = _mm256_cmpgt_epi32(high, _mm256_setzero_si256());
+            let converted = _mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_blendv_epi8(
+                magnitude, high, has_high,
+            )));
+            let length = _mm256_add_epi32(
+                _mm256_sub_epi32(_mm256_srli_epi32::<23>(converted), _mm256_set1_epi32(126)),
+                _mm256_and_si256(has_high, _mm256_set1_epi32(8)),
+            );
+            let field = _mm256_add_epi32(_mm256_add_epi32(unit, length), _mm256_set1_epi32(126));
+            let down = _mm256_max_epi32(
+                _mm256_sub_epi32(length, _mm256_set1_epi32(24)),
+                _mm256_setzero_si256(),
+            );
+            let up = _mm256_max_epi32(
+                _mm256_sub_epi32(_mm256_set1_epi32(24), length),
+                _mm256_setzero_si256(),
+            );
+            let significand = _mm256_sllv_epi32(_mm256_srlv_epi32(magnitude, down), up);
+            let normal = _mm256_or_si256(
+                _mm256_slli_epi32::<23>(field),
+                _mm256_and_si256(significand, _mm256_set1_epi32(0x7F_FFFF)),
+            );
+            // Below the normal range: a right shift by 1 - field (0 from 32 on; the count is
+            // read unsigned, so a non-positive field's count is what is meant).
+            let subnormal =
+                _mm256_srlv_epi32(significand, _mm256_sub_epi32(_mm256_set1_epi32(1), field));
+            let is_normal = _mm256_cmpgt_epi32(field, _mm256_setzero_si256());
+            let is_infinite = _mm256_cmpgt_epi32(field, _mm256_set1_epi32(254));
+            let bits = _mm256_blendv_epi8(subnormal, normal, is_normal);
+            let bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7F80_0000), is_infinite);
+            let is_zero = _mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256());
+            _mm256_andnot_si256(is_zero, _mm256_or_si256(sign, bits))
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// Random packed operands of every kind: zeros, both signs, wide exponents.
+        fn operands(count: usize, seed: u64) -> Vec<Packed> {
+            let mut state = seed;
+            (0..count)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let r = (state >> 33) as u32;
+                    if r.is_multiple_of(7) {
+                        return Packed {
+                            signed: 0,
+                            exponent: ZERO_EXPONENT,
+                        };
+                    }
+                    Packed {
+                        signed: (r & 0x7FF) | 0x800 | ((r >> 20) & 1) << 31,
+                        exponent: ((r >> 12) % 60) as i32
+                            - 30
+                            - if r.is_multiple_of(11) { 100 } else { 0 },
+                    }
+                })
+                .collect()
+        }
+
+        #[test]
+        fn the_avx2_build_gives_the_portable_bits() {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                for (i, fma) in [
+                    BlockFma::V100,
+                    BlockFma::A100,
+                    BlockFma::H100,
+                    BlockFma::new(3, 1).unwrap(),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    for k in [1, 5, 16, 37] {
+                        let mut row = Lanes::default();
+                        row.fill(operands(k, 1 + i as u64).into_iter(), 0);
+                        let mut panel = Lanes::default();
+                        panel.fill(
+                            operands(k * LANES, 99 + k as u64).into_iter(),
+                            1 + fma.extra_bits,
+                        );
+                        for acc in [
+                            [0u32; LANES],
+                            [
+                                0x3F80_0000,
+                                0xBF80_0000,
+                                1,
+                                0x8000_0001,
+                                0x7F80_0000,
+                                0x0080_0000,
+                                0x4B00_0000,
+                                0xCB7F_FFFF,
+                            ],
+                        ] {
+                            let portable = row_tile_portable(fma, &row, &panel, acc);
+                            // SAFETY: AVX2 checked above.
+                            let vector = unsafe { avx2::row_tile(fma, &row, &panel, acc) };
+                            assert_eq!(portable, vector, "{fma:?} k = {k} acc = {acc:x?}");
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 

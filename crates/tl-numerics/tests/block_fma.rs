@@ -347,6 +347,10 @@ fn special_values_zero_and_overflow() {
 
 #[test]
 fn invalid_models_are_refused_with_their_parameters() {
+    assert_eq!(BlockFma::A100.min_alignment_exponent(), Some(-132));
+    assert_eq!(BlockFma::H100.min_alignment_exponent(), Some(-133));
+    assert_eq!(BlockFma::V100.min_alignment_exponent(), None);
+    assert_eq!(BlockFma::new(8, 1).unwrap().min_alignment_exponent(), None);
     for (block, extra) in [(0, 0), (1 << 17, 0), (4, 41)] {
         let error = BlockFma::new(block, extra).unwrap_err();
         assert!(error.to_string().contains(&block.to_string()), "{error}");
@@ -443,12 +447,10 @@ fn reference_step(fma: BlockFma, format: Format, acc: f32, a: &[f64], b: &[f64])
     let Some(top) = top else {
         return 0.0;
     };
-    // The presets' lower limits on the alignment exponent.
-    let top = match (fma.block(), fma.extra_bits()) {
-        (8, 1) => top.max(-132),
-        (16, 2) => top.max(-133),
-        _ => top,
-    };
+    // The model's lower limit on the alignment exponent.
+    let top = fma
+        .min_alignment_exponent()
+        .map_or(top, |floor| top.max(i64::from(floor)));
     let unit_shift = top - 23 - i64::from(fma.extra_bits()) + 2 * i64::from(SCALE);
     let unit = BigInt::from(1) << unit_shift as u32;
     // Truncation toward zero: BigInt division truncates.
