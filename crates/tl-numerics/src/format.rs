@@ -52,6 +52,11 @@ impl Format {
     /// Both formats, in a fixed order: handy to loop over in tests and reports.
     pub const ALL: [Format; 2] = [Format::Bf16, Format::Fp16];
 
+    /// The 16-bit formats, bf16 and fp16: today every format, but code that only makes
+    /// sense for them (autocast's recipes, loss scaling) loops over this list rather than
+    /// [`ALL`](Format::ALL), so that a narrower format added to `ALL` does not reach it.
+    pub const SIXTEEN_BIT: [Format; 2] = [Format::Bf16, Format::Fp16];
+
     /// The name used by [`Display`](fmt::Display) and accepted by [`FromStr`]: `"bf16"` or `"fp16"`.
     pub const fn name(self) -> &'static str {
         match self {
