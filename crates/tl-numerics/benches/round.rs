@@ -1,5 +1,5 @@
-//! Throughput of `round_slice` on a large f32 buffer, next to a plain copy of the same size
-//! (and, for reference, on the same values as f64).
+//! Throughput of `round_slice` on a large f32 buffer in every format, next to a plain copy of
+//! the same size (and, for reference, on the same values as f64).
 //!
 //! Autocast rounds every matmul operand and output, so rounding a slice must run near memory
 //! bandwidth; `copy_from_slice` (a memcpy) is the yardstick. Throughput is the buffer size in
@@ -38,6 +38,7 @@ fn bench_round(c: &mut Criterion) {
 
     // In place and repeatedly: after the first pass the values are already rounded, which
     // changes nothing for the branch-free kernels (same work per element whatever the value).
+    // Every format: each has its own kernel (fp16 and fp8 share one, with other constants).
     for format in Format::ALL {
         let mut xs = source.clone();
         group.bench_function(format!("round_slice_{format}"), |b| {

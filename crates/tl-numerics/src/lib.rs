@@ -1,10 +1,12 @@
-//! Exact emulation of the 16-bit floating-point formats bf16 and fp16.
+//! Exact emulation of low-precision floating-point formats: the 16-bit bf16 and fp16, and
+//! the 8-bit (fp8) E4M3 and E5M2.
 //!
-//! Low-precision hardware stores numbers in 16 bits; tinyllm computes in f32 or f64 and
-//! *rounds* to the 16-bit format wherever the hardware would store one, so that training
-//! sees the same numbers it would on a GPU. This crate is that rounding,
-//! `rd16(x)`: the value of the format nearest to `x`, ties to even, with gradual underflow
-//! into the format's subnormals, overflow to ±inf, ±0 and ±inf kept, and NaN staying NaN.
+//! Low-precision hardware stores numbers in 16 or 8 bits; tinyllm computes in f32 or f64
+//! and *rounds* to the format wherever the hardware would store one, so that training sees
+//! the same numbers it would on a GPU. This crate is that rounding, `rd(x)`: the value of
+//! the format nearest to `x`, ties to even, with gradual underflow into the format's
+//! subnormals, ±0 kept, and NaN staying NaN. On overflow it does what the format's own
+//! conversion does: ±inf, or NaN in E4M3, which has no infinities.
 //!
 //! A rounded value keeps its type: an f32 comes back as an f32 and an f64 as an f64, both
 //! holding a value of the format. An f64 is rounded directly from its 53-bit significand,
@@ -14,11 +16,12 @@
 //! # Examples
 //!
 //! ```
-//! use tl_numerics::{round_slice, round_to_bf16, round_to_fp16, Format};
+//! use tl_numerics::{round_slice, round_to_bf16, round_to_e4m3, round_to_fp16, Format};
 //!
 //! assert_eq!(round_to_bf16(1.01_f32), 1.0078125); // the nearest bf16 value: 1 + 2^-7
 //! assert_eq!(round_to_fp16(65519.0_f64), 65504.0); // fp16's largest finite value
 //! assert_eq!(round_to_fp16(65520.0_f64), f64::INFINITY); // at the overflow threshold
+//! assert_eq!(round_to_e4m3(1.1_f32), 1.125); // E4M3 has 3 fraction bits: 1 + 1/8
 //!
 //! let mut xs = vec![1.0_f32, 1.00390625, 1e-8];
 //! round_slice(&mut xs, Format::Fp16);
@@ -76,6 +79,65 @@ pub fn round_to_bf16<E: Round>(x: E) -> E {
 #[inline]
 pub fn round_to_fp16<E: Round>(x: E) -> E {
     x.round_to(Format::Fp16)
+}
+
+/// Rounds `x` to the nearest E4M3 value, ties to even, keeping its type.
+///
+/// E4M3 (OCP's E4M3FN) has 4 bits of precision, subnormals down to `2^-9`, a largest
+/// finite value of 448 and no infinity: what lies beyond the finite range, above 464 (the
+/// tie between 448 and the 480 its exponent field would reach next goes to the even 448),
+/// becomes NaN, and so does ±inf.
+///
+/// # Examples
+///
+/// ```
+/// use tl_numerics::round_to_e4m3;
+///
+/// assert_eq!(round_to_e4m3(448.0_f32), 448.0);
+/// assert_eq!(round_to_e4m3(464.0_f32), 448.0); // a tie: 448 = 1.110 * 2^8 is even
+/// assert!(round_to_e4m3(465.0_f32).is_nan()); // nearer 480, which is not a value: NaN
+/// assert!(round_to_e4m3(-f64::INFINITY).is_nan() && round_to_e4m3(-f64::INFINITY).is_sign_negative());
+/// // Subnormals: the spacing below 2^-6 is 2^-9; half of it ties to 0, more rounds up.
+/// assert_eq!(round_to_e4m3(2f64.powi(-9)), 2f64.powi(-9));
+/// assert_eq!(round_to_e4m3(2f64.powi(-10)), 0.0);
+/// assert_eq!(round_to_e4m3(1.5 * 2f64.powi(-10)), 2f64.powi(-9));
+/// // Ties to even: 1 + 1/16 lies between 1 (even) and 1.125, 1 + 3/16 between 1.125 and 1.25 (even).
+/// assert_eq!(round_to_e4m3(1.0625_f32), 1.0);
+/// assert_eq!(round_to_e4m3(1.1875_f32), 1.25);
+/// // Rounded directly from the f64, not through f32 (which would make it the tie, then 1):
+/// assert_eq!(round_to_e4m3(1.0625 + 2f64.powi(-40)), 1.125);
+/// ```
+#[inline]
+pub fn round_to_e4m3<E: Round>(x: E) -> E {
+    x.round_to(Format::E4M3)
+}
+
+/// Rounds `x` to the nearest E5M2 value, ties to even, keeping its type.
+///
+/// E5M2 has fp16's exponent range with 3 bits of precision: subnormals down to `2^-16`, a
+/// largest finite value of 57344 (`1.75 * 2^15`), and IEEE overflow: from 61440, halfway
+/// to `2^16`, on, the result is infinity.
+///
+/// # Examples
+///
+/// ```
+/// use tl_numerics::round_to_e5m2;
+///
+/// assert_eq!(round_to_e5m2(57344.0_f32), 57344.0);
+/// assert_eq!(round_to_e5m2(61439.0_f32), 57344.0);
+/// assert_eq!(round_to_e5m2(61440.0_f32), f32::INFINITY); // a tie: 2^16 is the even one
+/// assert_eq!(round_to_e5m2(-1e6_f64), f64::NEG_INFINITY);
+/// // Subnormals: multiples of 2^-16 below 2^-14.
+/// assert_eq!(round_to_e5m2(2f64.powi(-16)), 2f64.powi(-16));
+/// assert_eq!(round_to_e5m2(2f64.powi(-17)), 0.0); // the tie between 0 and 2^-16
+/// assert_eq!(round_to_e5m2(3.0 * 2f64.powi(-17)), 2.0 * 2f64.powi(-16)); // 1.5 steps: to 2
+/// // Ties to even: 1.125 lies between 1 (even) and 1.25, 1.375 between 1.25 and 1.5 (even).
+/// assert_eq!(round_to_e5m2(1.125_f32), 1.0);
+/// assert_eq!(round_to_e5m2(1.375_f32), 1.5);
+/// ```
+#[inline]
+pub fn round_to_e5m2<E: Round>(x: E) -> E {
+    x.round_to(Format::E5M2)
 }
 
 /// Rounds every element of `xs` to the nearest value of format `f`, in place.

@@ -496,7 +496,8 @@ fn autocast_is_per_thread() {
 fn format_names_parse_exactly() {
     assert_eq!(parse_format("bf16"), Ok(Format::Bf16));
     assert_eq!(parse_format("fp16"), Ok(Format::Fp16));
-    for bad in ["fp32", "BF16", "float16", ""] {
+    assert_eq!(parse_format("e4m3"), Ok(Format::E4M3));
+    for bad in ["fp32", "BF16", "float16", "", "fp8", "E5M2"] {
         assert!(
             matches!(parse_format(bad), Err(PrecisionError::Format(_))),
             "{bad}"
