@@ -25,7 +25,7 @@
 //! Its largest exponent is therefore `emax = 8` (the all-ones field 15 minus the bias 7), one
 //! more than the IEEE rule gives, and its largest finite value is `1.110₂ * 2^8 = 448`, the
 //! all-ones significand `1.111₂` being taken by NaN. It has no infinities: a conversion that
-//! overflows gives NaN.
+//! overflows gives NaN (and the saturating one, ±448).
 //!
 //! Every other parameter follows from `p` and the minimum exponent
 //! `emin = 2 - 2^(exponent_bits - 1)` (the bias is `1 - emin`): the unit roundoff is `2^-p`,

@@ -6,7 +6,9 @@
 //! the same numbers it would on a GPU. This crate is that rounding, `rd(x)`: the value of
 //! the format nearest to `x`, ties to even, with gradual underflow into the format's
 //! subnormals, ±0 kept, and NaN staying NaN. On overflow it does what the format's own
-//! conversion does: ±inf, or NaN in E4M3, which has no infinities.
+//! conversion does: ±inf, or NaN in E4M3, which has no infinities. fp8 training stores its
+//! tensors with a *saturating* conversion instead, which clamps overflow to the largest
+//! finite value: [`Round::round_to_saturating`] and [`round_slice_saturating`].
 //!
 //! A rounded value keeps its type: an f32 comes back as an f32 and an f64 as an f64, both
 //! holding a value of the format. An f64 is rounded directly from its 53-bit significand,
@@ -34,7 +36,7 @@ mod round;
 
 pub use error::{NumericsError, Result};
 pub use format::Format;
-pub use round::Round;
+pub use round::{RangeCounts, Round};
 
 /// Rounds `x` to the nearest bf16 value, ties to even, keeping its type.
 ///
@@ -86,17 +88,18 @@ pub fn round_to_fp16<E: Round>(x: E) -> E {
 /// E4M3 (OCP's E4M3FN) has 4 bits of precision, subnormals down to `2^-9`, a largest
 /// finite value of 448 and no infinity: what lies beyond the finite range, above 464 (the
 /// tie between 448 and the 480 its exponent field would reach next goes to the even 448),
-/// becomes NaN, and so does ±inf.
+/// becomes NaN, and so does ±inf. [`Round::round_to_saturating`] clamps to ±448 instead.
 ///
 /// # Examples
 ///
 /// ```
-/// use tl_numerics::round_to_e4m3;
+/// use tl_numerics::{round_to_e4m3, Format, Round};
 ///
 /// assert_eq!(round_to_e4m3(448.0_f32), 448.0);
 /// assert_eq!(round_to_e4m3(464.0_f32), 448.0); // a tie: 448 = 1.110 * 2^8 is even
 /// assert!(round_to_e4m3(465.0_f32).is_nan()); // nearer 480, which is not a value: NaN
 /// assert!(round_to_e4m3(-f64::INFINITY).is_nan() && round_to_e4m3(-f64::INFINITY).is_sign_negative());
+/// assert_eq!(465.0_f32.round_to_saturating(Format::E4M3), 448.0);
 /// // Subnormals: the spacing below 2^-6 is 2^-9; half of it ties to 0, more rounds up.
 /// assert_eq!(round_to_e4m3(2f64.powi(-9)), 2f64.powi(-9));
 /// assert_eq!(round_to_e4m3(2f64.powi(-10)), 0.0);
@@ -121,12 +124,13 @@ pub fn round_to_e4m3<E: Round>(x: E) -> E {
 /// # Examples
 ///
 /// ```
-/// use tl_numerics::round_to_e5m2;
+/// use tl_numerics::{round_to_e5m2, Format, Round};
 ///
 /// assert_eq!(round_to_e5m2(57344.0_f32), 57344.0);
 /// assert_eq!(round_to_e5m2(61439.0_f32), 57344.0);
 /// assert_eq!(round_to_e5m2(61440.0_f32), f32::INFINITY); // a tie: 2^16 is the even one
 /// assert_eq!(round_to_e5m2(-1e6_f64), f64::NEG_INFINITY);
+/// assert_eq!(61440.0_f32.round_to_saturating(Format::E5M2), 57344.0);
 /// // Subnormals: multiples of 2^-16 below 2^-14.
 /// assert_eq!(round_to_e5m2(2f64.powi(-16)), 2f64.powi(-16));
 /// assert_eq!(round_to_e5m2(2f64.powi(-17)), 0.0); // the tie between 0 and 2^-16
@@ -199,4 +203,43 @@ pub fn round_slice_counting_flushes<E: Round>(xs: &mut [E], f: Format) -> u64 {
 /// ```
 pub fn round_slice_into<E: Round>(src: &[E], dst: &mut [std::mem::MaybeUninit<E>], f: Format) {
     E::round_slice_into(src, dst, f);
+}
+
+/// Rounds every element of `xs` to the nearest value of format `f`, in place, clamping
+/// overflow to ±`max_finite`: [`Round::round_to_saturating`] on each element, in the same
+/// vectorized loops as [`round_slice`].
+///
+/// # Examples
+///
+/// ```
+/// use tl_numerics::{round_slice_saturating, Format};
+///
+/// let mut xs = [1000.0_f32, -f32::INFINITY, 300.0, f32::NAN];
+/// round_slice_saturating(&mut xs, Format::E4M3);
+/// // Above 256 the spacing is 32: 300 is nearer 288 than 320. NaN stays NaN.
+/// assert_eq!(xs[..3], [448.0, -448.0, 288.0]);
+/// assert!(xs[3].is_nan());
+/// ```
+pub fn round_slice_saturating<E: Round>(xs: &mut [E], f: Format) {
+    E::round_slice_saturating_in_place(xs, f);
+}
+
+/// Rounds every element of `xs` in place, like [`round_slice_saturating`], and counts the
+/// values that fell off the ends of the range: those clamped to ±`max_finite` and the
+/// nonzero ones that became zero ([`RangeCounts`]). One pass over memory.
+///
+/// # Examples
+///
+/// ```
+/// use tl_numerics::{round_slice_saturating_counting, Format, RangeCounts};
+///
+/// let mut xs = [500.0_f32, 450.0, f32::INFINITY, 1e-4, 0.0, 1.0];
+/// let counts = round_slice_saturating_counting(&mut xs, Format::E4M3);
+/// // 500 and inf were beyond the range; 450 merely rounds down to 448. 1e-4 is below
+/// // half of E4M3's smallest subnormal 2^-9 (about 0.00195); the zero was zero.
+/// assert_eq!(counts, RangeCounts { saturated: 2, flushed: 1 });
+/// assert_eq!(xs, [448.0, 448.0, 448.0, 0.0, 0.0, 1.0]);
+/// ```
+pub fn round_slice_saturating_counting<E: Round>(xs: &mut [E], f: Format) -> RangeCounts {
+    E::round_slice_saturating_counting(xs, f)
 }

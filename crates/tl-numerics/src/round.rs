@@ -2,8 +2,8 @@
 //!
 //! The result of every kernel here is the value IEEE 754 conversion to the format would
 //! produce (round to nearest, ties to even, gradual underflow, overflow to ±inf — or to NaN
-//! in E4M3, which has no infinities), returned in the input's own type. Three kernels do the
-//! work:
+//! in E4M3, which has no infinities), returned in the input's own type. A saturating variant
+//! of each kernel clamps overflow to ±`max_finite` instead. Three kernels do the work:
 //!
 //! - `f32_to_bf16_value`: bf16 is the top half of an f32, so rounding is one integer add
 //!   on the bits. Branch-free, so slice loops auto-vectorize.
@@ -17,16 +17,18 @@
 //!   breaks the tie the wrong way.
 //!
 //! All three first round as if the exponent had no upper bound, and then compare with the
-//! largest finite value: anything above it has overflowed and becomes ±inf, or NaN in E4M3.
-//! That single comparison is exactly IEEE overflow, for the formats with and without
-//! infinities alike (see `f64_to_format_value`).
+//! largest finite value: anything above it has overflowed and is replaced by what the
+//! conversion gives on overflow ([`Overflow`]). That single comparison is exactly IEEE
+//! overflow, for the formats with and without infinities alike (see `f64_to_format_value`).
 //!
 //! The floating-point adds rely only on IEEE addition in the default round-to-nearest mode
 //! (which Rust guarantees). They are also immune to flush-to-zero modes: their results are
 //! multiples of the format's smallest subnormal, normal in f32/f64, and any input an FPU
 //! would flush is far below half of that, so it rounds to zero either way.
 
+use std::iter::Sum;
 use std::mem::MaybeUninit;
+use std::ops::{Add, AddAssign};
 
 use crate::format::Format;
 
@@ -73,8 +75,9 @@ macro_rules! with_format {
 /// // 1 + 2^-8 lies halfway between the bf16 neighbours 1 and 1 + 2^-7: ties go to even.
 /// assert_eq!(1.00390625_f32.round_to(Format::Bf16), 1.0);
 /// assert_eq!(1.01_f64.round_to(Format::Bf16), 1.0078125);
-/// // 500 is beyond E4M3's range: NaN (it has no infinity).
+/// // 500 is beyond E4M3's range: NaN (it has no infinity), or 448 when saturating.
 /// assert!(500.0_f32.round_to(Format::E4M3).is_nan());
+/// assert_eq!(500.0_f32.round_to_saturating(Format::E4M3), 448.0);
 /// ```
 pub trait Round: Copy {
     /// The value of format `f` nearest to `self`, ties to even.
@@ -87,6 +90,16 @@ pub trait Round: Copy {
     /// has no infinity; so ±inf stays ±inf, and becomes NaN in E4M3. A NaN gives a quiet NaN
     /// with the same sign (in E4M3, whose only NaN has no payload, the default quiet NaN).
     fn round_to(self, f: Format) -> Self;
+
+    /// The value of format `f` nearest to `self`, ties to even, with overflow clamped to
+    /// ±`max_finite`: as [`round_to`](Round::round_to) wherever that gives a finite value or
+    /// a NaN from a NaN, and ±`max_finite` for a value beyond the finite range (±inf
+    /// included).
+    ///
+    /// This is the conversion fp8 training stores tensors with (as NVIDIA's Transformer
+    /// Engine casts): a per-tensor scale puts the values near the top of the range, where a
+    /// few outliers clipped to the largest value do far less harm than an inf or a NaN.
+    fn round_to_saturating(self, f: Format) -> Self;
 
     /// Rounds every element of `xs` into format `f`, in place.
     ///
@@ -114,12 +127,96 @@ pub trait Round: Copy {
     /// Rounds every element of `xs` into format `f`, in place, and returns how many nonzero
     /// values became zero (of either sign): the values the format's range flushed.
     fn round_slice_counting_flushes(xs: &mut [Self], f: Format) -> u64;
+
+    /// Rounds every element of `xs` into format `f` with
+    /// [`round_to_saturating`](Round::round_to_saturating), in place.
+    ///
+    /// The default calls `round_to_saturating` per element; `f32` and `f64` override it as
+    /// they do [`round_slice_in_place`](Round::round_slice_in_place).
+    fn round_slice_saturating_in_place(xs: &mut [Self], f: Format) {
+        for x in xs.iter_mut() {
+            *x = x.round_to_saturating(f);
+        }
+    }
+
+    /// Rounds every element of `xs` into format `f` with
+    /// [`round_to_saturating`](Round::round_to_saturating), in place, and counts the values
+    /// that fell off either end of the range: those clamped to ±`max_finite` and the nonzero
+    /// ones that became zero.
+    fn round_slice_saturating_counting(xs: &mut [Self], f: Format) -> RangeCounts;
+}
+
+/// How many values of a slice a rounding moved off the ends of the format's range, as
+/// counted by [`round_slice_saturating_counting`](crate::round_slice_saturating_counting).
+///
+/// Both counts are what fp8 training watches per tensor: many saturated values mean the
+/// tensor's scale is too large, many flushed ones that it is too small. Counts of separate
+/// slices (blocks of one tensor) add up with `+` or [`Sum`].
+///
+/// # Examples
+///
+/// ```
+/// use tl_numerics::RangeCounts;
+///
+/// let blocks = [RangeCounts { saturated: 2, flushed: 0 }, RangeCounts { saturated: 1, flushed: 5 }];
+/// let total: RangeCounts = blocks.into_iter().sum();
+/// assert_eq!(total, RangeCounts { saturated: 3, flushed: 5 });
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct RangeCounts {
+    /// The values beyond the finite range, clamped to ±`max_finite`: ±inf, and the values
+    /// whose rounding with an unbounded exponent lies above `max_finite` (the ones plain
+    /// rounding turns into ±inf, or NaN in E4M3). A value that rounds down onto
+    /// `max_finite` (449 in E4M3) is not counted, nor is a NaN.
+    pub saturated: u64,
+    /// The nonzero values that became zero (of either sign): those below half of the
+    /// format's smallest subnormal, and half of it exactly (a tie, to the even zero).
+    pub flushed: u64,
+}
+
+impl Add for RangeCounts {
+    type Output = RangeCounts;
+
+    fn add(self, other: RangeCounts) -> RangeCounts {
+        RangeCounts {
+            saturated: self.saturated + other.saturated,
+            flushed: self.flushed + other.flushed,
+        }
+    }
+}
+
+impl AddAssign for RangeCounts {
+    fn add_assign(&mut self, other: RangeCounts) {
+        *self = *self + other;
+    }
+}
+
+impl Sum for RangeCounts {
+    fn sum<I: Iterator<Item = RangeCounts>>(counts: I) -> RangeCounts {
+        counts.fold(RangeCounts::default(), Add::add)
+    }
+}
+
+/// What a rounding gives for a value beyond the format's finite range: one that is ±inf,
+/// or whose rounding to nearest with an unbounded exponent lies above `max_finite`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Overflow {
+    /// What the format's own conversion gives, with the sign of the input: ±inf, or NaN in
+    /// a format without infinities (E4M3).
+    Format,
+    /// ±`max_finite`, with the sign of the input.
+    Saturate,
 }
 
 impl Round for f32 {
     #[inline]
     fn round_to(self, f: Format) -> f32 {
-        with_format!(f, F => f32_to_format_value(self, F))
+        with_format!(f, F => f32_to_format_value(self, F, Overflow::Format).0)
+    }
+
+    #[inline]
+    fn round_to_saturating(self, f: Format) -> f32 {
+        with_format!(f, F => f32_to_format_value(self, F, Overflow::Saturate).0)
     }
 
     fn round_slice_in_place(xs: &mut [f32], f: Format) {
@@ -151,6 +248,25 @@ impl Round for f32 {
         }
         f32_slices::counting(xs, f)
     }
+
+    fn round_slice_saturating_in_place(xs: &mut [f32], f: Format) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            unsafe { f32_slices::saturating_in_place_avx2(xs, f) };
+            return;
+        }
+        f32_slices::saturating_in_place(xs, f);
+    }
+
+    fn round_slice_saturating_counting(xs: &mut [f32], f: Format) -> RangeCounts {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            return unsafe { f32_slices::saturating_counting_avx2(xs, f) };
+        }
+        f32_slices::saturating_counting(xs, f)
+    }
 }
 
 /// The f32 slice loops, each written once and compiled twice: for any x86-64 (SSE2, four
@@ -159,7 +275,7 @@ impl Round for f32 {
 mod f32_slices {
     use std::mem::MaybeUninit;
 
-    use super::f32_to_format_value;
+    use super::{Overflow, RangeCounts, f32_to_format_value};
     use crate::format::Format;
 
     // Each loop matches the format once, outside (`with_format!`): with the kernel fixed,
@@ -169,20 +285,34 @@ mod f32_slices {
     pub(super) fn in_place(xs: &mut [f32], f: Format) {
         with_format!(f, F => xs
             .iter_mut()
-            .for_each(|x| *x = f32_to_format_value(*x, F)))
+            .for_each(|x| *x = f32_to_format_value(*x, F, Overflow::Format).0))
     }
 
     #[inline(always)]
     pub(super) fn into(src: &[f32], dst: &mut [MaybeUninit<f32>], f: Format) {
         let pairs = dst.iter_mut().zip(src);
         with_format!(f, F => pairs.for_each(|(out, &x)| {
-            out.write(f32_to_format_value(x, F));
+            out.write(f32_to_format_value(x, F, Overflow::Format).0);
         }))
     }
 
     #[inline(always)]
     pub(super) fn counting(xs: &mut [f32], f: Format) -> u64 {
-        with_format!(f, F => counting_with(xs, |x| f32_to_format_value(x, F)))
+        with_format!(f, F => counting_with(xs, |x| f32_to_format_value(x, F, Overflow::Format).0))
+    }
+
+    #[inline(always)]
+    pub(super) fn saturating_in_place(xs: &mut [f32], f: Format) {
+        with_format!(f, F => xs
+            .iter_mut()
+            .for_each(|x| *x = f32_to_format_value(*x, F, Overflow::Saturate).0))
+    }
+
+    #[inline(always)]
+    pub(super) fn saturating_counting(xs: &mut [f32], f: Format) -> RangeCounts {
+        with_format!(f, F => saturating_counting_with(xs, |x| {
+            f32_to_format_value(x, F, Overflow::Saturate)
+        }))
     }
 
     /// One pass: round each value and count it if it was nonzero and is zero now. The
@@ -203,6 +333,26 @@ mod f32_slices {
             .sum()
     }
 
+    /// As [`counting_with`], with a second lane sum for the values the kernel reports
+    /// beyond the finite range (the saturated ones).
+    #[inline(always)]
+    fn saturating_counting_with(xs: &mut [f32], round: impl Fn(f32) -> (f32, bool)) -> RangeCounts {
+        xs.chunks_mut(1 << 30)
+            .map(|piece| {
+                let (saturated, flushed) = piece.iter_mut().fold((0_u32, 0_u32), |(s, n), x| {
+                    let (rounded, beyond) = round(*x);
+                    let was_flushed = (*x != 0.0) & (rounded == 0.0);
+                    *x = rounded;
+                    (s + u32::from(beyond), n + u32::from(was_flushed))
+                });
+                RangeCounts {
+                    saturated: u64::from(saturated),
+                    flushed: u64::from(flushed),
+                }
+            })
+            .sum()
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn in_place_avx2(xs: &mut [f32], f: Format) {
@@ -219,6 +369,18 @@ mod f32_slices {
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn counting_avx2(xs: &mut [f32], f: Format) -> u64 {
         counting(xs, f)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn saturating_in_place_avx2(xs: &mut [f32], f: Format) {
+        saturating_in_place(xs, f);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn saturating_counting_avx2(xs: &mut [f32], f: Format) -> RangeCounts {
+        saturating_counting(xs, f)
     }
 
     #[cfg(all(test, target_arch = "x86_64"))]
@@ -280,13 +442,53 @@ mod f32_slices {
                 let flushed_avx2 = unsafe { counting_avx2(&mut counted_avx2, f) };
                 assert_eq!(bits(&counted), bits(&portable), "{f} counting");
                 assert_eq!(bits(&counted_avx2), bits(&portable), "{f} counting, AVX2");
-                let expected = src
+                let expected_flushed = src
                     .iter()
                     .zip(&portable)
                     .filter(|&(&x, &r)| x != 0.0 && r == 0.0)
                     .count() as u64;
-                assert!(expected > 0, "{f}: the sweep flushes some values");
-                assert_eq!((flushed, flushed_avx2), (expected, expected), "{f} count");
+                assert!(expected_flushed > 0, "{f}: the sweep flushes some values");
+                assert_eq!(
+                    (flushed, flushed_avx2),
+                    (expected_flushed, expected_flushed),
+                    "{f} count"
+                );
+
+                let (mut saturated, mut saturated_avx2) = (src.clone(), src.clone());
+                saturating_in_place(&mut saturated, f);
+                // SAFETY: AVX2 checked above.
+                unsafe { saturating_in_place_avx2(&mut saturated_avx2, f) };
+                assert_eq!(bits(&saturated), bits(&saturated_avx2), "{f} saturating");
+                let (mut counted, mut counted_avx2) = (src.clone(), src.clone());
+                let counts = saturating_counting(&mut counted, f);
+                // SAFETY: AVX2 checked above.
+                let counts_avx2 = unsafe { saturating_counting_avx2(&mut counted_avx2, f) };
+                assert_eq!(bits(&counted), bits(&saturated), "{f} saturating counting");
+                assert_eq!(
+                    bits(&counted_avx2),
+                    bits(&saturated),
+                    "{f} saturating counting, AVX2"
+                );
+                // Saturation changes exactly the values plain rounding sends beyond the
+                // finite range (to ±inf, or NaN from a non-NaN in E4M3), and nothing else.
+                let max = f.max_finite() as f32;
+                let mut expected = RangeCounts {
+                    saturated: 0,
+                    flushed: expected_flushed,
+                };
+                for ((&x, &plain), &clamped) in src.iter().zip(&portable).zip(&saturated) {
+                    if !x.is_nan() && (plain.is_infinite() || plain.is_nan()) {
+                        expected.saturated += 1;
+                        assert_eq!(clamped.to_bits(), max.copysign(x).to_bits(), "{f} {x:e}");
+                    } else {
+                        assert_eq!(clamped.to_bits(), plain.to_bits(), "{f} {x:e}");
+                    }
+                }
+                assert!(
+                    expected.saturated > 0,
+                    "{f}: the sweep saturates some values"
+                );
+                assert_eq!((counts, counts_avx2), (expected, expected), "{f} counts");
             }
         }
     }
@@ -295,29 +497,52 @@ mod f32_slices {
 impl Round for f64 {
     #[inline]
     fn round_to(self, f: Format) -> f64 {
-        with_format!(f, F => f64_to_format_value(self, F))
+        with_format!(f, F => f64_to_format_value(self, F, Overflow::Format).0)
+    }
+
+    #[inline]
+    fn round_to_saturating(self, f: Format) -> f64 {
+        with_format!(f, F => f64_to_format_value(self, F, Overflow::Saturate).0)
     }
 
     fn round_slice_in_place(xs: &mut [f64], f: Format) {
         with_format!(f, F => xs
             .iter_mut()
-            .for_each(|x| *x = f64_to_format_value(*x, F)))
+            .for_each(|x| *x = f64_to_format_value(*x, F, Overflow::Format).0))
     }
 
     fn round_slice_into(src: &[f64], dst: &mut [MaybeUninit<f64>], f: Format) {
         assert_eq!(src.len(), dst.len(), "round_slice_into: lengths differ");
         let pairs = dst.iter_mut().zip(src);
         with_format!(f, F => pairs.for_each(|(out, &x)| {
-            out.write(f64_to_format_value(x, F));
+            out.write(f64_to_format_value(x, F, Overflow::Format).0);
         }))
     }
 
     fn round_slice_counting_flushes(xs: &mut [f64], f: Format) -> u64 {
         with_format!(f, F => xs.iter_mut().fold(0, |flushed, x| {
-            let rounded = f64_to_format_value(*x, F);
+            let rounded = f64_to_format_value(*x, F, Overflow::Format).0;
             let was_flushed = *x != 0.0 && rounded == 0.0;
             *x = rounded;
             flushed + u64::from(was_flushed)
+        }))
+    }
+
+    fn round_slice_saturating_in_place(xs: &mut [f64], f: Format) {
+        with_format!(f, F => xs
+            .iter_mut()
+            .for_each(|x| *x = f64_to_format_value(*x, F, Overflow::Saturate).0))
+    }
+
+    fn round_slice_saturating_counting(xs: &mut [f64], f: Format) -> RangeCounts {
+        with_format!(f, F => xs.iter_mut().fold(RangeCounts::default(), |counts, x| {
+            let (rounded, beyond) = f64_to_format_value(*x, F, Overflow::Saturate);
+            let was_flushed = *x != 0.0 && rounded == 0.0;
+            *x = rounded;
+            RangeCounts {
+                saturated: counts.saturated + u64::from(beyond),
+                flushed: counts.flushed + u64::from(was_flushed),
+            }
         }))
     }
 }
@@ -335,15 +560,35 @@ const fn f32_bits(x: f64) -> u32 {
     (x as f32).to_bits()
 }
 
-/// Rounds an f32 into `format`, returned as an f32.
+/// Rounds an f32 into `format`, returned as an f32, with what becomes of a value beyond the
+/// finite range chosen by `overflow`; also says whether `x` was beyond that range (±inf, or
+/// a rounding above `max_finite`), for the saturating loops' count.
 ///
-/// Inlined with `format` a constant (as the slice loops call it), the match folds away.
+/// Inlined with `format` and `overflow` constants (as the slice loops call it), the matches
+/// fold away and so does the flag where it is unused.
 #[inline(always)]
-fn f32_to_format_value(x: f32, format: Format) -> f32 {
+fn f32_to_format_value(x: f32, format: Format, overflow: Overflow) -> (f32, bool) {
     match format {
-        Format::Bf16 => f32_to_bf16_value(x),
-        Format::Fp16 | Format::E4M3 | Format::E5M2 => f32_to_narrow_value(x, format),
+        Format::Bf16 => f32_to_bf16(x, overflow),
+        Format::Fp16 | Format::E4M3 | Format::E5M2 => f32_to_narrow_value(x, format, overflow),
     }
+}
+
+/// `f32_to_bf16_value`, and for [`Overflow::Saturate`] ±inf results replaced by bf16's
+/// largest finite value: the carry of the rounding reaches the infinity pattern exactly for
+/// the values beyond the finite range, and ±inf stays ±inf, so an infinite result is the
+/// "beyond" case (a NaN rounds to a NaN, whose quiet bit keeps it off the infinity
+/// pattern).
+#[inline(always)]
+fn f32_to_bf16(x: f32, overflow: Overflow) -> (f32, bool) {
+    /// bf16's largest finite value `(2 - 2^-7) * 2^127` as f32 bits.
+    const BF16_MAX_FINITE_BITS: u32 = 0x7F7F_0000;
+    let rounded = f32_to_bf16_value(x).to_bits();
+    let beyond = rounded & F32_ABS_MASK == F32_INF_BITS;
+    let clamped = (rounded & !F32_ABS_MASK) | BF16_MAX_FINITE_BITS;
+    let saturate = overflow == Overflow::Saturate;
+    let result = if beyond & saturate { clamped } else { rounded };
+    (f32::from_bits(result), beyond)
 }
 
 /// Rounds an f32 to the nearest bf16 value, returned as an f32.
@@ -368,7 +613,8 @@ fn f32_to_bf16_value(x: f32) -> f32 {
 }
 
 /// Rounds an f32 to the nearest value of `format` (fp16, E4M3 or E5M2), returned as an
-/// f32.
+/// f32, with the result beyond the finite range chosen by `overflow`; also says whether `x`
+/// was beyond that range.
 ///
 /// These formats keep `p <= 11` significant bits of f32's 24 and have a narrower exponent
 /// range, so f32 holds every one of their values, subnormals included, as a normal f32.
@@ -383,13 +629,13 @@ fn f32_to_bf16_value(x: f32) -> f32 {
 ///   multiple), and subtracting `c` back is exact.
 ///
 /// Both are computed as if the exponent had no upper bound; a result above `max_finite`
-/// (65504, 448, 57344) means `x` overflowed, and its magnitude is replaced by infinity, or
-/// NaN in E4M3. For E4M3 this happens above 464: between 448
+/// (65504, 448, 57344) means `x` overflowed, and its magnitude is replaced by infinity,
+/// NaN (E4M3) or `max_finite` (saturating). For E4M3 this happens above 464: between 448
 /// (`1.110₂ * 2^8`, even) and the next value with an unbounded exponent, 480 (`1.111₂ *
 /// 2^8`, the NaN pattern's place), the tie 464 goes to 448. All paths are computed and
 /// merged with selects so that loops vectorize.
 #[inline(always)]
-fn f32_to_narrow_value(x: f32, format: Format) -> f32 {
+fn f32_to_narrow_value(x: f32, format: Format, overflow: Overflow) -> (f32, bool) {
     let dropped_bits = 24 - format.precision_bits();
     let dropped_mask = (1u32 << dropped_bits) - 1;
     let max_finite = f32_bits(format.max_finite());
@@ -405,13 +651,13 @@ fn f32_to_narrow_value(x: f32, format: Format) -> f32 {
     } else {
         normal
     };
-    let overflow = if format.has_infinity() {
-        F32_INF_BITS
-    } else {
-        F32_NAN_BITS
-    };
-    let magnitude = if magnitude > max_finite {
-        overflow
+    let overflowed = magnitude > max_finite;
+    let magnitude = if overflowed {
+        match overflow {
+            Overflow::Saturate => max_finite,
+            Overflow::Format if format.has_infinity() => F32_INF_BITS,
+            Overflow::Format => F32_NAN_BITS,
+        }
     } else {
         magnitude
     };
@@ -423,7 +669,7 @@ fn f32_to_narrow_value(x: f32, format: Format) -> f32 {
         F32_NAN_BITS
     };
     let magnitude = if is_nan { nan } else { magnitude };
-    f32::from_bits(sign | magnitude)
+    (f32::from_bits(sign | magnitude), overflowed & !is_nan)
 }
 
 const F64_ABS_MASK: u64 = !(1 << 63);
@@ -433,7 +679,8 @@ const F64_QUIET_BIT: u64 = 1 << 51;
 const F64_NAN_BITS: u64 = 0x7FF8_0000_0000_0000;
 
 /// Rounds an f64 to the nearest value of `format`, returned as an f64, directly from its
-/// 53-bit significand.
+/// 53-bit significand, with the result beyond the finite range chosen by `overflow`; also
+/// says whether `x` was beyond that range.
 ///
 /// The same two regimes as `f32_to_narrow_value`, with the constants of `format`:
 ///
@@ -449,8 +696,8 @@ const F64_NAN_BITS: u64 = 0x7FF8_0000_0000_0000;
 ///   addition rounds `|x|` to a multiple of `s` with ties to even (`c` is an even multiple);
 ///   subtracting `c` is exact. f64 subnormals and zeros need no case: they land on zero.
 ///
-/// Then anything above `max_finite` has overflowed and becomes ±inf, or NaN in E4M3.
-/// Rounding as if the exponent were unbounded and comparing
+/// Then anything above `max_finite` has overflowed and becomes ±inf, NaN (E4M3) or
+/// ±`max_finite` (saturating). Rounding as if the exponent were unbounded and comparing
 /// with `max_finite` is exactly IEEE overflow for round to nearest: the values above
 /// `max_finite` are those nearer to (or at the tie, evener than) its neighbour above. In
 /// the IEEE-style formats that neighbour is `2^(emax+1)`, an even significand, so the
@@ -464,7 +711,7 @@ const F64_NAN_BITS: u64 = 0x7FF8_0000_0000_0000;
 /// bits, which can land exactly on a midpoint of the format (or move off one), and the
 /// second rounding then breaks the tie the wrong way.
 #[inline(always)]
-fn f64_to_format_value(x: f64, format: Format) -> f64 {
+fn f64_to_format_value(x: f64, format: Format, overflow: Overflow) -> (f64, bool) {
     let dropped_bits = 53 - format.precision_bits();
     let dropped_mask = (1u64 << dropped_bits) - 1;
     let max_finite = format.max_finite().to_bits();
@@ -483,13 +730,13 @@ fn f64_to_format_value(x: f64, format: Format) -> f64 {
     } else {
         normal
     };
-    let overflow = if format.has_infinity() {
-        F64_INF_BITS
-    } else {
-        F64_NAN_BITS
-    };
-    let magnitude = if magnitude > max_finite {
-        overflow
+    let overflowed = magnitude > max_finite;
+    let magnitude = if overflowed {
+        match overflow {
+            Overflow::Saturate => max_finite,
+            Overflow::Format if format.has_infinity() => F64_INF_BITS,
+            Overflow::Format => F64_NAN_BITS,
+        }
     } else {
         magnitude
     };
@@ -503,7 +750,7 @@ fn f64_to_format_value(x: f64, format: Format) -> f64 {
         F64_NAN_BITS
     };
     let magnitude = if is_nan { nan } else { magnitude };
-    f64::from_bits(sign | magnitude)
+    (f64::from_bits(sign | magnitude), overflowed & !is_nan)
 }
 
 /// `2^e` for a normal f64 exponent `e`, built from the bits.

@@ -1,6 +1,6 @@
 //! The two fp8 formats, value by value: each of the 256 encodings, each midpoint between
 //! neighbours, the overflow thresholds, and the ends of the range, in both element types
-//! in both element types.
+//! and in the plain and saturating conversions.
 //!
 //! The encodings are decoded here from the OCP 8-bit formats' definition, byte by byte (not
 //! with the crate's parameters): E4M3 is `S.EEEE.MMM` with bias 7, no infinities and NaN only
@@ -10,8 +10,8 @@
 mod common;
 
 use tl_numerics::{
-    Format, Round, round_slice, round_slice_counting_flushes, round_slice_into, round_to_e4m3,
-    round_to_e5m2,
+    Format, RangeCounts, Round, round_slice, round_slice_into, round_slice_saturating,
+    round_slice_saturating_counting, round_to_e4m3, round_to_e5m2,
 };
 
 fn p2(e: i32) -> f64 {
@@ -67,6 +67,23 @@ fn assert_rounds(format: Format, x: f64, expected: f64) {
     }
 }
 
+/// Asserts `x` rounds to `expected` with saturation, in f64 and (when exact) f32.
+fn assert_saturates(format: Format, x: f64, expected: f64) {
+    assert_eq!(
+        x.round_to_saturating(format).to_bits(),
+        expected.to_bits(),
+        "{format} f64 {x:e}"
+    );
+    if f64::from(x as f32).to_bits() == x.to_bits() {
+        let got = (x as f32).round_to_saturating(format);
+        assert_eq!(
+            got.to_bits(),
+            (expected as f32).to_bits(),
+            "{format} f32 {x:e}"
+        );
+    }
+}
+
 #[test]
 fn the_encodings_decode_to_the_formats_parameters() {
     let e4m3 = positive_values(Format::E4M3);
@@ -98,9 +115,15 @@ fn every_one_of_the_256_encodings_rounds_to_itself() {
                 assert!(v.round_to(format).is_nan());
                 continue;
             }
-            // Every value of the format, infinities and -0 included, in both element types.
+            // Plain rounding keeps every value of the format, infinities and -0 included,
+            // in both element types; saturation keeps every finite one.
             assert_rounds(format, v, v);
-            finite += u32::from(v.is_finite());
+            if v.is_finite() {
+                finite += 1;
+                assert_saturates(format, v, v);
+            } else {
+                assert_saturates(format, v, format.max_finite().copysign(v));
+            }
         }
         // E4M3: 256 less the two NaNs; E5M2: less two infinities and six NaNs.
         let expected = if format == Format::E4M3 { 254 } else { 248 };
@@ -126,9 +149,11 @@ fn midpoints_between_neighbours_go_to_the_even_encoding_and_f64_rounds_directly(
                 let (below, above) = (mid * (1.0 - p2(-40)), mid * (1.0 + p2(-40)));
                 for x in [ulp_below, below] {
                     assert_rounds(format, sign * x, sign * lo);
+                    assert_saturates(format, sign * x, sign * lo);
                 }
                 for x in [ulp_above, above] {
                     assert_rounds(format, sign * x, sign * hi);
+                    assert_saturates(format, sign * x, sign * hi);
                 }
                 // In f32 the nudged value is the midpoint itself.
                 assert_eq!(
@@ -141,7 +166,7 @@ fn midpoints_between_neighbours_go_to_the_even_encoding_and_f64_rounds_directly(
 }
 
 #[test]
-fn e4m3_overflows_to_nan_above_464() {
+fn e4m3_overflows_to_nan_above_464_and_saturates_to_448() {
     let f = Format::E4M3;
     // 448 = 1.110 * 2^8 (even); the next step, 1.111 * 2^8 = 480, is the NaN encoding. The
     // tie 464 goes to 448, anything above it is nearer 480: beyond the range.
@@ -157,13 +182,17 @@ fn e4m3_overflows_to_nan_above_464() {
     for x in [465.0, 479.0, 480.0, 512.0, 1e30, f64::MAX, f64::INFINITY] {
         assert_rounds(f, x, f64::NAN);
         assert_rounds(f, -x, -f64::NAN);
+        assert_saturates(f, x, 448.0);
+        assert_saturates(f, -x, -448.0);
     }
+    assert_saturates(f, 464.0, 448.0);
+    assert_saturates(f, 449.0, 448.0);
     assert_eq!(round_to_e4m3(465.0_f32).to_bits(), f32::NAN.to_bits());
     assert_eq!(round_to_e4m3(-465.0_f64).to_bits(), (-f64::NAN).to_bits());
 }
 
 #[test]
-fn e5m2_overflows_to_infinity_from_61440() {
+fn e5m2_overflows_to_infinity_from_61440_and_saturates_to_57344() {
     let f = Format::E5M2;
     // 57344 = 1.11 * 2^15 (odd); the next step is 2^16 (even), so the tie 61440 overflows.
     assert_rounds(f, 61440.0, f64::INFINITY);
@@ -179,10 +208,11 @@ fn e5m2_overflows_to_infinity_from_61440() {
         ((61440.0 * (1.0 - p2(-40))) as f32).round_to(f),
         f32::INFINITY
     );
-    for x in [65536.0, 1e30, f64::INFINITY] {
-        assert_rounds(f, x, f64::INFINITY);
-        assert_rounds(f, -x, f64::NEG_INFINITY);
+    for x in [61440.0, 65536.0, 1e30, f64::INFINITY] {
+        assert_saturates(f, x, 57344.0);
+        assert_saturates(f, -x, -57344.0);
     }
+    assert_saturates(f, 61439.0, 57344.0);
     assert_eq!(round_to_e5m2(1e10_f32), f32::INFINITY);
 }
 
@@ -208,6 +238,7 @@ fn the_subnormal_ends_flush_ties_to_zero_and_round_up_into_the_normals() {
             // The largest subnormal plus half a step is a tie, to the even smallest normal.
             let largest_subnormal = min_normal - min_subnormal;
             assert_rounds(format, sign * (largest_subnormal + half), sign * min_normal);
+            assert_saturates(format, sign * half, sign * 0.0);
         }
     }
 }
@@ -218,14 +249,17 @@ fn nans_stay_nans_with_their_sign() {
     for format in Format::FP8 {
         for bits in [0x7F80_0001_u32, 0xFF80_0001, 0x7FC0_0000, 0xFFFF_FFFF] {
             let x = f32::from_bits(bits);
-            let r = x.round_to(format);
-            assert!(
-                r.is_nan() && r.is_sign_negative() == x.is_sign_negative(),
-                "{bits:#x}"
-            );
-            assert_ne!(r.to_bits() & 0x0040_0000, 0, "quiet bit");
-            let r = f64::from(x).round_to(format);
-            assert!(r.is_nan() && r.is_sign_negative() == x.is_sign_negative());
+            for r in [x.round_to(format), x.round_to_saturating(format)] {
+                assert!(
+                    r.is_nan() && r.is_sign_negative() == x.is_sign_negative(),
+                    "{bits:#x}"
+                );
+                assert_ne!(r.to_bits() & 0x0040_0000, 0, "quiet bit");
+            }
+            let wide = f64::from(x);
+            for r in [wide.round_to(format), wide.round_to_saturating(format)] {
+                assert!(r.is_nan() && r.is_sign_negative() == x.is_sign_negative());
+            }
         }
     }
     // E4M3 has one NaN per sign, without payload: the default quiet NaN comes back.
@@ -254,6 +288,8 @@ fn slices_round_as_the_scalar_conversions_do() {
     for format in Format::FP8 {
         let plain32: Vec<f32> = xs32.iter().map(|x| x.round_to(format)).collect();
         let plain64: Vec<f64> = xs.iter().map(|x| x.round_to(format)).collect();
+        let saturating32: Vec<f32> = xs32.iter().map(|x| x.round_to_saturating(format)).collect();
+        let saturating64: Vec<f64> = xs.iter().map(|x| x.round_to_saturating(format)).collect();
 
         let mut got32 = xs32.clone();
         round_slice(&mut got32, format);
@@ -272,22 +308,53 @@ fn slices_round_as_the_scalar_conversions_do() {
             "{format} round_slice_into f64"
         );
 
-        // The flushes: nonzero values that became zero.
-        let flushed = |xs: &[f64]| {
-            xs.iter()
+        let mut got32 = xs32.clone();
+        round_slice_saturating(&mut got32, format);
+        assert_eq!(
+            bits32(&got32),
+            bits32(&saturating32),
+            "{format} saturating f32"
+        );
+        let mut got64 = xs.clone();
+        round_slice_saturating(&mut got64, format);
+        assert_eq!(
+            bits64(&got64),
+            bits64(&saturating64),
+            "{format} saturating f64"
+        );
+
+        // The counts: beyond the range means plain rounding gave inf, or NaN from a number.
+        let expected = |xs: &[f64]| RangeCounts {
+            saturated: xs
+                .iter()
+                .filter(|x| !x.is_nan() && !x.round_to(format).is_finite())
+                .count() as u64,
+            flushed: xs
+                .iter()
                 .filter(|&&x| x != 0.0 && x.round_to(format) == 0.0)
-                .count() as u64
+                .count() as u64,
         };
         let mut got64 = xs.clone();
-        let count = round_slice_counting_flushes(&mut got64, format);
-        assert_eq!(count, flushed(&xs), "{format} f64 count");
-        assert_eq!(bits64(&got64), bits64(&plain64), "{format} counting f64");
+        let counts = round_slice_saturating_counting(&mut got64, format);
+        assert_eq!(counts, expected(&xs), "{format} f64 counts");
+        assert_eq!(
+            bits64(&got64),
+            bits64(&saturating64),
+            "{format} counting f64"
+        );
         let widened: Vec<f64> = xs32.iter().map(|&x| f64::from(x)).collect();
         let mut got32 = xs32.clone();
-        let count32 = round_slice_counting_flushes(&mut got32, format);
-        assert_eq!(count32, flushed(&widened), "{format} f32 count");
-        assert_eq!(bits32(&got32), bits32(&plain32), "{format} counting f32");
-        assert!(count >= 2, "{format}: {count}");
+        let counts32 = round_slice_saturating_counting(&mut got32, format);
+        assert_eq!(counts32, expected(&widened), "{format} f32 counts");
+        assert_eq!(
+            bits32(&got32),
+            bits32(&saturating32),
+            "{format} counting f32"
+        );
+        assert!(
+            counts.saturated >= 6 && counts.flushed >= 2,
+            "{format}: {counts:?}"
+        );
     }
 }
 

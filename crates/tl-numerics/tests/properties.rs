@@ -1,5 +1,5 @@
-//! Properties of rounding, f64 above all, checked against the table-and-midpoint reference,
-//! in every format.
+//! Properties of rounding, plain and saturating, f64 above all, checked against the
+//! table-and-midpoint reference, in every format.
 //!
 //! Inputs are concentrated where rounding is hard: on and a few f64 ulps around midpoints
 //! between neighbouring format values (ties, and the inputs a detour through f32 would move
@@ -97,6 +97,38 @@ proptest! {
     }
 
     #[test]
+    fn f64_saturates_to_the_nearest_value_clamped_to_the_range((f, x) in format_and_value()) {
+        let expected = common::reference_round_saturating_f64(f, x);
+        let got = x.round_to_saturating(f);
+        prop_assert!(same(got, expected), "{f} {x:e} ({:#x}): got {got:e}, expected {expected:e}", x.to_bits());
+        prop_assert!(got.is_nan() == x.is_nan() && got.is_sign_negative() == x.is_sign_negative());
+    }
+
+    #[test]
+    fn f32_saturates_to_the_nearest_value_clamped_to_the_range(f in format(), bits in any::<u32>()) {
+        let x = f32::from_bits(bits);
+        let expected = common::reference_round_saturating_f64(f, f64::from(x));
+        let got = x.round_to_saturating(f);
+        prop_assert!(same(f64::from(got), expected), "{f} {bits:#x}: got {got:e}, expected {expected:e}");
+    }
+
+    #[test]
+    fn saturation_changes_only_what_overflows((f, x) in format_and_value()) {
+        // The two conversions differ exactly where plain rounding leaves the finite range
+        // (±inf, or NaN from a number in E4M3), and there saturation gives ±max_finite.
+        for (plain, saturating) in [
+            (x.round_to(f), x.round_to_saturating(f)),
+            ((x as f32).round_to(f).into(), (x as f32).round_to_saturating(f).into()),
+        ] {
+            if plain.is_infinite() || (plain.is_nan() && !x.is_nan()) {
+                prop_assert_eq!(saturating, f.max_finite().copysign(x), "{} {:e}", f, x);
+            } else {
+                prop_assert!(same(saturating, plain), "{f} {x:e}: {saturating:e} vs {plain:e}");
+            }
+        }
+    }
+
+    #[test]
     fn rounding_is_idempotent((f, x) in format_and_value()) {
         let once = x.round_to(f);
         prop_assert!(same(once.round_to(f), once));
@@ -108,8 +140,8 @@ proptest! {
     fn rounding_is_monotone((f, x) in format_and_value(), y in any_bits_f64(), step in 0_u64..4) {
         // Pairs far apart and pairs a few f64 ulps apart around the same (hard) input.
         let near = f64::from_bits(x.to_bits().wrapping_add(step));
-        // NaN compares false: where rounding overflows to NaN (E4M3) there is no order to
-        // keep.
+        // NaN compares false: where plain rounding overflows to NaN (E4M3) there is no order
+        // to keep, and the pair is only checked saturating.
         let ordered = |a: f64, b: f64| a.is_nan() || b.is_nan() || a <= b;
         for (a, b) in [(x, y), (x, near)] {
             if a.is_nan() || b.is_nan() {
@@ -117,17 +149,27 @@ proptest! {
             }
             let (lo, hi) = if a <= b { (a, b) } else { (b, a) };
             prop_assert!(ordered(lo.round_to(f), hi.round_to(f)), "{f}: {lo:e} <= {hi:e}");
+            prop_assert!(lo.round_to_saturating(f) <= hi.round_to_saturating(f), "{f}: {lo:e} <= {hi:e}");
             let (lo32, hi32) = (lo as f32, hi as f32);
             let (r_lo, r_hi) = (lo32.round_to(f), hi32.round_to(f));
             prop_assert!(ordered(r_lo.into(), r_hi.into()), "{f}: {lo32:e} <= {hi32:e}");
+            prop_assert!(
+                lo32.round_to_saturating(f) <= hi32.round_to_saturating(f),
+                "{f}: {lo32:e} <= {hi32:e}"
+            );
         }
     }
 
     #[test]
     fn rounding_is_symmetric((f, x) in format_and_value()) {
         prop_assert_eq!((-x).round_to(f).to_bits(), (-x.round_to(f)).to_bits());
+        prop_assert_eq!((-x).round_to_saturating(f).to_bits(), (-x.round_to_saturating(f)).to_bits());
         let x32 = x as f32;
         prop_assert_eq!((-x32).round_to(f).to_bits(), (-x32.round_to(f)).to_bits());
+        prop_assert_eq!(
+            (-x32).round_to_saturating(f).to_bits(),
+            (-x32.round_to_saturating(f)).to_bits()
+        );
     }
 
     #[test]
@@ -143,6 +185,9 @@ proptest! {
         let via64 = f64::from(x).round_to(f);
         prop_assert!(same(via32, via64), "{f} {x:e}: f32 {via32:e}, f64 {via64:e}");
         prop_assert_eq!(via32.is_sign_negative(), via64.is_sign_negative());
+        let via32 = f64::from(x.round_to_saturating(f));
+        let via64 = f64::from(x).round_to_saturating(f);
+        prop_assert!(same(via32, via64), "{f} {x:e}: saturating f32 {via32:e}, f64 {via64:e}");
     }
 
     #[test]
@@ -194,6 +239,8 @@ proptest! {
         let got = x.round_to(f);
         prop_assert!(same(got, side), "{f} {x:e}: got {got:e}, expected {side:e}");
         prop_assert!(got.is_sign_negative() == x.is_sign_negative());
+        let saturated = if side.is_finite() { side } else { f.max_finite().copysign(x) };
+        prop_assert_eq!(x.round_to_saturating(f), saturated);
         // The same input as an f32 is the midpoint itself, a tie that goes to the even
         // neighbour: what a detour through f32 would have given.
         let x32 = x as f32;

@@ -142,6 +142,17 @@ pub fn reference_round_f64(format: Format, x: f64) -> f64 {
     reference_round_f64_with(Layout::of(format), table, x)
 }
 
+/// Reference saturating rounding: [`reference_round_f64`], with a magnitude that overflows
+/// (or is infinite) clamped to the largest finite value, sign kept. NaN is returned as is.
+pub fn reference_round_saturating_f64(format: Format, x: f64) -> f64 {
+    let rounded = reference_round_f64(format, x);
+    if !x.is_nan() && (rounded.is_infinite() || rounded.is_nan()) {
+        Layout::of(format).max_finite().copysign(x)
+    } else {
+        rounded
+    }
+}
+
 /// As [`reference_round_f64`] with the table built once by the caller.
 pub fn reference_round_f64_with(layout: Layout, table: &[f64], x: f64) -> f64 {
     if x.is_nan() || x == 0.0 {
