@@ -1,5 +1,6 @@
-//! Throughput of `round_slice` on a large f32 buffer, next to a plain copy of the same size
-//! (and, for reference, on the same values as f64).
+//! Throughput of `round_slice` on a large f32 buffer in every format (and of the saturating,
+//! counting conversion in the fp8 formats), next to a plain copy of the same size (and, for
+//! reference, on the same values as f64).
 //!
 //! Autocast rounds every matmul operand and output, so rounding a slice must run near memory
 //! bandwidth; `copy_from_slice` (a memcpy) is the yardstick. Throughput is the buffer size in
@@ -10,7 +11,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use tl_numerics::{Format, round_slice};
+use tl_numerics::{Format, round_slice, round_slice_saturating_counting};
 
 /// 16M values: 64 MiB per buffer, well beyond any cache, so this measures memory streaming.
 const LEN: usize = 1 << 24;
@@ -38,10 +39,18 @@ fn bench_round(c: &mut Criterion) {
 
     // In place and repeatedly: after the first pass the values are already rounded, which
     // changes nothing for the branch-free kernels (same work per element whatever the value).
+    // Every format: each has its own kernel (fp16 and fp8 share one, with other constants).
     for format in Format::ALL {
         let mut xs = source.clone();
         group.bench_function(format!("round_slice_{format}"), |b| {
             b.iter(|| round_slice(black_box(xs.as_mut_slice()), format));
+        });
+    }
+    // The conversion fp8 training stores with: saturating, counting what left the range.
+    for format in Format::FP8 {
+        let mut xs = source.clone();
+        group.bench_function(format!("round_slice_saturating_counting_{format}"), |b| {
+            b.iter(|| round_slice_saturating_counting(black_box(xs.as_mut_slice()), format));
         });
     }
 

@@ -9,8 +9,8 @@ use thiserror::Error;
 /// defined result).
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum NumericsError {
-    /// A format name that is neither `"bf16"` nor `"fp16"`.
-    #[error("unknown format `{input}`: expected one of \"bf16\", \"fp16\"")]
+    /// A format name other than `"bf16"`, `"fp16"`, `"e4m3"` and `"e5m2"`.
+    #[error("unknown format `{input}`: expected one of \"bf16\", \"fp16\", \"e4m3\", \"e5m2\"")]
     UnknownFormat {
         /// The text that was given, verbatim.
         input: String,

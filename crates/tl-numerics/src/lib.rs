@@ -1,10 +1,14 @@
-//! Exact emulation of the 16-bit floating-point formats bf16 and fp16.
+//! Exact emulation of low-precision floating-point formats: the 16-bit bf16 and fp16, and
+//! the 8-bit (fp8) E4M3 and E5M2.
 //!
-//! Low-precision hardware stores numbers in 16 bits; tinyllm computes in f32 or f64 and
-//! *rounds* to the 16-bit format wherever the hardware would store one, so that training
-//! sees the same numbers it would on a GPU. This crate is that rounding,
-//! `rd16(x)`: the value of the format nearest to `x`, ties to even, with gradual underflow
-//! into the format's subnormals, overflow to ±inf, ±0 and ±inf kept, and NaN staying NaN.
+//! Low-precision hardware stores numbers in 16 or 8 bits; tinyllm computes in f32 or f64
+//! and *rounds* to the format wherever the hardware would store one, so that training sees
+//! the same numbers it would on a GPU. This crate is that rounding, `rd(x)`: the value of
+//! the format nearest to `x`, ties to even, with gradual underflow into the format's
+//! subnormals, ±0 kept, and NaN staying NaN. On overflow it does what the format's own
+//! conversion does: ±inf, or NaN in E4M3, which has no infinities. fp8 training stores its
+//! tensors with a *saturating* conversion instead, which clamps overflow to the largest
+//! finite value: [`Round::round_to_saturating`] and [`round_slice_saturating`].
 //!
 //! A rounded value keeps its type: an f32 comes back as an f32 and an f64 as an f64, both
 //! holding a value of the format. An f64 is rounded directly from its 53-bit significand,
@@ -14,11 +18,12 @@
 //! # Examples
 //!
 //! ```
-//! use tl_numerics::{round_slice, round_to_bf16, round_to_fp16, Format};
+//! use tl_numerics::{round_slice, round_to_bf16, round_to_e4m3, round_to_fp16, Format};
 //!
 //! assert_eq!(round_to_bf16(1.01_f32), 1.0078125); // the nearest bf16 value: 1 + 2^-7
 //! assert_eq!(round_to_fp16(65519.0_f64), 65504.0); // fp16's largest finite value
 //! assert_eq!(round_to_fp16(65520.0_f64), f64::INFINITY); // at the overflow threshold
+//! assert_eq!(round_to_e4m3(1.1_f32), 1.125); // E4M3 has 3 fraction bits: 1 + 1/8
 //!
 //! let mut xs = vec![1.0_f32, 1.00390625, 1e-8];
 //! round_slice(&mut xs, Format::Fp16);
@@ -33,7 +38,7 @@ mod round;
 pub use block_fma::{BlockFma, GemmElement};
 pub use error::{NumericsError, Result};
 pub use format::Format;
-pub use round::Round;
+pub use round::{RangeCounts, Round};
 
 /// Rounds `x` to the nearest bf16 value, ties to even, keeping its type.
 ///
@@ -78,6 +83,67 @@ pub fn round_to_bf16<E: Round>(x: E) -> E {
 #[inline]
 pub fn round_to_fp16<E: Round>(x: E) -> E {
     x.round_to(Format::Fp16)
+}
+
+/// Rounds `x` to the nearest E4M3 value, ties to even, keeping its type.
+///
+/// E4M3 (OCP's E4M3FN) has 4 bits of precision, subnormals down to `2^-9`, a largest
+/// finite value of 448 and no infinity: what lies beyond the finite range, above 464 (the
+/// tie between 448 and the 480 its exponent field would reach next goes to the even 448),
+/// becomes NaN, and so does ±inf. [`Round::round_to_saturating`] clamps to ±448 instead.
+///
+/// # Examples
+///
+/// ```
+/// use tl_numerics::{round_to_e4m3, Format, Round};
+///
+/// assert_eq!(round_to_e4m3(448.0_f32), 448.0);
+/// assert_eq!(round_to_e4m3(464.0_f32), 448.0); // a tie: 448 = 1.110 * 2^8 is even
+/// assert!(round_to_e4m3(465.0_f32).is_nan()); // nearer 480, which is not a value: NaN
+/// assert!(round_to_e4m3(-f64::INFINITY).is_nan() && round_to_e4m3(-f64::INFINITY).is_sign_negative());
+/// assert_eq!(465.0_f32.round_to_saturating(Format::E4M3), 448.0);
+/// // Subnormals: the spacing below 2^-6 is 2^-9; half of it ties to 0, more rounds up.
+/// assert_eq!(round_to_e4m3(2f64.powi(-9)), 2f64.powi(-9));
+/// assert_eq!(round_to_e4m3(2f64.powi(-10)), 0.0);
+/// assert_eq!(round_to_e4m3(1.5 * 2f64.powi(-10)), 2f64.powi(-9));
+/// // Ties to even: 1 + 1/16 lies between 1 (even) and 1.125, 1 + 3/16 between 1.125 and 1.25 (even).
+/// assert_eq!(round_to_e4m3(1.0625_f32), 1.0);
+/// assert_eq!(round_to_e4m3(1.1875_f32), 1.25);
+/// // Rounded directly from the f64, not through f32 (which would make it the tie, then 1):
+/// assert_eq!(round_to_e4m3(1.0625 + 2f64.powi(-40)), 1.125);
+/// ```
+#[inline]
+pub fn round_to_e4m3<E: Round>(x: E) -> E {
+    x.round_to(Format::E4M3)
+}
+
+/// Rounds `x` to the nearest E5M2 value, ties to even, keeping its type.
+///
+/// E5M2 has fp16's exponent range with 3 bits of precision: subnormals down to `2^-16`, a
+/// largest finite value of 57344 (`1.75 * 2^15`), and IEEE overflow: from 61440, halfway
+/// to `2^16`, on, the result is infinity.
+///
+/// # Examples
+///
+/// ```
+/// use tl_numerics::{round_to_e5m2, Format, Round};
+///
+/// assert_eq!(round_to_e5m2(57344.0_f32), 57344.0);
+/// assert_eq!(round_to_e5m2(61439.0_f32), 57344.0);
+/// assert_eq!(round_to_e5m2(61440.0_f32), f32::INFINITY); // a tie: 2^16 is the even one
+/// assert_eq!(round_to_e5m2(-1e6_f64), f64::NEG_INFINITY);
+/// assert_eq!(61440.0_f32.round_to_saturating(Format::E5M2), 57344.0);
+/// // Subnormals: multiples of 2^-16 below 2^-14.
+/// assert_eq!(round_to_e5m2(2f64.powi(-16)), 2f64.powi(-16));
+/// assert_eq!(round_to_e5m2(2f64.powi(-17)), 0.0); // the tie between 0 and 2^-16
+/// assert_eq!(round_to_e5m2(3.0 * 2f64.powi(-17)), 2.0 * 2f64.powi(-16)); // 1.5 steps: to 2
+/// // Ties to even: 1.125 lies between 1 (even) and 1.25, 1.375 between 1.25 and 1.5 (even).
+/// assert_eq!(round_to_e5m2(1.125_f32), 1.0);
+/// assert_eq!(round_to_e5m2(1.375_f32), 1.5);
+/// ```
+#[inline]
+pub fn round_to_e5m2<E: Round>(x: E) -> E {
+    x.round_to(Format::E5M2)
 }
 
 /// Rounds every element of `xs` to the nearest value of format `f`, in place.
@@ -139,4 +205,43 @@ pub fn round_slice_counting_flushes<E: Round>(xs: &mut [E], f: Format) -> u64 {
 /// ```
 pub fn round_slice_into<E: Round>(src: &[E], dst: &mut [std::mem::MaybeUninit<E>], f: Format) {
     E::round_slice_into(src, dst, f);
+}
+
+/// Rounds every element of `xs` to the nearest value of format `f`, in place, clamping
+/// overflow to ±`max_finite`: [`Round::round_to_saturating`] on each element, in the same
+/// vectorized loops as [`round_slice`].
+///
+/// # Examples
+///
+/// ```
+/// use tl_numerics::{round_slice_saturating, Format};
+///
+/// let mut xs = [1000.0_f32, -f32::INFINITY, 300.0, f32::NAN];
+/// round_slice_saturating(&mut xs, Format::E4M3);
+/// // Above 256 the spacing is 32: 300 is nearer 288 than 320. NaN stays NaN.
+/// assert_eq!(xs[..3], [448.0, -448.0, 288.0]);
+/// assert!(xs[3].is_nan());
+/// ```
+pub fn round_slice_saturating<E: Round>(xs: &mut [E], f: Format) {
+    E::round_slice_saturating_in_place(xs, f);
+}
+
+/// Rounds every element of `xs` in place, like [`round_slice_saturating`], and counts the
+/// values that fell off the ends of the range: those clamped to ±`max_finite` and the
+/// nonzero ones that became zero ([`RangeCounts`]). One pass over memory.
+///
+/// # Examples
+///
+/// ```
+/// use tl_numerics::{round_slice_saturating_counting, Format, RangeCounts};
+///
+/// let mut xs = [500.0_f32, 450.0, f32::INFINITY, 1e-4, 0.0, 1.0];
+/// let counts = round_slice_saturating_counting(&mut xs, Format::E4M3);
+/// // 500 and inf were beyond the range; 450 merely rounds down to 448. 1e-4 is below
+/// // half of E4M3's smallest subnormal 2^-9 (about 0.00195); the zero was zero.
+/// assert_eq!(counts, RangeCounts { saturated: 2, flushed: 1 });
+/// assert_eq!(xs, [448.0, 448.0, 448.0, 0.0, 0.0, 1.0]);
+/// ```
+pub fn round_slice_saturating_counting<E: Round>(xs: &mut [E], f: Format) -> RangeCounts {
+    E::round_slice_saturating_counting(xs, f)
 }

@@ -1,30 +1,69 @@
-//! Round-to-nearest-even of f32 and f64 values into a 16-bit format.
+//! Round-to-nearest-even of f32 and f64 values into a low-precision format.
 //!
-//! The result of every kernel here is the value IEEE 754 conversion to the 16-bit format
-//! would produce (round to nearest, ties to even, gradual underflow, overflow to ±inf),
-//! returned in the input's own type. Three kernels do the work:
+//! The result of every kernel here is the value IEEE 754 conversion to the format would
+//! produce (round to nearest, ties to even, gradual underflow, overflow to ±inf — or to NaN
+//! in E4M3, which has no infinities), returned in the input's own type. A saturating variant
+//! of each kernel clamps overflow to ±`max_finite` instead. Three kernels do the work:
 //!
 //! - `f32_to_bf16_value`: bf16 is the top half of an f32, so rounding is one integer add
 //!   on the bits. Branch-free, so slice loops auto-vectorize.
-//! - `f32_to_fp16_value`: an integer add on the bits in fp16's normal range and a
-//!   floating-point add of a "magic" constant in its subnormal range, merged by selects.
-//!   Branch-free as well.
-//! - `f64_to_format_value`: the same two regimes on the full 53-bit significand, for both
-//!   formats. An f64 must never be rounded through f32 first: the first rounding can land
-//!   exactly on a midpoint of the 16-bit format (or move off one), and the second rounding
-//!   then breaks the tie the wrong way.
+//! - `f32_to_narrow_value`, for fp16, E4M3 and E5M2, whose exponent range is narrower than
+//!   f32's (f32 holds all their subnormals as normal numbers): an integer add on the bits
+//!   in the format's normal range and a floating-point add of a "magic" constant in its
+//!   subnormal range, merged by selects. Branch-free as well.
+//! - `f64_to_format_value`: the same two regimes on the full 53-bit significand, for every
+//!   format. An f64 must never be rounded through f32 first: the first rounding can land
+//!   exactly on a midpoint of the format (or move off one), and the second rounding then
+//!   breaks the tie the wrong way.
+//!
+//! All three first round as if the exponent had no upper bound, and then compare with the
+//! largest finite value: anything above it has overflowed and is replaced by what the
+//! conversion gives on overflow ([`Overflow`]). That single comparison is exactly IEEE
+//! overflow, for the formats with and without infinities alike (see `f64_to_format_value`).
 //!
 //! The floating-point adds rely only on IEEE addition in the default round-to-nearest mode
 //! (which Rust guarantees). They are also immune to flush-to-zero modes: their results are
 //! multiples of the format's smallest subnormal, normal in f32/f64, and any input an FPU
 //! would flush is far below half of that, so it rounds to zero either way.
 
+use std::iter::Sum;
 use std::mem::MaybeUninit;
+use std::ops::{Add, AddAssign};
 
 use crate::format::Format;
 
-/// A floating-point type whose values can be rounded into a 16-bit [`Format`], keeping the
-/// type: an f32 comes back as an f32, an f64 as an f64, each holding a value of the format.
+/// Evaluates `$body` with `$F` a constant equal to the format `$format`, one match arm per
+/// format.
+///
+/// With the format a constant, an inlined kernel called with `$F` folds all its format
+/// parameters (shifts, masks, thresholds) to immediates, and a loop around it is
+/// straight-line code that the compiler vectorizes. Matching once, outside the loop, is
+/// what keeps the slice functions fast.
+macro_rules! with_format {
+    ($format:expr, $F:ident => $body:expr) => {
+        match $format {
+            Format::Bf16 => {
+                const $F: Format = Format::Bf16;
+                $body
+            }
+            Format::Fp16 => {
+                const $F: Format = Format::Fp16;
+                $body
+            }
+            Format::E4M3 => {
+                const $F: Format = Format::E4M3;
+                $body
+            }
+            Format::E5M2 => {
+                const $F: Format = Format::E5M2;
+                $body
+            }
+        }
+    };
+}
+
+/// A floating-point type whose values can be rounded into a [`Format`], keeping the type:
+/// an f32 comes back as an f32, an f64 as an f64, each holding a value of the format.
 ///
 /// Implemented for `f32` and `f64`.
 ///
@@ -36,14 +75,31 @@ use crate::format::Format;
 /// // 1 + 2^-8 lies halfway between the bf16 neighbours 1 and 1 + 2^-7: ties go to even.
 /// assert_eq!(1.00390625_f32.round_to(Format::Bf16), 1.0);
 /// assert_eq!(1.01_f64.round_to(Format::Bf16), 1.0078125);
+/// // 500 is beyond E4M3's range: NaN (it has no infinity), or 448 when saturating.
+/// assert!(500.0_f32.round_to(Format::E4M3).is_nan());
+/// assert_eq!(500.0_f32.round_to_saturating(Format::E4M3), 448.0);
 /// ```
 pub trait Round: Copy {
     /// The value of format `f` nearest to `self`, ties to even.
     ///
-    /// Values below the smallest normal round onto the format's subnormals; values at or
-    /// beyond `max_finite` plus half an ulp become ±inf; ±0 and ±inf are kept; a NaN gives a
-    /// quiet NaN with the same sign.
+    /// Values below the smallest normal round onto the format's subnormals, and ±0 keeps
+    /// its sign. A value beyond the finite range — one whose rounding with an unbounded
+    /// exponent lies above `max_finite`, that is from `max_finite` plus half an ulp on in
+    /// the IEEE-style formats (65520 for fp16, 61440 for E5M2), and above 464 in E4M3 (464
+    /// itself is a tie that goes to 448) — becomes ±inf, or NaN with its sign in E4M3, which
+    /// has no infinity; so ±inf stays ±inf, and becomes NaN in E4M3. A NaN gives a quiet NaN
+    /// with the same sign (in E4M3, whose only NaN has no payload, the default quiet NaN).
     fn round_to(self, f: Format) -> Self;
+
+    /// The value of format `f` nearest to `self`, ties to even, with overflow clamped to
+    /// ±`max_finite`: as [`round_to`](Round::round_to) wherever that gives a finite value or
+    /// a NaN from a NaN, and ±`max_finite` for a value beyond the finite range (±inf
+    /// included).
+    ///
+    /// This is the conversion fp8 training stores tensors with (as NVIDIA's Transformer
+    /// Engine casts): a per-tensor scale puts the values near the top of the range, where a
+    /// few outliers clipped to the largest value do far less harm than an inf or a NaN.
+    fn round_to_saturating(self, f: Format) -> Self;
 
     /// Rounds every element of `xs` into format `f`, in place.
     ///
@@ -71,15 +127,96 @@ pub trait Round: Copy {
     /// Rounds every element of `xs` into format `f`, in place, and returns how many nonzero
     /// values became zero (of either sign): the values the format's range flushed.
     fn round_slice_counting_flushes(xs: &mut [Self], f: Format) -> u64;
+
+    /// Rounds every element of `xs` into format `f` with
+    /// [`round_to_saturating`](Round::round_to_saturating), in place.
+    ///
+    /// The default calls `round_to_saturating` per element; `f32` and `f64` override it as
+    /// they do [`round_slice_in_place`](Round::round_slice_in_place).
+    fn round_slice_saturating_in_place(xs: &mut [Self], f: Format) {
+        for x in xs.iter_mut() {
+            *x = x.round_to_saturating(f);
+        }
+    }
+
+    /// Rounds every element of `xs` into format `f` with
+    /// [`round_to_saturating`](Round::round_to_saturating), in place, and counts the values
+    /// that fell off either end of the range: those clamped to ±`max_finite` and the nonzero
+    /// ones that became zero.
+    fn round_slice_saturating_counting(xs: &mut [Self], f: Format) -> RangeCounts;
+}
+
+/// How many values of a slice a rounding moved off the ends of the format's range, as
+/// counted by [`round_slice_saturating_counting`](crate::round_slice_saturating_counting).
+///
+/// Both counts are what fp8 training watches per tensor: many saturated values mean the
+/// tensor's scale is too large, many flushed ones that it is too small. Counts of separate
+/// slices (blocks of one tensor) add up with `+` or [`Sum`].
+///
+/// # Examples
+///
+/// ```
+/// use tl_numerics::RangeCounts;
+///
+/// let blocks = [RangeCounts { saturated: 2, flushed: 0 }, RangeCounts { saturated: 1, flushed: 5 }];
+/// let total: RangeCounts = blocks.into_iter().sum();
+/// assert_eq!(total, RangeCounts { saturated: 3, flushed: 5 });
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct RangeCounts {
+    /// The values beyond the finite range, clamped to ±`max_finite`: ±inf, and the values
+    /// whose rounding with an unbounded exponent lies above `max_finite` (the ones plain
+    /// rounding turns into ±inf, or NaN in E4M3). A value that rounds down onto
+    /// `max_finite` (449 in E4M3) is not counted, nor is a NaN.
+    pub saturated: u64,
+    /// The nonzero values that became zero (of either sign): those below half of the
+    /// format's smallest subnormal, and half of it exactly (a tie, to the even zero).
+    pub flushed: u64,
+}
+
+impl Add for RangeCounts {
+    type Output = RangeCounts;
+
+    fn add(self, other: RangeCounts) -> RangeCounts {
+        RangeCounts {
+            saturated: self.saturated + other.saturated,
+            flushed: self.flushed + other.flushed,
+        }
+    }
+}
+
+impl AddAssign for RangeCounts {
+    fn add_assign(&mut self, other: RangeCounts) {
+        *self = *self + other;
+    }
+}
+
+impl Sum for RangeCounts {
+    fn sum<I: Iterator<Item = RangeCounts>>(counts: I) -> RangeCounts {
+        counts.fold(RangeCounts::default(), Add::add)
+    }
+}
+
+/// What a rounding gives for a value beyond the format's finite range: one that is ±inf,
+/// or whose rounding to nearest with an unbounded exponent lies above `max_finite`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Overflow {
+    /// What the format's own conversion gives, with the sign of the input: ±inf, or NaN in
+    /// a format without infinities (E4M3).
+    Format,
+    /// ±`max_finite`, with the sign of the input.
+    Saturate,
 }
 
 impl Round for f32 {
     #[inline]
     fn round_to(self, f: Format) -> f32 {
-        match f {
-            Format::Bf16 => f32_to_bf16_value(self),
-            Format::Fp16 => f32_to_fp16_value(self),
-        }
+        with_format!(f, F => f32_to_format_value(self, F, Overflow::Format).0)
+    }
+
+    #[inline]
+    fn round_to_saturating(self, f: Format) -> f32 {
+        with_format!(f, F => f32_to_format_value(self, F, Overflow::Saturate).0)
     }
 
     fn round_slice_in_place(xs: &mut [f32], f: Format) {
@@ -111,6 +248,25 @@ impl Round for f32 {
         }
         f32_slices::counting(xs, f)
     }
+
+    fn round_slice_saturating_in_place(xs: &mut [f32], f: Format) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            unsafe { f32_slices::saturating_in_place_avx2(xs, f) };
+            return;
+        }
+        f32_slices::saturating_in_place(xs, f);
+    }
+
+    fn round_slice_saturating_counting(xs: &mut [f32], f: Format) -> RangeCounts {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            return unsafe { f32_slices::saturating_counting_avx2(xs, f) };
+        }
+        f32_slices::saturating_counting(xs, f)
+    }
 }
 
 /// The f32 slice loops, each written once and compiled twice: for any x86-64 (SSE2, four
@@ -119,39 +275,44 @@ impl Round for f32 {
 mod f32_slices {
     use std::mem::MaybeUninit;
 
-    use super::{f32_to_bf16_value, f32_to_fp16_value};
+    use super::{Overflow, RangeCounts, f32_to_format_value};
     use crate::format::Format;
 
-    // Each loop matches the format once, outside: with the kernel fixed, the body is
-    // straight-line code and the compiler vectorizes it.
+    // Each loop matches the format once, outside (`with_format!`): with the kernel fixed,
+    // the body is straight-line code and the compiler vectorizes it.
 
     #[inline(always)]
     pub(super) fn in_place(xs: &mut [f32], f: Format) {
-        match f {
-            Format::Bf16 => xs.iter_mut().for_each(|x| *x = f32_to_bf16_value(*x)),
-            Format::Fp16 => xs.iter_mut().for_each(|x| *x = f32_to_fp16_value(*x)),
-        }
+        with_format!(f, F => xs
+            .iter_mut()
+            .for_each(|x| *x = f32_to_format_value(*x, F, Overflow::Format).0))
     }
 
     #[inline(always)]
     pub(super) fn into(src: &[f32], dst: &mut [MaybeUninit<f32>], f: Format) {
         let pairs = dst.iter_mut().zip(src);
-        match f {
-            Format::Bf16 => pairs.for_each(|(out, &x)| {
-                out.write(f32_to_bf16_value(x));
-            }),
-            Format::Fp16 => pairs.for_each(|(out, &x)| {
-                out.write(f32_to_fp16_value(x));
-            }),
-        }
+        with_format!(f, F => pairs.for_each(|(out, &x)| {
+            out.write(f32_to_format_value(x, F, Overflow::Format).0);
+        }))
     }
 
     #[inline(always)]
     pub(super) fn counting(xs: &mut [f32], f: Format) -> u64 {
-        match f {
-            Format::Bf16 => counting_with(xs, f32_to_bf16_value),
-            Format::Fp16 => counting_with(xs, f32_to_fp16_value),
-        }
+        with_format!(f, F => counting_with(xs, |x| f32_to_format_value(x, F, Overflow::Format).0))
+    }
+
+    #[inline(always)]
+    pub(super) fn saturating_in_place(xs: &mut [f32], f: Format) {
+        with_format!(f, F => xs
+            .iter_mut()
+            .for_each(|x| *x = f32_to_format_value(*x, F, Overflow::Saturate).0))
+    }
+
+    #[inline(always)]
+    pub(super) fn saturating_counting(xs: &mut [f32], f: Format) -> RangeCounts {
+        with_format!(f, F => saturating_counting_with(xs, |x| {
+            f32_to_format_value(x, F, Overflow::Saturate)
+        }))
     }
 
     /// One pass: round each value and count it if it was nonzero and is zero now. The
@@ -168,6 +329,26 @@ mod f32_slices {
                     n + u32::from(was_flushed)
                 });
                 u64::from(flushed)
+            })
+            .sum()
+    }
+
+    /// As [`counting_with`], with a second lane sum for the values the kernel reports
+    /// beyond the finite range (the saturated ones).
+    #[inline(always)]
+    fn saturating_counting_with(xs: &mut [f32], round: impl Fn(f32) -> (f32, bool)) -> RangeCounts {
+        xs.chunks_mut(1 << 30)
+            .map(|piece| {
+                let (saturated, flushed) = piece.iter_mut().fold((0_u32, 0_u32), |(s, n), x| {
+                    let (rounded, beyond) = round(*x);
+                    let was_flushed = (*x != 0.0) & (rounded == 0.0);
+                    *x = rounded;
+                    (s + u32::from(beyond), n + u32::from(was_flushed))
+                });
+                RangeCounts {
+                    saturated: u64::from(saturated),
+                    flushed: u64::from(flushed),
+                }
             })
             .sum()
     }
@@ -190,18 +371,49 @@ mod f32_slices {
         counting(xs, f)
     }
 
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn saturating_in_place_avx2(xs: &mut [f32], f: Format) {
+        saturating_in_place(xs, f);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn saturating_counting_avx2(xs: &mut [f32], f: Format) -> RangeCounts {
+        saturating_counting(xs, f)
+    }
+
     #[cfg(all(test, target_arch = "x86_64"))]
     mod tests {
         use super::*;
 
         /// Every 4099th f32 pattern (a stride coprime with the layout's fields, so it meets
-        /// every exponent, both signs, NaNs and subnormals), with some zeros.
+        /// every exponent, both signs, NaNs and subnormals), with some zeros, both
+        /// infinities and f32's largest values (beyond even bf16's range).
         fn sweep() -> Vec<f32> {
             (0..=u32::MAX)
                 .step_by(4099)
                 .map(f32::from_bits)
                 .chain([0.0, -0.0, 1e-30, -1e-30])
+                .chain([f32::INFINITY, f32::NEG_INFINITY, f32::MAX, -f32::MAX])
                 .collect()
+        }
+
+        fn bits(xs: &[f32]) -> Vec<u32> {
+            xs.iter().map(|x| x.to_bits()).collect()
+        }
+
+        /// The rounded copy made by `into` (portable, or the AVX2 build).
+        fn copied(src: &[f32], f: Format, avx2: bool) -> Vec<f32> {
+            let mut out = vec![MaybeUninit::uninit(); src.len()];
+            if avx2 {
+                // SAFETY: the caller checked AVX2.
+                unsafe { into_avx2(src, &mut out, f) };
+            } else {
+                into(src, &mut out, f);
+            }
+            // SAFETY: both loops write every element.
+            out.iter().map(|x| unsafe { x.assume_init() }).collect()
         }
 
         #[test]
@@ -209,7 +421,6 @@ mod f32_slices {
             if !std::arch::is_x86_feature_detected!("avx2") {
                 return; // only the portable build runs on this CPU
             }
-            let bits = |xs: &[f32]| xs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             let src = sweep();
             for f in Format::ALL {
                 let (mut portable, mut avx2) = (src.clone(), src.clone());
@@ -218,20 +429,12 @@ mod f32_slices {
                 unsafe { in_place_avx2(&mut avx2, f) };
                 assert_eq!(bits(&portable), bits(&avx2), "{f} in place");
 
-                let mut copied = vec![MaybeUninit::uninit(); src.len()];
-                let mut copied_avx2 = vec![MaybeUninit::uninit(); src.len()];
-                into(&src, &mut copied, f);
-                // SAFETY: AVX2 checked above.
-                unsafe { into_avx2(&src, &mut copied_avx2, f) };
-                // SAFETY: both loops wrote every element.
-                let copied: Vec<f32> = copied.iter().map(|x| unsafe { x.assume_init() }).collect();
-                // SAFETY: as above.
-                let copied_avx2: Vec<f32> = copied_avx2
-                    .iter()
-                    .map(|x| unsafe { x.assume_init() })
-                    .collect();
-                assert_eq!(bits(&copied), bits(&portable), "{f} into");
-                assert_eq!(bits(&copied_avx2), bits(&portable), "{f} into, AVX2");
+                assert_eq!(bits(&copied(&src, f, false)), bits(&portable), "{f} into");
+                assert_eq!(
+                    bits(&copied(&src, f, true)),
+                    bits(&portable),
+                    "{f} into, AVX2"
+                );
 
                 let (mut counted, mut counted_avx2) = (src.clone(), src.clone());
                 let flushed = counting(&mut counted, f);
@@ -239,13 +442,53 @@ mod f32_slices {
                 let flushed_avx2 = unsafe { counting_avx2(&mut counted_avx2, f) };
                 assert_eq!(bits(&counted), bits(&portable), "{f} counting");
                 assert_eq!(bits(&counted_avx2), bits(&portable), "{f} counting, AVX2");
-                let expected = src
+                let expected_flushed = src
                     .iter()
                     .zip(&portable)
                     .filter(|&(&x, &r)| x != 0.0 && r == 0.0)
                     .count() as u64;
-                assert!(expected > 0, "{f}: the sweep flushes some values");
-                assert_eq!((flushed, flushed_avx2), (expected, expected), "{f} count");
+                assert!(expected_flushed > 0, "{f}: the sweep flushes some values");
+                assert_eq!(
+                    (flushed, flushed_avx2),
+                    (expected_flushed, expected_flushed),
+                    "{f} count"
+                );
+
+                let (mut saturated, mut saturated_avx2) = (src.clone(), src.clone());
+                saturating_in_place(&mut saturated, f);
+                // SAFETY: AVX2 checked above.
+                unsafe { saturating_in_place_avx2(&mut saturated_avx2, f) };
+                assert_eq!(bits(&saturated), bits(&saturated_avx2), "{f} saturating");
+                let (mut counted, mut counted_avx2) = (src.clone(), src.clone());
+                let counts = saturating_counting(&mut counted, f);
+                // SAFETY: AVX2 checked above.
+                let counts_avx2 = unsafe { saturating_counting_avx2(&mut counted_avx2, f) };
+                assert_eq!(bits(&counted), bits(&saturated), "{f} saturating counting");
+                assert_eq!(
+                    bits(&counted_avx2),
+                    bits(&saturated),
+                    "{f} saturating counting, AVX2"
+                );
+                // Saturation changes exactly the values plain rounding sends beyond the
+                // finite range (to ±inf, or NaN from a non-NaN in E4M3), and nothing else.
+                let max = f.max_finite() as f32;
+                let mut expected = RangeCounts {
+                    saturated: 0,
+                    flushed: expected_flushed,
+                };
+                for ((&x, &plain), &clamped) in src.iter().zip(&portable).zip(&saturated) {
+                    if !x.is_nan() && (plain.is_infinite() || plain.is_nan()) {
+                        expected.saturated += 1;
+                        assert_eq!(clamped.to_bits(), max.copysign(x).to_bits(), "{f} {x:e}");
+                    } else {
+                        assert_eq!(clamped.to_bits(), plain.to_bits(), "{f} {x:e}");
+                    }
+                }
+                assert!(
+                    expected.saturated > 0,
+                    "{f}: the sweep saturates some values"
+                );
+                assert_eq!((counts, counts_avx2), (expected, expected), "{f} counts");
             }
         }
     }
@@ -254,34 +497,99 @@ mod f32_slices {
 impl Round for f64 {
     #[inline]
     fn round_to(self, f: Format) -> f64 {
-        f64_to_format_value(self, f)
+        with_format!(f, F => f64_to_format_value(self, F, Overflow::Format).0)
     }
 
-    fn round_slice_counting_flushes(xs: &mut [f64], f: Format) -> u64 {
-        let mut flushed = 0;
-        for x in xs.iter_mut() {
-            let rounded = f64_to_format_value(*x, f);
-            flushed += u64::from(*x != 0.0 && rounded == 0.0);
-            *x = rounded;
-        }
-        flushed
+    #[inline]
+    fn round_to_saturating(self, f: Format) -> f64 {
+        with_format!(f, F => f64_to_format_value(self, F, Overflow::Saturate).0)
     }
 
     fn round_slice_in_place(xs: &mut [f64], f: Format) {
-        match f {
-            Format::Bf16 => xs
-                .iter_mut()
-                .for_each(|x| *x = f64_to_format_value(*x, Format::Bf16)),
-            Format::Fp16 => xs
-                .iter_mut()
-                .for_each(|x| *x = f64_to_format_value(*x, Format::Fp16)),
-        }
+        with_format!(f, F => xs
+            .iter_mut()
+            .for_each(|x| *x = f64_to_format_value(*x, F, Overflow::Format).0))
+    }
+
+    fn round_slice_into(src: &[f64], dst: &mut [MaybeUninit<f64>], f: Format) {
+        assert_eq!(src.len(), dst.len(), "round_slice_into: lengths differ");
+        let pairs = dst.iter_mut().zip(src);
+        with_format!(f, F => pairs.for_each(|(out, &x)| {
+            out.write(f64_to_format_value(x, F, Overflow::Format).0);
+        }))
+    }
+
+    fn round_slice_counting_flushes(xs: &mut [f64], f: Format) -> u64 {
+        with_format!(f, F => xs.iter_mut().fold(0, |flushed, x| {
+            let rounded = f64_to_format_value(*x, F, Overflow::Format).0;
+            let was_flushed = *x != 0.0 && rounded == 0.0;
+            *x = rounded;
+            flushed + u64::from(was_flushed)
+        }))
+    }
+
+    fn round_slice_saturating_in_place(xs: &mut [f64], f: Format) {
+        with_format!(f, F => xs
+            .iter_mut()
+            .for_each(|x| *x = f64_to_format_value(*x, F, Overflow::Saturate).0))
+    }
+
+    fn round_slice_saturating_counting(xs: &mut [f64], f: Format) -> RangeCounts {
+        with_format!(f, F => xs.iter_mut().fold(RangeCounts::default(), |counts, x| {
+            let (rounded, beyond) = f64_to_format_value(*x, F, Overflow::Saturate);
+            let was_flushed = *x != 0.0 && rounded == 0.0;
+            *x = rounded;
+            RangeCounts {
+                saturated: counts.saturated + u64::from(beyond),
+                flushed: counts.flushed + u64::from(was_flushed),
+            }
+        }))
     }
 }
 
 const F32_ABS_MASK: u32 = 0x7FFF_FFFF;
 const F32_INF_BITS: u32 = 0x7F80_0000;
 const F32_QUIET_BIT: u32 = 0x0040_0000;
+/// The default quiet NaN (`f32::NAN`): the f32 form of E4M3's one NaN, which has no payload.
+const F32_NAN_BITS: u32 = 0x7FC0_0000;
+
+/// The f32 bits of an f64 that f32 holds exactly (as it does every parameter of fp16, E4M3
+/// and E5M2).
+#[inline(always)]
+const fn f32_bits(x: f64) -> u32 {
+    (x as f32).to_bits()
+}
+
+/// Rounds an f32 into `format`, returned as an f32, with what becomes of a value beyond the
+/// finite range chosen by `overflow`; also says whether `x` was beyond that range (±inf, or
+/// a rounding above `max_finite`), for the saturating loops' count.
+///
+/// Inlined with `format` and `overflow` constants (as the slice loops call it), the matches
+/// fold away and so does the flag where it is unused.
+#[inline(always)]
+fn f32_to_format_value(x: f32, format: Format, overflow: Overflow) -> (f32, bool) {
+    match format {
+        Format::Bf16 => f32_to_bf16(x, overflow),
+        Format::Fp16 | Format::E4M3 | Format::E5M2 => f32_to_narrow_value(x, format, overflow),
+    }
+}
+
+/// `f32_to_bf16_value`, and for [`Overflow::Saturate`] ±inf results replaced by bf16's
+/// largest finite value: the carry of the rounding reaches the infinity pattern exactly for
+/// the values beyond the finite range, and ±inf stays ±inf, so an infinite result is the
+/// "beyond" case (a NaN rounds to a NaN, whose quiet bit keeps it off the infinity
+/// pattern).
+#[inline(always)]
+fn f32_to_bf16(x: f32, overflow: Overflow) -> (f32, bool) {
+    /// bf16's largest finite value `(2 - 2^-7) * 2^127` as f32 bits.
+    const BF16_MAX_FINITE_BITS: u32 = 0x7F7F_0000;
+    let rounded = f32_to_bf16_value(x).to_bits();
+    let beyond = rounded & F32_ABS_MASK == F32_INF_BITS;
+    let clamped = (rounded & !F32_ABS_MASK) | BF16_MAX_FINITE_BITS;
+    let saturate = overflow == Overflow::Saturate;
+    let result = if beyond & saturate { clamped } else { rounded };
+    (f32::from_bits(result), beyond)
+}
 
 /// Rounds an f32 to the nearest bf16 value, returned as an f32.
 ///
@@ -304,84 +612,114 @@ fn f32_to_bf16_value(x: f32) -> f32 {
     f32::from_bits(if is_nan { nan } else { rounded })
 }
 
-/// `2^-14` (fp16's smallest normal) as f32 bits.
-const FP16_MIN_NORMAL_BITS: u32 = 0x3880_0000;
-/// 65504 (fp16's largest finite value) as f32 bits.
-const FP16_MAX_FINITE_BITS: u32 = 0x477F_E000;
-/// The f32 fraction bits below fp16's 10 stored fraction bits.
-const FP16_DROPPED_MASK: u32 = 0x1FFF;
-
-/// Rounds an f32 to the nearest fp16 value, returned as an f32.
+/// Rounds an f32 to the nearest value of `format` (fp16, E4M3 or E5M2), returned as an
+/// f32, with the result beyond the finite range chosen by `overflow`; also says whether `x`
+/// was beyond that range.
 ///
-/// In fp16's normal range `|x| >= 2^-14` the 13 low fraction bits are rounded off with the
-/// same carry trick as bf16 (add `0x0FFF` plus the lowest kept bit, clear). Below `2^-14`
-/// the spacing is fixed at `2^-24`, whatever the exponent of `x`: adding `0.5` puts `|x|`
-/// in `[0.5, 1)`, where f32's own spacing is `2^-24`, so the f32 addition itself rounds to
-/// a multiple of `2^-24` with ties to even (`0.5` is an even multiple), and subtracting `0.5`
-/// back is exact. Results above 65504 (after rounding, i.e. `|x| >= 65520`) become
-/// infinity. All paths are computed and merged with selects so that loops vectorize.
+/// These formats keep `p <= 11` significant bits of f32's 24 and have a narrower exponent
+/// range, so f32 holds every one of their values, subnormals included, as a normal f32.
+///
+/// - In the format's normal range, `|x| >= 2^emin`, the `24 - p` low fraction bits (13 for
+///   fp16, 20 for E4M3, 21 for E5M2) are rounded off with the same carry trick as bf16: add
+///   just under half their weight plus the lowest kept bit, clear them.
+/// - Below `2^emin` the spacing is fixed at the smallest subnormal `s = 2^(emin - p + 1)`,
+///   whatever the exponent of `x`: adding `c = 2^23 * s` (0.5 for fp16, `2^14` for E4M3,
+///   `2^7` for E5M2) puts `|x|` in `[c, 2c)`, where f32's own spacing is `s`, so the f32
+///   addition itself rounds to a multiple of `s` with ties to even (`c` is an even
+///   multiple), and subtracting `c` back is exact.
+///
+/// Both are computed as if the exponent had no upper bound; a result above `max_finite`
+/// (65504, 448, 57344) means `x` overflowed, and its magnitude is replaced by infinity,
+/// NaN (E4M3) or `max_finite` (saturating). For E4M3 this happens above 464: between 448
+/// (`1.110₂ * 2^8`, even) and the next value with an unbounded exponent, 480 (`1.111₂ *
+/// 2^8`, the NaN pattern's place), the tie 464 goes to 448. All paths are computed and
+/// merged with selects so that loops vectorize.
 #[inline(always)]
-fn f32_to_fp16_value(x: f32) -> f32 {
+fn f32_to_narrow_value(x: f32, format: Format, overflow: Overflow) -> (f32, bool) {
+    let dropped_bits = 24 - format.precision_bits();
+    let dropped_mask = (1u32 << dropped_bits) - 1;
+    let max_finite = f32_bits(format.max_finite());
     let bits = x.to_bits();
     let sign = bits & !F32_ABS_MASK;
     let abs = bits & F32_ABS_MASK;
-    // No overflow: abs <= 0x7FFF_FFFF and we add at most 0x1000.
-    let normal = (abs + 0x0FFF + ((abs >> 13) & 1)) & !FP16_DROPPED_MASK;
-    let subnormal = ((f32::from_bits(abs) + 0.5) - 0.5).to_bits();
-    let magnitude = if abs < FP16_MIN_NORMAL_BITS {
+    // No overflow: abs <= 0x7FFF_FFFF and we add at most 2^20 (E5M2 drops 21 bits).
+    let normal = (abs + (dropped_mask >> 1) + ((abs >> dropped_bits) & 1)) & !dropped_mask;
+    let shifter = (format.min_subnormal() * pow2(23)) as f32;
+    let subnormal = ((f32::from_bits(abs) + shifter) - shifter).to_bits();
+    let magnitude = if abs < f32_bits(format.min_normal()) {
         subnormal
     } else {
         normal
     };
-    let magnitude = if magnitude > FP16_MAX_FINITE_BITS {
-        F32_INF_BITS
+    let overflowed = magnitude > max_finite;
+    let magnitude = if overflowed {
+        match overflow {
+            Overflow::Saturate => max_finite,
+            Overflow::Format if format.has_infinity() => F32_INF_BITS,
+            Overflow::Format => F32_NAN_BITS,
+        }
     } else {
         magnitude
     };
-    let nan = (abs | F32_QUIET_BIT) & !FP16_DROPPED_MASK;
-    let magnitude = if abs > F32_INF_BITS { nan } else { magnitude };
-    f32::from_bits(sign | magnitude)
+    // NaN: quiet, and only the payload bits the format has room for (none in E4M3).
+    let is_nan = abs > F32_INF_BITS;
+    let nan = if format.has_infinity() {
+        (abs | F32_QUIET_BIT) & !dropped_mask
+    } else {
+        F32_NAN_BITS
+    };
+    let magnitude = if is_nan { nan } else { magnitude };
+    (f32::from_bits(sign | magnitude), overflowed & !is_nan)
 }
 
 const F64_ABS_MASK: u64 = !(1 << 63);
 const F64_INF_BITS: u64 = 0x7FF0_0000_0000_0000;
 const F64_QUIET_BIT: u64 = 1 << 51;
+/// The default quiet NaN (`f64::NAN`): the f64 form of E4M3's one NaN.
+const F64_NAN_BITS: u64 = 0x7FF8_0000_0000_0000;
 
 /// Rounds an f64 to the nearest value of `format`, returned as an f64, directly from its
-/// 53-bit significand.
+/// 53-bit significand, with the result beyond the finite range chosen by `overflow`; also
+/// says whether `x` was beyond that range.
 ///
-/// The same two regimes as `f32_to_fp16_value`, with the constants of `format`:
+/// The same two regimes as `f32_to_narrow_value`, with the constants of `format`:
 ///
 /// - Normal results, `|x| >= 2^emin`: the result keeps the top `p` of the 53 significand
-///   bits, so the low `53 - p` bits (45 for bf16, 42 for fp16) are rounded off in one
-///   integer add on the bits: add just under half their weight plus the lowest kept bit
-///   (so that an exact half carries only into an odd kept part: ties to even), then clear
-///   them. A carry out of the significand increments the exponent, which is the correct
-///   step to the next binade.
+///   bits, so the low `53 - p` bits (45 for bf16, 42 for fp16, 49 for E4M3, 50 for E5M2)
+///   are rounded off in one integer add on the bits: add just under half their weight plus
+///   the lowest kept bit (so that an exact half carries only into an odd kept part: ties to
+///   even), then clear them. A carry out of the significand increments the exponent, which
+///   is the correct step to the next binade.
 /// - Subnormal results, `|x| < 2^emin`: the spacing is fixed at `s = 2^(emin - p + 1)`,
 ///   fewer and fewer significand bits survive. Adding `c = 2^52 * s` puts `|x|` in
 ///   `[c, 2c)`, where f64's spacing is exactly `s`, so the (single, correctly rounded) f64
 ///   addition rounds `|x|` to a multiple of `s` with ties to even (`c` is an even multiple);
 ///   subtracting `c` is exact. f64 subnormals and zeros need no case: they land on zero.
 ///
-/// Then anything above `max_finite` becomes infinity. Rounding as if the exponent were
-/// unbounded and mapping anything above `max_finite` to infinity is exactly IEEE overflow
-/// for round to nearest: the threshold `max_finite + ulp/2` is a tie whose even neighbour
-/// is `2^(emax+1)`. Both regimes are computed and merged with selects, so no branch depends
-/// on the data; with `format` a constant (as in the slice loops) everything folds.
+/// Then anything above `max_finite` has overflowed and becomes ±inf, NaN (E4M3) or
+/// ±`max_finite` (saturating). Rounding as if the exponent were unbounded and comparing
+/// with `max_finite` is exactly IEEE overflow for round to nearest: the values above
+/// `max_finite` are those nearer to (or at the tie, evener than) its neighbour above. In
+/// the IEEE-style formats that neighbour is `2^(emax+1)`, an even significand, so the
+/// threshold `max_finite + ulp/2` overflows (65520 for fp16, 61440 for E5M2). In E4M3 it is
+/// `1.111₂ * 2^8 = 480`, odd, so the threshold 464 rounds to 448 and only what lies above
+/// it overflows (as ml_dtypes' `float8_e4m3fn` conversion does). Both regimes are computed
+/// and merged with selects, so no branch depends on the data; with `format` a constant (as
+/// in the slice loops) everything folds.
 ///
 /// Rounding directly matters: going through f32 first would round the significand to 24
 /// bits, which can land exactly on a midpoint of the format (or move off one), and the
 /// second rounding then breaks the tie the wrong way.
 #[inline(always)]
-fn f64_to_format_value(x: f64, format: Format) -> f64 {
+fn f64_to_format_value(x: f64, format: Format, overflow: Overflow) -> (f64, bool) {
     let dropped_bits = 53 - format.precision_bits();
     let dropped_mask = (1u64 << dropped_bits) - 1;
+    let max_finite = format.max_finite().to_bits();
     let bits = x.to_bits();
     let sign = bits & !F64_ABS_MASK;
     let abs = bits & F64_ABS_MASK;
 
-    // No overflow: abs < 2^63 and we add less than 2^45.
+    // No overflow: abs < 2^63 and we add less than 2^50.
     let lowest_kept = (abs >> dropped_bits) & 1;
     let normal = (abs + (dropped_mask >> 1) + lowest_kept) & !dropped_mask;
     let shifter = format.min_subnormal() * pow2(52);
@@ -392,16 +730,27 @@ fn f64_to_format_value(x: f64, format: Format) -> f64 {
     } else {
         normal
     };
-    let magnitude = if magnitude > format.max_finite().to_bits() {
-        F64_INF_BITS
+    let overflowed = magnitude > max_finite;
+    let magnitude = if overflowed {
+        match overflow {
+            Overflow::Saturate => max_finite,
+            Overflow::Format if format.has_infinity() => F64_INF_BITS,
+            Overflow::Format => F64_NAN_BITS,
+        }
     } else {
         magnitude
     };
     // NaN: quiet it and keep only the payload bits the format has room for, so the result
-    // is a NaN of the format (the one a hardware conversion would give).
-    let nan = (abs | F64_QUIET_BIT) & !dropped_mask;
-    let magnitude = if abs > F64_INF_BITS { nan } else { magnitude };
-    f64::from_bits(sign | magnitude)
+    // is a NaN of the format (the one a hardware conversion would give); E4M3's only NaN
+    // has no payload.
+    let is_nan = abs > F64_INF_BITS;
+    let nan = if format.has_infinity() {
+        (abs | F64_QUIET_BIT) & !dropped_mask
+    } else {
+        F64_NAN_BITS
+    };
+    let magnitude = if is_nan { nan } else { magnitude };
+    (f64::from_bits(sign | magnitude), overflowed & !is_nan)
 }
 
 /// `2^e` for a normal f64 exponent `e`, built from the bits.

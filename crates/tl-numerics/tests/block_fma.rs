@@ -9,7 +9,7 @@ use half::f16;
 use num_bigint::BigInt;
 use num_traits::{Signed, ToPrimitive, Zero};
 use proptest::prelude::*;
-use tl_numerics::{BlockFma, Format};
+use tl_numerics::{BlockFma, Format, Round};
 
 const MODELS: [(&str, BlockFma); 3] = [
     ("V100", BlockFma::V100),
@@ -410,11 +410,10 @@ fn truncated_f32(v: &BigInt) -> f32 {
 
 /// The smallest normal exponent of a format, restated.
 fn emin(format: Format) -> i64 {
-    #[allow(unreachable_patterns)] // for the formats to come
     match format {
         Format::Bf16 => -126,
-        Format::Fp16 => -14,
-        other => panic!("no probes in {other}"),
+        Format::Fp16 | Format::E5M2 => -14,
+        Format::E4M3 => -6,
     }
 }
 
@@ -474,6 +473,15 @@ fn reference_dot(fma: BlockFma, format: Format, a: &[f64], b: &[f64]) -> f32 {
 /// and, for bf16, values near f32's top (overflow).
 fn operand(format: Format) -> BoxedStrategy<f32> {
     match format {
+        Format::E4M3 | Format::E5M2 => prop_oneof![
+            // Values of every binade of the format, subnormals and the saturated top included.
+            6 => (-20i32..17, 1.0f32..2.0, any::<bool>()).prop_map(move |(e, m, neg)| {
+                let x = (m * 2f32.powi(e)).round_to_saturating(format);
+                if neg { -x } else { x }
+            }),
+            1 => Just(0.0),
+        ]
+        .boxed(),
         Format::Fp16 => prop_oneof![
             6 => any::<u16>().prop_map(|h| f16::from_bits((h % 0x7C00) | (h & 0x8000)).to_f32()),
             2 => (0u16..0x400, any::<bool>()).prop_map(|(m, neg)| {
@@ -507,7 +515,12 @@ fn model() -> impl Strategy<Value = BlockFma> {
 }
 
 fn format() -> impl Strategy<Value = Format> {
-    prop_oneof![Just(Format::Bf16), Just(Format::Fp16)]
+    prop_oneof![
+        2 => Just(Format::Bf16),
+        2 => Just(Format::Fp16),
+        1 => Just(Format::E4M3),
+        1 => Just(Format::E5M2),
+    ]
 }
 
 /// Operand vectors of `format` whose products often cancel: an entry may repeat the one

@@ -2,8 +2,8 @@
 //! inputs on which other converters are known to round wrongly.
 
 use tl_numerics::{
-    Format, Round, round_slice, round_slice_counting_flushes, round_slice_into, round_to_bf16,
-    round_to_fp16,
+    Format, RangeCounts, Round, round_slice, round_slice_counting_flushes, round_slice_into,
+    round_slice_saturating_counting, round_to_bf16, round_to_fp16,
 };
 
 fn p2(e: i32) -> f64 {
@@ -108,7 +108,7 @@ fn f64_is_not_rounded_through_f32() {
 }
 
 #[test]
-fn zeros_keep_their_sign_and_infinities_stay() {
+fn zeros_keep_their_sign_and_infinities_stay_where_the_format_has_them() {
     for format in Format::ALL {
         for zero in [0.0_f64, -0.0] {
             assert_eq!(zero.round_to(format).to_bits(), zero.to_bits());
@@ -116,8 +116,22 @@ fn zeros_keep_their_sign_and_infinities_stay() {
             assert_eq!(zero32.round_to(format).to_bits(), zero32.to_bits());
         }
         assert!((-1e-300_f64).round_to(format).is_sign_negative());
-        assert_eq!(f64::INFINITY.round_to(format), f64::INFINITY);
-        assert_eq!(f32::NEG_INFINITY.round_to(format), f32::NEG_INFINITY);
+        if format.has_infinity() {
+            assert_eq!(f64::INFINITY.round_to(format), f64::INFINITY);
+            assert_eq!(f32::NEG_INFINITY.round_to(format), f32::NEG_INFINITY);
+        } else {
+            // E4M3 has no infinity: ±inf is beyond its range, and becomes NaN, sign kept.
+            let (r64, r32) = (
+                f64::INFINITY.round_to(format),
+                f32::NEG_INFINITY.round_to(format),
+            );
+            assert!(r64.is_nan() && r64.is_sign_positive(), "{format}");
+            assert!(r32.is_nan() && r32.is_sign_negative(), "{format}");
+        }
+        // Saturation clamps infinities in every format.
+        let max = format.max_finite();
+        assert_eq!(f64::INFINITY.round_to_saturating(format), max);
+        assert_eq!(f32::NEG_INFINITY.round_to_saturating(format), -max as f32);
     }
 }
 
@@ -216,6 +230,50 @@ fn round_slice_counting_flushes_rounds_and_counts_the_values_lost_to_zero() {
             assert_eq!(r.to_bits(), x.round_to(format).to_bits(), "{format} {x:e}");
         }
     }
+}
+
+#[test]
+fn saturation_clamps_the_16_bit_formats_too() {
+    // fp16: 65520 is the tie that plain rounding sends to infinity; saturated, 65504.
+    assert_eq!(65520.0_f32.round_to_saturating(Format::Fp16), 65504.0);
+    assert_eq!((-1e300_f64).round_to_saturating(Format::Fp16), -65504.0);
+    assert_eq!(65519.0_f64.round_to_saturating(Format::Fp16), 65504.0);
+    // bf16: f32's largest value is beyond bf16's (2 - 2^-7) * 2^127.
+    let max = Format::Bf16.max_finite();
+    assert_eq!(f32::MAX.round_to_saturating(Format::Bf16), max as f32);
+    assert_eq!((-f64::MAX).round_to_saturating(Format::Bf16), -max);
+    assert_eq!(f32::INFINITY.round_to_saturating(Format::Bf16), max as f32);
+    // Everything else is plain rounding: a tie, a subnormal, NaN.
+    assert_eq!((1.0 + p2(-8)).round_to_saturating(Format::Bf16), 1.0);
+    assert_eq!(p2(-25).round_to_saturating(Format::Fp16), 0.0);
+    assert!(f32::NAN.round_to_saturating(Format::Fp16).is_nan());
+
+    let mut xs = [
+        65520.0_f32,
+        f32::NEG_INFINITY,
+        65504.0,
+        1e-8,
+        -0.0,
+        f32::NAN,
+    ];
+    let counts = round_slice_saturating_counting(&mut xs, Format::Fp16);
+    assert_eq!(
+        counts,
+        RangeCounts {
+            saturated: 2,
+            flushed: 1
+        }
+    );
+    assert_eq!(xs[..5], [65504.0, -65504.0, 65504.0, 0.0, -0.0]);
+    let mut xs = [f64::MAX, 1e-50, 1.0];
+    let counts = round_slice_saturating_counting(&mut xs, Format::Bf16);
+    assert_eq!(
+        counts,
+        RangeCounts {
+            saturated: 1,
+            flushed: 1
+        }
+    );
 }
 
 #[test]

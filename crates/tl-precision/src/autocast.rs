@@ -81,7 +81,8 @@ fn rounded_of<'a>(hook: Option<&'a (dyn MatmulHook + 'static)>) -> Option<&'a Ro
     hook.downcast_ref::<RoundedMatmul>()
 }
 
-/// Parses a 16-bit format name: exactly `"bf16"` or `"fp16"`.
+/// Parses a format name: exactly `"bf16"`, `"fp16"`, `"e4m3"` or `"e5m2"` (tl-numerics'
+/// names; a family name like `"fp8"` names no one format).
 ///
 /// # Errors
 /// [`PrecisionError::Format`](crate::PrecisionError::Format) for any other text.
@@ -91,6 +92,7 @@ fn rounded_of<'a>(hook: Option<&'a (dyn MatmulHook + 'static)>) -> Option<&'a Ro
 /// use tl_precision::parse_format;
 ///
 /// assert_eq!(parse_format("fp16")?, Format::Fp16);
+/// assert_eq!(parse_format("e4m3")?, Format::E4M3);
 /// assert!(parse_format("fp8").is_err());
 /// # Ok::<(), tl_precision::PrecisionError>(())
 /// ```

@@ -1,7 +1,7 @@
 //! What a user of tl-precision can get wrong, as a typed error.
 
 use thiserror::Error;
-use tl_numerics::NumericsError;
+use tl_numerics::{Format, NumericsError};
 use tl_tensor::TensorError;
 
 /// Errors of tl-precision.
@@ -11,9 +11,20 @@ use tl_tensor::TensorError;
 /// numerical failures a training step must refuse to act on.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum PrecisionError {
-    /// A 16-bit format name other than `"bf16"` or `"fp16"`.
+    /// A format name that tl-numerics does not know (it knows `"bf16"`, `"fp16"`, `"e4m3"`
+    /// and `"e5m2"`).
     #[error(transparent)]
     Format(#[from] NumericsError),
+    /// A format that no [`Precision`](crate::Precision) trains in: the fp8 formats, whose
+    /// training needs per-tensor scaling that tl-precision does not have.
+    #[error(
+        "no training precision rounds to {format}: a precision is fp32, bf16 or fp16 \
+         (fp8 training needs per-tensor scaling)"
+    )]
+    NoPrecisionForFormat {
+        /// The format asked for.
+        format: Format,
+    },
     /// A precision name other than `"fp32"`, `"bf16"` or `"fp16"`.
     #[error("unknown precision `{input}`: expected one of \"fp32\", \"bf16\", \"fp16\"")]
     UnknownPrecision {

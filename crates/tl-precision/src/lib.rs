@@ -2,6 +2,9 @@
 //! exactly on the CPU, and the tools that make low-precision training work.
 //!
 //! - [`cast`] rounds a tensor into a 16-bit [`Format`], and its gradient on the way back.
+//!   (It and [`autocast`] take the fp8 formats too, and then round plainly as
+//!   [`Round::round_to`](tl_numerics::Round::round_to) does: no per-tensor scale, overflow to
+//!   inf or, in E4M3, NaN. That is not yet fp8 training, which no [`Precision`] offers.)
 //! - [`autocast`] makes every matmul on the thread read and write 16-bit values, as a tensor
 //!   core does, while parameters and their updates stay f32 ("master weights");
 //!   [`autocast_with`] also adds the products up as a given GPU's tensor cores do
@@ -47,5 +50,5 @@ pub use scaler::{DynamicLossScaler, StepOutcome, grad_is_finite};
 pub use scaler_state::ScalerState;
 pub use step::{StepReport, train_step_mixed, train_step_mixed_observed};
 pub use tensor_core::Accumulation;
-/// The 16-bit formats, re-exported from tl-numerics.
+/// The formats (the 16-bit ones and fp8), re-exported from tl-numerics.
 pub use tl_numerics::Format;

@@ -80,11 +80,33 @@ impl Precision {
     }
 }
 
-impl From<Format> for Precision {
-    fn from(format: Format) -> Self {
+/// The precision whose matmuls round to a 16-bit format.
+///
+/// Fallible since tl-numerics also has the fp8 formats: a training step in fp8 needs
+/// per-tensor scales and saturating casts, not just autocast into the format, so no
+/// `Precision` stands for one.
+///
+/// # Errors
+/// [`PrecisionError::NoPrecisionForFormat`] for E4M3 and E5M2.
+///
+/// ```
+/// use tl_numerics::Format;
+/// use tl_precision::{Precision, PrecisionError};
+///
+/// assert_eq!(Precision::try_from(Format::Bf16), Ok(Precision::Bf16));
+/// assert_eq!(
+///     Precision::try_from(Format::E4M3),
+///     Err(PrecisionError::NoPrecisionForFormat { format: Format::E4M3 })
+/// );
+/// ```
+impl TryFrom<Format> for Precision {
+    type Error = PrecisionError;
+
+    fn try_from(format: Format) -> Result<Self, Self::Error> {
         match format {
-            Format::Bf16 => Precision::Bf16,
-            Format::Fp16 => Precision::Fp16,
+            Format::Bf16 => Ok(Precision::Bf16),
+            Format::Fp16 => Ok(Precision::Fp16),
+            Format::E4M3 | Format::E5M2 => Err(PrecisionError::NoPrecisionForFormat { format }),
         }
     }
 }
@@ -128,7 +150,15 @@ mod tests {
                 Err(PrecisionError::UnknownPrecision { input: bad.into() })
             );
         }
-        assert_eq!(Precision::from(Format::Fp16), Precision::Fp16);
+        for format in Format::SIXTEEN_BIT {
+            let precision = Precision::try_from(format).unwrap();
+            assert_eq!(precision.format(), Some(format));
+        }
+        for format in Format::FP8 {
+            let err = Precision::try_from(format).unwrap_err();
+            assert_eq!(err, PrecisionError::NoPrecisionForFormat { format });
+            assert!(err.to_string().contains(format.name()), "{err}");
+        }
     }
 
     #[test]
