@@ -41,6 +41,16 @@ pub enum PrecisionError {
         /// The text that was given, verbatim.
         input: String,
     },
+    /// An fp8 delayed-scaling setting outside its valid range.
+    #[error("invalid fp8 {name}: {value} ({reason})")]
+    InvalidFp8Recipe {
+        /// Which setting.
+        name: &'static str,
+        /// The value given, as text.
+        value: String,
+        /// What was expected.
+        reason: String,
+    },
     /// A loss-scaler hyperparameter outside its valid range.
     #[error("invalid loss-scaler {name}: {value} ({reason})")]
     InvalidScalerArgument {

@@ -9,6 +9,8 @@
 //!   core does, while parameters and their updates stay f32 ("master weights");
 //!   [`autocast_with`] also adds the products up as a given GPU's tensor cores do
 //!   ([`Accumulation`]).
+//! - [`fp8_matmul`] and [`Fp8State`] train linear layers in fp8 with Transformer Engine's
+//!   delayed scaling (per-tensor scales from an amax history; E4M3 forward, E5M2 backward).
 //! - [`DynamicLossScaler`] keeps fp16 gradients from underflowing, skipping the steps whose
 //!   gradients overflow.
 //! - [`grad_accumulate`] builds the gradient of a big batch from micro-batches of any sizes.
@@ -30,6 +32,7 @@ mod accumulate;
 mod autocast;
 mod cast;
 mod error;
+mod fp8;
 mod observer;
 mod precision;
 mod scaler;
@@ -44,6 +47,7 @@ pub use autocast::{
 };
 pub use cast::{cast, record_underflows, round_gradient, take_underflow_count, underflow_count};
 pub use error::{PrecisionError, Result};
+pub use fp8::{AmaxAlgorithm, Fp8Recipe, Fp8State, LinearScales, ScaleState, fp8_matmul};
 pub use observer::{StepObserver, StepPhase};
 pub use precision::Precision;
 pub use scaler::{DynamicLossScaler, StepOutcome, grad_is_finite};

@@ -44,6 +44,10 @@ pub struct CompareArgs {
     /// tensor-core:BLOCK:EXTRA_BITS [default: f32].
     #[arg(long, value_name = "MODEL", conflicts_with = "fp32")]
     pub accumulate: Option<tl_precision::Accumulation>,
+    /// The recipe's block projections in fp8 with delayed scaling (HYBRID, Transformer
+    /// Engine's defaults), on top of its precision.
+    #[arg(long)]
+    pub fp8: bool,
     /// Sequences per micro-batch of the recipe [default: 8].
     #[arg(long, value_name = "N")]
     pub micro_batch: Option<usize>,
@@ -106,6 +110,7 @@ fn recipe_config(args: &CompareArgs) -> Result<TrainConfig> {
         steps: args.steps,
         lr: args.lr,
         seed: args.seed,
+        fp8: args.fp8,
         ..TrainArgs::default()
     };
     let mut recipe = config_from_flags(&train_args)?;

@@ -103,6 +103,15 @@ pub struct RecipeArgs {
     pub dropout: Option<f64>,
 }
 
+/// `--fp8-amax`: how the amax history gives the scale's amax.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Fp8Amax {
+    /// The history's largest amax.
+    Max,
+    /// Its newest entry.
+    MostRecent,
+}
+
 /// `--threads N`: the compute threads of a command that computes.
 #[derive(Clone, Copy, Debug, Args, Default)]
 pub struct Threads {
@@ -196,6 +205,19 @@ pub struct TrainArgs {
     /// Do not clip gradients.
     #[arg(long)]
     pub no_clip: bool,
+    /// The blocks' linear layers in fp8 with delayed scaling (Transformer Engine's HYBRID
+    /// recipe: E4M3 forward, E5M2 gradients; per-tensor scales from an amax history).
+    #[arg(long)]
+    pub fp8: bool,
+    /// fp8: the scale leaves 2^M of headroom below the largest finite value [default: 0].
+    #[arg(long, value_name = "M")]
+    pub fp8_margin: Option<u32>,
+    /// fp8: steps of amax history per tensor [default: 1024].
+    #[arg(long, value_name = "N")]
+    pub fp8_history: Option<usize>,
+    /// fp8: the history's amax is its max, or its most recent entry [default: max].
+    #[arg(long, value_name = "ALGO", value_enum)]
+    pub fp8_amax: Option<Fp8Amax>,
     /// Seed of the weights, batches and dropout [default: 0].
     #[arg(long, value_name = "S")]
     pub seed: Option<u64>,

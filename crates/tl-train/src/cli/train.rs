@@ -275,10 +275,43 @@ pub(super) fn config_from_args(
         config.divergence.max_loss = args.max_loss;
     }
     config.divergence.max_skipped = args.max_skipped.unwrap_or(config.divergence.max_skipped);
+    apply_fp8_flags(args, &mut config)?;
     config.parallel.zero = args.zero.unwrap_or(config.parallel.zero);
     config.parallel.bucket_bytes = bucket_bytes(args)?.unwrap_or(config.parallel.bucket_bytes);
     config.validate()?;
     Ok(config)
+}
+
+/// `--fp8` and its settings on `config`'s fp8 recipe. A setting without fp8 (neither the flag
+/// nor the base config) is refused, as it would change nothing.
+fn apply_fp8_flags(args: &TrainArgs, config: &mut TrainConfig) -> Result<()> {
+    if args.fp8 && config.fp8.is_none() {
+        config.fp8 = Some(tl_precision::Fp8Recipe::default());
+    }
+    let settings = [
+        ("fp8-margin", args.fp8_margin.map(|m| m.to_string())),
+        ("fp8-history", args.fp8_history.map(|n| n.to_string())),
+        ("fp8-amax", args.fp8_amax.map(|a| format!("{a:?}"))),
+    ];
+    let Some(recipe) = &mut config.fp8 else {
+        if let Some((name, Some(value))) = settings.into_iter().find(|(_, v)| v.is_some()) {
+            return Err(TrainError::InvalidArgument {
+                name,
+                value,
+                reason: "sets fp8's delayed scaling: add --fp8".into(),
+            });
+        }
+        return Ok(());
+    };
+    recipe.margin = args.fp8_margin.unwrap_or(recipe.margin);
+    recipe.history_len = args.fp8_history.unwrap_or(recipe.history_len);
+    if let Some(amax) = args.fp8_amax {
+        recipe.amax = match amax {
+            super::Fp8Amax::Max => tl_precision::AmaxAlgorithm::Max,
+            super::Fp8Amax::MostRecent => tl_precision::AmaxAlgorithm::MostRecent,
+        };
+    }
+    Ok(())
 }
 
 /// `--bucket-mib` in bytes.

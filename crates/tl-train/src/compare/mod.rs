@@ -64,6 +64,7 @@ pub fn baseline_for(recipe: &TrainConfig) -> TrainConfig {
     TrainConfig {
         precision: Precision::Fp32,
         accumulation: tl_precision::Accumulation::F32,
+        fp8: None,
         micro_batch: recipe.micro_batch * recipe.accum,
         accum: 1,
         checkpointing: Checkpointing::Off,

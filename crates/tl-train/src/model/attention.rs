@@ -6,6 +6,7 @@ use tl_tensor::nn::{Linear, Module};
 use tl_tensor::{Element, Generator, Tensor};
 
 use super::causal_attention::causal_attention;
+use super::fp8::Fp8Slot;
 use super::rope::Rope;
 
 /// Multi-head attention where position `t` attends to positions `0..=t`, as in a decoder.
@@ -29,6 +30,8 @@ pub struct CausalSelfAttention<E: Element> {
     wo: Linear<E>,
     rope: Rc<Rope<E>>,
     n_heads: usize,
+    /// The projections' fp8 scales, when the model trains in fp8.
+    pub(crate) fp8: Fp8Slot,
 }
 
 impl<E: Element> CausalSelfAttention<E> {
@@ -42,17 +45,18 @@ impl<E: Element> CausalSelfAttention<E> {
             wo: projection(),
             rope,
             n_heads,
+            fp8: Fp8Slot::default(),
         }
     }
 }
 
 impl<E: Element> Module<E> for CausalSelfAttention<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
-        let q = self.rope.apply(&self.wq.forward(x));
-        let k = self.rope.apply(&self.wk.forward(x));
-        let v = self.wv.forward(x);
+        let q = self.rope.apply(&self.fp8.project(0, &self.wq, x));
+        let k = self.rope.apply(&self.fp8.project(1, &self.wk, x));
+        let v = self.fp8.project(2, &self.wv, x);
         let mixed = causal_attention(&q, &k, &v, self.n_heads);
-        self.wo.forward(&mixed)
+        self.fp8.project(3, &self.wo, &mixed)
     }
 
     fn parameters(&self) -> Vec<Tensor<E>> {

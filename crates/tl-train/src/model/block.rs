@@ -8,6 +8,7 @@ use tl_tensor::{Element, Generator, Tensor};
 
 use super::attention::CausalSelfAttention;
 use super::config::ModelConfig;
+use super::fp8::Fp8Slot;
 use super::rope::Rope;
 
 /// The MLP of Llama: `y = (silu(x·W1) ⊙ x·W3)·W2`, no biases.
@@ -15,6 +16,8 @@ pub struct SwiGlu<E: Element> {
     w1: Linear<E>,
     w3: Linear<E>,
     w2: Linear<E>,
+    /// The projections' fp8 scales, when the model trains in fp8.
+    pub(crate) fp8: Fp8Slot,
 }
 
 impl<E: Element> SwiGlu<E> {
@@ -25,6 +28,7 @@ impl<E: Element> SwiGlu<E> {
             w1: Linear::new(d_model, hidden, false, rng),
             w3: Linear::new(d_model, hidden, false, rng),
             w2: Linear::new(hidden, d_model, false, rng),
+            fp8: Fp8Slot::default(),
         }
     }
 }
@@ -33,9 +37,10 @@ impl<E: Element> Module<E> for SwiGlu<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
         // The gate's only reader is W2: under autocast, it is rounded as it is written.
         let gated = round_for_products(|finish| {
-            self.w1.forward(x).swiglu_then(&self.w3.forward(x), finish)
+            let gate = self.fp8.project(0, &self.w1, x);
+            gate.swiglu_then(&self.fp8.project(1, &self.w3, x), finish)
         });
-        self.w2.forward(&gated)
+        self.fp8.project(2, &self.w2, &gated)
     }
 
     fn parameters(&self) -> Vec<Tensor<E>> {
@@ -95,6 +100,20 @@ impl<E: Element> Block<E> {
             "w2.weight",
         ];
         NAMES.into_iter().zip(self.parameters()).collect()
+    }
+
+    /// Trains the block's projections in fp8 as layers `first..first + 7` of `state` (or
+    /// plainly again, with `None`).
+    pub(crate) fn set_fp8(
+        &self,
+        state: Option<(&Rc<std::cell::RefCell<tl_precision::Fp8State>>, usize)>,
+    ) {
+        self.attention
+            .fp8
+            .set(state.map(|(s, first)| (Rc::clone(s), first)));
+        self.mlp
+            .fp8
+            .set(state.map(|(s, first)| (Rc::clone(s), first + 4)));
     }
 
     fn branch(&self, x: &Tensor<E>, output: Tensor<E>) -> Tensor<E> {

@@ -172,6 +172,33 @@ impl<E: Element> Llama<E> {
         &self.dropout_rng
     }
 
+    /// Trains the blocks' projections in fp8 with `state`'s delayed scales (7 layers per
+    /// block, see [`fp8`](super::fp8)), or plainly again with `None`.
+    ///
+    /// # Errors
+    /// [`TrainError::Precision`](crate::TrainError::Precision) when `state` has not one
+    /// valid layer per projection.
+    pub fn set_fp8(&self, state: Option<Rc<RefCell<tl_precision::Fp8State>>>) -> Result<()> {
+        if let Some(state) = &state {
+            state.borrow().check(self.fp8_layer_names().len())?;
+        }
+        for (i, block) in self.blocks.iter().enumerate() {
+            block.set_fp8(
+                state
+                    .as_ref()
+                    .map(|s| (s, super::fp8::LAYERS_PER_BLOCK * i)),
+            );
+        }
+        Ok(())
+    }
+
+    /// The names of the fp8 layers, in layer order: `blocks.{i}.wq`, ... `blocks.{i}.w2`.
+    pub fn fp8_layer_names(&self) -> Vec<String> {
+        (0..self.blocks.len())
+            .flat_map(|i| super::fp8::LAYER_NAMES.map(|name| format!("blocks.{i}.{name}")))
+            .collect()
+    }
+
     /// Chooses how the blocks keep activations from the next forward pass on.
     pub fn set_checkpointing(&self, checkpointing: Checkpointing) {
         self.checkpointing.set(checkpointing);

@@ -5,12 +5,14 @@
 //! - [`attention`]: causal multi-head self-attention.
 //! - [`causal_attention`]: its core, `softmax(q·kᵀ/√hd + M)·v` for all heads, as one fused op.
 //! - [`block`]: the pre-norm block with its SwiGLU MLP.
+//! - [`fp8`]: the blocks' projections in fp8, with delayed scaling.
 //! - [`llama`]: the whole model, with optional activation checkpointing and sampling.
 
 pub mod attention;
 pub mod block;
 pub mod causal_attention;
 pub mod config;
+pub mod fp8;
 pub mod llama;
 pub mod rope;
 

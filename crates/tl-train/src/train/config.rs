@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use tl_precision::{Accumulation, AutocastGuard, Precision, autocast_with};
+use tl_precision::{Accumulation, AutocastGuard, Fp8Recipe, Precision, autocast_with};
 use tl_recompute::checkpoint_schedule;
 
 use super::schedule::LrSchedule;
@@ -47,6 +47,10 @@ pub struct TrainConfig {
     /// a config file: f32).
     #[serde(default, skip_serializing_if = "is_f32_accumulation")]
     pub accumulation: Accumulation,
+    /// The blocks' linear layers in fp8 with delayed scaling (Transformer Engine's HYBRID
+    /// recipe), on top of `precision` for every other product; absent: no fp8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8: Option<Fp8Recipe>,
     /// Rows (sequences of `model.context` tokens) per micro-batch.
     pub micro_batch: usize,
     /// Micro-batches accumulated per optimizer step.
@@ -388,6 +392,7 @@ impl TrainConfig {
             },
             precision: Precision::Fp32,
             accumulation: Accumulation::F32,
+            fp8: None,
             micro_batch: 8,
             accum: 4,
             checkpointing: Checkpointing::Off,
@@ -635,6 +640,25 @@ impl TrainConfig {
                     "accumulate",
                     value,
                     "V100 tensor cores have no bf16 mode: use --fp16, or a100/h100",
+                );
+            }
+        }
+        if let Some(recipe) = &self.fp8 {
+            recipe.validate()?;
+            if self.parallel.ranks > 1 {
+                return invalid(
+                    "fp8",
+                    format!("{} ranks", self.parallel.ranks),
+                    "fp8 trains on one rank: several would need their amaxes all-reduced \
+                     so that every rank scales alike, which tinyllm does not do yet",
+                );
+            }
+            if self.accumulation != Accumulation::F32 {
+                return invalid(
+                    "fp8",
+                    self.accumulation.to_string(),
+                    "the tensor-core models are those of 16-bit inputs; fp8 products add \
+                     up in f32 here (--accumulate f32)",
                 );
             }
         }

@@ -12,6 +12,40 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
 
+/// One step's fp8 range counts: values that saturated at the largest finite value after
+/// scaling, and nonzero values flushed to zero, over all fp8 casts of the step, and per
+/// tensor (`blocks.0.wq.input`, `.weight`, `.grad`) where either is nonzero.
+#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Fp8Counts {
+    /// Values saturated, all tensors.
+    pub saturated: u64,
+    /// Values flushed to zero, all tensors.
+    pub flushed: u64,
+    /// `[saturated, flushed]` of each tensor with any.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub tensors: std::collections::BTreeMap<String, [u64; 2]>,
+}
+
+impl Fp8Counts {
+    /// The counts of one update of an fp8 state (`per_layer` in layer order, each input,
+    /// weight, grad) under the layers' `names`.
+    pub fn from_layers(names: &[String], per_layer: &[[tl_numerics::RangeCounts; 3]]) -> Self {
+        let mut counts = Fp8Counts::default();
+        for (name, layer) in names.iter().zip(per_layer) {
+            for (role, c) in ["input", "weight", "grad"].iter().zip(layer) {
+                counts.saturated += c.saturated;
+                counts.flushed += c.flushed;
+                if c.saturated + c.flushed > 0 {
+                    counts
+                        .tensors
+                        .insert(format!("{name}.{role}"), [c.saturated, c.flushed]);
+                }
+            }
+        }
+        counts
+    }
+}
+
 /// One line of `metrics.jsonl`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
@@ -56,6 +90,9 @@ pub enum Record {
         /// step. `None` in older records.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         tokens: Option<u64>,
+        /// What the step's fp8 casts pushed out of range (fp8 runs).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fp8: Option<Fp8Counts>,
     },
     /// A validation loss.
     Eval {
@@ -367,6 +404,7 @@ mod tests {
             time: None,
             elapsed_s: None,
             tokens: None,
+            fp8: None,
         }
     }
 

@@ -18,7 +18,7 @@ pub use config::{
     limits,
 };
 pub(crate) use config::{default_eval_interval, default_save_interval, default_warmup};
-pub use metrics::{MetricsLog, Record, read_records, rfc3339_utc};
+pub use metrics::{Fp8Counts, MetricsLog, Record, read_records, rfc3339_utc};
 pub use optimizer::RunOptimizer;
 pub use ranks::{RankReport, StepBatch, StepTraffic, dropout_state};
 pub use recipes::{STEP_RECIPES, StepRecipe};

@@ -85,6 +85,9 @@ pub struct RunState {
     pub data_rng: GeneratorState,
     /// The generator dropout draws from.
     pub dropout_rng: GeneratorState,
+    /// The fp8 layers' scales and amax histories (fp8 runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8: Option<tl_precision::Fp8State>,
 }
 
 /// A loaded checkpoint.

@@ -45,10 +45,10 @@ impl RunSummary {
     /// let records = [
     ///     Record::Train { step: 1, loss: 3.0, lr: 1e-3, grad_norm: None, scale: None,
     ///                     skipped: false, underflows: 0, tokens_per_s: 100.0, step_s: 2.0,
-    ///                     time: None, elapsed_s: Some(2.0), tokens: Some(512) },
+    ///                     time: None, elapsed_s: Some(2.0), tokens: Some(512), fp8: None },
     ///     Record::Train { step: 2, loss: 2.0, lr: 1e-3, grad_norm: None, scale: None,
     ///                     skipped: false, underflows: 0, tokens_per_s: 120.0, step_s: 1.5,
-    ///                     time: None, elapsed_s: Some(3.5), tokens: Some(1024) },
+    ///                     time: None, elapsed_s: Some(3.5), tokens: Some(1024), fp8: None },
     ///     Record::Eval { step: 2, val_loss: 2.5, time: None },
     /// ];
     /// let summary = RunSummary::from_records(&records, Some(1.0), 4096, None);

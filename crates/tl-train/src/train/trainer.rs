@@ -1,21 +1,25 @@
 //! [`Trainer`]: the training loop of `tinyllm train`, with evaluation, checkpoints and
 //! exact resumption.
 
+use std::cell::RefCell;
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Instant, SystemTime};
 
 use tl_collective::{Communicator, Single};
 use tl_parallel::DataParallel;
-use tl_precision::{DynamicLossScaler, MicroBatch, Precision, StepReport, train_step_mixed};
+use tl_precision::{
+    DynamicLossScaler, Fp8State, MicroBatch, Precision, StepReport, train_step_mixed,
+};
 use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, Optimizer};
 use tl_tensor::{Generator, no_grad};
 
 use super::config::{AdamWConfig, DataSource, FileFingerprint, TrainConfig};
 use super::lock::RunLock;
-use super::metrics::{MetricsLog, Record, read_records, rfc3339_utc};
+use super::metrics::{Fp8Counts, MetricsLog, Record, read_records, rfc3339_utc};
 use super::optimizer::RunOptimizer;
 use super::ranks::{self, RankReport, StepBatch, StepTraffic};
 use super::run_config::{config_json, read_config_json};
@@ -68,6 +72,8 @@ pub struct Trainer {
     model: Llama<f32>,
     optimizer: RunOptimizer,
     scaler: Option<DynamicLossScaler>,
+    /// The fp8 layers' delayed scales (fp8 runs), shared with the model's projections.
+    fp8: Option<Rc<RefCell<Fp8State>>>,
     corpus: Corpus,
     validation: Vec<Batch>,
     data_rng: Generator,
@@ -240,6 +246,7 @@ struct RunParts {
     model: Llama<f32>,
     optimizer: AdamW<f32>,
     scaler: Option<DynamicLossScaler>,
+    fp8: Option<Fp8State>,
     data_rng: Generator,
     step: u64,
     tokens_seen: u64,
@@ -254,8 +261,12 @@ impl RunParts {
         model: Llama<f32>,
         optimizer: AdamW<f32>,
     ) -> Self {
+        let layers = model.fp8_layer_names().len();
         Self {
             scaler: new_scaler(&config),
+            fp8: config
+                .fp8
+                .map(|recipe| Fp8State::new(recipe, layers).expect("a validated recipe")),
             data_rng: Generator::new(config.seed ^ DATA_STREAM),
             config,
             lock,
@@ -363,6 +374,23 @@ fn resume_state(
             ));
         }
     }
+    let fp8 = match (&config.fp8, &state.fp8) {
+        (Some(recipe), Some(saved)) if *recipe == saved.recipe => {
+            saved
+                .check(model.fp8_layer_names().len())
+                .map_err(|error| {
+                    TrainError::checkpoint(snapshot.dir.join("state.json"), error.to_string())
+                })?;
+            Some(saved.clone())
+        }
+        (None, None) => None,
+        _ => {
+            return Err(TrainError::checkpoint(
+                snapshot.dir.join("state.json"),
+                "its fp8 scaling state does not match the config's fp8 recipe",
+            ));
+        }
+    };
     let tokens = state.step.checked_mul(config.tokens_per_step() as u64);
     if tokens != Some(state.tokens_seen) {
         return Err(TrainError::checkpoint(
@@ -385,6 +413,7 @@ fn resume_state(
         model,
         optimizer,
         scaler,
+        fp8,
         data_rng,
         step: state.step,
         tokens_seen: state.tokens_seen,
@@ -474,12 +503,15 @@ impl Trainer {
             model,
             optimizer,
             scaler,
+            fp8,
             data_rng,
             step,
             tokens_seen,
         } = parts;
         let mut ddp = ddp.with_bucket_bytes(config.parallel.bucket_bytes);
         model.set_checkpointing(config.checkpointing);
+        let fp8 = fp8.map(|state| Rc::new(RefCell::new(state)));
+        model.set_fp8(fp8.clone())?;
         let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &mut ddp, &model)?;
         let metrics = lock
             .is_some()
@@ -491,6 +523,7 @@ impl Trainer {
         };
         Ok(Self {
             scaler,
+            fp8,
             validation: validation_batches(&corpus, &config),
             data_rng,
             metrics,
@@ -632,6 +665,12 @@ impl Trainer {
             config.clip,
         );
         drop(hardware);
+        // The step is over for the fp8 scales, taken or skipped: its amaxes join the
+        // histories and the next step's scales are set.
+        let fp8 = self.fp8.as_ref().map(|state| {
+            let per_layer = state.borrow_mut().update();
+            Fp8Counts::from_layers(&self.model.fp8_layer_names(), &per_layer)
+        });
         let report = stepped.map_err(|error| self.diverged_from(error))?;
         // Nothing reads the gradients after the update (the next step drops them first):
         // dropped now, they do not sit under the evaluation or the checkpoint's write.
@@ -658,6 +697,7 @@ impl Trainer {
             time: Some(rfc3339_utc(SystemTime::now())),
             elapsed_s: Some(self.clock.elapsed_s()),
             tokens: Some(self.tokens_seen),
+            fp8,
         };
         self.log(&record)?;
         Ok(record)
@@ -882,6 +922,7 @@ impl Trainer {
             scaler: self.scaler.as_ref().map(DynamicLossScaler::state_dict),
             data_rng: self.data_rng.state(),
             dropout_rng: self.model.dropout_generator().state(),
+            fp8: self.fp8.as_ref().map(|state| state.borrow().clone()),
         };
         snapshot::save(
             &self.run_dir,

@@ -1,0 +1,605 @@
+//! fp8 training with delayed scaling, as NVIDIA Transformer Engine does it.
+//!
+//! fp8's range is narrow (E4M3 holds 2^-9 to 448, E5M2 2^-16 to 57344), so a tensor is
+//! multiplied by a per-tensor *scale* before it is cast, and the product divided by the
+//! scales after. The scale comes from the tensor's recent past, not its present: every step
+//! records the tensor's largest magnitude (`amax`) in a history, and after the step the scale
+//! becomes `(largest finite / amax) / 2^margin`, with `amax` the history's maximum (or its
+//! newest entry). The step uses the scale the previous steps chose, which is why it is
+//! "delayed": a GPU never waits for the amax of the tensor it is casting.
+//!
+//! The HYBRID recipe: the forward pass's operands (activations and weights) in E4M3, the
+//! backward pass's gradients in E5M2, which trades precision for range. Products are exact
+//! fp8 products accumulated in f32, then unscaled; the master weights stay f32.
+//!
+//! [`fp8_matmul`] is one linear layer's product; [`Fp8State`] holds every layer's three
+//! [`ScaleState`]s (input, weight, gradient) and steps them with [`Fp8State::update`].
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use serde::{Deserialize, Serialize};
+use tl_numerics::{Format, RangeCounts, round_slice_saturating_counting};
+use tl_tensor::kernels::gemm::matmul as gemm;
+use tl_tensor::ndarray::{ArrayD, Ix2, IxDyn};
+use tl_tensor::{Element, Tensor, in_backward, is_grad_enabled};
+
+use crate::error::{PrecisionError, Result};
+
+/// How the amax history gives the scale's amax.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AmaxAlgorithm {
+    /// The largest amax of the history (Transformer Engine's default).
+    #[default]
+    Max,
+    /// The newest amax only.
+    MostRecent,
+}
+
+/// The delayed-scaling recipe: margin, amax history length and algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fp8Recipe {
+    /// The scale leaves `2^margin` of headroom below the largest finite value.
+    pub margin: u32,
+    /// Steps of amax history kept per tensor.
+    pub history_len: usize,
+    /// How the history gives the amax.
+    pub amax: AmaxAlgorithm,
+}
+
+impl Default for Fp8Recipe {
+    /// Transformer Engine's defaults: margin 0, a history of 1024 steps, its maximum.
+    fn default() -> Self {
+        Fp8Recipe {
+            margin: 0,
+            history_len: 1024,
+            amax: AmaxAlgorithm::Max,
+        }
+    }
+}
+
+/// The longest amax history [`Fp8Recipe::validate`] accepts.
+pub const MAX_HISTORY_LEN: usize = 1 << 16;
+/// The largest margin [`Fp8Recipe::validate`] accepts.
+pub const MAX_MARGIN: u32 = 64;
+
+impl Fp8Recipe {
+    /// Checks the recipe.
+    ///
+    /// # Errors
+    /// [`PrecisionError::InvalidFp8Recipe`] for a history of 0 or more than
+    /// [`MAX_HISTORY_LEN`] steps, or a margin above [`MAX_MARGIN`].
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=MAX_HISTORY_LEN).contains(&self.history_len) {
+            return Err(PrecisionError::InvalidFp8Recipe {
+                name: "history_len",
+                value: self.history_len.to_string(),
+                reason: format!("must be in 1..={MAX_HISTORY_LEN}"),
+            });
+        }
+        if self.margin > MAX_MARGIN {
+            return Err(PrecisionError::InvalidFp8Recipe {
+                name: "margin",
+                value: self.margin.to_string(),
+                reason: format!("must be at most {MAX_MARGIN}"),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// One tensor's delayed scaling: its fp8 format, the scale in force, the amax history, and
+/// what the current step has seen (its amax and its range counts).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScaleState {
+    /// The format the tensor is cast to (by name: `"e4m3"`, `"e5m2"`).
+    #[serde(with = "format_name")]
+    pub format: Format,
+    /// The scale the casts of the current step use.
+    pub scale: f32,
+    /// Recorded amaxes, oldest first, at most the recipe's length.
+    pub history: Vec<f32>,
+    /// The largest magnitude seen in the current step (0 before any).
+    pub pending: f32,
+    /// Values that saturated (beyond the largest finite value after scaling) and nonzero
+    /// values flushed to zero, in the current step.
+    #[serde(skip)]
+    pub counts: RangeCounts,
+}
+
+impl ScaleState {
+    /// A tensor cast to `format`, with scale 1 and no history.
+    pub fn new(format: Format) -> Self {
+        ScaleState {
+            format,
+            scale: 1.0,
+            history: Vec::new(),
+            pending: 0.0,
+            counts: RangeCounts::default(),
+        }
+    }
+
+    /// Records a magnitude the current step saw (a NaN poisons the step's amax).
+    pub fn observe(&mut self, amax: f32) {
+        self.pending = if amax.is_nan() || self.pending.is_nan() {
+            f32::NAN
+        } else {
+            self.pending.max(amax)
+        };
+    }
+
+    /// Ends the step: appends its amax to the history (dropping the oldest beyond
+    /// `recipe.history_len`), then sets the scale from the history's amax,
+    /// `(largest finite / amax) / 2^margin`, keeping the old scale when that amax is zero
+    /// or not finite, or the new scale would not be a positive finite f32.
+    ///
+    /// ```
+    /// use tl_numerics::Format;
+    /// use tl_precision::{Fp8Recipe, ScaleState};
+    ///
+    /// let recipe = Fp8Recipe { history_len: 2, ..Fp8Recipe::default() };
+    /// let mut s = ScaleState::new(Format::E4M3);
+    /// s.observe(2.0);
+    /// s.update(&recipe);
+    /// assert_eq!(s.scale, 224.0); // 448 / 2
+    /// s.observe(0.5);
+    /// s.update(&recipe);
+    /// assert_eq!(s.scale, 224.0); // the history's max is still 2
+    /// s.observe(0.5);
+    /// s.update(&recipe);
+    /// assert_eq!(s.scale, 896.0); // 2 has left a history of two steps
+    /// ```
+    pub fn update(&mut self, recipe: &Fp8Recipe) {
+        self.history.push(self.pending);
+        let excess = self.history.len().saturating_sub(recipe.history_len);
+        self.history.drain(..excess);
+        self.pending = 0.0;
+        self.counts = RangeCounts::default();
+        let amax = match recipe.amax {
+            AmaxAlgorithm::Max => self.history.iter().copied().fold(0.0f32, |m, a| {
+                if a.is_nan() || m.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(a)
+                }
+            }),
+            AmaxAlgorithm::MostRecent => *self.history.last().expect("just pushed"),
+        };
+        if !(amax > 0.0 && amax.is_finite()) {
+            return;
+        }
+        let largest = self.format.max_finite() as f32;
+        let scale = (largest / amax) / 2f32.powi(recipe.margin as i32);
+        if scale > 0.0 && scale.is_finite() {
+            self.scale = scale;
+        }
+    }
+}
+
+/// A [`Format`] as its name in serialized states.
+mod format_name {
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+    use tl_numerics::Format;
+
+    pub(super) fn serialize<S: Serializer>(
+        format: &Format,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(format.name())
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Format, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        name.parse().map_err(D::Error::custom)
+    }
+}
+
+/// The three tensors of one linear layer: its input and weight (E4M3) and the gradient of
+/// its output (E5M2).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinearScales {
+    /// The activation the layer reads.
+    pub input: ScaleState,
+    /// The layer's weight.
+    pub weight: ScaleState,
+    /// The gradient flowing back into the layer's output.
+    pub grad: ScaleState,
+}
+
+impl LinearScales {
+    /// The HYBRID formats: E4M3 forward, E5M2 for the gradient.
+    pub fn hybrid() -> Self {
+        LinearScales {
+            input: ScaleState::new(Format::E4M3),
+            weight: ScaleState::new(Format::E4M3),
+            grad: ScaleState::new(Format::E5M2),
+        }
+    }
+
+    /// The three states, in the order input, weight, grad.
+    pub fn all(&self) -> [&ScaleState; 3] {
+        [&self.input, &self.weight, &self.grad]
+    }
+}
+
+/// Every fp8 layer's scaling state and the recipe that steps it: what a checkpoint saves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fp8State {
+    /// The recipe.
+    pub recipe: Fp8Recipe,
+    /// One entry per fp8 linear layer, in the model's order.
+    pub layers: Vec<LinearScales>,
+}
+
+impl Fp8State {
+    /// `layers` fresh HYBRID layers under `recipe`.
+    ///
+    /// # Errors
+    /// Those of [`Fp8Recipe::validate`].
+    pub fn new(recipe: Fp8Recipe, layers: usize) -> Result<Self> {
+        recipe.validate()?;
+        Ok(Fp8State {
+            recipe,
+            layers: vec![LinearScales::hybrid(); layers],
+        })
+    }
+
+    /// Ends an optimizer step for every tensor ([`ScaleState::update`]) and returns what
+    /// each saw in it, per layer in the order input, weight, grad.
+    pub fn update(&mut self) -> Vec<[RangeCounts; 3]> {
+        let recipe = self.recipe;
+        self.layers
+            .iter_mut()
+            .map(|layer| {
+                let counts = [layer.input.counts, layer.weight.counts, layer.grad.counts];
+                for state in [&mut layer.input, &mut layer.weight, &mut layer.grad] {
+                    state.update(&recipe);
+                }
+                counts
+            })
+            .collect()
+    }
+
+    /// Checks a loaded state against the model: `layers` layers, HYBRID formats, positive
+    /// finite scales, histories no longer than the recipe's.
+    ///
+    /// # Errors
+    /// [`PrecisionError::InvalidState`] naming what does not fit.
+    pub fn check(&self, layers: usize) -> Result<()> {
+        self.recipe.validate()?;
+        let invalid = |reason: String| PrecisionError::InvalidState {
+            field: "fp8",
+            reason,
+        };
+        if self.layers.len() != layers {
+            return Err(invalid(format!(
+                "{} layers, the model has {layers}",
+                self.layers.len()
+            )));
+        }
+        let hybrid = LinearScales::hybrid();
+        for (i, layer) in self.layers.iter().enumerate() {
+            for (state, expected) in layer.all().into_iter().zip(hybrid.all()) {
+                if state.format != expected.format {
+                    return Err(invalid(format!("layer {i}: a {} tensor", state.format)));
+                }
+                if !(state.scale > 0.0 && state.scale.is_finite()) {
+                    return Err(invalid(format!("layer {i}: scale {}", state.scale)));
+                }
+                if state.history.len() > self.recipe.history_len {
+                    return Err(invalid(format!(
+                        "layer {i}: a history longer than the recipe's"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `x · w` in fp8 with delayed scaling, for the linear layer `layer` of `state`: `x`
+/// (`[.., k]`, any rows) and `w` (`[k, n]`) scaled and cast to E4M3 with saturation, their
+/// product accumulated in f32 and divided by both scales; backward, the output's gradient
+/// scaled and cast to E5M2, and each VJP the same kind of product of fp8 values
+/// (`dx = rd(g·s_g)·rd(w·s_w)ᵀ / (s_g·s_w)`, `dw = rd(x·s_x)ᵀ·rd(g·s_g) / (s_x·s_g)`); the
+/// gradient reaches `x` and `w` as if the casts were the identity (straight through).
+///
+/// Every cast records its tensor's amax and its range counts in `state`, while gradients
+/// are recorded (training) and outside a checkpoint's rerun (which repeats a forward the
+/// step has already seen); the scales change only in [`Fp8State::update`].
+///
+/// # Panics
+/// If `w` is not 2-D, the inner sizes differ, or `layer` is not a layer of `state`.
+pub fn fp8_matmul<E: Element>(
+    x: &Tensor<E>,
+    w: &Tensor<E>,
+    state: &Rc<RefCell<Fp8State>>,
+    layer: usize,
+) -> Tensor<E> {
+    let (x_shape, w_shape) = (x.shape(), w.shape());
+    assert!(
+        w_shape.len() == 2 && x_shape.last() == Some(&w_shape[0]),
+        "fp8_matmul: cannot multiply {x_shape:?} by {w_shape:?}"
+    );
+    let (k, n) = (w_shape[0], w_shape[1]);
+    let rows = x.numel() / k.max(1);
+    let record = is_grad_enabled() && !in_backward();
+    let (s_x, s_w) = {
+        let state = state.borrow();
+        let scales = &state.layers[layer];
+        (scales.input.scale, scales.weight.scale)
+    };
+    let xq = cast_scaled(
+        &x.value(),
+        s_x,
+        Format::E4M3,
+        record.then_some((state, layer, Role::Input)),
+    );
+    let wq = cast_scaled(
+        &w.value(),
+        s_w,
+        Format::E4M3,
+        record.then_some((state, layer, Role::Weight)),
+    );
+    let unscale = |product: ArrayD<E>, a: f32, b: f32| {
+        let inverse = E::from_f32(1.0 / a) * E::from_f32(1.0 / b);
+        product.mapv(|v| v * inverse)
+    };
+    let mut out_shape = x_shape[..x_shape.len() - 1].to_vec();
+    out_shape.push(n);
+    let forward = gemm(as2(&xq, rows, k), as2(&wq, k, n)).into_dyn();
+    let value = unscale(forward, s_x, s_w)
+        .into_shape_with_order(IxDyn(&out_shape))
+        .expect("rows of the output");
+    let (x_in, w_in, state) = (x.clone(), w.clone(), Rc::clone(state));
+    Tensor::from_op(value, &[x, w], move |grad| {
+        // Each VJP runs once per step (a checkpoint's rerun builds the nodes that backward
+        // then runs), so the gradient's cast always records.
+        let s_g = state.borrow().layers[layer].grad.scale;
+        let gq = cast_scaled(&grad, s_g, Format::E5M2, Some((&state, layer, Role::Grad)));
+        let g2 = as2(&gq, rows, n);
+        let dx = x_in.requires_grad().then(|| {
+            let product = gemm(g2, as2(&wq, k, n).t()).into_dyn();
+            unscale(product, s_g, s_w)
+                .into_shape_with_order(IxDyn(&x_shape))
+                .expect("the input's shape")
+        });
+        let dw = w_in
+            .requires_grad()
+            .then(|| unscale(gemm(as2(&xq, rows, k).t(), g2).into_dyn(), s_x, s_g));
+        vec![dx, dw]
+    })
+}
+
+/// `a` (in standard layout) seen as an `r × c` matrix.
+fn as2<E: Element>(a: &ArrayD<E>, r: usize, c: usize) -> tl_tensor::ndarray::ArrayView2<'_, E> {
+    a.view()
+        .into_shape_with_order((r, c))
+        .expect("standard layout")
+        .into_dimensionality::<Ix2>()
+        .expect("2-D")
+}
+
+/// Which of a layer's tensors a cast is of.
+#[derive(Clone, Copy)]
+enum Role {
+    Input,
+    Weight,
+    Grad,
+}
+
+/// `rd_sat(x · scale)` in `format`, as f32-or-f64 values; with a target, its amax (of `x`,
+/// unscaled) and range counts are recorded there.
+fn cast_scaled<E: Element>(
+    x: &ArrayD<E>,
+    scale: f32,
+    format: Format,
+    record: Option<(&Rc<RefCell<Fp8State>>, usize, Role)>,
+) -> ArrayD<E> {
+    let scale = E::from_f32(scale);
+    let mut scaled: Vec<E> = x.iter().map(|&v| v * scale).collect();
+    let counts = round_slice_saturating_counting(&mut scaled, format);
+    if let Some((state, layer, role)) = record {
+        let amax = x.iter().fold(0.0f32, |m, &v| {
+            let a = v.to_f32().abs();
+            if a.is_nan() || m.is_nan() {
+                f32::NAN
+            } else {
+                m.max(a)
+            }
+        });
+        let mut state = state.borrow_mut();
+        let scales = &mut state.layers[layer];
+        let target = match role {
+            Role::Input => &mut scales.input,
+            Role::Weight => &mut scales.weight,
+            Role::Grad => &mut scales.grad,
+        };
+        target.observe(amax);
+        target.counts += counts;
+    }
+    ArrayD::from_shape_vec(x.raw_dim(), scaled).expect("the input's shape")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recipe(len: usize, amax: AmaxAlgorithm, margin: u32) -> Fp8Recipe {
+        Fp8Recipe {
+            margin,
+            history_len: len,
+            amax,
+        }
+    }
+
+    /// A hand-worked trace of one E4M3 tensor (largest finite 448), history of 3, `max`.
+    #[test]
+    fn the_delayed_scaling_state_machine_step_by_step() {
+        let r = recipe(3, AmaxAlgorithm::Max, 0);
+        let mut s = ScaleState::new(Format::E4M3);
+        assert_eq!((s.scale, s.history.len()), (1.0, 0));
+        // Step 1 sees 4 then 8: the amax is 8, the next scale 448 / 8 = 56.
+        s.observe(4.0);
+        s.observe(8.0);
+        assert_eq!(s.scale, 1.0, "the step in progress keeps its scale");
+        s.update(&r);
+        assert_eq!((s.scale, s.history.clone()), (56.0, vec![8.0]));
+        // Step 2 sees 2: the history's max is still 8.
+        s.observe(2.0);
+        s.update(&r);
+        assert_eq!((s.scale, s.history.clone()), (56.0, vec![8.0, 2.0]));
+        // Step 3 sees nothing at all (amax 0): recorded, max still 8.
+        s.update(&r);
+        assert_eq!((s.scale, s.history.clone()), (56.0, vec![8.0, 2.0, 0.0]));
+        // Step 4 sees 1: the 8 leaves the window of 3; max(2, 0, 1) = 2, scale 224.
+        s.observe(1.0);
+        s.update(&r);
+        assert_eq!((s.scale, s.history.clone()), (224.0, vec![2.0, 0.0, 1.0]));
+        // Steps 5 and 6 see 0: max(1, 0) = 1 → 448; then max(0, 0, 0) = 0 → scale kept.
+        s.update(&r);
+        assert_eq!(s.scale, 448.0);
+        s.update(&r);
+        s.update(&r);
+        assert_eq!((s.scale, s.history.clone()), (448.0, vec![0.0, 0.0, 0.0]));
+        // An infinite amax: recorded, and the scale kept while it is in the window.
+        s.observe(f32::INFINITY);
+        s.update(&r);
+        assert_eq!(s.scale, 448.0);
+        s.observe(0.25);
+        s.update(&r);
+        assert_eq!(s.scale, 448.0, "max(0, inf, 0.25) is inf: kept");
+        // A NaN poisons its step's amax like an infinity.
+        let mut t = ScaleState::new(Format::E5M2);
+        t.observe(3.0);
+        t.observe(f32::NAN);
+        t.observe(5.0);
+        t.update(&r);
+        assert!(t.history[0].is_nan());
+        assert_eq!(t.scale, 1.0);
+    }
+
+    #[test]
+    fn most_recent_and_the_margin() {
+        let r = recipe(1024, AmaxAlgorithm::MostRecent, 2);
+        let mut s = ScaleState::new(Format::E5M2);
+        s.observe(57344.0);
+        s.update(&r);
+        assert_eq!(s.scale, 0.25, "(57344 / 57344) / 2^2");
+        s.observe(7.0);
+        s.update(&r);
+        assert_eq!(s.scale, 57344.0 / 7.0 / 4.0);
+        // A tiny amax whose scale would overflow f32 keeps the old scale.
+        s.observe(1e-40);
+        s.update(&r);
+        assert_eq!(s.scale, 57344.0 / 7.0 / 4.0);
+    }
+
+    #[test]
+    fn bad_recipes_and_states_are_refused() {
+        assert!(recipe(0, AmaxAlgorithm::Max, 0).validate().is_err());
+        assert!(recipe(1 << 17, AmaxAlgorithm::Max, 0).validate().is_err());
+        assert!(recipe(8, AmaxAlgorithm::Max, 65).validate().is_err());
+        let state = Fp8State::new(Fp8Recipe::default(), 2).unwrap();
+        assert!(state.check(2).is_ok());
+        assert!(state.check(3).is_err());
+        let mut broken = state.clone();
+        broken.layers[1].grad.scale = 0.0;
+        assert!(broken.check(2).unwrap_err().to_string().contains("layer 1"));
+        let mut swapped = state.clone();
+        swapped.layers[0].grad.format = Format::E4M3;
+        assert!(swapped.check(2).is_err());
+        let json = serde_json::to_string(&state).unwrap();
+        assert_eq!(serde_json::from_str::<Fp8State>(&json).unwrap(), state);
+    }
+
+    /// `rd_sat(v · s)` by tl-numerics' rounding, as a reference.
+    fn q(v: f64, s: f32, f: Format) -> f64 {
+        use tl_numerics::Round;
+        (v * f64::from(s)).round_to_saturating(f)
+    }
+
+    #[test]
+    #[allow(clippy::needless_range_loop)] // the formulas' indices, as written
+    fn fp8_matmul_is_the_scaled_product_of_fp8_values_forward_and_backward() {
+        use tl_tensor::ndarray::arr2;
+        let state = Rc::new(RefCell::new(
+            Fp8State::new(Fp8Recipe::default(), 1).unwrap(),
+        ));
+        {
+            let mut st = state.borrow_mut();
+            st.layers[0].input.scale = 64.0;
+            st.layers[0].weight.scale = 16.0;
+            st.layers[0].grad.scale = 262144.0;
+        }
+        let (xs, ws) = (
+            [[0.3, -1.7, 5.1], [0.01, 2.2, -0.00001]],
+            [[1.1, -0.2], [0.05, 3.3], [-2.5, 0.7]],
+        );
+        let x = Tensor::<f64>::param(arr2(&xs).into_dyn());
+        let w = Tensor::<f64>::param(arr2(&ws).into_dyn());
+        let y = fp8_matmul(&x, &w, &state, 0);
+        let g = [[0.001, -0.02], [0.3, 0.0001]];
+        y.backward_with(arr2(&g).into_dyn());
+        let (e4, e5) = (Format::E4M3, Format::E5M2);
+        for i in 0..2 {
+            for j in 0..2 {
+                let sum: f64 = (0..3)
+                    .map(|p| q(xs[i][p], 64.0, e4) * q(ws[p][j], 16.0, e4))
+                    .sum();
+                let expected = sum * f64::from(1.0f32 / 64.0) * f64::from(1.0f32 / 16.0);
+                assert_eq!(y.value()[[i, j]], expected, "y[{i}][{j}]");
+            }
+        }
+        let dx = x.grad().unwrap();
+        let dw = w.grad().unwrap();
+        for i in 0..2 {
+            for p in 0..3 {
+                let sum: f64 = (0..2)
+                    .map(|j| q(g[i][j], 262144.0, e5) * q(ws[p][j], 16.0, e4))
+                    .sum();
+                assert_eq!(
+                    dx[[i, p]],
+                    sum * (1.0 / 262144.0) * (1.0 / 16.0),
+                    "dx[{i}][{p}]"
+                );
+            }
+        }
+        for p in 0..3 {
+            for j in 0..2 {
+                let sum: f64 = (0..2)
+                    .map(|i| q(xs[i][p], 64.0, e4) * q(g[i][j], 262144.0, e5))
+                    .sum();
+                assert_eq!(
+                    dw[[p, j]],
+                    sum * (1.0 / 64.0) * (1.0 / 262144.0),
+                    "dw[{p}][{j}]"
+                );
+            }
+        }
+        // The amaxes were recorded, of the tensors before scaling; 5.1·64 = 326 fits E4M3,
+        // and -0.00001·64 is below half of E4M3's smallest subnormal 2^-9: flushed.
+        let st = state.borrow();
+        let layer = &st.layers[0];
+        assert_eq!(
+            (
+                layer.input.pending,
+                layer.weight.pending,
+                layer.grad.pending
+            ),
+            (5.1, 3.3, 0.3)
+        );
+        assert_eq!(layer.input.counts.flushed, 1);
+        assert_eq!(
+            layer.grad.counts.saturated, 1,
+            "0.3 · 1024 = 307 > 57344? no: see below"
+        );
+    }
+}
