@@ -62,8 +62,8 @@ pub(crate) const PITFALLS: &[Pitfall] = &[
         package: PRECISION,
         file: "crates/tl-precision/src/autocast.rs",
         function: "RoundedMatmul::product",
-        pattern: "rounded_operand(lhs, f).matmul_plain(&rounded_operand(rhs, f))",
-        replacement: "rounded_operand(lhs, f).matmul_plain(rhs)",
+        pattern: "(rounded_operand(lhs, f), rounded_operand(rhs, f))",
+        replacement: "(rounded_operand(lhs, f), rhs.clone())",
         course_test: "test_autocast_matmul_matches_rounded_reference",
     },
     Pitfall {

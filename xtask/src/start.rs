@@ -37,6 +37,10 @@ pub(crate) struct LearnerCrate {
     guides: &'static [(&'static str, &'static str)],
     /// The starter test file written into the learner's `tests/`.
     starter: &'static str,
+    /// Source files beyond the chapter, kept as the reference wrote them: the learner's
+    /// crate needs them, but they are not the chapter's to write (nor its grade's; see
+    /// `.cargo/mutants.toml`).
+    pub(crate) kept: &'static [&'static str],
 }
 
 /// The crates of L11.1 that the learner writes.
@@ -52,11 +56,14 @@ pub(crate) const LEARNER_CRATES: [LearnerCrate; 2] = [
             ("", "docs/mixed-precision.md"),
         ],
         starter: PRECISION_STARTER,
+        // The tensor cores' accumulation models and fp8 training (issue 23).
+        kept: &["tensor_core.rs", "fp8.rs"],
     },
     LearnerCrate {
         dir: "crates/tl-recompute",
         guides: &[("", "docs/activation-checkpointing.md")],
         starter: RECOMPUTE_STARTER,
+        kept: &[],
     },
 ];
 
@@ -396,7 +403,7 @@ fn stub_crate(module: &str, dir: &Path, learner: &LearnerCrate) -> Result<(), St
             fs::remove_file(&path).map_err(|e| format!("{}: {e}", path.display()))?;
             continue;
         }
-        if path.extension().is_none_or(|e| e != "rs") {
+        if path.extension().is_none_or(|e| e != "rs") || learner.kept.contains(&name) {
             continue;
         }
         let text = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -489,6 +496,15 @@ mod tests {
         assert!(cast.contains("todo!(\"L11.1: cast — see docs/mixed-precision.md\")"));
         assert!(!cast.contains("fn cast_vjp"), "private helpers go");
         assert!(!cast.contains("mod tests"), "the reference's tests go");
+        for kept in ["fp8.rs", "tensor_core.rs"] {
+            let path = format!("crates/tl-precision/src/{kept}");
+            let learner = fs::read(into.join(&path)).unwrap();
+            assert_eq!(
+                learner,
+                fs::read(source.join(&path)).unwrap(),
+                "{kept} is kept"
+            );
+        }
         let reference_cast =
             fs::read_to_string(started.reference.join("crates/tl-precision/src/cast.rs")).unwrap();
         assert_eq!(
