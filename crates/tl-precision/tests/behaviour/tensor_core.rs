@@ -173,3 +173,32 @@ fn an_invalid_custom_model_panics_naming_it() {
         },
     );
 }
+
+#[test]
+fn a_model_product_is_bit_identical_on_any_number_of_threads() {
+    let rng = Generator::new(13);
+    let (a, b) = (operands(&[300, 64], &rng), operands(&[64, 40], &rng));
+    let g = operands(&[300, 40], &rng);
+    let on = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let (x, y) = (
+                Tensor::<f32>::param(a.mapv(|v| v as f32)),
+                Tensor::<f32>::param(b.mapv(|v| v as f32)),
+            );
+            let _h100 = autocast_with(Format::Bf16, Accumulation::H100);
+            let z = x.matmul(&y);
+            z.backward_with(g.mapv(|v| v as f32));
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            (
+                bits(z.to_vec()),
+                bits(x.grad().unwrap().iter().copied().collect()),
+                bits(y.grad().unwrap().iter().copied().collect()),
+            )
+        })
+    };
+    assert_eq!(on(1), on(3));
+}
