@@ -8,7 +8,6 @@ use common::{TINY_TRAIN, run_error, tinyllm, train_steps};
 use tl_precision::Accumulation;
 use tl_train::TrainError;
 use tl_train::cli::{CliError, Exit};
-use tl_train::compare::Comparison;
 use tl_train::train::read_config;
 
 fn train_args<'a>(out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -114,28 +113,7 @@ fn a_model_without_16_bit_products_or_of_no_real_gpu_mode_is_refused() {
 #[test]
 fn compare_takes_the_model_for_the_recipe_and_not_for_the_fp32_baseline() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("cmp");
-    let args = [
-        "compare",
-        "--preset",
-        "tiny",
-        "--steps",
-        "6",
-        "--micro-batch",
-        "2",
-        "--accum",
-        "2",
-        "--corpus-bytes",
-        "40000",
-        "--accumulate",
-        "h100",
-        "--quiet",
-        "--out",
-        out.to_str().unwrap(),
-    ];
-    tinyllm(&args).unwrap();
-    let report: Comparison =
-        serde_json::from_slice(&fs::read(out.join("comparison.json")).unwrap()).unwrap();
+    let report = common::tiny_compare(&dir.path().join("cmp"), &["--accumulate", "h100"]);
     assert_eq!(report.recipe_config.accumulation, Accumulation::H100);
     assert_eq!(report.baseline_config.accumulation, Accumulation::F32);
     assert!(report.recipe.val_loss.unwrap().is_finite());

@@ -157,27 +157,7 @@ fn fp8_settings_without_fp8_and_fp8_on_a_tensor_core_model_are_refused() {
 #[test]
 fn compare_gives_fp8_to_the_recipe_and_not_to_the_fp32_baseline() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("cmp");
-    let args = [
-        "compare",
-        "--preset",
-        "tiny",
-        "--steps",
-        "6",
-        "--micro-batch",
-        "2",
-        "--accum",
-        "2",
-        "--corpus-bytes",
-        "40000",
-        "--fp8",
-        "--quiet",
-        "--out",
-        out.to_str().unwrap(),
-    ];
-    tinyllm(&args).unwrap();
-    let report: tl_train::compare::Comparison =
-        serde_json::from_slice(&fs::read(out.join("comparison.json")).unwrap()).unwrap();
+    let report = common::tiny_compare(&dir.path().join("cmp"), &["--fp8"]);
     assert_eq!(
         report.recipe_config.fp8,
         Some(tl_precision::Fp8Recipe::default())

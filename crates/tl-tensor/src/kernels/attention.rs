@@ -24,6 +24,7 @@ use rayon::prelude::*;
 
 use super::gemm::gemm_serial_into;
 use super::rows::{contiguous, copy_rows, lane_dot, lane_sum};
+use crate::ops::matmul_with::kernel_product_into;
 use crate::{Element, Finisher, ProductKernel};
 
 /// Query rows per block: 64 rows of up to 512 scores (128 KiB in f32) and their gradient
@@ -391,22 +392,10 @@ fn product<E: Element>(
     accumulate: bool,
     rounding: Option<&Rounding<'_, E>>,
 ) {
-    let Some(kernel) = rounding.and_then(|r| r.products) else {
-        gemm_serial_into(out, lhs, rhs, accumulate);
-        return;
-    };
-    let ((m, k), n) = (lhs.dim(), rhs.ncols());
-    let (lhs, rhs) = (contiguous(lhs), contiguous(rhs));
-    let mut result = contiguous(out.view());
-    E::kernel_product(
-        kernel,
-        (m, k, n),
-        lhs.as_slice().expect("standard layout"),
-        rhs.as_slice().expect("standard layout"),
-        result.as_slice_mut().expect("standard layout"),
-        accumulate,
-    );
-    out.assign(&result);
+    match rounding.and_then(|r| r.products) {
+        Some(kernel) => kernel_product_into(kernel, out, lhs, rhs, accumulate),
+        None => gemm_serial_into(out, lhs, rhs, accumulate),
+    }
 }
 
 /// A head's `[T, hd]` operand as a contiguous matrix, rounded if asked.

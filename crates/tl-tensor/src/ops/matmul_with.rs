@@ -11,10 +11,11 @@
 use std::fmt;
 use std::sync::Arc;
 
-use ndarray::{ArrayD, ArrayViewD, IxDyn};
+use ndarray::{ArrayD, ArrayView2, ArrayViewD, ArrayViewMut2, IxDyn};
 use rayon::prelude::*;
 
 use super::{broadcast_shape, unbroadcast};
+use crate::kernels::rows::contiguous;
 use crate::kernels::split::PARALLEL_WORK;
 use crate::{Element, Tensor};
 
@@ -52,6 +53,40 @@ pub trait ProductKernel: Send + Sync + fmt::Debug {
         out: &mut [f64],
         accumulate: bool,
     );
+}
+
+/// `out = lhs · rhs` (or `out += lhs · rhs` with `accumulate`) by `kernel` on the calling
+/// thread, for views of any strides: the operands (and, accumulating, `out`) are copied into
+/// row-major order for the kernel, and the result written back. For a kernel that already
+/// runs one task per thread (the fused attention's heads).
+///
+/// # Panics
+/// If the shapes do not chain: `lhs` is m×k, `rhs` k×n, `out` m×n.
+pub fn kernel_product_into<E: Element>(
+    kernel: &dyn ProductKernel,
+    out: &mut ArrayViewMut2<'_, E>,
+    lhs: ArrayView2<'_, E>,
+    rhs: ArrayView2<'_, E>,
+    accumulate: bool,
+) {
+    let ((m, k), n) = (lhs.dim(), rhs.ncols());
+    assert!(
+        rhs.nrows() == k && out.dim() == (m, n),
+        "kernel_product_into: {m}×{k} by {:?} into {:?}",
+        rhs.dim(),
+        out.dim()
+    );
+    let (lhs, rhs) = (contiguous(lhs), contiguous(rhs));
+    let mut result = contiguous(out.view());
+    E::kernel_product(
+        kernel,
+        (m, k, n),
+        lhs.as_slice().expect("standard layout"),
+        rhs.as_slice().expect("standard layout"),
+        result.as_slice_mut().expect("standard layout"),
+        accumulate,
+    );
+    out.assign(&result);
 }
 
 /// Matrices of this many rows or more are split by rows over threads.

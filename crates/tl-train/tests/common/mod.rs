@@ -57,6 +57,30 @@ pub fn run_error(args: &[&str]) -> TrainError {
     }
 }
 
+/// `tinyllm compare` on the tiny preset (6 steps, 2 × 2 sequences) with `extra` flags, into
+/// `out`; its report.
+pub fn tiny_compare(out: &Path, extra: &[&str]) -> tl_train::compare::Comparison {
+    let mut args = vec![
+        "compare",
+        "--preset",
+        "tiny",
+        "--steps",
+        "6",
+        "--micro-batch",
+        "2",
+        "--accum",
+        "2",
+        "--corpus-bytes",
+        "40000",
+        "--quiet",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    tinyllm(&args).unwrap();
+    serde_json::from_slice(&fs::read(out.join("comparison.json")).unwrap()).unwrap()
+}
+
 /// The directory of a run's latest checkpoint.
 pub fn latest_checkpoint(run: &Path) -> PathBuf {
     run.join(
