@@ -354,12 +354,20 @@ pub fn fp8_matmul<E: Element>(
     };
     let mut out_shape = x_shape[..x_shape.len() - 1].to_vec();
     out_shape.push(n);
-    let forward = gemm(as2(&xq, rows, k), as2(&wq, k, n)).into_dyn();
-    let value = unscale(forward, s_x, s_w)
-        .into_shape_with_order(IxDyn(&out_shape))
-        .expect("rows of the output");
+    // The fp8 copies stay for the VJP; a checkpoint's rerun that kept this product's
+    // output gives it back (tl-tensor's `with_given_product`), and it is not computed again.
+    let (xq, wq) = (Rc::new(xq), Rc::new(wq));
+    let forward = {
+        let (xq, wq, out_shape) = (Rc::clone(&xq), Rc::clone(&wq), out_shape.clone());
+        move || {
+            let forward = gemm(as2(&xq, rows, k), as2(&wq, k, n)).into_dyn();
+            unscale(forward, s_x, s_w)
+                .into_shape_with_order(IxDyn(&out_shape))
+                .expect("rows of the output")
+        }
+    };
     let (x_in, w_in, state) = (x.clone(), w.clone(), Rc::clone(state));
-    Tensor::from_op(value, &[x, w], move |grad| {
+    Tensor::from_product(&out_shape, forward, &[x, w], move |grad| {
         // Each VJP runs once per step (a checkpoint's rerun builds the nodes that backward
         // then runs), so the gradient's cast always records.
         let s_g = state.borrow().layers[layer].grad.scale;

@@ -10,7 +10,9 @@
 //!   [`uniform_schedule`] is the `√n` alternative and [`schedule_cost`] prices any schedule.
 //! - [`checkpoint_sequential`] runs a stack on such a schedule.
 //! - [`keep_for_rerun`] lets an expensive op inside a segment be computed once: the node
-//!   keeps its result and the rerun takes it back (selective checkpointing).
+//!   keeps its result and the rerun takes it back (selective checkpointing); with
+//!   [`keep_named`] and [`keep_product`] the op names its result and the caller's
+//!   [`KeepPolicy`], put in force with [`keeping`], decides what is kept.
 //! - Verified mode ([`CheckpointOptions::verified`], [`backward_verified`]) checks that every
 //!   rerun reproduces its forward pass bit for bit, and names the segment that does not.
 //!
@@ -41,7 +43,9 @@ mod verify;
 
 pub use checkpoint::{CheckpointOptions, checkpoint, checkpoint_with};
 pub use error::{RecomputeError, Result};
-pub use keep::keep_for_rerun;
+pub use keep::{
+    KeepPolicy, KeepingGuard, keep_for_rerun, keep_named, keep_policy, keep_product, keeping,
+};
 pub use schedule::{
     ScheduleCost, checkpoint_schedule, schedule_cost, segment_sizes, uniform_schedule,
 };

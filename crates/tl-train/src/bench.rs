@@ -211,7 +211,8 @@ fn cpu_features() -> Vec<String> {
 }
 
 /// The short name of a config's recipe: its precision, `+ckpt` with per-block
-/// checkpointing, `+ckptK` on the optimal schedule of K stored inputs.
+/// checkpointing (`+ckpt-matmuls`, `+ckpt-first-matmul` keeping those products),
+/// `+ckptK` on the optimal schedule of K stored inputs.
 ///
 /// ```
 /// use tl_train::bench::recipe_name;
@@ -224,6 +225,8 @@ pub fn recipe_name(precision: Precision, checkpointing: Checkpointing) -> String
     let checkpointing = match checkpointing {
         Checkpointing::Off => String::new(),
         Checkpointing::PerBlock => "+ckpt".into(),
+        Checkpointing::Matmuls => "+ckpt-matmuls".into(),
+        Checkpointing::FirstMatmul => "+ckpt-first-matmul".into(),
         Checkpointing::Budget(k) => format!("+ckpt{k}"),
     };
     format!("{}{checkpointing}", precision.name())

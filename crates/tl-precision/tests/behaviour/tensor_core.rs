@@ -3,7 +3,8 @@
 
 use tl_numerics::{BlockFma, Round};
 use tl_precision::{
-    Accumulation, Format, autocast, autocast_accumulation, autocast_format, autocast_with,
+    Accumulation, Format, autocast, autocast_accumulation, autocast_format,
+    autocast_product_kernel, autocast_with,
 };
 use tl_tensor::Tensor;
 use tl_tensor::ndarray::{Array2, ArrayD, IxDyn};
@@ -201,4 +202,48 @@ fn a_model_product_is_bit_identical_on_any_number_of_threads() {
         })
     };
     assert_eq!(on(1), on(3));
+}
+
+#[test]
+fn an_op_with_its_own_products_finds_the_models_kernel_on_the_hook() {
+    // A fused attention multiplies by itself: the kernel it reads off autocast must be the
+    // model's, and none under f32 accumulation or outside autocast.
+    assert!(autocast_product_kernel().is_none());
+    let _plain = autocast(Format::Bf16);
+    assert!(autocast_product_kernel().is_none(), "f32 accumulation");
+    let rng = Generator::new(11);
+    let (a, b) = (as2(operands(&[5, 24], &rng)), as2(operands(&[24, 3], &rng)));
+    let rounded = |x: &Array2<f64>| x.mapv(|v| v.round_to(Format::Fp16));
+    let (ra, rb) = (rounded(&a), rounded(&b));
+    for (accumulation, fma) in [
+        (Accumulation::V100, BlockFma::V100),
+        (Accumulation::H100, BlockFma::H100),
+    ] {
+        let _model = autocast_with(Format::Fp16, accumulation);
+        let kernel = autocast_product_kernel().expect("a model's kernel");
+        let mut out = vec![0.0; 15];
+        kernel.product_f64(
+            5,
+            24,
+            3,
+            ra.as_slice().unwrap(),
+            rb.as_slice().unwrap(),
+            &mut out,
+            false,
+        );
+        let expected: Vec<f64> = {
+            let mut e = vec![0.0; 15];
+            fma.gemm(
+                Format::Fp16,
+                5,
+                24,
+                3,
+                ra.as_slice().unwrap(),
+                rb.as_slice().unwrap(),
+                &mut e,
+            );
+            e
+        };
+        assert_eq!(out, expected, "{accumulation}");
+    }
 }

@@ -120,9 +120,13 @@ impl<E: Element> Tensor<E> {
             return self.rows_times_matrix(rhs);
         }
         let batch = broadcast_shape("matmul", &lhs_shape[..lhs_nd - 2], &rhs_shape[..rhs_nd - 2]);
-        let value = batched_product(self.value().view(), rhs.value().view(), &batch);
+        let mut out_shape = batch.clone();
+        out_shape.extend([lhs_shape[lhs_nd - 2], rhs_shape[rhs_nd - 1]]);
+        let forward_batch = batch.clone();
+        let value =
+            move || batched_product(self.value().view(), rhs.value().view(), &forward_batch);
         let (lhs_saved, rhs_saved) = (self.clone(), rhs.clone());
-        Tensor::from_op(value, &[self, rhs], move |grad| {
+        Tensor::from_product(&out_shape, value, &[self, rhs], move |grad| {
             let lhs_grad = lhs_saved.requires_grad().then(|| {
                 let rhs_value = rhs_saved.value();
                 let full = batched_product(grad.view(), swap_last(rhs_value.view()), &batch);
@@ -148,13 +152,15 @@ impl<E: Element> Tensor<E> {
         let n = rhs.shape()[1];
         let mut out_shape = lhs_shape[..lhs_shape.len() - 1].to_vec();
         out_shape.push(n);
-        let value = as_rows(&self.value(), |lhs| {
-            batched_matmul(lhs, rhs.value().view())
-                .into_shape_with_order(IxDyn(&out_shape))
-                .expect("a fresh product is in standard layout")
-        });
+        let value = || {
+            as_rows(&self.value(), |lhs| {
+                batched_matmul(lhs, rhs.value().view())
+                    .into_shape_with_order(IxDyn(&out_shape))
+                    .expect("a fresh product is in standard layout")
+            })
+        };
         let (lhs_saved, rhs_saved) = (self.clone(), rhs.clone());
-        Tensor::from_op(value, &[self, rhs], move |grad| {
+        Tensor::from_product(&out_shape, value, &[self, rhs], move |grad| {
             as_rows(&grad, |grad| {
                 let lhs_grad = lhs_saved.requires_grad().then(|| {
                     batched_matmul(grad.view(), swap_last(rhs_saved.value().view()))

@@ -209,17 +209,21 @@ impl<E: Element> Tensor<E> {
             return self.rows_times_matrix_with(rhs, kernel);
         }
         let batch = broadcast_shape("matmul", &lhs_shape[..lhs_nd - 2], &rhs_shape[..rhs_nd - 2]);
-        let forward = {
+        let mut out_shape = batch.clone();
+        out_shape.extend([lhs_shape[lhs_nd - 2], rhs_shape[rhs_nd - 1]]);
+        let forward_batch = batch.clone();
+        let forward = move || {
             let (lhs, rhs) = (self.value(), rhs.value());
             let (lhs, rhs) = (lhs.view(), rhs.view());
             batched(
                 kernel.as_ref(),
-                with_batch(&lhs, &batch),
-                with_batch(&rhs, &batch),
+                with_batch(&lhs, &forward_batch),
+                with_batch(&rhs, &forward_batch),
             )
         };
-        let (lhs_saved, rhs_saved, kernel) = (self.clone(), rhs.clone(), Arc::clone(kernel));
-        Tensor::from_op(forward, &[self, rhs], move |grad| {
+        let saved = (self.clone(), rhs.clone(), Arc::clone(kernel));
+        Tensor::from_product(&out_shape, forward, &[self, rhs], move |grad| {
+            let (lhs_saved, rhs_saved, kernel) = saved;
             let lhs_grad = lhs_saved.requires_grad().then(|| {
                 let rhs_value = rhs_saved.value();
                 let rhs_view = rhs_value.view();
@@ -246,14 +250,15 @@ impl<E: Element> Tensor<E> {
         let n = rhs.shape()[1];
         let mut out_shape = lhs_shape[..lhs_shape.len() - 1].to_vec();
         out_shape.push(n);
-        let value = {
+        let value = || {
             let rows = as_rows(self.value().view());
             batched(kernel.as_ref(), rows.view(), rhs.value().view())
                 .into_shape_with_order(IxDyn(&out_shape))
                 .expect("a fresh product is in standard layout")
         };
-        let (lhs_saved, rhs_saved, kernel) = (self.clone(), rhs.clone(), Arc::clone(kernel));
-        Tensor::from_op(value, &[self, rhs], move |grad| {
+        let saved = (self.clone(), rhs.clone(), Arc::clone(kernel));
+        Tensor::from_product(&out_shape, value, &[self, rhs], move |grad| {
+            let (lhs_saved, rhs_saved, kernel) = saved;
             let grad_rows = as_rows(grad.view());
             let lhs_grad = lhs_saved.requires_grad().then(|| {
                 let rhs_value = rhs_saved.value();

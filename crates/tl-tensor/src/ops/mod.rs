@@ -2,6 +2,7 @@
 
 pub mod elementwise;
 pub mod gated;
+pub mod given;
 pub mod index;
 pub mod matmul;
 pub mod matmul_with;

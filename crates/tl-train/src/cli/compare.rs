@@ -62,6 +62,14 @@ pub struct CompareArgs {
     /// per block.
     #[arg(long, value_name = "K", conflicts_with = "no_checkpoint_activations")]
     pub checkpoint_budget: Option<usize>,
+    /// What each block of the recipe keeps for backward (as `tinyllm train` takes it)
+    /// instead of per-block checkpointing.
+    #[arg(
+        long,
+        value_name = "POLICY",
+        conflicts_with_all = ["no_checkpoint_activations", "checkpoint_budget"]
+    )]
+    pub checkpoint_policy: Option<super::CheckpointPolicy>,
     /// Optimizer steps of each run [default: by preset].
     #[arg(long, value_name = "N")]
     pub steps: Option<u64>,
@@ -100,8 +108,10 @@ fn recipe_config(args: &CompareArgs) -> Result<TrainConfig> {
             accum: args.accum.or(defaults.then_some(4)),
             checkpoint_activations: defaults
                 && !args.no_checkpoint_activations
-                && args.checkpoint_budget.is_none(),
+                && args.checkpoint_budget.is_none()
+                && args.checkpoint_policy.is_none(),
             checkpoint_budget: args.checkpoint_budget,
+            checkpoint_policy: args.checkpoint_policy,
             dropout: None,
         },
         config: args.config.clone(),

@@ -15,6 +15,8 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
+
+use crate::model::Checkpointing;
 pub use sample::SampleArgs;
 
 /// What `tinyllm --help` says first.
@@ -92,15 +94,50 @@ pub struct RecipeArgs {
     /// Micro-batches accumulated per optimizer step (gradient accumulation) [default: 4].
     #[arg(long, value_name = "K")]
     pub accum: Option<usize>,
-    /// Recompute each block's activations during backward instead of keeping them.
+    /// Recompute each block's activations during backward instead of keeping them
+    /// (--checkpoint-policy block).
     #[arg(long)]
     pub checkpoint_activations: bool,
     /// Checkpoint on the optimal schedule for this many stored block inputs.
     #[arg(long, value_name = "K", conflicts_with = "checkpoint_activations")]
     pub checkpoint_budget: Option<usize>,
+    /// What each block keeps for backward: none (no checkpointing: everything), block (its
+    /// input and the attention's result), matmuls (also every projection's output),
+    /// first-matmul (also x·Wq) [default: none].
+    #[arg(
+        long,
+        value_name = "POLICY",
+        conflicts_with_all = ["checkpoint_activations", "checkpoint_budget"]
+    )]
+    pub checkpoint_policy: Option<CheckpointPolicy>,
     /// Dropout on each residual branch [default: 0].
     #[arg(long, value_name = "P", allow_negative_numbers = true)]
     pub dropout: Option<f64>,
+}
+
+/// `--checkpoint-policy`: what a checkpointed block keeps, as [`Checkpointing`] names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CheckpointPolicy {
+    /// No checkpointing: every block keeps all it needs.
+    None,
+    /// Per block: the input and the attention's result.
+    Block,
+    /// Per block, also every projection's output.
+    Matmuls,
+    /// Per block, also the first projection's output.
+    FirstMatmul,
+}
+
+impl CheckpointPolicy {
+    /// The checkpointing this policy names.
+    pub fn checkpointing(self) -> Checkpointing {
+        match self {
+            CheckpointPolicy::None => Checkpointing::Off,
+            CheckpointPolicy::Block => Checkpointing::PerBlock,
+            CheckpointPolicy::Matmuls => Checkpointing::Matmuls,
+            CheckpointPolicy::FirstMatmul => Checkpointing::FirstMatmul,
+        }
+    }
 }
 
 /// `--fp8-amax`: how the amax history gives the scale's amax.

@@ -239,6 +239,8 @@ pub(super) fn config_from_args(
         config.checkpointing = Checkpointing::PerBlock;
     } else if let Some(budget) = recipe.checkpoint_budget {
         config.checkpointing = Checkpointing::Budget(budget);
+    } else if let Some(policy) = recipe.checkpoint_policy {
+        config.checkpointing = policy.checkpointing();
     }
     if let Some(steps) = args.steps {
         // Intervals and warmup follow the run's length unless given.

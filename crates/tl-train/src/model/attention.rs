@@ -45,7 +45,7 @@ impl<E: Element> CausalSelfAttention<E> {
             wo: projection(),
             rope,
             n_heads,
-            fp8: Fp8Slot::default(),
+            fp8: Fp8Slot::new(0),
         }
     }
 }

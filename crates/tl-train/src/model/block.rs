@@ -28,7 +28,7 @@ impl<E: Element> SwiGlu<E> {
             w1: Linear::new(d_model, hidden, false, rng),
             w3: Linear::new(d_model, hidden, false, rng),
             w2: Linear::new(hidden, d_model, false, rng),
-            fp8: Fp8Slot::default(),
+            fp8: Fp8Slot::new(4),
         }
     }
 }
@@ -113,7 +113,7 @@ impl<E: Element> Block<E> {
             .set(state.map(|(s, first)| (Rc::clone(s), first)));
         self.mlp
             .fp8
-            .set(state.map(|(s, first)| (Rc::clone(s), first + 4)));
+            .set(state.map(|(s, first)| (Rc::clone(s), first)));
     }
 
     fn branch(&self, x: &Tensor<E>, output: Tensor<E>) -> Tensor<E> {

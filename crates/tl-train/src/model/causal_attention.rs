@@ -13,10 +13,11 @@
 //! op around it: the autograd node, the autocast format and what it rounds to, the marks,
 //! and the underflow count.
 //!
-//! - **Computed once under checkpointing.** The op's result is marked with tl-recompute's
-//!   `keep_for_rerun`: a checkpointed block keeps it (`N·d` values, a sixteenth of what a
-//!   capstone block saves without checkpointing) and its rerun during backward takes it
-//!   back instead of running this forward pass again.
+//! - **Computed once under checkpointing, if the policy says so.** The op's result is named
+//!   `attention` with tl-recompute's `keep_named`: a checkpointed block whose keep policy
+//!   names it (all of `tinyllm`'s do, see `Checkpointing::keep_policy`) keeps it (`N·d`
+//!   values, a sixteenth of what a capstone block saves without checkpointing) and its rerun
+//!   during backward takes it back instead of running this forward pass again.
 //!
 //! # Under autocast
 //!
@@ -44,9 +45,12 @@ use std::sync::Arc;
 use tl_numerics::{Format, round_slice, round_slice_counting_flushes};
 
 use tl_precision::{autocast_format, autocast_product_kernel, mark_rounded, record_underflows};
-use tl_recompute::keep_for_rerun;
+use tl_recompute::keep_named;
 use tl_tensor::kernels::attention::{CausalAttention, Rounding};
 use tl_tensor::{Element, ProductKernel, Tensor};
+
+/// The name of the attention's result for a checkpoint's keep policy.
+pub const ATTENTION: &str = "attention";
 
 /// `softmax(q·kᵀ/√hd + M)·v` for each of `n_heads` heads, where `q`, `k`, `v` are `[B, T, d]`
 /// with head `h` in columns `h·hd..(h+1)·hd` (`hd = d / n_heads`), `M = −∞` above the
@@ -89,8 +93,8 @@ pub fn causal_attention<E: Element>(
     let format = autocast_format();
     let products = autocast_product_kernel();
     // The most expensive part of a block's forward pass for one `[B, T, d]` result: a
-    // checkpointed block keeps it rather than computing it again in its rerun.
-    let (output, row_stats) = keep_for_rerun(|| {
+    // checkpointed block whose policy names it keeps it rather than computing it again.
+    let (output, row_stats) = keep_named(ATTENTION, || {
         let (value, row_stats) = with_rounding(format, products.as_ref(), |rounding| {
             kernel.forward(&q.value(), &k.value(), &v.value(), rounding)
         });

@@ -4,28 +4,40 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use tl_precision::round_for_products;
-use tl_recompute::{checkpoint_sequential, checkpoint_sequential_with};
+use tl_recompute::{KeepPolicy, checkpoint_schedule, checkpoint_sequential_with, keeping};
 use tl_tensor::losses::cross_entropy;
 use tl_tensor::nn::{Embedding, Linear, Module, RmsNorm};
 use tl_tensor::{Element, Generator, Tensor, no_grad};
 
 use super::block::Block;
+use super::causal_attention::ATTENTION;
 use super::config::ModelConfig;
+use super::fp8::LAYER_NAMES;
 use super::rope::Rope;
 use crate::error::Result;
 
-/// How the blocks keep their activations for backward.
+/// How the blocks keep their activations for backward: where the checkpointed segments are,
+/// and what each keeps besides its input (its keep policy).
+///
+/// Every checkpointed block keeps the fused attention's result (`N·d` values that spare the
+/// rerun the attention's forward pass, as torchtitan's selective checkpointing keeps it);
+/// [`Matmuls`](Checkpointing::Matmuls) and [`FirstMatmul`](Checkpointing::FirstMatmul) keep
+/// projections' outputs too, so the rerun does not multiply them again. The model names its
+/// results and this enum only chooses names ([`Checkpointing::keep_policy`]): no policy is a
+/// case in the model's code.
 ///
 /// In JSON and TOML (a run's `config.json`, checkpoints, the plan's and profile's JSON) it
-/// is `"off"`, `"per-block"` or `{"budget": K}`; the names of earlier builds (`"Off"`,
-/// `"PerBlock"`, `{"Budget": K}`) still read, so older run directories resume. Its
-/// [`Display`](std::fmt::Display) is the words `tinyllm` prints.
+/// is `"off"`, `"per-block"`, `"matmuls"`, `"first-matmul"` or `{"budget": K}`; the names of
+/// earlier builds (`"Off"`, `"PerBlock"`, `{"Budget": K}`) still read, so older run
+/// directories resume. Its [`Display`](std::fmt::Display) is the words `tinyllm` prints.
 ///
 /// ```
 /// use tl_train::model::Checkpointing;
 /// assert_eq!(serde_json::to_string(&Checkpointing::PerBlock)?, r#""per-block""#);
 /// assert_eq!(serde_json::from_str::<Checkpointing>(r#"{"Budget":3}"#)?, Checkpointing::Budget(3));
 /// assert_eq!(Checkpointing::Budget(3).to_string(), "optimal schedule for 3 stored block inputs");
+/// assert!(Checkpointing::FirstMatmul.keep_policy().keeps("wq"));
+/// assert!(!Checkpointing::PerBlock.keep_policy().keeps("wq"));
 /// # Ok::<(), serde_json::Error>(())
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -34,21 +46,82 @@ pub enum Checkpointing {
     /// Every block keeps everything its backward needs (fastest, most memory).
     #[serde(alias = "Off")]
     Off,
-    /// Each block keeps only its input and reruns its forward pass during backward, as
-    /// `torch.utils.checkpoint` around each block.
+    /// Each block keeps its input (and the attention's result) and reruns its forward pass
+    /// during backward, as `torch.utils.checkpoint` around each block.
     #[serde(alias = "PerBlock")]
     PerBlock,
-    /// tl-recompute's optimal schedule for a budget of this many stored block inputs.
+    /// Per block, keeping the output of every product (the seven projections and the
+    /// attention): the rerun recomputes only norms, rotations and the SwiGLU gate, as JAX's
+    /// `dots_saveable` policy.
+    Matmuls,
+    /// Per block, keeping the first projection's output (`x·Wq`) and the attention's.
+    FirstMatmul,
+    /// tl-recompute's optimal schedule for a budget of this many stored block inputs, each
+    /// segment keeping what [`PerBlock`](Checkpointing::PerBlock) keeps.
     #[serde(alias = "Budget")]
     Budget(usize),
 }
 
+impl Checkpointing {
+    /// The four policies of `--checkpoint-policy`, in the order of the bytes they keep
+    /// between forward and backward, most first: `none`, `matmuls`, `first-matmul`, `block`.
+    pub const POLICIES: [Checkpointing; 4] = [
+        Checkpointing::Off,
+        Checkpointing::Matmuls,
+        Checkpointing::FirstMatmul,
+        Checkpointing::PerBlock,
+    ];
+
+    /// What each checkpointed segment keeps for its rerun: names of the model's results (the
+    /// attention's [`ATTENTION`](super::causal_attention::ATTENTION) and the projections'
+    /// [`LAYER_NAMES`](super::fp8::LAYER_NAMES)). Empty when nothing is checkpointed.
+    pub fn keep_policy(self) -> KeepPolicy {
+        match self {
+            Checkpointing::Off => KeepPolicy::nothing(),
+            Checkpointing::PerBlock | Checkpointing::Budget(_) => KeepPolicy::only([ATTENTION]),
+            Checkpointing::Matmuls => {
+                KeepPolicy::only(std::iter::once(ATTENTION).chain(LAYER_NAMES))
+            }
+            Checkpointing::FirstMatmul => KeepPolicy::only([ATTENTION, LAYER_NAMES[0]]),
+        }
+    }
+
+    /// The policy's name for `--checkpoint-policy`, if it is one of [`Checkpointing::POLICIES`].
+    pub fn policy_name(self) -> Option<&'static str> {
+        match self {
+            Checkpointing::Off => Some("none"),
+            Checkpointing::PerBlock => Some("block"),
+            Checkpointing::Matmuls => Some("matmuls"),
+            Checkpointing::FirstMatmul => Some("first-matmul"),
+            Checkpointing::Budget(_) => None,
+        }
+    }
+
+    /// The starts of the checkpointed segments of `n` blocks (`None` without checkpointing).
+    ///
+    /// # Errors
+    /// [`TrainError::Recompute`](crate::TrainError::Recompute) when a budget admits no
+    /// schedule.
+    pub fn schedule(self, n: usize) -> Result<Option<Vec<usize>>> {
+        Ok(match self {
+            Checkpointing::Off => None,
+            Checkpointing::PerBlock | Checkpointing::Matmuls | Checkpointing::FirstMatmul => {
+                Some((0..n).collect())
+            }
+            Checkpointing::Budget(budget) => Some(checkpoint_schedule(n, budget)?),
+        })
+    }
+}
+
 impl std::fmt::Display for Checkpointing {
-    /// `off`, `per block`, or `optimal schedule for K stored block inputs`.
+    /// `off`, `per block`, `per block, keeping every product`, `per block, keeping the first
+    /// product`, or `optimal schedule for K stored block inputs`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Checkpointing::Off => f.write_str("off"),
             Checkpointing::PerBlock => f.write_str("per block"),
+            Checkpointing::Matmuls => f.write_str("per block, keeping every product"),
+            Checkpointing::FirstMatmul => f.write_str("per block, keeping the first product"),
             Checkpointing::Budget(1) => f.write_str("optimal schedule for 1 stored block input"),
             Checkpointing::Budget(k) => write!(f, "optimal schedule for {k} stored block inputs"),
         }
@@ -279,13 +352,13 @@ impl<E: Element> Llama<E> {
                 hook: hook.cloned(),
             })
             .collect();
-        Ok(match self.checkpointing.get() {
-            Checkpointing::Off => blocks.iter().fold(x.clone(), |h, block| block.forward(&h)),
-            Checkpointing::PerBlock => {
-                let every_block: Vec<usize> = (0..blocks.len()).collect();
-                checkpoint_sequential_with(&blocks, x, &every_block, &rngs, false)?
+        let checkpointing = self.checkpointing.get();
+        Ok(match checkpointing.schedule(blocks.len())? {
+            None => blocks.iter().fold(x.clone(), |h, block| block.forward(&h)),
+            Some(schedule) => {
+                let _policy = keeping(checkpointing.keep_policy());
+                checkpoint_sequential_with(&blocks, x, &schedule, &rngs, false)?
             }
-            Checkpointing::Budget(budget) => checkpoint_sequential(&blocks, x, budget, &rngs)?,
         })
     }
 
@@ -522,6 +595,8 @@ mod tests {
         let after_plain = model.dropout_generator().state();
         for checkpointing in [
             Checkpointing::PerBlock,
+            Checkpointing::Matmuls,
+            Checkpointing::FirstMatmul,
             Checkpointing::Budget(3),
             Checkpointing::Budget(4),
         ] {
@@ -600,7 +675,12 @@ mod tests {
                 plain, no_autocast,
                 "{format}: autocast changes the gradients"
             );
-            for checkpointing in [Checkpointing::PerBlock, Checkpointing::Budget(3)] {
+            for checkpointing in [
+                Checkpointing::PerBlock,
+                Checkpointing::Matmuls,
+                Checkpointing::FirstMatmul,
+                Checkpointing::Budget(3),
+            ] {
                 model.set_checkpointing(checkpointing);
                 for backward_inside in [true, false] {
                     model.dropout_generator().set_state(&start);
@@ -616,6 +696,42 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A keep policy saves the rerun its kept products: the backward of a checkpointed run
+    /// allocates the same as per-block checkpointing's, less one output per kept projection
+    /// of every rerun block (three checkpointed blocks of four here; the last is not rerun).
+    #[test]
+    fn a_policys_rerun_allocates_no_product_it_kept() {
+        let config = ModelConfig {
+            n_layers: 4,
+            ..micro_config(0.0)
+        };
+        let model = Llama::<f32>::new(&config, 2).unwrap();
+        let backward_allocations = |checkpointing| {
+            model.set_checkpointing(checkpointing);
+            model.zero_grad();
+            let loss = model.loss(&INPUTS, &TARGETS, 2, 4).unwrap();
+            let ((), events) = tl_tensor::memory::record(|| loss.backward());
+            let allocations: Vec<usize> = events
+                .iter()
+                .filter(|e| e.kind == tl_tensor::memory::EventKind::Alloc)
+                .map(|e| e.bytes)
+                .collect();
+            (allocations.len(), allocations.iter().sum::<usize>())
+        };
+        let (count, bytes) = backward_allocations(Checkpointing::PerBlock);
+        let (d, h, tokens) = (config.d_model, config.hidden, 2 * 4);
+        // Every projection's output, f32: q, k, v, o of width d; w1, w3 of width h; w2 of d.
+        let all_seven = tokens * (5 * d + 2 * h) * 4;
+        assert_eq!(
+            backward_allocations(Checkpointing::Matmuls),
+            (count - 3 * 7, bytes - 3 * all_seven)
+        );
+        assert_eq!(
+            backward_allocations(Checkpointing::FirstMatmul),
+            (count - 3, bytes - 3 * tokens * d * 4)
+        );
     }
 
     /// A tensor-core model meets checkpointing: the rerun during a backward that runs after
@@ -648,7 +764,12 @@ mod tests {
                     "{accumulation}: the model changes no gradient"
                 );
             }
-            for checkpointing in [Checkpointing::PerBlock, Checkpointing::Budget(3)] {
+            for checkpointing in [
+                Checkpointing::PerBlock,
+                Checkpointing::Matmuls,
+                Checkpointing::FirstMatmul,
+                Checkpointing::Budget(3),
+            ] {
                 model.set_checkpointing(checkpointing);
                 for backward_inside in [true, false] {
                     model.dropout_generator().set_state(&start);

@@ -5,7 +5,7 @@
 //! - [`attention`]: causal multi-head self-attention.
 //! - [`causal_attention`]: its core, `softmax(q·kᵀ/√hd + M)·v` for all heads, as one fused op.
 //! - [`block`]: the pre-norm block with its SwiGLU MLP.
-//! - [`fp8`]: the blocks' projections in fp8, with delayed scaling.
+//! - [`fp8`]: the blocks' projections, named for keep policies, in fp8 with delayed scaling.
 //! - [`llama`]: the whole model, with optional activation checkpointing and sampling.
 
 pub mod attention;

@@ -26,6 +26,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::rc::Rc;
 
+use tl_recompute::KeepPolicy;
 use tl_tensor::memory::EventKind;
 
 use super::kind::{Layer, Phase, Stage, TensorKind};
@@ -82,6 +83,8 @@ pub(crate) struct Rerun {
     pub(crate) segment: Segment,
     /// Autocast as it was during the forward pass.
     pub(crate) autocast: bool,
+    /// The keep policy as it was during the forward pass.
+    pub(crate) keep: KeepPolicy,
     pub(crate) layer: Layer,
 }
 
@@ -130,6 +133,8 @@ struct Meter {
     by_kind: [u64; TensorKind::ALL.len()],
     peak_by_kind: [u64; TensorKind::ALL.len()],
     peak_phase: Option<Phase>,
+    /// The highest live bytes since [`DryRun::start_window`].
+    window_peak: u64,
 }
 
 /// The replica of one thread's tensors, graph and meter. See the module documentation.
@@ -141,6 +146,9 @@ pub(crate) struct DryRun {
     pub(crate) grad_enabled: bool,
     /// Autocast: every matmul rounds copies of its operands.
     pub(crate) autocast: bool,
+    /// tl-recompute's keep policy in force (`keeping`): which named results a checkpoint
+    /// keeps for its rerun.
+    pub(crate) keep: KeepPolicy,
     /// What the step is doing, stamped on the peak.
     pub(crate) phase: Phase,
     /// Every allocation and free, as `memory::record` lists them, while recording.
@@ -171,11 +179,13 @@ impl DryRun {
                 by_kind: [0; TensorKind::ALL.len()],
                 peak_by_kind: [0; TensorKind::ALL.len()],
                 peak_phase: None,
+                window_peak: 0,
             },
             values: Vec::new(),
             nodes: Vec::new(),
             grad_enabled: true,
             autocast: false,
+            keep: KeepPolicy::nothing(),
             phase: Phase {
                 step: 0,
                 micro_batch: 0,
@@ -302,6 +312,7 @@ impl DryRun {
         meter.live += bytes;
         *meter.by_tag.entry(tag).or_default() += bytes;
         meter.by_kind[tag.kind.index()] += bytes;
+        meter.window_peak = meter.window_peak.max(meter.live);
         if meter.live > meter.peak {
             meter.peak = meter.live;
             meter.peak_by_kind = meter.by_kind;
@@ -339,6 +350,17 @@ impl DryRun {
         self.meter.peak = self.meter.live;
         self.meter.peak_by_kind = self.meter.by_kind;
         self.meter.peak_phase = Some(self.phase);
+    }
+
+    /// Starts watching the highest live bytes from now on, beside the peak (which it leaves
+    /// alone): how much a stretch of the step allocates above where it began.
+    pub(crate) fn start_window(&mut self) {
+        self.meter.window_peak = self.meter.live;
+    }
+
+    /// The highest live bytes since [`DryRun::start_window`].
+    pub(crate) fn window_peak(&self) -> u64 {
+        self.meter.window_peak
     }
 
     /// Live bytes now, by tag (empty tags left out).
@@ -420,6 +442,15 @@ impl DryRun {
                 frame.push(kept);
             }
         }
+    }
+
+    /// Whether a result named `name` is kept here (`keep_named`, `keep_product`): the
+    /// innermost frame is a checkpoint's forward pass or rerun, and the policy names it.
+    pub(crate) fn frame_keeps(&self, name: &str) -> bool {
+        matches!(
+            self.keep_frames.last(),
+            Some(KeepFrame::Recording(_) | KeepFrame::Replaying(_))
+        ) && self.keep.keeps(name)
     }
 
     /// `keep_for_rerun` before computing: in a rerun, the result the forward pass kept.

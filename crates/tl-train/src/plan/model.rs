@@ -9,7 +9,7 @@
 use std::ops::Range;
 use std::rc::Rc;
 
-use tl_recompute::{checkpoint_schedule, segment_sizes};
+use tl_recompute::segment_sizes;
 
 use super::dry_run::{DryRun, Handle, Segment, Tag, tag};
 use super::kind::{Layer, TensorKind};
@@ -178,11 +178,11 @@ impl ShadowLlama {
         checkpointing: Checkpointing,
     ) -> Result<Handle> {
         let n = self.blocks.len();
-        let schedule = match checkpointing {
-            Checkpointing::Off => return Ok(self.run_layers(dry, 0..n, x)),
-            Checkpointing::PerBlock => (0..n).collect(),
-            Checkpointing::Budget(budget) => checkpoint_schedule(n, budget)?,
+        let Some(schedule) = checkpointing.schedule(n)? else {
+            return Ok(self.run_layers(dry, 0..n, x));
         };
+        // `keeping(checkpointing.keep_policy())` around the checkpointed stack.
+        let outer_keep = std::mem::replace(&mut dry.keep, checkpointing.keep_policy());
         let sizes = segment_sizes(n, &schedule)?;
         let mut hidden = dry.share(x);
         let mut start = 0;
@@ -205,6 +205,7 @@ impl ShadowLlama {
             dry.release(std::mem::replace(&mut hidden, output));
             start += size;
         }
+        dry.keep = outer_keep;
         Ok(hidden)
     }
 
@@ -265,17 +266,23 @@ impl ShadowLlama {
         let params = &self.blocks[i];
         let here = |kind| tag(Layer::Block(i), kind);
         let width = self.per_token(self.config.d_model);
-        let rotated = |dry: &mut DryRun, weight| {
-            let projected = dry.linear(x, weight, width, here(TensorKind::Heads));
+        let rotated = |dry: &mut DryRun, name, weight| {
+            let projected = dry.projection(name, x, weight, width, here(TensorKind::Heads));
             let rotated = dry.layout(&projected, here(TensorKind::Heads));
             dry.release(projected);
             rotated
         };
-        let q = rotated(dry, &params.wq);
-        let k = rotated(dry, &params.wk);
-        let v = dry.linear(x, &params.wv, width, here(TensorKind::Heads));
+        let q = rotated(dry, "wq", &params.wq);
+        let k = rotated(dry, "wk", &params.wk);
+        let v = dry.projection("wv", x, &params.wv, width, here(TensorKind::Heads));
         let mixed = dry.causal_attention(&q, &k, &v, here(TensorKind::LinearOutputs));
-        let output = dry.linear(&mixed, &params.wo, width, here(TensorKind::LinearOutputs));
+        let output = dry.projection(
+            "wo",
+            &mixed,
+            &params.wo,
+            width,
+            here(TensorKind::LinearOutputs),
+        );
         for local in [mixed, v, k, q] {
             dry.release(local);
         }
@@ -287,15 +294,16 @@ impl ShadowLlama {
         let (c, params) = (&self.config, &self.blocks[i]);
         let here = |kind| tag(Layer::Block(i), kind);
         let hidden = self.per_token(c.hidden);
-        let gate_in = dry.linear(x, &params.w1, hidden, here(TensorKind::MlpHidden));
-        let up = dry.linear(x, &params.w3, hidden, here(TensorKind::MlpHidden));
+        let gate_in = dry.projection("w1", x, &params.w1, hidden, here(TensorKind::MlpHidden));
+        let up = dry.projection("w3", x, &params.w3, hidden, here(TensorKind::MlpHidden));
         let product = dry.swiglu(&gate_in, &up, here(TensorKind::MlpHidden));
         let product = dry.round_for_products(product);
         // Both projections are temporaries of the model's one statement, dropped at its end
         // in reverse order of creation.
         dry.release(up);
         dry.release(gate_in);
-        let output = dry.linear(
+        let output = dry.projection(
+            "w2",
             &product,
             &params.w2,
             self.per_token(c.d_model),

@@ -3,6 +3,7 @@
 
 use super::dry_run::{DryRun, Handle, Tag, Vjp, tag};
 use super::kind::TensorKind;
+use crate::model::causal_attention::ATTENTION;
 
 /// Bytes of one f32, the element type the trainer runs in.
 pub(crate) const F32: u64 = 4;
@@ -48,6 +49,13 @@ impl DryRun {
         self.saving(&[lhs, rhs], &[lhs, rhs], bytes, tag)
     }
 
+    /// `matmul_plain` on a result given to it (tl-tensor's `with_given_product`): the node
+    /// saves both operands and its output shares `given`, allocating nothing.
+    fn matmul_given(&mut self, lhs: &Handle, rhs: &Handle, given: Handle) -> Handle {
+        let saved = [lhs, rhs].map(|h| self.share(h)).into();
+        self.record_on(given, &[lhs, rhs], Vjp::Saved(saved))
+    }
+
     /// `Tensor::matmul`: the plain product, or under autocast `cast(cast(lhs)·cast(rhs))`,
     /// whose product saves the two rounded copies (an activation's shared with the products
     /// that read it before, see [`DryRun::rounded_operand`]) and whose result is rounded in
@@ -59,8 +67,25 @@ impl DryRun {
         bytes: u64,
         out_tag: Tag,
     ) -> Handle {
+        self.matmul_or_given(lhs, rhs, bytes, out_tag, None)
+    }
+
+    /// [`DryRun::matmul`], its product taking `given` as its result when there is one.
+    fn matmul_or_given(
+        &mut self,
+        lhs: &Handle,
+        rhs: &Handle,
+        bytes: u64,
+        out_tag: Tag,
+        given: Option<Handle>,
+    ) -> Handle {
+        let product =
+            |dry: &mut Self, lhs: &Handle, rhs: &Handle, given: Option<Handle>| match given {
+                Some(given) => dry.matmul_given(lhs, rhs, given),
+                None => dry.matmul_plain(lhs, rhs, bytes, out_tag),
+            };
         if !self.autocast {
-            return self.matmul_plain(lhs, rhs, bytes, out_tag);
+            return product(self, lhs, rhs, given);
         }
         let copy_kind = |is_weight| {
             if is_weight {
@@ -73,7 +98,7 @@ impl DryRun {
         let rhs_kind = copy_kind(self.is_param(rhs));
         let lhs_copy = self.rounded_operand(lhs, tag(out_tag.layer, lhs_kind));
         let rhs_copy = self.rounded_operand(rhs, tag(out_tag.layer, rhs_kind));
-        let product = self.matmul_plain(&lhs_copy, &rhs_copy, bytes, out_tag);
+        let product = product(self, &lhs_copy, &rhs_copy, given);
         let storage = self.share(&product);
         let rounded = self.record_on(storage, &[&product], Vjp::Saved(Vec::new()));
         self.release(product);
@@ -96,8 +121,8 @@ impl DryRun {
     /// its row statistics are a plain array, outside the meter) and rounds inside under
     /// autocast, so it keeps no rounded copies; its result, rounded already, is marked as its
     /// own rounded copy for the output projection. The result goes through
-    /// `keep_for_rerun`: a checkpoint node's forward pass keeps it, and the rerun takes it
-    /// back without allocating.
+    /// `keep_named("attention")`: a checkpoint node whose policy names it keeps it in its
+    /// forward pass, and the rerun takes it back without allocating.
     pub(crate) fn causal_attention(
         &mut self,
         q: &Handle,
@@ -105,14 +130,21 @@ impl DryRun {
         v: &Handle,
         tag: Tag,
     ) -> Handle {
-        let output = match self.take_kept() {
+        let kept = if self.frame_keeps(ATTENTION) {
+            self.take_kept()
+        } else {
+            None
+        };
+        let output = match kept {
             Some(kept) => {
                 let saved = [q, k, v].map(|h| self.share(h)).into();
                 self.record_on(kept, &[q, k, v], Vjp::Saved(saved))
             }
             None => {
                 let output = self.saving(&[q, k, v], &[q, k, v], q.bytes, tag);
-                self.keep_for_rerun(&output);
+                if self.frame_keeps(ATTENTION) {
+                    self.keep_for_rerun(&output);
+                }
                 output
             }
         };
@@ -149,6 +181,31 @@ impl DryRun {
         out_tag: Tag,
     ) -> Handle {
         self.matmul(x, weight, out_bytes, out_tag)
+    }
+
+    /// A block's projection named `name` (the model's `Fp8Slot::project`, through
+    /// tl-recompute's `keep_product`): a plain [`DryRun::linear`] unless the checkpoint it
+    /// runs in keeps `name`; then its forward pass keeps the result, and the rerun's product
+    /// takes it back (rounded copies and nodes as ever, no product allocated).
+    pub(crate) fn projection(
+        &mut self,
+        name: &str,
+        x: &Handle,
+        weight: &Handle,
+        out_bytes: u64,
+        out_tag: Tag,
+    ) -> Handle {
+        if !self.frame_keeps(name) {
+            return self.linear(x, weight, out_bytes, out_tag);
+        }
+        match self.take_kept() {
+            Some(kept) => self.matmul_or_given(x, weight, out_bytes, out_tag, Some(kept)),
+            None => {
+                let output = self.linear(x, weight, out_bytes, out_tag);
+                self.keep_for_rerun(&output);
+                output
+            }
+        }
     }
 }
 

@@ -103,6 +103,9 @@ pub struct StepPrediction {
     /// Live bytes between steps: weights and moments (the trainer drops the gradients after
     /// each update).
     pub between_steps_bytes: u64,
+    /// What the steady-state update allocates above the live bytes it starts from (weights,
+    /// gradients, moments): AdamW's temporaries, or ZeRO's copies and gather buffers.
+    pub update_extra_bytes: u64,
     /// Bytes saved for backward at the end of one micro-batch's forward pass, by layer and
     /// kind (the model state left out).
     pub saved: Vec<SavedBytes>,
@@ -422,7 +425,7 @@ pub(crate) fn predict_step_sharded(
     let between_steps_bytes = dry.live();
     dry.reset_peak();
     dry.take_calls();
-    let saved = run_step(&mut dry, &model, &mut adamw, recipe, shard, 2)?;
+    let (saved, update_extra_bytes) = run_step(&mut dry, &model, &mut adamw, recipe, shard, 2)?;
     let collectives = dry.take_calls();
     let (peak_bytes, peak_at, by_kind) = dry.peak();
     let peak_by_kind = TensorKind::ALL
@@ -441,6 +444,7 @@ pub(crate) fn predict_step_sharded(
         .collect();
     Ok(StepPrediction {
         checkpointing: recipe.checkpointing,
+        update_extra_bytes,
         peak_bytes,
         peak_at: peak_at.expect("a step sets its phase"),
         peak_by_kind,
@@ -454,7 +458,8 @@ pub(crate) fn predict_step_sharded(
 /// `train_step_mixed`'s phases, in the order `tl_precision::StepPhase` lists them, on the
 /// replica: drop the gradients, accumulate every micro-batch (forward under autocast, then
 /// backward of the weighted loss, releasing it and then the loss), update. Returns what was
-/// alive when the first micro-batch's backward began. The replica cannot call the real step
+/// alive when the first micro-batch's backward began, and the most the update allocated
+/// above what was live when it began. The replica cannot call the real step
 /// (it runs no values), so the order is followed here and checked against the meter's
 /// timeline of a real step, event for event.
 fn run_step(
@@ -464,7 +469,7 @@ fn run_step(
     recipe: &Recipe,
     shard: Option<OptimizerShard>,
     step: u32,
-) -> Result<BTreeMap<Tag, u64>> {
+) -> Result<(BTreeMap<Tag, u64>, u64)> {
     let params = model.parameters();
     let stage = shard.map(|s| s.stage);
     dry.phase = Phase {
@@ -526,13 +531,16 @@ fn run_step(
     if recipe.clip && matches!(stage, Some(ZeroStage::Gradients | ZeroStage::Parameters)) {
         dry.call("gradient norm", Collective::AllReduce, 1, 8);
     }
+    let before_update = dry.live();
+    dry.start_window();
     adamw.step(dry, &params);
     dry.sharded_step();
+    let update_extra = dry.window_peak() - before_update;
     // `Trainer::train_step` then drops what gradients are left (`opt.zero_grad()`): the
     // whole ones under plain AdamW, the shards' under ZeRO-3.
     for (param, _) in &params {
         dry.zero_grad(param);
     }
     dry.sharded_zero_grad();
-    Ok(saved)
+    Ok((saved, update_extra))
 }

@@ -33,6 +33,8 @@ pub fn schedule_label(checkpointing: Checkpointing) -> String {
     match checkpointing {
         Checkpointing::Off => "plain".into(),
         Checkpointing::PerBlock => "per block".into(),
+        Checkpointing::Matmuls => "per block, products kept".into(),
+        Checkpointing::FirstMatmul => "per block, x·Wq kept".into(),
         Checkpointing::Budget(budget) => format!("budget {budget}"),
     }
 }

@@ -94,6 +94,54 @@ fn per_block_checkpointing_keeps_block_inputs_and_the_last_block_whole() {
 }
 
 #[test]
+fn each_keep_policy_adds_its_kept_products_to_a_checkpointed_blocks_bytes() {
+    // Per block: the input and the attention's output (2·512 floats). Keeping x·Wq adds 512;
+    // keeping every product adds q, k, v, o (4·512) and gate, up (2·768) and w2's output
+    // (512): 5·512 + 2·768. The last block is not checkpointed and keeps all 6400 floats.
+    for (checkpointing, floats) in [
+        (Checkpointing::PerBlock, 2 * 512),
+        (Checkpointing::FirstMatmul, 3 * 512),
+        (Checkpointing::Matmuls, 7 * 512 + 2 * 768),
+    ] {
+        let prediction = predict(&micro_config(Precision::Fp32, checkpointing, 0.0));
+        for i in 0..3 {
+            assert_eq!(
+                saved_in(&prediction, |l| l == Layer::Block(i)),
+                4 * floats,
+                "{checkpointing}, block {i}"
+            );
+        }
+        assert_eq!(saved_in(&prediction, |l| l == Layer::Block(3)), 25_600);
+    }
+}
+
+#[test]
+fn the_replay_holds_for_every_keep_policy_under_autocast_and_dropout() {
+    // The kept products are taken back under autocast (their rounded copies and cast nodes
+    // recorded again, nothing multiplied) and with dropout's masks drawn again.
+    for checkpointing in [Checkpointing::Matmuls, Checkpointing::FirstMatmul] {
+        assert_same_timeline(&micro_config(Precision::Bf16, checkpointing, 0.1));
+        assert_same_timeline(&micro_config(Precision::Fp32, checkpointing, 0.0));
+    }
+}
+
+#[test]
+fn plain_adamw_updates_in_place_and_zero_one_copies_and_gathers() {
+    let config = micro_config(Precision::Fp32, Checkpointing::Off, 0.0);
+    assert_eq!(predict(&config).update_extra_bytes, 0);
+    let recipe = Recipe::from(&config);
+    let shard = super::step::OptimizerShard {
+        stage: ZeroStage::OptimizerStates,
+        world_size: 1,
+        rank: 0,
+        bucket_bytes: BUCKET_BYTES as usize,
+    };
+    let zero1 = super::step::predict_step_sharded(&recipe, Some(shard)).unwrap();
+    // ZeRO-1 copies the gradients into its pieces and gathers the updated weights.
+    assert!(zero1.update_extra_bytes > 0);
+}
+
+#[test]
 fn between_steps_the_model_holds_twelve_bytes_per_parameter() {
     let config = micro_config(Precision::Fp32, Checkpointing::Off, 0.0);
     let parameters = config.model.num_parameters() as u64;
@@ -230,7 +278,7 @@ fn measured_rank_events(
 fn assert_same_rank_timeline(config: &TrainConfig, stage: ZeroStage, bucket_bytes: usize) {
     use super::step::OptimizerShard;
     let measured = measured_rank_events(config, stage.index() as u8, bucket_bytes);
-    let shard = OptimizerShard {
+    let shard = super::step::OptimizerShard {
         stage,
         world_size: 1,
         rank: 0,
@@ -272,9 +320,13 @@ fn a_ranks_replica_holds_with_checkpoints_autocast_and_dropout() {
     // their rerun.
     let per_block = micro_config(Precision::Fp32, Checkpointing::PerBlock, 0.0);
     let budget = micro_config(Precision::Bf16, Checkpointing::Budget(3), 0.1);
+    // ZeRO-3 × a keep policy: a kept product is taken back while the rerun's unit is
+    // gathered again.
+    let matmuls = micro_config(Precision::Bf16, Checkpointing::Matmuls, 0.0);
     for stage in [ZeroStage::Gradients, ZeroStage::Parameters] {
         assert_same_rank_timeline(&per_block, stage, 16 << 10);
         assert_same_rank_timeline(&budget, stage, 16 << 10);
+        assert_same_rank_timeline(&matmuls, stage, 16 << 10);
     }
 }
 

@@ -61,6 +61,8 @@ pub fn run_label(checkpointing: Checkpointing) -> String {
     match checkpointing {
         Checkpointing::Off => "plain".into(),
         Checkpointing::PerBlock => "checkpointed per block".into(),
+        Checkpointing::Matmuls => "checkpointed, products kept".into(),
+        Checkpointing::FirstMatmul => "checkpointed, x·Wq kept".into(),
         Checkpointing::Budget(budget) => format!("checkpointed, budget {budget}"),
     }
 }

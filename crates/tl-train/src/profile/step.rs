@@ -55,6 +55,7 @@ impl Session {
             base: self.base_live,
             timeline,
         };
+        let started = std::time::Instant::now();
         let report = train_step_mixed_observed(
             &self.model,
             micro_batches,
@@ -65,6 +66,7 @@ impl Session {
             self.config.clip,
             &mut recorder,
         )?;
+        timeline.step_seconds.push(started.elapsed().as_secs_f64());
         timeline.losses.push(report.loss);
         Ok(())
     }

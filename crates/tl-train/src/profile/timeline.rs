@@ -94,6 +94,10 @@ pub struct Timeline {
     pub spans: Vec<Span>,
     /// The loss of each recorded step (the rows-weighted mean over its micro-batches).
     pub losses: Vec<f64>,
+    /// The wall time of each recorded step, in seconds, the meter's recording included
+    /// (absent from profiles of earlier builds).
+    #[serde(default)]
+    pub step_seconds: Vec<f64>,
 }
 
 /// The highest live bytes of a timeline, and where.
@@ -116,7 +120,37 @@ impl Timeline {
             events: Vec::new(),
             spans: Vec::new(),
             losses: Vec::new(),
+            step_seconds: Vec::new(),
         }
+    }
+
+    /// What the first micro-batch's forward pass left alive for its backward: live bytes at
+    /// the end of the first forward span less those at its start (the activations every
+    /// op saved, the checkpoints' inputs and kept results, the loss). `None` if no forward
+    /// was recorded.
+    pub fn held_for_backward(&self) -> Option<u64> {
+        let span = self
+            .spans
+            .iter()
+            .find(|span| span.phase == Phase::Forward)?;
+        let start = self.live_before(span.events.start);
+        Some(self.live_before(span.events.end).saturating_sub(start))
+    }
+
+    /// The most the optimizer's update allocated above what was live when it began, over
+    /// the recorded steps: its temporaries beyond the gradients (`None` without an update).
+    pub fn update_extra(&self) -> Option<u64> {
+        self.spans
+            .iter()
+            .filter(|span| span.phase == Phase::Optimizer)
+            .map(|span| self.span_peak(span) - self.live_before(span.events.start))
+            .max()
+    }
+
+    /// The median of [`Timeline::step_seconds`], as `tinyllm bench` takes it (`None` when
+    /// no step was timed).
+    pub fn median_step_seconds(&self) -> Option<f64> {
+        crate::bench::Spread::of(&self.step_seconds).map(|spread| spread.median)
     }
 
     /// Appends the meter's `events` of one phase, with live bytes taken relative to `base`.

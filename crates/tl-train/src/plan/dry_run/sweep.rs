@@ -43,6 +43,7 @@ impl DryRun {
             kept,
             segment,
             autocast,
+            keep: self.keep.clone(),
             layer,
         });
         self.record(bytes, tag(layer, TensorKind::ResidualStream), &parents, vjp)
@@ -191,6 +192,7 @@ impl DryRun {
             kept,
             segment,
             autocast,
+            keep,
             layer,
         }: Rerun,
         grad_bytes: u64,
@@ -204,6 +206,7 @@ impl DryRun {
             })
             .collect();
         let outer = (self.grad_enabled, self.autocast, self.phase);
+        let outer_keep = std::mem::replace(&mut self.keep, keep);
         (self.grad_enabled, self.autocast) = (true, autocast);
         self.phase.stage = Stage::Recompute;
         self.keep_frames.push(KeepFrame::Replaying(kept.into()));
@@ -212,6 +215,7 @@ impl DryRun {
             unused.into_iter().for_each(|h| self.release(h));
         }
         (self.grad_enabled, self.autocast) = (outer.0, outer.1);
+        self.keep = outer_keep;
         self.backward(&output, grad_bytes);
         self.release(output);
         // The inputs' gradients were copied out of the leaves (outside the meter); the
