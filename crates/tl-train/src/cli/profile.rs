@@ -10,8 +10,10 @@ use super::train::{config_from_flags, shrink_builtin_corpus};
 use super::{Exit, RecipeArgs, TrainArgs};
 use crate::error::{Result, TrainError};
 use crate::model::{Checkpointing, Preset};
+use crate::plan::{MemoryPlan, Recipe};
 use crate::profile::{
-    Profile, ProfileConfig, X_AXIS, record_run, run_label, table, timeline_path, write_profile,
+    Profile, ProfileConfig, X_AXIS, policy_table, record_run, run_label, table, timeline_path,
+    write_profile,
 };
 
 /// Bytes of built-in corpus to generate: the batches' content does not change the memory
@@ -29,6 +31,10 @@ pub struct ProfileArgs {
     /// its `.toml` extension); flags given too override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Record the four checkpoint policies (none, matmuls, first-matmul, block) on the same
+    /// seed instead of plain against the recipe's, each beside the plan's prediction.
+    #[arg(long)]
+    pub policies: bool,
     /// Steady-state steps to record, after one unrecorded warm-up step.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub steps: usize,
@@ -53,10 +59,15 @@ pub(super) fn profile(args: &ProfileArgs) -> Result<Exit> {
         .clone()
         .unwrap_or_else(|| default_out(config.train.preset.map_or("custom", Preset::name)));
     check_out(&out)?;
-    print_header(&config);
+    print_header(&config, args.policies);
 
+    let modes = if args.policies {
+        Checkpointing::POLICIES.to_vec()
+    } else {
+        vec![Checkpointing::Off, config.train.checkpointing]
+    };
     let mut runs = Vec::new();
-    for checkpointing in [Checkpointing::Off, config.train.checkpointing] {
+    for checkpointing in modes {
         let mut run = config.clone();
         run.train.checkpointing = checkpointing;
         say!("recording {} ...", run_label(checkpointing));
@@ -67,6 +78,10 @@ pub(super) fn profile(args: &ProfileArgs) -> Result<Exit> {
     let profile = Profile { config, runs };
     let json = write_profile(&profile, &out)?;
     print!("{}", table(&profile));
+    if args.policies {
+        let plan = MemoryPlan::new(&Recipe::from(&profile.config.train))?;
+        print!("\n{}", policy_table(&profile, &plan));
+    }
     println!("chart: {}", out.display());
     println!("timeline: {}", json.display());
     Ok(Exit::Success)
@@ -135,17 +150,21 @@ fn check_out(out: &Path) -> Result<()> {
     }
 }
 
-fn print_header(config: &ProfileConfig) {
+fn print_header(config: &ProfileConfig, policies: bool) {
     let train = &config.train;
     say!(
-        "tinyllm profile: {} ({} parameters), {}, micro-batch {} x accum {} x context {}, plain vs {}",
+        "tinyllm profile: {} ({} parameters), {}, micro-batch {} x accum {} x context {}, {}",
         train.preset.map_or("custom", Preset::name),
         train.model.num_parameters(),
         train.precision,
         train.micro_batch,
         train.accum,
         train.model.context,
-        run_label(train.checkpointing),
+        if policies {
+            "the four checkpoint policies".to_string()
+        } else {
+            format!("plain vs {}", run_label(train.checkpointing))
+        },
     );
     say!(
         "each run: one warm-up step (AdamW's moments appear), then {} recorded step{}; x axis: {X_AXIS}",

@@ -102,7 +102,7 @@ pub use parallel::{
     DataParallelism, LISTED_RANKS, ParallelPlan, PeakPhase, RankPlan, SentBytes, Term, plan_ranks,
 };
 pub use parallel_table::{render_parallel, render_sweep};
-pub use report::{FLOOR_BYTES_PER_PARAMETER, KindBytes, LayerBytes, MemoryPlan};
+pub use report::{FLOOR_BYTES_PER_PARAMETER, KindBytes, LayerBytes, MemoryPlan, PolicyPlan};
 pub use shapes::PlanShape;
 pub use step::{Recipe, SavedBytes, StepPrediction, predict_step};
 pub use table::{render, render_measurement, schedule_label, thousands};

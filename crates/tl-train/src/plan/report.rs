@@ -7,6 +7,7 @@ use super::kind::{Layer, TensorKind};
 use super::step::{Recipe, StepPrediction, predict_step};
 use crate::error::Result;
 use crate::model::Checkpointing;
+use crate::model::causal_attention::ATTENTION;
 
 /// Bytes per parameter that training with AdamW cannot go below: the f32 weight, its
 /// gradient, and AdamW's two f32 moments (4 + 4 + 8).
@@ -48,6 +49,67 @@ pub struct KindBytes {
     pub checkpointed: u64,
 }
 
+/// What one checkpoint policy keeps and costs (`tinyllm plan`'s policy table).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PolicyPlan {
+    /// Its `--checkpoint-policy` name.
+    pub policy: &'static str,
+    /// Its checkpointing.
+    pub checkpointing: Checkpointing,
+    /// The named results a checkpointed block keeps besides its input (empty for `none`,
+    /// which keeps every activation).
+    pub kept: Vec<String>,
+    /// The products each checkpointed block's rerun computes again (none for `none`, which
+    /// reruns nothing).
+    pub recomputed: Vec<&'static str>,
+    /// Bytes the first block holds between its forward pass and its backward, by kind (the
+    /// first of several blocks is checkpointed under every policy but `none`).
+    pub first_block: Vec<(TensorKind, u64)>,
+    /// Bytes one micro-batch's forward pass leaves for its backward, all layers.
+    pub held_bytes: u64,
+    /// The steady-state step's predicted peak.
+    pub peak_bytes: u64,
+    /// What the update allocates beyond weights, gradients and moments.
+    pub update_extra_bytes: u64,
+}
+
+/// The products of one block, in the order its forward pass computes them.
+const BLOCK_PRODUCTS: [&str; 8] = ["wq", "wk", "wv", ATTENTION, "wo", "w1", "w3", "w2"];
+
+impl PolicyPlan {
+    fn new(policy: Checkpointing, prediction: &StepPrediction) -> Self {
+        let keep = policy.keep_policy();
+        let rerun = policy != Checkpointing::Off;
+        Self {
+            policy: policy.policy_name().expect("one of the four policies"),
+            checkpointing: policy,
+            kept: keep.names().to_vec(),
+            recomputed: BLOCK_PRODUCTS
+                .into_iter()
+                .filter(|name| rerun && !keep.keeps(name))
+                .collect(),
+            first_block: TensorKind::ALL
+                .into_iter()
+                .map(|kind| {
+                    (
+                        kind,
+                        saved_by(prediction, |l, k| l == Layer::Block(0) && k == kind),
+                    )
+                })
+                .filter(|&(_, bytes)| bytes > 0)
+                .collect(),
+            held_bytes: prediction.saved_total(),
+            peak_bytes: prediction.peak_bytes,
+            update_extra_bytes: prediction.update_extra_bytes,
+        }
+    }
+
+    /// All the first block holds between forward and backward.
+    pub fn first_block_bytes(&self) -> u64 {
+        self.first_block.iter().map(|&(_, bytes)| bytes).sum()
+    }
+}
+
 /// Everything `tinyllm plan` reports for one recipe.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MemoryPlan {
@@ -66,6 +128,8 @@ pub struct MemoryPlan {
     /// The step with the recipe's checkpointing schedule, or per-block checkpointing when
     /// the recipe has none.
     pub checkpointed: StepPrediction,
+    /// The four checkpoint policies on the recipe, in [`Checkpointing::POLICIES`]' order.
+    pub policies: Vec<PolicyPlan>,
 }
 
 impl MemoryPlan {
@@ -96,6 +160,17 @@ impl MemoryPlan {
             chosen => chosen,
         };
         let checkpointed = predict_step(&recipe.with_checkpointing(schedule))?;
+        let policies = Checkpointing::POLICIES
+            .into_iter()
+            .map(|policy| {
+                let prediction = match policy {
+                    Checkpointing::Off => plain.clone(),
+                    _ if policy == schedule => checkpointed.clone(),
+                    _ => predict_step(&recipe.with_checkpointing(policy))?,
+                };
+                Ok(PolicyPlan::new(policy, &prediction))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let parameters = recipe.model.num_parameters() as u64;
         Ok(Self {
             recipe: recipe.clone(),
@@ -105,6 +180,7 @@ impl MemoryPlan {
             kinds: kind_rows(&plain, &checkpointed),
             plain,
             checkpointed,
+            policies,
         })
     }
 

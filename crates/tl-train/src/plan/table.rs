@@ -49,7 +49,51 @@ pub fn render(plan: &MemoryPlan) -> String {
     per_layer(&mut out, plan);
     peaks(&mut out, plan);
     anatomy(&mut out, plan);
+    policies(&mut out, plan);
     out
+}
+
+/// The four checkpoint policies side by side: what a block keeps, what it holds between
+/// forward and backward, what its rerun multiplies again, and the step's peak; then what
+/// the optimizer's update allocates beyond the gradients, in units of 4P.
+fn policies(out: &mut String, plan: &MemoryPlan) {
+    let _ = writeln!(
+        out,
+        "\ncheckpoint policies (--checkpoint-policy), MiB\n  {:<14}{:<44}{:>9}{:>10}{:>10}  rerun multiplies again",
+        "policy", "a checkpointed block keeps", "block 0", "all held", "peak"
+    );
+    for policy in &plan.policies {
+        let keeps = if policy.checkpointing == Checkpointing::Off {
+            "every activation (no rerun)".to_string()
+        } else {
+            format!("its input, {}", policy.kept.join(" "))
+        };
+        let rerun = match (policy.checkpointing, policy.recomputed.as_slice()) {
+            (Checkpointing::Off, _) => "-".to_string(),
+            (_, []) => "nothing".to_string(),
+            (_, products) => products.join(" "),
+        };
+        let _ = writeln!(
+            out,
+            "  {:<14}{keeps:<44}{:>9}{:>10}{:>10}  {rerun}",
+            policy.policy,
+            mib(policy.first_block_bytes()),
+            mib(policy.held_bytes),
+            mib(policy.peak_bytes),
+        );
+    }
+    let update = plan.policies[0].update_extra_bytes;
+    let _ = writeln!(
+        out,
+        "  the AdamW update allocates {} B beyond weights, gradients and moments: {:.2} × 4P{}",
+        thousands(update),
+        update as f64 / (4 * plan.parameters) as f64,
+        if update == 0 {
+            " (it updates in place)"
+        } else {
+            ""
+        }
+    );
 }
 
 /// The prediction for the chosen recipe next to the meter's reading of real steps.
@@ -307,6 +351,10 @@ mod tests {
         assert_eq!(schedule_label(Checkpointing::Off), "plain");
         assert_eq!(schedule_label(Checkpointing::PerBlock), "per block");
         assert_eq!(schedule_label(Checkpointing::Budget(3)), "budget 3");
+        assert_eq!(
+            schedule_label(Checkpointing::FirstMatmul),
+            "per block, x·Wq kept"
+        );
     }
 
     #[test]

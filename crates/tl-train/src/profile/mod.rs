@@ -54,6 +54,6 @@ mod timeline;
 
 pub use chart::{X_AXIS, format_mib, render_chart};
 pub use layout::{Layout, align};
-pub use report::{read_profile, table, timeline_path, write_profile};
+pub use report::{policy_table, read_profile, table, timeline_path, write_profile};
 pub use run::{Profile, ProfileConfig, compare, record_run, run_label};
 pub use timeline::{EventKind, MemoryEvent, Peak, Phase, Span, Timeline};
