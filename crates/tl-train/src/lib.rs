@@ -12,6 +12,7 @@ pub mod compare;
 pub mod data;
 mod error;
 pub mod export;
+pub mod gradients;
 pub mod model;
 pub mod plan;
 pub mod process_memory;

@@ -5,6 +5,7 @@ mod bench;
 mod comm_bench;
 mod compare;
 mod export;
+mod gradients;
 mod launch;
 mod plan;
 mod profile;
@@ -58,6 +59,8 @@ enum Command {
     /// Passes when the recipe's validation loss is within 2% of fp32's on less memory (the
     /// course's milestone MS-L11).
     Compare(Box<compare::CompareArgs>),
+    /// Where the gradients lie against fp16's range, and what each loss scale does to them.
+    Gradients(gradients::GradientsArgs),
     /// Predict a training step's memory before it runs, in one process or per rank.
     Plan(plan::PlanArgs),
     /// Record live tensor memory over a training step and draw the timeline.
@@ -346,6 +349,7 @@ where
         Command::Logits(args) => args.threads,
         Command::Compare(args) => args.threads,
         Command::Plan(args) => args.threads,
+        Command::Gradients(args) => args.threads,
         Command::Profile(args) => args.threads,
         Command::Bench(args) => args.threads,
         Command::Export(_) | Command::Launch(_) | Command::CommBench(_) => Threads::default(),
@@ -358,6 +362,7 @@ where
         Command::Logits(args) => export::logits(&args).map(|()| Exit::Success),
         Command::Compare(args) => compare::compare_command(&args),
         Command::Plan(args) => plan::plan(&args),
+        Command::Gradients(args) => gradients::gradients(&args),
         Command::Profile(args) => profile::profile(&args),
         Command::Bench(args) => bench::bench(&args),
         Command::Launch(args) => launch::launch(&args),
