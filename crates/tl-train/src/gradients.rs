@@ -525,12 +525,7 @@ pub fn render_histogram_chart(report: &GradientReport) -> Result<String> {
             end: -126.0,
         });
     }
-    let title = format!(
-        "log2 |g| of the f32 gradients, {} ({} nonzero of {}); bf16's normal range starts at 2^-126",
-        report.weights,
-        report.histograms[0].nonzero(),
-        report.histograms[0].entries
-    );
+    let title = format!("log2 |g| of the f32 gradients, {}", report.weights);
     let chart = AnnotatedChart {
         chart: LineChart {
             title: &title,
@@ -644,4 +639,149 @@ pub fn write_report(report: &GradientReport, dir: &Path) -> Result<[std::path::P
     write_atomic(&paths[1], histogram.as_bytes())?;
     write_atomic(&paths[2], sweep.as_bytes())?;
     Ok(paths)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{ModelConfig, Preset};
+    use crate::train::DataSource;
+
+    /// `n` entries of `±2^e` for each `(e, n)`, signs alternating.
+    fn entries(exponents: &[(i32, usize)]) -> Vec<f32> {
+        exponents
+            .iter()
+            .flat_map(|&(e, n)| {
+                (0..n).map(move |i| if i % 2 == 0 { 1.0 } else { -1.0 } * 2f32.powi(e))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_histogram_counts_binades_and_the_shares_below_fp16s_thresholds() {
+        // 10 entries below 2^-24, 30 more below 2^-14, 60 normal; 5 zeros left out.
+        let mut values = entries(&[(-30, 4), (-25, 6), (-20, 10), (-15, 20), (-3, 60)]);
+        values.extend([0.0; 5]);
+        // A value just under a power of two stays in the binade below it.
+        values.push(f32::from_bits(2f32.powi(-14).to_bits() - 1));
+        let h = Histogram::of("hand-made", &values).unwrap();
+        assert_eq!((h.entries, h.zeros, h.nonzero()), (106, 5, 101));
+        assert_eq!(h.bins, [(-30, 4), (-25, 6), (-20, 10), (-15, 21), (-3, 60)]);
+        assert_eq!(h.below_fp16_subnormal, 10.0 / 101.0);
+        assert_eq!(h.below_fp16_normal, 41.0 / 101.0);
+        // 2^-24 itself is fp16's smallest subnormal: not below it.
+        let edge = Histogram::of("edge", &entries(&[(-24, 1), (-14, 1)])).unwrap();
+        assert_eq!(
+            (edge.below_fp16_subnormal, edge.below_fp16_normal),
+            (0.0, 0.5)
+        );
+        assert!(Histogram::of("bad", &[1.0, f32::NAN]).is_err());
+    }
+
+    #[test]
+    fn the_scale_window_is_exact_for_known_exponents() {
+        // 1000 entries from 2^-40 to 2^-20 in equal parts, and one outlier at 2^0 that the
+        // 0.1% may leave out. 99.9% of 1001 = 999.999, so 1000 entries must fit: the whole
+        // spread of 20 binades; fp16's normal range spans log2(65504) + 14 ≈ 30 of them.
+        let mut values = entries(&[(-40, 250), (-35, 250), (-25, 250), (-20, 250)]);
+        values.push(1.0);
+        let window = scale_window(&values, 0.999);
+        let top = log2_fp16_max();
+        // Lowest S: 2^-40 · S = 2^-14; highest: 2^-20 · S = 65504.
+        assert_eq!(window.log2_intervals, [(26.0, 20.0 + top)]);
+        assert_eq!(window.powers, (26..=35).collect::<Vec<_>>());
+        assert!(!window.default_inside);
+        // Asking for every entry: the outlier must fit too, 40 binades do not.
+        let all = scale_window(&values, 1.0);
+        assert!(all.log2_intervals.is_empty() && all.powers.is_empty());
+        // Two clusters far apart and an even split: either cluster alone is 50%.
+        let split = scale_window(&entries(&[(-60, 50), (0, 50)]), 0.5);
+        assert_eq!(split.log2_intervals, [(-14.0, top), (46.0, 60.0 + top)]);
+        assert!(split.powers.contains(&0) && split.powers.contains(&46));
+        assert!(scale_window(&[0.0, 0.0], 0.999).log2_intervals.is_empty());
+    }
+
+    #[test]
+    fn parameters_fall_into_their_kinds() {
+        let model = Llama::<f32>::new(&Preset::Tiny.config(), 0).unwrap();
+        let kinds: Vec<ParamKind> = model
+            .named_parameters()
+            .iter()
+            .map(|(name, _)| ParamKind::of(name))
+            .collect();
+        let count = |kind| kinds.iter().filter(|k| **k == kind).count();
+        let layers = Preset::Tiny.config().n_layers;
+        assert_eq!(count(ParamKind::Embedding), 1);
+        assert_eq!(count(ParamKind::Attention), 4 * layers);
+        assert_eq!(count(ParamKind::Mlp), 3 * layers);
+        assert_eq!(count(ParamKind::Norms), 2 * layers + 1);
+        assert_eq!(count(ParamKind::Head), 1);
+    }
+
+    fn tiny() -> (Llama<f32>, Batch) {
+        let config = ModelConfig {
+            n_layers: 2,
+            ..Preset::Tiny.config()
+        };
+        let model = Llama::<f32>::new(&config, 1).unwrap();
+        let corpus = crate::data::Corpus::builtin(0, 4_000);
+        let batch = sample_batch(&corpus.train, 2, 16, &Generator::new(3));
+        (model, batch)
+    }
+
+    #[test]
+    fn inside_the_window_the_error_is_fp16_rounding_alone_and_beyond_it_overflows() {
+        let (model, batch) = tiny();
+        let (_, reference) = reference(&model, &batch).unwrap();
+        // Scaling by a power of two is exact for every value that stays normal in fp16, so
+        // inside the window the error is fp16's rounding alone, whatever the scale: equal
+        // to 0.1% (the few entries that are still subnormal somewhere, near zero, weigh
+        // next to nothing in the norm), with nothing flushed and nothing overflowing.
+        tl_precision::take_underflow_count();
+        let runs = sweep(&model, &batch, &reference, Format::Fp16, &[8, 10, 12]).unwrap();
+        assert_eq!(tl_precision::take_underflow_count(), 0, "nothing flushed");
+        let error = runs[0].relative_error.unwrap();
+        assert!(error > 0.0 && error < 1e-2, "{error}");
+        for run in &runs {
+            let other = run.relative_error.unwrap();
+            assert!((other - error).abs() < 1e-3 * error, "{other} vs {error}");
+            assert_eq!((run.non_finite, run.lost), (0, 0));
+        }
+        // bf16's rounding is about eight times coarser, and its range needs no scale.
+        let bf16 = sweep(&model, &batch, &reference, Format::Bf16, &[0, 24]).unwrap();
+        let bf16_error = bf16[0].relative_error.unwrap();
+        assert_eq!(bf16[1].relative_error, Some(bf16_error));
+        assert!(bf16_error > 4.0 * error, "{bf16_error} vs {error}");
+        // At 2^24 the logits' gradients overflow fp16: the run is marked, not averaged.
+        let over = &sweep(&model, &batch, &reference, Format::Fp16, &[24]).unwrap()[0];
+        assert!(over.non_finite > 0);
+        assert_eq!(over.relative_error, None);
+    }
+
+    #[test]
+    fn the_report_is_written_and_reads_back() {
+        let mut config = TrainConfig::for_preset(Preset::Tiny);
+        config.micro_batch = 2;
+        config.data = DataSource::Builtin {
+            seed: 0,
+            bytes: 20_000,
+        };
+        let model = Llama::<f32>::new(&config.model, 0).unwrap();
+        let report = measure(&model, &config, "initialisation (seed 0)".into(), 0).unwrap();
+        assert_eq!(report.sweep.len(), 2 * SWEEP_EXPONENTS.len());
+        assert_eq!(report.histograms[0].entries, report.parameters);
+        assert_eq!(report.histograms.len(), 1 + ParamKind::ALL.len());
+        let dir = tempfile::tempdir().unwrap();
+        let [json, histogram, sweep_chart] = write_report(&report, dir.path()).unwrap();
+        let back: GradientReport = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
+        assert_eq!(back, report);
+        let histogram = std::fs::read_to_string(histogram).unwrap();
+        assert!(histogram.contains("<svg") && histogram.contains("fp16 normal"));
+        assert!(histogram.contains("attention") && histogram.contains("head"));
+        let sweep_chart = std::fs::read_to_string(sweep_chart).unwrap();
+        assert!(sweep_chart.contains("bf16") && sweep_chart.contains("non-finite"));
+        // The same model and batch give the same report.
+        let again = measure(&model, &config, "initialisation (seed 0)".into(), 0).unwrap();
+        assert_eq!(again, report);
+    }
 }

@@ -7,12 +7,13 @@
 use tl_train::cli::{CliError, run};
 
 /// Every subcommand, as `tinyllm --help` lists it.
-const COMMANDS: [&str; 10] = [
+const COMMANDS: [&str; 11] = [
     "train",
     "sample",
     "export",
     "logits",
     "compare",
+    "gradients",
     "plan",
     "profile",
     "bench",
@@ -66,7 +67,14 @@ fn every_subcommand_has_a_help_in_users_words() {
 #[test]
 fn every_command_that_computes_takes_threads() {
     for command in [
-        "train", "sample", "logits", "compare", "plan", "profile", "bench",
+        "train",
+        "sample",
+        "logits",
+        "compare",
+        "gradients",
+        "plan",
+        "profile",
+        "bench",
     ] {
         assert!(
             help(&[command]).contains("--threads <N>"),

@@ -104,9 +104,8 @@ pub struct RecipeArgs {
     /// Checkpoint on the optimal schedule for this many stored block inputs.
     #[arg(long, value_name = "K", conflicts_with = "checkpoint_activations")]
     pub checkpoint_budget: Option<usize>,
-    /// What each block keeps for backward: none (no checkpointing: everything), block (its
-    /// input and the attention's result), matmuls (also every projection's output),
-    /// first-matmul (also x·Wq) [default: none].
+    /// What each block keeps for backward, the rest recomputed during backward
+    /// [default: none].
     #[arg(
         long,
         value_name = "POLICY",
