@@ -25,3 +25,8 @@ pub use error::{Result, TrainError};
 /// The guide to the trainer (`docs/training.md`); its examples run as doctests.
 #[doc = include_str!("../../../docs/training.md")]
 pub mod guide {}
+
+/// The companion's two experiments worked on `small` (`docs/experiments.md`); its examples
+/// run as doctests.
+#[doc = include_str!("../../../docs/experiments.md")]
+pub mod experiments_guide {}

@@ -30,8 +30,8 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub warmup: usize,
     /// Time two recipes against each other, taking turns step by step in one process:
-    /// two of fp32, bf16, fp16, fp32+ckpt, bf16+ckpt (the precision and per-block
-    /// checkpointing replace the recipe's).
+    /// two of fp32, bf16, fp16, fp32+ckpt, bf16+ckpt, fp32+ckpt-matmuls,
+    /// fp32+ckpt-first-matmul (the precision and the checkpoint policy replace the recipe's).
     #[arg(long, value_name = "A,B", value_delimiter = ',')]
     pub paired: Vec<String>,
     /// Print the figures as one JSON object on stdout (progress still goes to stderr).

@@ -18,14 +18,20 @@ pub struct StepRecipe {
     pub checkpointing: Checkpointing,
 }
 
-/// Every timed recipe: plain fp32, the two emulated 16-bit formats, and checkpointing with
-/// fp32 and with bf16.
-pub const STEP_RECIPES: [StepRecipe; 5] = [
+/// Every timed recipe: plain fp32, the two emulated 16-bit formats, per-block checkpointing
+/// with fp32 and with bf16, and fp32 under the two other checkpoint policies.
+pub const STEP_RECIPES: [StepRecipe; 7] = [
     StepRecipe::new("fp32", Precision::Fp32, Checkpointing::Off),
     StepRecipe::new("bf16", Precision::Bf16, Checkpointing::Off),
     StepRecipe::new("fp16", Precision::Fp16, Checkpointing::Off),
     StepRecipe::new("fp32+ckpt", Precision::Fp32, Checkpointing::PerBlock),
     StepRecipe::new("bf16+ckpt", Precision::Bf16, Checkpointing::PerBlock),
+    StepRecipe::new("fp32+ckpt-matmuls", Precision::Fp32, Checkpointing::Matmuls),
+    StepRecipe::new(
+        "fp32+ckpt-first-matmul",
+        Precision::Fp32,
+        Checkpointing::FirstMatmul,
+    ),
 ];
 
 impl StepRecipe {
