@@ -276,7 +276,6 @@ fn measured_rank_events(
 }
 
 fn assert_same_rank_timeline(config: &TrainConfig, stage: ZeroStage, bucket_bytes: usize) {
-    use super::step::OptimizerShard;
     let measured = measured_rank_events(config, stage.index() as u8, bucket_bytes);
     let shard = super::step::OptimizerShard {
         stage,

@@ -131,6 +131,62 @@ fn column(profile: &Profile, cell: impl Fn(&Timeline) -> String) -> Vec<String> 
     profile.runs.iter().map(cell).collect()
 }
 
+/// `tinyllm profile --policies`: for each recorded run, what its first forward pass held for
+/// backward and its steady-state peak, measured beside the plan's prediction (to the byte
+/// when the replica is right), its median step time, and what its updates allocated beyond
+/// the gradients, in units of 4P.
+pub fn policy_table(profile: &Profile, plan: &MemoryPlan) -> String {
+    let four_p = 4 * plan.parameters;
+    let mut text = format!(
+        "{:<30}{:>16}{:>16}{:>16}{:>16}{:>10}{:>12}\n",
+        "checkpoint policy, bytes",
+        "held measured",
+        "held predicted",
+        "peak measured",
+        "peak predicted",
+        "step s",
+        "update/4P"
+    );
+    for run in &profile.runs {
+        let predicted = plan
+            .policies
+            .iter()
+            .find(|policy| policy.checkpointing == run.checkpointing);
+        let cell = |value: Option<u64>| value.map_or("-".into(), thousands);
+        let held = run.held_for_backward();
+        let _ = writeln!(
+            text,
+            "  {:<28}{:>16}{:>16}{:>16}{:>16}{:>10}{:>12}",
+            run.checkpointing.policy_name().unwrap_or(&run.label),
+            cell(held),
+            cell(predicted.map(|p| p.held_bytes)),
+            thousands(run.peak().bytes),
+            cell(predicted.map(|p| p.peak_bytes)),
+            run.median_step_seconds()
+                .map_or("-".into(), |s| format!("{s:.3}")),
+            run.update_extra()
+                .map_or("-".into(), |b| format!("{:.2}", b as f64 / four_p as f64)),
+        );
+        if let Some(p) = predicted
+            && p.peak_bytes != run.peak().bytes
+        {
+            let _ = writeln!(
+                text,
+                "    (peak off the plan by {:+.3}%)",
+                100.0 * relative_error(p.peak_bytes, run.peak().bytes)
+            );
+        }
+    }
+    let _ = writeln!(
+        text,
+        "  held: bytes the first micro-batch's forward pass leaves for its backward; step s: the \
+         median step, the meter's recording included; update/4P: the update's allocations \
+         beyond the gradients in units of 4P = {} B",
+        thousands(four_p)
+    );
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,60 +253,4 @@ mod tests {
         assert_eq!(losses.len(), 2);
         assert_eq!(losses[0], losses[1]);
     }
-}
-
-/// `tinyllm profile --policies`: for each recorded run, what its first forward pass held for
-/// backward and its steady-state peak, measured beside the plan's prediction (to the byte
-/// when the replica is right), its median step time, and what its updates allocated beyond
-/// the gradients, in units of 4P.
-pub fn policy_table(profile: &Profile, plan: &MemoryPlan) -> String {
-    let four_p = 4 * plan.parameters;
-    let mut text = format!(
-        "{:<30}{:>16}{:>16}{:>16}{:>16}{:>10}{:>12}\n",
-        "checkpoint policy, bytes",
-        "held measured",
-        "held predicted",
-        "peak measured",
-        "peak predicted",
-        "step s",
-        "update/4P"
-    );
-    for run in &profile.runs {
-        let predicted = plan
-            .policies
-            .iter()
-            .find(|policy| policy.checkpointing == run.checkpointing);
-        let cell = |value: Option<u64>| value.map_or("-".into(), thousands);
-        let held = run.held_for_backward();
-        let _ = writeln!(
-            text,
-            "  {:<28}{:>16}{:>16}{:>16}{:>16}{:>10}{:>12}",
-            run.checkpointing.policy_name().unwrap_or(&run.label),
-            cell(held),
-            cell(predicted.map(|p| p.held_bytes)),
-            thousands(run.peak().bytes),
-            cell(predicted.map(|p| p.peak_bytes)),
-            run.median_step_seconds()
-                .map_or("-".into(), |s| format!("{s:.3}")),
-            run.update_extra()
-                .map_or("-".into(), |b| format!("{:.2}", b as f64 / four_p as f64)),
-        );
-        if let Some(p) = predicted
-            && p.peak_bytes != run.peak().bytes
-        {
-            let _ = writeln!(
-                text,
-                "    (peak off the plan by {:+.3}%)",
-                100.0 * relative_error(p.peak_bytes, run.peak().bytes)
-            );
-        }
-    }
-    let _ = writeln!(
-        text,
-        "  held: bytes the first micro-batch's forward pass leaves for its backward; step s: the \
-         median step, the meter's recording included; update/4P: the update's allocations \
-         beyond the gradients in units of 4P = {} B",
-        thousands(four_p)
-    );
-    text
 }
