@@ -64,7 +64,8 @@ pub struct KeepPolicy {
 }
 
 impl KeepPolicy {
-    /// Keeps no named result: the rerun recomputes everything (plain checkpointing).
+    /// Keeps no named result: the rerun recomputes everything (plain checkpointing). The
+    /// same as [`KeepPolicy::default`].
     pub fn nothing() -> Self {
         Self::default()
     }
@@ -570,5 +571,15 @@ mod tests {
         let recording = FrameGuard::recording();
         keep_product("other", || x.matmul(&w));
         assert!(recording.finish().values.is_empty());
+    }
+
+    #[test]
+    fn policies_say_what_they_keep() {
+        let (nothing, everything) = (KeepPolicy::nothing(), KeepPolicy::everything());
+        assert!(everything.keeps("anything") && !nothing.keeps("anything"));
+        assert_ne!(everything, nothing);
+        assert_eq!(KeepPolicy::default(), nothing);
+        assert_eq!(KeepPolicy::only(["a", "b"]).names(), ["a", "b"]);
+        assert!(everything.names().is_empty() && nothing.names().is_empty());
     }
 }
