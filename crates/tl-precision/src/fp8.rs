@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use tl_numerics::{Format, RangeCounts, round_slice_saturating_counting};
 use tl_tensor::kernels::gemm::matmul as gemm;
 use tl_tensor::ndarray::{ArrayD, Ix2, IxDyn};
-use tl_tensor::{Element, Tensor, in_backward, is_grad_enabled};
+use tl_tensor::{Element, Tensor, in_backward};
 
 use crate::error::{PrecisionError, Result};
 
@@ -236,6 +236,15 @@ pub struct Fp8State {
     pub recipe: Fp8Recipe,
     /// One entry per fp8 linear layer, in the model's order.
     pub layers: Vec<LinearScales>,
+    /// Whether the forward casts record their amaxes and counts: on by default, off while a
+    /// model is evaluated (the trainer's validation). Not saved: a loaded state observes.
+    #[serde(skip, default = "observing_by_default")]
+    pub observing: bool,
+}
+
+/// [`Fp8State::observing`] of a new or loaded state.
+fn observing_by_default() -> bool {
+    true
 }
 
 impl Fp8State {
@@ -248,6 +257,7 @@ impl Fp8State {
         Ok(Fp8State {
             recipe,
             layers: vec![LinearScales::hybrid(); layers],
+            observing: true,
         })
     }
 
@@ -311,9 +321,12 @@ impl Fp8State {
 /// (`dx = rd(g·s_g)·rd(w·s_w)ᵀ / (s_g·s_w)`, `dw = rd(x·s_x)ᵀ·rd(g·s_g) / (s_x·s_g)`); the
 /// gradient reaches `x` and `w` as if the casts were the identity (straight through).
 ///
-/// Every cast records its tensor's amax and its range counts in `state`, while gradients
-/// are recorded (training) and outside a checkpoint's rerun (which repeats a forward the
-/// step has already seen); the scales change only in [`Fp8State::update`].
+/// Every cast records its tensor's amax and its range counts in `state` while the state is
+/// [`observing`](Fp8State::observing) and outside a backward pass: the forward pass of a
+/// training step (a checkpointed segment's forward, which runs without a graph, included),
+/// not a checkpoint's rerun, which repeats a forward the step has already seen, nor an
+/// evaluation, during which the trainer turns observing off. The scales change only in
+/// [`Fp8State::update`].
 ///
 /// # Panics
 /// If `w` is not 2-D, the inner sizes differ, or `layer` is not a layer of `state`.
@@ -330,7 +343,7 @@ pub fn fp8_matmul<E: Element>(
     );
     let (k, n) = (w_shape[0], w_shape[1]);
     let rows = x.numel() / k.max(1);
-    let record = is_grad_enabled() && !in_backward();
+    let record = state.borrow().observing && !in_backward();
     let (s_x, s_w) = {
         let state = state.borrow();
         let scales = &state.layers[layer];
@@ -609,5 +622,25 @@ mod tests {
             layer.grad.counts.saturated, 1,
             "0.3 · 1024 = 307 > 57344? no: see below"
         );
+    }
+
+    #[test]
+    fn a_state_that_is_not_observing_records_nothing() {
+        let state = Rc::new(RefCell::new(
+            Fp8State::new(Fp8Recipe::default(), 1).unwrap(),
+        ));
+        let x = Tensor::<f32>::param(tl_tensor::ndarray::arr2(&[[3.0, -5.0]]).into_dyn());
+        let w = Tensor::<f32>::param(tl_tensor::ndarray::arr2(&[[0.5], [0.25]]).into_dyn());
+        state.borrow_mut().observing = false;
+        let _ = fp8_matmul(&x, &w, &state, 0);
+        assert_eq!(state.borrow().layers[0].input.pending, 0.0);
+        state.borrow_mut().observing = true;
+        // Without a graph too (a checkpointed segment's forward pass): recorded.
+        let _ = {
+            let _off = tl_tensor::no_grad();
+            fp8_matmul(&x, &w, &state, 0)
+        };
+        let layer = &state.borrow().layers[0];
+        assert_eq!((layer.input.pending, layer.weight.pending), (5.0, 0.5));
     }
 }

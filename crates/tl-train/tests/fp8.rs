@@ -165,3 +165,66 @@ fn compare_gives_fp8_to_the_recipe_and_not_to_the_fp32_baseline() {
     assert_eq!(report.baseline_config.fp8, None);
     assert!(report.recipe.val_loss.unwrap().is_finite());
 }
+
+#[test]
+fn a_checkpointed_fp8_run_records_every_layers_amaxes_and_evaluation_none() {
+    // A checkpointed block's forward pass runs without a graph; its casts must record all
+    // the same (they once did not, and its layers' input and weight scales stayed at 1).
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("ckpt");
+    let out = run.to_str().unwrap();
+    let args = train_args(
+        out,
+        &["--fp8", "--steps", "4", "--checkpoint-policy", "matmuls"],
+    );
+    assert_eq!(tinyllm(&args).unwrap(), Exit::Success);
+    let state = snapshot::load(&run)
+        .unwrap()
+        .state
+        .fp8
+        .expect("an fp8 state");
+    for (i, layer) in state.layers.iter().enumerate() {
+        for s in layer.all() {
+            assert_eq!(s.history.len(), 4);
+            assert!(
+                s.history.iter().all(|&amax| amax > 0.0) && s.scale != 1.0,
+                "layer {i}: {s:?}"
+            );
+        }
+    }
+    // The same run, plain, saw the same amaxes: the policy changes no value.
+    let plain = dir.path().join("plain");
+    let args = train_args(plain.to_str().unwrap(), &["--fp8", "--steps", "4"]);
+    assert_eq!(tinyllm(&args).unwrap(), Exit::Success);
+    let plain_state = snapshot::load(&plain).unwrap().state.fp8.unwrap();
+    assert_eq!(plain_state, state);
+}
+
+#[test]
+fn evaluation_records_no_amax() {
+    // Evaluation runs without a graph, as a checkpoint's forward does, but is not a step
+    // the scales should learn from: the trainer stops observing while it evaluates.
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = read_config(&{
+        let run = dir.path().join("template");
+        let args = train_args(run.to_str().unwrap(), &["--fp8", "--steps", "1"]);
+        assert_eq!(tinyllm(&args).unwrap(), Exit::Success);
+        run
+    })
+    .unwrap();
+    config.checkpointing = tl_train::model::Checkpointing::PerBlock;
+    let mut trainer = tl_train::train::Trainer::new(config, &dir.path().join("run")).unwrap();
+    let loss = trainer.validation_loss();
+    assert!(loss.is_finite());
+    trainer.save().unwrap();
+    let state = snapshot::load(&dir.path().join("run"))
+        .unwrap()
+        .state
+        .fp8
+        .unwrap();
+    for layer in &state.layers {
+        for s in layer.all() {
+            assert_eq!((s.pending, s.history.len()), (0.0, 0), "{s:?}");
+        }
+    }
+}

@@ -698,6 +698,45 @@ mod tests {
         }
     }
 
+    /// fp8 meets the keep policies: a kept fp8 product is given back to the rerun's
+    /// `fp8_matmul`, which records its node (the VJP casts the gradient to E5M2 with the
+    /// layer's scale) without multiplying, and the rerun records no second amax.
+    #[test]
+    fn keep_policies_under_fp8_match_the_plain_fp8_run() {
+        let config = ModelConfig {
+            n_layers: 3,
+            ..micro_config(0.25)
+        };
+        let model = Llama::<f32>::new(&config, 4).unwrap();
+        let layers = model.fp8_layer_names().len();
+        let fresh_state = || {
+            Rc::new(RefCell::new(
+                tl_precision::Fp8State::new(tl_precision::Fp8Recipe::default(), layers).unwrap(),
+            ))
+        };
+        let start = model.dropout_generator().state();
+        let run = |checkpointing| {
+            let state = fresh_state();
+            model.set_fp8(Some(Rc::clone(&state))).unwrap();
+            model.set_checkpointing(checkpointing);
+            model.dropout_generator().set_state(&start);
+            let result = loss_and_gradients(&model);
+            let recorded = serde_json::to_string(&*state.borrow()).unwrap();
+            (result, recorded)
+        };
+        let plain = run(Checkpointing::Off);
+        for checkpointing in [
+            Checkpointing::PerBlock,
+            Checkpointing::Matmuls,
+            Checkpointing::FirstMatmul,
+        ] {
+            let other = run(checkpointing);
+            assert!(other.0 == plain.0, "{checkpointing:?}: gradients");
+            assert_eq!(other.1, plain.1, "{checkpointing:?}: recorded amaxes");
+        }
+        model.set_fp8(None).unwrap();
+    }
+
     /// A keep policy saves the rerun its kept products: the backward of a checkpointed run
     /// allocates the same as per-block checkpointing's, less one output per kept projection
     /// of every rerun block (three checkpointed blocks of four here; the last is not rerun).

@@ -82,6 +82,10 @@ fn policies(out: &mut String, plan: &MemoryPlan) {
             mib(policy.peak_bytes),
         );
     }
+    let _ = writeln!(
+        out,
+        "  (the last block is never rerun: its backward comes first, so it keeps every activation)"
+    );
     let update = plan.policies[0].update_extra_bytes;
     let _ = writeln!(
         out,

@@ -877,6 +877,13 @@ impl Trainer {
         let _no_graph = no_grad();
         let _autocast = self.config.autocast();
         self.model.set_training(false);
+        // Evaluation is not a step the fp8 scales should learn from.
+        let fp8_observing = |on: bool| {
+            if let Some(state) = &self.fp8 {
+                state.borrow_mut().observing = on;
+            }
+        };
+        fp8_observing(false);
         let (mut total, mut rows) = (0.0, 0);
         for batch in &self.validation {
             let loss = self
@@ -886,6 +893,7 @@ impl Trainer {
             total += f64::from(loss.item()) * batch.rows as f64;
             rows += batch.rows;
         }
+        fp8_observing(true);
         self.model.set_training(true);
         total / rows as f64
     }
