@@ -63,7 +63,8 @@ pub(crate) const LEARNER_CRATES: [LearnerCrate; 2] = [
         dir: "crates/tl-recompute",
         guides: &[("", "docs/activation-checkpointing.md")],
         starter: RECOMPUTE_STARTER,
-        kept: &[],
+        // The keep policies of selective checkpointing (issue 24).
+        kept: &["policy.rs"],
     },
 ];
 
@@ -496,8 +497,12 @@ mod tests {
         assert!(cast.contains("todo!(\"L11.1: cast — see docs/mixed-precision.md\")"));
         assert!(!cast.contains("fn cast_vjp"), "private helpers go");
         assert!(!cast.contains("mod tests"), "the reference's tests go");
-        for kept in ["fp8.rs", "tensor_core.rs"] {
-            let path = format!("crates/tl-precision/src/{kept}");
+        for kept in [
+            "tl-precision/src/fp8.rs",
+            "tl-precision/src/tensor_core.rs",
+            "tl-recompute/src/policy.rs",
+        ] {
+            let path = format!("crates/{kept}");
             let learner = fs::read(into.join(&path)).unwrap();
             assert_eq!(
                 learner,

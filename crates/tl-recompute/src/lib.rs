@@ -37,15 +37,15 @@
 mod checkpoint;
 mod error;
 mod keep;
+pub mod policy;
 mod schedule;
 mod sequential;
 mod verify;
 
 pub use checkpoint::{CheckpointOptions, checkpoint, checkpoint_with};
 pub use error::{RecomputeError, Result};
-pub use keep::{
-    KeepPolicy, KeepingGuard, keep_for_rerun, keep_named, keep_policy, keep_product, keeping,
-};
+pub use keep::keep_for_rerun;
+pub use policy::{KeepPolicy, KeepingGuard, keep_named, keep_policy, keep_product, keeping};
 pub use schedule::{
     ScheduleCost, checkpoint_schedule, schedule_cost, segment_sizes, uniform_schedule,
 };

@@ -7,7 +7,7 @@
 //! gradient is `S` times larger while it passes through fp16, and divides by `S` after. This
 //! module measures both sides of that trade on one batch:
 //!
-//! - [`reference`]: the f32 gradients of every parameter, the reference;
+//! - [`reference()`]: the f32 gradients of every parameter, the reference;
 //! - [`Histogram`]: the histogram of `log2 |g|` over the nonzero entries, all parameters
 //!   together and per [`ParamKind`], with the shares below 2^-24 and 2^-14;
 //! - [`scale_window`]: the loss scales that put 99.9% of the scaled entries `S·g` in fp16's

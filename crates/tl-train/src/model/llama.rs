@@ -73,8 +73,8 @@ impl Checkpointing {
     ];
 
     /// What each checkpointed segment keeps for its rerun: names of the model's results (the
-    /// attention's [`ATTENTION`](super::causal_attention::ATTENTION) and the projections'
-    /// [`LAYER_NAMES`](super::fp8::LAYER_NAMES)). Empty when nothing is checkpointed.
+    /// attention's [`ATTENTION`] and the projections'
+    /// [`LAYER_NAMES`]). Empty when nothing is checkpointed.
     pub fn keep_policy(self) -> KeepPolicy {
         match self {
             Checkpointing::Off => KeepPolicy::nothing(),
