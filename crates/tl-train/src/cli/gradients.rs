@@ -147,10 +147,9 @@ pub fn summary(report: &GradientReport) -> String {
     );
     let _ = writeln!(
         text,
-        "{:<10}{:>16}{:>16}{:>14}\n",
+        "{:<10}{:>16}{:>16}{:>14}",
         "log2 S", "fp16 error", "bf16 error", "fp16 flushed"
-    )
-    .map(|()| text.pop());
+    );
     let run = |format: &str, k: i32| {
         report
             .sweep
