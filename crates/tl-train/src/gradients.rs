@@ -518,11 +518,19 @@ pub fn render_histogram_chart(report: &GradientReport) -> Result<String> {
             end: log2_fp16_max(),
         },
     ];
+    // bf16's thresholds: shaded when the data reaches them, named on the axis otherwise.
+    let mut notes = Vec::new();
     if lowest <= -110 {
         bands.push(Band {
             label: "bf16 subnormal (2^-133 .. 2^-126)".into(),
             start: -133.0,
             end: -126.0,
+        });
+    } else {
+        notes.push(Note {
+            label: "bf16: normal from 2^-126, subnormal to 2^-133 (far left of this axis)".into(),
+            point: (f64::from(lowest) + 0.5, 0.0),
+            series: 0,
         });
     }
     let title = format!("log2 |g| of the f32 gradients, {}", report.weights);
@@ -536,7 +544,7 @@ pub fn render_histogram_chart(report: &GradientReport) -> Result<String> {
             log_y: false,
         },
         bands: &bands,
-        notes: &[],
+        notes: &notes,
         y_from_zero: true,
     };
     render_annotated_chart(&chart).map_err(TrainError::from)
@@ -777,6 +785,7 @@ mod tests {
         assert_eq!(back, report);
         let histogram = std::fs::read_to_string(histogram).unwrap();
         assert!(histogram.contains("<svg") && histogram.contains("fp16 normal"));
+        assert!(histogram.contains("fp16 subnormal") && histogram.contains("bf16"));
         assert!(histogram.contains("attention") && histogram.contains("head"));
         let sweep_chart = std::fs::read_to_string(sweep_chart).unwrap();
         assert!(sweep_chart.contains("bf16") && sweep_chart.contains("non-finite"));
