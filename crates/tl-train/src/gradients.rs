@@ -460,7 +460,10 @@ pub fn measure(
         &Generator::new(seed ^ BATCH_STREAM),
     );
     let (loss, gradients) = reference(model, &batch)?;
-    let all: Vec<f32> = gradients.iter().flat_map(|g| g.values.clone()).collect();
+    let all: Vec<f32> = gradients
+        .iter()
+        .flat_map(|g| g.values.iter().copied())
+        .collect();
     let mut sweep_runs = sweep(model, &batch, &gradients, Format::Fp16, &SWEEP_EXPONENTS)?;
     sweep_runs.extend(sweep(
         model,

@@ -120,6 +120,7 @@ impl<E: Element> Tensor<E> {
 mod tests {
     use super::*;
     use crate::memory;
+    use crate::ops::matmul_with::tests::Naive;
     use crate::testing::random_array;
     use crate::{Generator, ProductKernel};
     use std::sync::Arc;
@@ -168,49 +169,9 @@ mod tests {
         given_equals_computed(|x, w| x.matmul_plain(w));
     }
 
-    /// The product by definition, one sum at a time.
-    #[derive(Debug)]
-    struct Exact;
-
-    fn exact<E: Element>(m: usize, k: usize, n: usize, a: &[E], b: &[E], out: &mut [E], add: bool) {
-        for i in 0..m {
-            for j in 0..n {
-                let sum = (0..k).fold(E::zero(), |sum, p| sum + a[i * k + p] * b[p * n + j]);
-                out[i * n + j] = if add { out[i * n + j] + sum } else { sum };
-            }
-        }
-    }
-
-    impl ProductKernel for Exact {
-        fn product_f32(
-            &self,
-            m: usize,
-            k: usize,
-            n: usize,
-            a: &[f32],
-            b: &[f32],
-            out: &mut [f32],
-            add: bool,
-        ) {
-            exact(m, k, n, a, b, out, add);
-        }
-        fn product_f64(
-            &self,
-            m: usize,
-            k: usize,
-            n: usize,
-            a: &[f64],
-            b: &[f64],
-            out: &mut [f64],
-            add: bool,
-        ) {
-            exact(m, k, n, a, b, out, add);
-        }
-    }
-
     #[test]
     fn a_given_kernel_product_records_its_node_without_multiplying() {
-        let kernel: Arc<dyn ProductKernel> = Arc::new(Exact);
+        let kernel: Arc<dyn ProductKernel> = Arc::new(Naive);
         given_equals_computed(|x, w| x.matmul_with(w, &kernel));
     }
 

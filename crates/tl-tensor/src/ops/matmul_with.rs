@@ -282,7 +282,7 @@ impl<E: Element> Tensor<E> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::Generator;
     use crate::testing::random_array;
@@ -290,7 +290,7 @@ mod tests {
     /// A kernel that sums each output in plain f64 order, and counts nothing: with integer
     /// operands every order gives the same result, so it must equal the plain product.
     #[derive(Debug)]
-    struct Naive;
+    pub(crate) struct Naive;
 
     fn naive<E: Element>(
         m: usize,

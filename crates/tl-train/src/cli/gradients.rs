@@ -99,7 +99,7 @@ pub(super) fn gradients(args: &GradientsArgs) -> Result<Exit> {
 
 /// The report in a few tables: the shares below fp16's thresholds per kind, the window of
 /// scales, the sweep, and where fp16 beats bf16.
-pub fn summary(report: &GradientReport) -> String {
+fn summary(report: &GradientReport) -> String {
     let mut text = format!(
         "loss {:.4} nats per token\n{:<12}{:>12}{:>12}{:>14}{:>14}{:>18}\n",
         report.loss, "gradients", "entries", "zeros", "< 2^-24", "< 2^-14", "log2 |g| range"

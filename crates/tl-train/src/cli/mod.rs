@@ -378,3 +378,24 @@ pub enum CliError {
     /// The command ran and failed.
     Run(crate::TrainError),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::ValueEnum;
+
+    #[test]
+    fn the_policy_flag_names_each_policy_as_checkpointing_does() {
+        // The names live twice (clap's, from the variants, and `policy_name`): they agree,
+        // and every policy of `Checkpointing::POLICIES` has its flag value.
+        let flags: Vec<Checkpointing> = CheckpointPolicy::value_variants()
+            .iter()
+            .map(|policy| {
+                let name = policy.to_possible_value().unwrap().get_name().to_string();
+                assert_eq!(Some(name.as_str()), policy.checkpointing().policy_name());
+                policy.checkpointing()
+            })
+            .collect();
+        assert!(Checkpointing::POLICIES.iter().all(|p| flags.contains(p)));
+    }
+}

@@ -130,19 +130,15 @@ impl DryRun {
         v: &Handle,
         tag: Tag,
     ) -> Handle {
-        let kept = if self.frame_keeps(ATTENTION) {
-            self.take_kept()
-        } else {
-            None
-        };
-        let output = match kept {
+        let keeps = self.frame_keeps(ATTENTION);
+        let output = match keeps.then(|| self.take_kept()).flatten() {
             Some(kept) => {
                 let saved = [q, k, v].map(|h| self.share(h)).into();
                 self.record_on(kept, &[q, k, v], Vjp::Saved(saved))
             }
             None => {
                 let output = self.saving(&[q, k, v], &[q, k, v], q.bytes, tag);
-                if self.frame_keeps(ATTENTION) {
+                if keeps {
                     self.keep_for_rerun(&output);
                 }
                 output

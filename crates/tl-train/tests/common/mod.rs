@@ -60,22 +60,10 @@ pub fn run_error(args: &[&str]) -> TrainError {
 /// `tinyllm compare` on the tiny preset (6 steps, 2 × 2 sequences) with `extra` flags, into
 /// `out`; its report.
 pub fn tiny_compare(out: &Path, extra: &[&str]) -> tl_train::compare::Comparison {
-    let mut args = vec![
-        "compare",
-        "--preset",
-        "tiny",
-        "--steps",
-        "6",
-        "--micro-batch",
-        "2",
-        "--accum",
-        "2",
-        "--corpus-bytes",
-        "40000",
-        "--quiet",
-        "--out",
-        out.to_str().unwrap(),
-    ];
+    // TINY_TRAIN's model and batches, for compare.
+    let mut args = vec!["compare"];
+    args.extend_from_slice(&TINY_TRAIN[1..]);
+    args.extend(["--steps", "6", "--out", out.to_str().unwrap()]);
     args.extend(extra);
     tinyllm(&args).unwrap();
     serde_json::from_slice(&fs::read(out.join("comparison.json")).unwrap()).unwrap()
