@@ -50,6 +50,18 @@ pub enum TrainError {
         /// What was expected.
         reason: String,
     },
+    /// A file given on the command line (or a run's own small file) longer than the bound
+    /// for its kind: refused without reading past the bound, so a device that never ends
+    /// (`/dev/zero`) is refused too.
+    #[error("{}: larger than the {} bytes allowed for {name}", path.display(), limit)]
+    FileTooLarge {
+        /// The flag or file kind (`--config`, `--prompt-file`, `config.json`).
+        name: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The most bytes allowed.
+        limit: u64,
+    },
     /// A data file that cannot be used.
     #[error(transparent)]
     Data(#[from] crate::data::DataError),

@@ -158,9 +158,12 @@ pub fn hf_config(config: &ModelConfig) -> serde_json::Value {
 /// Exports the latest checkpoint of `run_dir` to `to` (see [`export_model`]).
 ///
 /// # Errors
-/// [`TrainError::Checkpoint`] when `run_dir` has no checkpoint or it is damaged (from
-/// [`load_model`]); then those of [`export_model`]. Nothing is written on any error.
+/// [`TrainError::InvalidArgument`] when `to` is `run_dir`, holds it or lies inside it
+/// (symbolic links resolved): replacing `to` would delete the run. [`TrainError::Checkpoint`]
+/// when `run_dir` has no checkpoint or it is damaged (from [`load_model`]); then those of
+/// [`export_model`]. Nothing is written on any error.
 pub fn export_run(run_dir: &Path, to: &Path, force: bool) -> Result<Exported> {
+    check_apart(run_dir, to)?;
     check_target(to, force)?;
     let (train_config, model) = load_model(run_dir)?;
     let step = crate::train::snapshot::latest_step(run_dir)?;
@@ -170,6 +173,70 @@ pub fn export_run(run_dir: &Path, to: &Path, force: bool) -> Result<Exported> {
         config: train_config.model,
         dir: to.to_path_buf(),
     })
+}
+
+/// Refuses a target that is the run, holds it, or lies inside it, once both paths are
+/// resolved (`.`, `..` and symbolic links): the export replaces its target whole, and
+/// `--force` on a directory holding the run would delete every checkpoint of it.
+fn check_apart(run_dir: &Path, to: &Path) -> Result<()> {
+    // A run that cannot be resolved is no run to lose: loading it says what is wrong.
+    let Ok(run) = fs::canonicalize(run_dir) else {
+        return Ok(());
+    };
+    let target = resolve_partly(to).map_err(|error| TrainError::io(to, error))?;
+    let relation = if target == run {
+        "is the run directory itself"
+    } else if run.starts_with(&target) {
+        "holds the run directory"
+    } else if target.starts_with(&run) {
+        "lies inside the run directory"
+    } else {
+        return Ok(());
+    };
+    Err(TrainError::InvalidArgument {
+        name: "--to",
+        value: to.display().to_string(),
+        reason: format!(
+            "{relation} --from {} (resolved: {} and {}); export elsewhere",
+            run_dir.display(),
+            target.display(),
+            run.display()
+        ),
+    })
+}
+
+/// `path` made absolute with every link resolved, for a path whose last components need
+/// not exist yet: the longest existing prefix is resolved and the rest appended.
+fn resolve_partly(path: &Path) -> std::io::Result<PathBuf> {
+    let absolute = std::path::absolute(path)?;
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    loop {
+        match fs::canonicalize(existing) {
+            Ok(mut resolved) => {
+                for component in rest.iter().rev() {
+                    match component {
+                        std::path::Component::ParentDir => {
+                            resolved.pop();
+                        }
+                        std::path::Component::CurDir => {}
+                        other => resolved.push(other),
+                    }
+                }
+                return Ok(resolved);
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                let (Some(parent), Some(last)) =
+                    (existing.parent(), existing.components().next_back())
+                else {
+                    return Err(error);
+                };
+                rest.push(last);
+                existing = parent;
+            }
+            Err(error) => return Err(error),
+        }
+    }
 }
 
 /// Refuses a `to` that is a file, or a non-empty directory without `force`.

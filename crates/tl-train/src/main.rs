@@ -29,6 +29,7 @@ fn main() -> ExitCode {
 fn exit_status(error: &TrainError) -> u8 {
     match error {
         TrainError::InvalidArgument { .. }
+        | TrainError::FileTooLarge { .. }
         | TrainError::InvalidConfig { .. }
         | TrainError::ConfigFile { .. }
         | TrainError::UnknownPreset { .. }

@@ -43,6 +43,30 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
+/// The bytes of `path`, refusing a file longer than `limit` bytes without reading past
+/// the limit (a device such as `/dev/zero` never ends, and a file can grow while it is
+/// read): the allocation is bounded by `limit + 1` whatever the file claims to be.
+///
+/// # Errors
+/// [`TrainError::Io`] when the file cannot be read; [`TrainError::FileTooLarge`] naming
+/// `name` (the flag or the kind of file) and the bound.
+pub fn read_bounded(path: &Path, limit: u64, name: &'static str) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let file = fs::File::open(path).map_err(|source| TrainError::io(path, source))?;
+    let mut bytes = Vec::new();
+    file.take(limit.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(|source| TrainError::io(path, source))?;
+    if bytes.len() as u64 > limit {
+        return Err(TrainError::FileTooLarge {
+            name,
+            path: path.to_path_buf(),
+            limit,
+        });
+    }
+    Ok(bytes)
+}
+
 /// Whether `name` is one of [`write_atomic`]'s temporary files.
 pub(crate) fn is_temporary(name: &str) -> bool {
     name.starts_with('.') && name.ends_with(".tmp")
@@ -72,8 +96,12 @@ pub(crate) fn fault_point() {
 /// checkpoint's files can be checked by hand with `sha256sum -c SHA256SUMS`.
 pub fn fingerprint(bytes: &[u8]) -> String {
     use sha2::{Digest, Sha256};
-    let digest = Sha256::digest(bytes);
-    digest.iter().map(|byte| format!("{byte:02x}")).collect()
+    hex(&Sha256::digest(bytes))
+}
+
+/// Bytes as lowercase hex digits.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 /// A named `f32` tensor: its shape and row-major values.
@@ -107,6 +135,162 @@ pub fn encode_tensors(tensors: &[NamedTensor], metadata: &[(&str, &str)]) -> Vec
     } else {
         with_metadata(&plain, metadata)
     }
+}
+
+/// Where the values of a tensor come from when a file of tensors is streamed to disk
+/// ([`write_tensors_atomic`]): borrowed or shared, never copied whole.
+pub enum Values<'a> {
+    /// Values in memory.
+    F32(&'a [f32]),
+    /// `f64` values each exactly an `f32` (AdamW's saved moments of `f32` weights).
+    Narrowed(&'a [f64]),
+    /// A tensor's storage, read in place.
+    Tensor(tl_tensor::Tensor<f32>),
+    /// This many zeros.
+    Zeros(usize),
+}
+
+impl Values<'_> {
+    /// The same values, borrowed again (a tensor's handle cloned).
+    pub fn share(&self) -> Values<'_> {
+        match self {
+            Values::F32(values) => Values::F32(values),
+            Values::Narrowed(values) => Values::Narrowed(values),
+            Values::Tensor(tensor) => Values::Tensor(tensor.clone()),
+            Values::Zeros(n) => Values::Zeros(*n),
+        }
+    }
+
+    /// How many values there are.
+    fn len(&self) -> usize {
+        match self {
+            Values::F32(values) => values.len(),
+            Values::Narrowed(values) => values.len(),
+            Values::Tensor(tensor) => tensor.numel(),
+            Values::Zeros(n) => *n,
+        }
+    }
+
+    /// Hands the values to `sink` in order, as little-endian bytes, a chunk at a time.
+    fn write_le(&self, sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
+        const CHUNK: usize = 1 << 14;
+        let mut buffer = Vec::with_capacity(4 * CHUNK);
+        let mut flush = |values: &mut dyn Iterator<Item = f32>| -> std::io::Result<()> {
+            loop {
+                buffer.clear();
+                buffer.extend(values.take(CHUNK).flat_map(f32::to_le_bytes));
+                if buffer.is_empty() {
+                    return Ok(());
+                }
+                sink(&buffer)?;
+            }
+        };
+        match self {
+            Values::F32(values) => flush(&mut values.iter().copied()),
+            Values::Narrowed(values) => flush(&mut values.iter().map(|&v| v as f32)),
+            Values::Tensor(tensor) => flush(&mut tensor.value().iter().copied()),
+            Values::Zeros(n) => flush(&mut std::iter::repeat_n(0.0, *n)),
+        }
+    }
+}
+
+/// A named tensor to stream into a safetensors file.
+pub struct TensorSource<'a> {
+    /// Its name in the file.
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its values, row-major.
+    pub values: Values<'a>,
+}
+
+/// Writes `tensors` as a safetensors file (F32, little-endian, `metadata` as the header's
+/// `__metadata__`) at `path`, atomically as [`write_atomic`] does, and returns the file's
+/// SHA-256 ([`fingerprint`]'s form).
+///
+/// The bytes are those [`encode_tensors`] gives for a non-empty `metadata`, but no copy of
+/// a tensor is made: each is converted a few KiB at a time on its way to the file and the
+/// hash. A checkpoint of a model of `P` parameters then costs no memory beyond the model
+/// (building the file in memory first held about 14 copies of `P` floats at once).
+///
+/// # Errors
+/// [`TrainError::Io`] naming the file that failed.
+///
+/// # Panics
+/// If a tensor's values do not fill its shape (a bug of the caller).
+pub fn write_tensors_atomic(
+    path: &Path,
+    tensors: &[TensorSource<'_>],
+    metadata: &[(&str, &str)],
+) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    let mut order: Vec<&TensorSource<'_>> = tensors.iter().collect();
+    // The safetensors crate's order (every tensor is F32): by name.
+    order.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut header = serde_json::Map::new();
+    let mut offset = 0usize;
+    for tensor in &order {
+        let n = tensor.shape.iter().product::<usize>();
+        assert_eq!(
+            n,
+            tensor.values.len(),
+            "write_tensors_atomic: {} has {} values for shape {:?}",
+            tensor.name,
+            tensor.values.len(),
+            tensor.shape
+        );
+        header.insert(
+            tensor.name.clone(),
+            serde_json::json!({
+                "dtype": "F32",
+                "shape": tensor.shape,
+                "data_offsets": [offset, offset + 4 * n],
+            }),
+        );
+        offset += 4 * n;
+    }
+    let metadata: BTreeMap<&str, &str> = metadata.iter().copied().collect();
+    header.insert(
+        "__metadata__".to_string(),
+        serde_json::to_value(metadata).expect("strings serialize"),
+    );
+    let mut header = serde_json::to_vec(&header).expect("JSON serializes");
+    while !header.len().is_multiple_of(8) {
+        header.push(b' ');
+    }
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let temporary = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let mut hasher = Sha256::new();
+    let write = |hasher: &mut Sha256| -> std::io::Result<()> {
+        fault_point();
+        let mut file = std::io::BufWriter::with_capacity(1 << 20, fs::File::create(&temporary)?);
+        fault_point();
+        let mut sink = |bytes: &[u8]| {
+            hasher.update(bytes);
+            file.write_all(bytes)
+        };
+        sink(&(header.len() as u64).to_le_bytes())?;
+        sink(&header)?;
+        for tensor in &order {
+            tensor.values.write_le(&mut sink)?;
+        }
+        let file = file
+            .into_inner()
+            .map_err(std::io::IntoInnerError::into_error)?;
+        file.sync_all()?;
+        fault_point();
+        fs::rename(&temporary, path)?;
+        fault_point();
+        if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            fs::File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    };
+    write(&mut hasher).map_err(|source| {
+        let _ = fs::remove_file(&temporary);
+        TrainError::io(path, source)
+    })?;
+    Ok(hex(&hasher.finalize()))
 }
 
 /// `plain` (safetensors bytes without metadata) with `metadata` added to its header, keys
@@ -186,6 +370,81 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(got), bits(values));
         }
+    }
+
+    #[test]
+    fn a_streamed_file_is_byte_for_byte_the_encoded_one_and_its_sum_is_the_files() {
+        let values: Vec<f32> = (0..40_000).map(|i| (i as f32).sin() * 1e3).collect();
+        let widened: Vec<f64> = values.iter().map(|&v| f64::from(v)).collect();
+        let tensor = tl_tensor::Tensor::from_vec(values[..6].to_vec(), &[2, 3]).unwrap();
+        // Out of name order on purpose, and larger than one chunk.
+        let named = vec![
+            ("z.big".to_string(), vec![200, 200], values.clone()),
+            ("a.narrowed".to_string(), vec![40_000], values.clone()),
+            ("m.tensor".to_string(), vec![2, 3], values[..6].to_vec()),
+            ("b.zeros".to_string(), vec![5], vec![0.0; 5]),
+        ];
+        let sources = [
+            TensorSource {
+                name: "z.big".into(),
+                shape: vec![200, 200],
+                values: Values::F32(&values),
+            },
+            TensorSource {
+                name: "a.narrowed".into(),
+                shape: vec![40_000],
+                values: Values::Narrowed(&widened),
+            },
+            TensorSource {
+                name: "m.tensor".into(),
+                shape: vec![2, 3],
+                values: Values::Tensor(tensor),
+            },
+            TensorSource {
+                name: "b.zeros".into(),
+                shape: vec![5],
+                values: Values::Zeros(5),
+            },
+        ];
+        let metadata = [("format", "tinyllm"), ("a", "first")];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
+        let sum = write_tensors_atomic(&path, &sources, &metadata).unwrap();
+        let written = fs::read(&path).unwrap();
+        assert_eq!(written, encode_tensors(&named, &metadata));
+        assert_eq!(sum, fingerprint(&written));
+        assert_eq!(
+            fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "no temporary left"
+        );
+    }
+
+    #[test]
+    fn a_file_longer_than_its_bound_is_refused_without_reading_past_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        fs::write(&path, [7u8; 10]).unwrap();
+        assert_eq!(read_bounded(&path, 10, "--x").unwrap(), vec![7u8; 10]);
+        let error = read_bounded(&path, 9, "--x").unwrap_err();
+        assert!(
+            matches!(
+                error,
+                TrainError::FileTooLarge {
+                    name: "--x",
+                    limit: 9,
+                    ..
+                }
+            ),
+            "{error}"
+        );
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "{}: larger than the 9 bytes allowed for --x",
+                path.display()
+            )
+        );
     }
 
     #[test]

@@ -51,6 +51,18 @@ struct Moments<E: Element> {
     exp_avg_sq: Tensor<E>,
 }
 
+/// One parameter's moments as [`AdamW::moments`] shares them: handles on the optimizer's
+/// own tensors, not copies.
+#[derive(Clone)]
+pub struct SharedMoments<E: Element> {
+    /// Steps taken with a gradient (the `t` of the bias corrections).
+    pub step: u64,
+    /// First moment `m`.
+    pub exp_avg: Tensor<E>,
+    /// Second moment `v`.
+    pub exp_avg_sq: Tensor<E>,
+}
+
 /// A snapshot of an [`AdamW`]: hyperparameters and each parameter's step count and moments,
 /// serializable.
 ///
@@ -155,6 +167,24 @@ impl<E: Element> AdamW<E> {
     /// The decoupled weight decay.
     pub fn weight_decay(&self) -> f64 {
         self.weight_decay
+    }
+
+    /// Each parameter's step count and moments, shared with the optimizer
+    /// rather than copied (a [`Tensor`] clone is a handle); `None` before its first step.
+    ///
+    /// What a checkpoint writer streams to disk: [`AdamW::state_dict`] copies every moment
+    /// into `f64`, four times the optimizer's own memory for `f32` moments.
+    pub fn moments(&self) -> Vec<Option<SharedMoments<E>>> {
+        self.states
+            .iter()
+            .map(|state| {
+                state.as_ref().map(|moments| SharedMoments {
+                    step: moments.step,
+                    exp_avg: moments.exp_avg.clone(),
+                    exp_avg_sq: moments.exp_avg_sq.clone(),
+                })
+            })
+            .collect()
     }
 
     /// The hyperparameters, step counts and moments, to save.

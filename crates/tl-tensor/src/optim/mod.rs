@@ -4,7 +4,7 @@ mod adamw;
 mod clip;
 mod sgd;
 
-pub use adamw::{AdamW, AdamWParamState, AdamWState};
+pub use adamw::{AdamW, AdamWParamState, AdamWState, SharedMoments};
 pub use clip::{clip_grad_norm, clip_grad_norm_reduced, grad_sum_squares};
 pub use sgd::{Sgd, SgdState};
 

@@ -129,7 +129,11 @@ pub(super) fn sample(args: &SampleArgs) -> Result<()> {
 fn prompt_bytes(args: &SampleArgs) -> Result<Vec<u8>> {
     let (bytes, name, value) = match (&args.prompt_file, &args.prompt) {
         (Some(path), _) => {
-            let bytes = std::fs::read(path).map_err(|source| TrainError::io(path, source))?;
+            let bytes = crate::store::read_bounded(
+                path,
+                crate::train::limits::MAX_PROMPT_FILE_BYTES,
+                "--prompt-file",
+            )?;
             (bytes, "prompt-file", path.display().to_string())
         }
         (None, Some(text)) => (text.clone().into_bytes(), "prompt", "\"\"".to_string()),

@@ -184,13 +184,47 @@ fn install_stop_handler(leader: bool) {
 
 /// The config the flags describe, on top of `--config`'s file when one is given (or the
 /// preset's defaults): what every command that takes a recipe trains, plans or times.
+///
+/// `--preset` with a file that names the model too (a `preset` key, or sizes in `[model]`) is
+/// refused unless both name the same sizes: neither may silently drop the other. With a
+/// file that leaves the model out, `--preset` chooses it.
 pub(super) fn config_from_flags(args: &TrainArgs) -> Result<TrainConfig> {
-    let file = args
-        .config
-        .as_deref()
-        .map(TrainConfig::from_file)
-        .transpose()?;
-    config_from_args(args, file.as_ref())
+    let Some(path) = args.config.as_deref() else {
+        return config_from_args(args, None);
+    };
+    let (file, names_model) = TrainConfig::from_file_naming_model(path)?;
+    if let Some(flag) = &args.recipe.preset
+        && names_model
+    {
+        let preset: Preset = flag.parse()?;
+        let same_sizes = crate::model::ModelConfig {
+            dropout: file.model.dropout,
+            ..preset.config()
+        } == file.model;
+        if !same_sizes {
+            let named = file.preset.map_or_else(
+                || {
+                    let m = &file.model;
+                    format!(
+                        "a custom model (vocab {}, d_model {}, n_layers {}, n_heads {}, \
+                         hidden {}, context {})",
+                        m.vocab, m.d_model, m.n_layers, m.n_heads, m.hidden, m.context
+                    )
+                },
+                |preset| format!("the {} preset", preset.name()),
+            );
+            return Err(TrainError::InvalidArgument {
+                name: "preset",
+                value: flag.clone(),
+                reason: format!(
+                    "--config {} names {named}: give the model in one place (drop --preset, \
+                     or the file's preset and [model] sizes)",
+                    path.display()
+                ),
+            });
+        }
+    }
+    config_from_args(args, Some(&file))
 }
 
 /// Caps a built-in corpus at `bytes` (never below the 20 windows a model's context needs),
@@ -359,13 +393,14 @@ fn check_resume_flags(args: &TrainArgs, saved: &TrainConfig, dir: &Path) -> Resu
             )
         })
         .collect();
-    Err(TrainError::checkpoint(
-        dir,
-        format!(
-            "was trained with a different config ({})",
+    Err(TrainError::InvalidArgument {
+        name: "resume",
+        value: dir.display().to_string(),
+        reason: format!(
+            "the run was trained with a different config ({}); drop the flags that differ",
             differing.join("; ")
         ),
-    ))
+    })
 }
 
 fn default_out(config: &TrainConfig) -> PathBuf {

@@ -40,12 +40,15 @@ pub fn write_profile(profile: &Profile, svg_path: &Path) -> Result<PathBuf> {
     Ok(json_path)
 }
 
+/// The largest profile read back: a step's timeline of a large model is a few MiB.
+const MAX_PROFILE_BYTES: u64 = 1 << 28;
+
 /// Reads a profile that [`write_profile`] wrote.
 ///
 /// # Errors
 /// [`TrainError::Io`] if the file cannot be read or is not a profile.
 pub fn read_profile(path: &Path) -> Result<Profile> {
-    let bytes = std::fs::read(path).map_err(|source| TrainError::io(path, source))?;
+    let bytes = crate::store::read_bounded(path, MAX_PROFILE_BYTES, "a profile")?;
     serde_json::from_slice(&bytes).map_err(|error| TrainError::io(path, error.into()))
 }
 

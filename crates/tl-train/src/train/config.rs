@@ -140,11 +140,21 @@ impl TrainConfig {
     /// run starts ([`TrainConfig::validate`]).
     ///
     /// # Errors
-    /// [`TrainError::Io`] when the file cannot be read; [`TrainError::ConfigFile`] naming
+    /// [`TrainError::Io`] when the file cannot be read; [`TrainError::FileTooLarge`] past
+    /// [`limits::MAX_CONFIG_FILE_BYTES`]; [`TrainError::ConfigFile`] naming
     /// the key (`model.d_model`, or the top level) when it is malformed, has an unknown key
     /// or a value of the wrong type.
     pub fn from_file(path: &std::path::Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| TrainError::io(path, source))?;
+        Self::from_file_naming_model(path).map(|(config, _)| config)
+    }
+
+    /// [`TrainConfig::from_file`], and whether the file names the model: a `preset` key, or
+    /// a size of `[model]` (its `dropout` is the recipe's, not the model's size).
+    ///
+    /// # Errors
+    /// As [`TrainConfig::from_file`].
+    pub fn from_file_naming_model(path: &std::path::Path) -> Result<(Self, bool)> {
+        let bytes = crate::store::read_bounded(path, limits::MAX_CONFIG_FILE_BYTES, "--config")?;
         let refuse = |key: String, reason: String| TrainError::ConfigFile {
             path: path.to_path_buf(),
             key: if key == "." || key.is_empty() {
@@ -154,11 +164,23 @@ impl TrainConfig {
             },
             reason,
         };
+        let text = String::from_utf8(bytes)
+            .map_err(|e| refuse(String::new(), format!("not UTF-8 text ({e})")))?;
         let toml = path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("toml"));
         let mut file: serde_json::Value = if toml {
-            toml::from_str(&text).map_err(|e| refuse(String::new(), e.message().to_string()))?
+            let table: toml::Table = toml::from_str(&text)
+                .map_err(|e| refuse(String::new(), e.message().to_string()))?;
+            // JSON has no NaN or infinity: converted, they would become `null`, and the
+            // error would speak of a type instead of the value.
+            if let Some((key, value)) = non_finite_float(&table) {
+                return Err(refuse(
+                    key,
+                    format!("{value} is not a finite number, which this key needs"),
+                ));
+            }
+            serde_json::to_value(table).map_err(|e| refuse(String::new(), e.to_string()))?
         } else {
             super::run_config::parse_json(text.as_bytes())
                 .map_err(|e| refuse(String::new(), e.to_string()))?
@@ -216,8 +238,31 @@ impl TrainConfig {
         {
             config.preset = None;
         }
-        Ok(config)
+        let names_model = given(&["preset"])
+            || file
+                .get("model")
+                .and_then(serde_json::Value::as_object)
+                .is_some_and(|model| model.keys().any(|key| key != "dropout"));
+        Ok((config, names_model))
     }
+}
+
+/// The first float of `table` that is NaN or infinite, with its key path (`lr.peak`).
+fn non_finite_float(table: &toml::Table) -> Option<(String, f64)> {
+    fn walk(value: &toml::Value, path: &str) -> Option<(String, f64)> {
+        match value {
+            toml::Value::Float(x) if !x.is_finite() => Some((path.to_string(), *x)),
+            toml::Value::Table(table) => table
+                .iter()
+                .find_map(|(key, value)| walk(value, &format!("{path}.{key}"))),
+            toml::Value::Array(items) => items
+                .iter()
+                .enumerate()
+                .find_map(|(index, item)| walk(item, &format!("{path}[{index}]"))),
+            _ => None,
+        }
+    }
+    table.iter().find_map(|(key, value)| walk(value, key))
 }
 
 /// Lays `over` onto `base`: tables merge key by key, anything else replaces. A table that
@@ -363,6 +408,11 @@ pub mod limits {
     pub const MAX_BUCKET_BYTES: usize = 1 << 32;
     /// `--max-loss`, nats per token.
     pub const MAX_LOSS_LIMIT: f64 = 1e6;
+    /// Bytes of a config file, `--config` or a run's `config.json`: a config is a few hundred
+    /// bytes, and the bound keeps `--config /dev/zero` from filling the memory.
+    pub const MAX_CONFIG_FILE_BYTES: u64 = 1 << 20;
+    /// Bytes of a `--prompt-file` (its bytes are the prompt's tokens).
+    pub const MAX_PROMPT_FILE_BYTES: u64 = 1 << 24;
 }
 
 impl TrainConfig {

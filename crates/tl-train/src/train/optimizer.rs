@@ -12,7 +12,6 @@ use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 
 use crate::error::Result;
 use crate::model::Llama;
-use crate::store::NamedTensor;
 
 /// AdamW as the run's ZeRO stage keeps it.
 pub enum RunOptimizer {
@@ -125,15 +124,21 @@ impl RunOptimizer {
     ///
     /// # Errors
     /// [`TrainError::Parallel`](crate::TrainError::Parallel) if a gather fails.
-    pub fn named_weights(&self, model: &Llama<f32>, keep: bool) -> Result<Vec<NamedTensor>> {
-        let copy = |(name, tensor): (String, Tensor<f32>)| (name, tensor.shape(), tensor.to_vec());
+    pub fn named_weights(
+        &self,
+        model: &Llama<f32>,
+        keep: bool,
+    ) -> Result<Vec<(String, Tensor<f32>)>> {
         let Self::Zero3(zero3) = self else {
+            // The parameters themselves (handles, not copies).
             return Ok(if keep {
-                model.named_parameters().into_iter().map(copy).collect()
+                model.named_parameters()
             } else {
                 Vec::new()
             });
         };
+        let copy =
+            |(name, tensor): (String, Tensor<f32>)| (name, Tensor::from_array(tensor.to_array()));
         // The units are the named parameters, in order: take each unit's run of them.
         let mut named = model.named_parameters().into_iter();
         let sizes: Vec<usize> = model.units().iter().map(Vec::len).collect();
@@ -149,17 +154,19 @@ impl RunOptimizer {
         Ok(weights)
     }
 
-    /// The whole state, as an unsharded AdamW holds it: a collective at ZeRO-1, which every
-    /// rank must call.
+    /// The whole state gathered from the ranks' shards, as an unsharded AdamW would hold
+    /// it (`f64` moments: 16 bytes a parameter), or `None` when this rank holds the whole
+    /// state already ([`RunOptimizer::Whole`]: save it from [`AdamW::moments`], with no
+    /// copy). A collective at ZeRO-1 to 3, which every rank must call.
     ///
     /// # Errors
     /// [`TrainError::Parallel`](crate::TrainError::Parallel) if the gather fails.
-    pub fn full_state(&mut self) -> Result<AdamWState> {
+    pub fn gathered_state(&mut self) -> Result<Option<AdamWState>> {
         Ok(match self {
-            Self::Whole(adamw) => adamw.state_dict(),
-            Self::Sharded(sharded) => sharded.full_state()?,
-            Self::Zero2(sharded) => sharded.full_state()?,
-            Self::Zero3(zero3) => zero3.full_state()?,
+            Self::Whole(_) => None,
+            Self::Sharded(sharded) => Some(sharded.full_state()?),
+            Self::Zero2(sharded) => Some(sharded.full_state()?),
+            Self::Zero3(zero3) => Some(zero3.full_state()?),
         })
     }
 }

@@ -39,17 +39,22 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tl_precision::ScalerState;
 use tl_tensor::GeneratorState;
-use tl_tensor::optim::{AdamWParamState, AdamWState};
+use tl_tensor::Tensor;
+use tl_tensor::optim::{AdamW, AdamWParamState, AdamWState};
 
 use super::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::store::{
-    NamedTensor, TensorMap, decode_tensors, encode_tensors, fault_point, fingerprint, is_temporary,
-    write_atomic,
+    TensorMap, TensorSource, Values, decode_tensors, fault_point, fingerprint, is_temporary,
+    write_atomic, write_tensors_atomic,
 };
 
 /// The version of the checkpoint layout this build writes and reads.
 pub const FORMAT_VERSION: u32 = 2;
+
+/// A parameter's two moments `(m, v)` as [`save`] streams them; `None` before its first
+/// step (saved as zeros).
+pub type MomentValues<'a> = Option<(Values<'a>, Values<'a>)>;
 
 /// AdamW's state apart from its moments.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -64,6 +69,39 @@ pub struct AdamWMeta {
     pub weight_decay: f64,
     /// Each weight's step count (0: no moments yet).
     pub steps: Vec<u64>,
+}
+
+impl AdamWMeta {
+    /// The hyperparameters and step counts of a state gathered from ZeRO's shards.
+    pub fn of_state(state: &AdamWState) -> Self {
+        Self {
+            lr: state.lr,
+            betas: state.betas,
+            eps: state.eps,
+            weight_decay: state.weight_decay,
+            steps: state
+                .params
+                .iter()
+                .map(|param| param.as_ref().map_or(0, |param| param.step))
+                .collect(),
+        }
+    }
+
+    /// The hyperparameters and step counts of a whole AdamW.
+    pub fn of_adamw(adamw: &AdamW<f32>) -> Self {
+        use tl_tensor::optim::Optimizer;
+        Self {
+            lr: adamw.learning_rate(),
+            betas: adamw.betas(),
+            eps: adamw.eps(),
+            weight_decay: adamw.weight_decay(),
+            steps: adamw
+                .moments()
+                .iter()
+                .map(|moments| moments.as_ref().map_or(0, |moments| moments.step))
+                .collect(),
+        }
+    }
 }
 
 /// `state.json`: everything but the tensors.
@@ -293,8 +331,8 @@ pub const OPTIMIZER_METADATA: &[(&str, &str)] = &[
 pub fn save(
     run_dir: &Path,
     state: RunState,
-    weights: &[NamedTensor],
-    adamw: &AdamWState,
+    weights: &[(String, Tensor<f32>)],
+    moments: &[MomentValues<'_>],
     keep: usize,
 ) -> Result<PathBuf> {
     let name = checkpoint_name(state.step);
@@ -310,22 +348,29 @@ pub fn save(
     fault_point();
     fs::create_dir_all(&staging).map_err(io(&staging))?;
 
-    let files = [
-        (MODEL_FILE, encode_tensors(weights, MODEL_METADATA)),
-        (
-            OPTIMIZER_FILE,
-            encode_tensors(&moment_tensors(weights, adamw), OPTIMIZER_METADATA),
-        ),
-        (
-            STATE_FILE,
-            serde_json::to_vec_pretty(&state).expect("the state serializes"),
-        ),
-    ];
-    let mut sums = String::new();
-    for (file, bytes) in &files {
-        write_atomic(&staging.join(file), bytes)?;
-        sums.push_str(&format!("{}  {file}\n", fingerprint(bytes)));
-    }
+    // Streamed from the tensors themselves: a checkpoint costs no second copy of the model
+    // or its optimizer state.
+    let weight_sources: Vec<TensorSource<'_>> = weights
+        .iter()
+        .map(|(name, tensor)| TensorSource {
+            name: name.clone(),
+            shape: tensor.shape(),
+            values: Values::Tensor(tensor.clone()),
+        })
+        .collect();
+    let model_sum =
+        write_tensors_atomic(&staging.join(MODEL_FILE), &weight_sources, MODEL_METADATA)?;
+    let optimizer_sum = write_tensors_atomic(
+        &staging.join(OPTIMIZER_FILE),
+        &moment_sources(weights, moments),
+        OPTIMIZER_METADATA,
+    )?;
+    let state_bytes = serde_json::to_vec_pretty(&state).expect("the state serializes");
+    write_atomic(&staging.join(STATE_FILE), &state_bytes)?;
+    let sums = format!(
+        "{model_sum}  {MODEL_FILE}\n{optimizer_sum}  {OPTIMIZER_FILE}\n{}  {STATE_FILE}\n",
+        fingerprint(&state_bytes)
+    );
     write_atomic(&staging.join(SUMS_FILE), sums.as_bytes())?;
 
     fault_point();
@@ -350,22 +395,61 @@ pub fn save(
     Ok(final_dir)
 }
 
-/// The moments of `adamw` as named tensors, zeros for weights that have none yet.
-fn moment_tensors(weights: &[NamedTensor], adamw: &AdamWState) -> Vec<NamedTensor> {
-    let mut tensors = Vec::with_capacity(2 * weights.len());
-    for ((name, shape, values), state) in weights.iter().zip(&adamw.params) {
-        let (avg, avg_sq) = match state {
-            // Moments of f32 weights are f32 values: the f64 → f32 conversion is exact.
-            Some(state) => (
-                state.exp_avg.iter().map(|&v| v as f32).collect(),
-                state.exp_avg_sq.iter().map(|&v| v as f32).collect(),
-            ),
-            None => (vec![0.0; values.len()], vec![0.0; values.len()]),
+/// The moments of each weight (`NAME.exp_avg`, `NAME.exp_avg_sq`), zeros for weights
+/// that have none yet.
+fn moment_sources<'a>(
+    weights: &[(String, Tensor<f32>)],
+    moments: &'a [MomentValues<'a>],
+) -> Vec<TensorSource<'a>> {
+    let mut sources = Vec::with_capacity(2 * weights.len());
+    for ((name, weight), moments) in weights.iter().zip(moments) {
+        let (avg, avg_sq) = match moments {
+            Some((avg, avg_sq)) => (avg.share(), avg_sq.share()),
+            None => (Values::Zeros(weight.numel()), Values::Zeros(weight.numel())),
         };
-        tensors.push((format!("{name}.exp_avg"), shape.clone(), avg));
-        tensors.push((format!("{name}.exp_avg_sq"), shape.clone(), avg_sq));
+        for (suffix, values) in [("exp_avg", avg), ("exp_avg_sq", avg_sq)] {
+            sources.push(TensorSource {
+                name: format!("{name}.{suffix}"),
+                shape: weight.shape(),
+                values,
+            });
+        }
     }
-    tensors
+    sources
+}
+
+/// The moments `(m, v)` of each parameter as [`save`] takes them, from the state gathered
+/// from ZeRO's shards (`f64` values, each exactly an `f32`).
+pub fn gathered_moments(state: &AdamWState) -> Vec<MomentValues<'_>> {
+    state
+        .params
+        .iter()
+        .map(|param| {
+            param.as_ref().map(|param| {
+                (
+                    Values::Narrowed(&param.exp_avg),
+                    Values::Narrowed(&param.exp_avg_sq),
+                )
+            })
+        })
+        .collect()
+}
+
+/// The moments `(m, v)` of each parameter as [`save`] takes them, from a whole AdamW's own
+/// tensors (shared, not copied).
+pub fn live_moments(adamw: &AdamW<f32>) -> Vec<MomentValues<'static>> {
+    adamw
+        .moments()
+        .into_iter()
+        .map(|moments| {
+            moments.map(|moments| {
+                (
+                    Values::Tensor(moments.exp_avg),
+                    Values::Tensor(moments.exp_avg_sq),
+                )
+            })
+        })
+        .collect()
 }
 
 /// Reads the checkpoint `LATEST` names in `run_dir`, checking every file against its

@@ -123,12 +123,37 @@ pub struct ResumeOptions {
     pub bucket_bytes: Option<usize>,
 }
 
-/// Loads the corpus a config names.
+/// Loads the corpus a config names, and checks that the model's vocabulary holds every
+/// token of it.
+///
+/// # Errors
+/// [`TrainError::Data`] for a file that cannot be a corpus; [`TrainError::InvalidConfig`]
+/// naming `vocab` when the data holds a token the vocabulary does not.
 pub(crate) fn load_corpus(config: &TrainConfig) -> Result<Corpus> {
-    Ok(match &config.data {
+    let corpus = match &config.data {
         DataSource::Builtin { seed, bytes } => Corpus::builtin(*seed, *bytes),
         DataSource::File { path } => Corpus::from_file(path, config.model.context)?,
-    })
+    };
+    let vocab = config.model.vocab;
+    let outside = corpus
+        .train
+        .iter()
+        .chain(&corpus.validation)
+        .enumerate()
+        .find(|&(_, &byte)| usize::from(byte) >= vocab);
+    if let Some((offset, &byte)) = outside {
+        return Err(TrainError::InvalidConfig {
+            field: "vocab",
+            value: vocab.to_string(),
+            reason: format!(
+                "the data ({}) holds byte {byte} at offset {offset}, a token outside the \
+                 vocabulary; a byte vocabulary needs at least {} (256 holds every byte)",
+                corpus.source,
+                usize::from(byte) + 1
+            ),
+        });
+    }
+    Ok(corpus)
 }
 
 /// The size and SHA-256 of a corpus read from a file (its two parts are the file's bytes in
@@ -172,7 +197,8 @@ fn check_memory(config: &TrainConfig) -> Result<()> {
 /// when it is not a config.
 pub fn read_config(run_dir: &Path) -> Result<TrainConfig> {
     let path = run_dir.join(CONFIG_FILE);
-    let bytes = fs::read(&path).map_err(|source| TrainError::io(&path, source))?;
+    let bytes =
+        crate::store::read_bounded(&path, super::limits::MAX_CONFIG_FILE_BYTES, CONFIG_FILE)?;
     read_config_json(&bytes)
         .map_err(|error| TrainError::checkpoint(&path, format!("malformed: {error}")))
 }
@@ -324,6 +350,17 @@ fn resume_state(
         return Err(TrainError::checkpoint(run_dir, "is not a run directory"));
     }
     let lock = leader.then(|| RunLock::acquire(run_dir)).transpose()?;
+    if !run_dir.join(CONFIG_FILE).exists() && snapshot::latest_step(run_dir)?.is_none() {
+        return Err(TrainError::InvalidArgument {
+            name: "resume",
+            value: run_dir.display().to_string(),
+            reason: format!(
+                "holds no run: it has no {CONFIG_FILE} and no checkpoint (a run stopped \
+                 before writing its config trained nothing); start it anew with --out {}",
+                run_dir.display()
+            ),
+        });
+    }
     let run_config = read_config(run_dir)?;
     if leader {
         snapshot::clean(run_dir)?;
@@ -475,10 +512,13 @@ impl Trainer {
             fs::create_dir_all(run_dir).map_err(|source| TrainError::io(run_dir, source))?;
             let lock = RunLock::acquire(run_dir)?;
             if run_dir.join("LATEST").exists() || run_dir.join(CONFIG_FILE).exists() {
-                return Err(TrainError::checkpoint(
-                    run_dir,
-                    "already holds a run: resume it with --resume, or choose another --out",
-                ));
+                return Err(TrainError::InvalidArgument {
+                    name: "out",
+                    value: run_dir.display().to_string(),
+                    reason: "already holds a run: resume it with --resume, or choose another \
+                             --out"
+                        .into(),
+                });
             }
             snapshot::clean(run_dir)?;
             write_atomic(&run_dir.join(CONFIG_FILE), &config_json(&config))?;
@@ -905,28 +945,28 @@ impl Trainer {
     pub fn save(&mut self) -> Result<PathBuf> {
         // Whole tensors whatever the stage: sharded moments are gathered (every rank takes
         // part), and rank 0 writes them.
-        let adamw = self.optimizer.full_state()?;
+        let gathered = self.optimizer.gathered_state()?;
         let leader = self.metrics.is_some();
         let weights = self.optimizer.named_weights(&self.model, leader)?;
         if !leader {
             return Ok(self.run_dir.join(format!("checkpoint-{:06}", self.step)));
         }
+        let (adamw, moments) = match (&gathered, &self.optimizer) {
+            (Some(state), _) => (
+                AdamWMeta::of_state(state),
+                snapshot::gathered_moments(state),
+            ),
+            (None, RunOptimizer::Whole(adamw)) => {
+                (AdamWMeta::of_adamw(adamw), snapshot::live_moments(adamw))
+            }
+            (None, _) => unreachable!("only a whole optimizer has no state to gather"),
+        };
         let state = RunState {
             format: FORMAT_VERSION,
             step: self.step,
             tokens_seen: self.tokens_seen,
             config: self.config.clone(),
-            adamw: AdamWMeta {
-                lr: adamw.lr,
-                betas: adamw.betas,
-                eps: adamw.eps,
-                weight_decay: adamw.weight_decay,
-                steps: adamw
-                    .params
-                    .iter()
-                    .map(|p| p.as_ref().map_or(0, |p| p.step))
-                    .collect(),
-            },
+            adamw,
             scaler: self.scaler.as_ref().map(DynamicLossScaler::state_dict),
             data_rng: self.data_rng.state(),
             dropout_rng: self.model.dropout_generator().state(),
@@ -936,7 +976,7 @@ impl Trainer {
             &self.run_dir,
             state,
             &weights,
-            &adamw,
+            &moments,
             self.config.keep_checkpoints,
         )
     }
