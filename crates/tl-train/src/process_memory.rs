@@ -60,10 +60,79 @@ pub fn describe_peak(peak_rss_bytes: Option<u64>) -> String {
 /// The machine's physical memory (`MemTotal` of `/proc/meminfo`), in bytes; `None` where
 /// it is not available.
 pub fn total_memory_bytes() -> Option<u64> {
+    meminfo_bytes("MemTotal:")
+}
+
+/// The most memory this process can hold, and what sets that bound.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryBound {
+    /// Bytes.
+    pub bytes: u64,
+    /// What sets it: the machine's free memory, a cgroup's limit, or `ulimit -v`.
+    pub source: &'static str,
+}
+
+/// The least of the bounds on this process's memory that the system reports: the memory
+/// the machine has free now (`MemAvailable`, plus what this process already holds), its
+/// cgroup's `memory.max` (a container's or a job's limit), and its address-space limit
+/// (`ulimit -v`, less what the process has reserved but not touched). `None` where none is
+/// reported (not Linux).
+pub fn memory_bound() -> Option<MemoryBound> {
+    let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let status_bytes = |key: &str| -> Option<u64> {
+        let line = status.lines().find(|line| line.starts_with(key))?;
+        line.split_whitespace()
+            .nth(1)?
+            .parse::<u64>()
+            .ok()?
+            .checked_mul(1024)
+    };
+    let held = status_bytes("VmRSS:").unwrap_or(0);
+    let mut bounds = Vec::new();
+    if let Some(free) = meminfo_bytes("MemAvailable:") {
+        bounds.push(MemoryBound {
+            bytes: free.saturating_add(held),
+            source: "the memory this machine has free",
+        });
+    }
+    if let Some(limit) = cgroup_limit() {
+        bounds.push(MemoryBound {
+            bytes: limit,
+            source: "this process's cgroup limit (memory.max)",
+        });
+    }
+    if let Some(limit) = address_space_limit() {
+        // Reserved but untouched (thread stacks, allocator arenas) counts against the limit
+        // and not as resident memory.
+        let reserved = status_bytes("VmSize:").unwrap_or(0).saturating_sub(held);
+        bounds.push(MemoryBound {
+            bytes: limit.saturating_sub(reserved),
+            source: "this process's address-space limit (ulimit -v)",
+        });
+    }
+    bounds.into_iter().min_by_key(|bound| bound.bytes)
+}
+
+/// A line of `/proc/meminfo`, in bytes.
+fn meminfo_bytes(key: &str) -> Option<u64> {
     let meminfo = fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|line| line.starts_with("MemTotal:"))?;
+    let line = meminfo.lines().find(|line| line.starts_with(key))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
+}
+
+/// The cgroup v2 `memory.max` of this process, when it sets one.
+fn cgroup_limit() -> Option<u64> {
+    let cgroup = fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = cgroup.lines().find_map(|line| line.strip_prefix("0::"))?;
+    let limit = fs::read_to_string(format!("/sys/fs/cgroup{}/memory.max", path.trim())).ok()?;
+    limit.trim().parse().ok()
+}
+
+/// `RLIMIT_AS` (`ulimit -v`), when it is set.
+fn address_space_limit() -> Option<u64> {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::As);
+    limit.current
 }
 
 /// Resets the peak resident set size to the current one, so that [`peak_rss_bytes`]

@@ -3,6 +3,7 @@
 
 mod config;
 pub mod lock;
+mod memory_check;
 mod metrics;
 mod optimizer;
 mod ranks;
@@ -18,6 +19,7 @@ pub use config::{
     limits,
 };
 pub(crate) use config::{default_eval_interval, default_save_interval, default_warmup};
+pub use memory_check::{MARGIN_PERCENT, ProcessMemory, RUNTIME_BYTES, check_memory};
 pub use metrics::{Fp8Counts, MetricsLog, Record, read_records, rfc3339_utc};
 pub use optimizer::RunOptimizer;
 pub use ranks::{RankReport, StepBatch, StepTraffic, dropout_state};

@@ -19,6 +19,7 @@ use tl_tensor::{Generator, no_grad};
 
 use super::config::{AdamWConfig, DataSource, FileFingerprint, TrainConfig};
 use super::lock::RunLock;
+use super::memory_check::check_memory;
 use super::metrics::{Fp8Counts, MetricsLog, Record, read_records, rfc3339_utc};
 use super::optimizer::RunOptimizer;
 use super::ranks::{self, RankReport, StepBatch, StepTraffic};
@@ -161,32 +162,6 @@ pub(crate) fn load_corpus(config: &TrainConfig) -> Result<Corpus> {
 fn data_fingerprint(config: &TrainConfig, corpus: &Corpus) -> Option<FileFingerprint> {
     matches!(config.data, DataSource::File { .. })
         .then(|| FileFingerprint::of(&[&corpus.train[..], &corpus.validation[..]].concat()))
-}
-
-/// Refuses a config whose training step would need more tensor memory than this machine
-/// has, before anything is allocated (the memory plan predicts it exactly).
-fn check_memory(config: &TrainConfig) -> Result<()> {
-    let Some(machine) = crate::process_memory::total_memory_bytes() else {
-        return Ok(());
-    };
-    let recipe = crate::plan::Recipe::from(config);
-    let needed = crate::plan::predict_step(&recipe)?
-        .peak_bytes
-        .max(config.model.num_parameters() as u64 * 16);
-    if needed > machine {
-        let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
-        return Err(TrainError::InvalidArgument {
-            name: "micro-batch",
-            value: config.micro_batch.to_string(),
-            reason: format!(
-                "a step of this recipe needs {:.1} GiB of tensor memory (tinyllm plan), \
-                 more than this machine's {:.1} GiB",
-                gib(needed),
-                gib(machine)
-            ),
-        });
-    }
-    Ok(())
 }
 
 /// The run's config as its `config.json` holds it (the `tinyllm` key naming the build that
@@ -366,9 +341,10 @@ fn resume_state(
         snapshot::clean(run_dir)?;
     }
     let run_config = config_at_world(run_dir, &run_config, world, leader, options)?;
+    // Before the checkpoint is read: the snapshot's config is this one (checked below).
+    check_memory(&run_config)?;
     if snapshot::latest_step(run_dir)?.is_none() {
         let mut config = run_config;
-        check_memory(&config)?;
         let corpus = load_corpus(&config)?;
         check_data(run_dir, &mut config, &corpus, options, leader)?;
         let model = Llama::new(&config.model, config.seed)?;
@@ -387,7 +363,6 @@ fn resume_state(
         ));
     }
     config.validate()?;
-    check_memory(&config)?;
     let corpus = load_corpus(&config)?;
     check_data(run_dir, &mut config, &corpus, options, leader)?;
     let model = restore_model(&snapshot)?;

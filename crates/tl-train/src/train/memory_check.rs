@@ -1,0 +1,113 @@
+//! The pre-flight memory check: what the process will hold while it trains, against what
+//! it can be given, before anything is allocated.
+//!
+//! The tensors come from the memory plan, exact against tl-tensor's meter. The rest is what
+//! the meter does not see, each term from reading the code and measured against the
+//! process's peak resident memory (`tests/process_memory.rs`): the training text, the
+//! whole optimizer state that ZeRO gathers to write a checkpoint, and the program itself
+//! (code, threads, the kernels' packing buffers, small allocations). A checkpoint of a
+//! whole optimizer, and a resume, stream tensor by tensor: they add no term.
+
+use super::config::{DataSource, TrainConfig, limits};
+use crate::error::{Result, TrainError};
+
+/// What a process outside its tensors holds at least: the program's code and data, its
+/// threads' stacks, the GEMM's packing buffers, the allocator's small blocks. Measured at
+/// 40 to 60 MiB for a training process on 2 threads.
+pub const RUNTIME_BYTES: u64 = 96 << 20;
+
+/// The margin of the check over the sum of its terms, in percent: the allocator's cache of
+/// freed blocks and fragmentation live in it.
+pub const MARGIN_PERCENT: u64 = 10;
+
+/// The memory a training process of a config will hold at its peak, by kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessMemory {
+    /// Live tensors at a step's peak, as the plan predicts them (at least the weights,
+    /// gradients and AdamW's moments: 16 bytes a parameter).
+    pub tensors: u64,
+    /// The training and validation text, held as bytes.
+    pub corpus: u64,
+    /// The optimizer state a ZeRO run gathers (as `f64`: 16 bytes a parameter) to write a
+    /// checkpoint or to shard it at the start, and at stage 3 the weights gathered for the
+    /// file; 0 without ZeRO.
+    pub checkpoint: u64,
+    /// [`RUNTIME_BYTES`].
+    pub runtime: u64,
+}
+
+impl ProcessMemory {
+    /// The prediction for `config` (its `parallel.zero` stage included).
+    ///
+    /// # Errors
+    /// Those of the memory plan for a recipe it cannot plan.
+    pub fn of(config: &TrainConfig) -> Result<Self> {
+        let parameters = config.model.num_parameters() as u64;
+        let recipe = crate::plan::Recipe::from(config);
+        let tensors = crate::plan::predict_step(&recipe)?
+            .peak_bytes
+            .max(parameters.saturating_mul(16));
+        let corpus = match &config.data {
+            DataSource::Builtin { bytes, .. } => *bytes as u64,
+            // A file that cannot be read is refused when it loads; so is one past the limit.
+            DataSource::File { path } => std::fs::metadata(path)
+                .map_or(0, |meta| meta.len())
+                .min(limits::MAX_CORPUS_BYTES as u64),
+        };
+        let checkpoint = match config.parallel.zero {
+            0 => 0,
+            1 | 2 => parameters.saturating_mul(16),
+            _ => parameters.saturating_mul(20),
+        };
+        Ok(Self {
+            tensors,
+            corpus,
+            checkpoint,
+            runtime: RUNTIME_BYTES,
+        })
+    }
+
+    /// The bytes the check asks for: the terms' sum and [`MARGIN_PERCENT`] more.
+    pub fn total(&self) -> u64 {
+        let sum = self
+            .tensors
+            .saturating_add(self.corpus)
+            .saturating_add(self.checkpoint)
+            .saturating_add(self.runtime);
+        sum.saturating_add(sum / 100 * MARGIN_PERCENT)
+    }
+}
+
+/// Refuses a config whose process would need more memory than it can have (the least of
+/// the machine's free memory, a cgroup's limit and `ulimit -v`), before anything is
+/// allocated.
+///
+/// # Errors
+/// [`TrainError::InvalidArgument`] on `micro-batch`, with the prediction by term and the
+/// bound that is short.
+pub fn check_memory(config: &TrainConfig) -> Result<()> {
+    let Some(bound) = crate::process_memory::memory_bound() else {
+        return Ok(());
+    };
+    let needed = ProcessMemory::of(config)?;
+    if needed.total() <= bound.bytes {
+        return Ok(());
+    }
+    let mib = |bytes: u64| bytes as f64 / f64::from(1u32 << 20);
+    Err(TrainError::InvalidArgument {
+        name: "micro-batch",
+        value: config.micro_batch.to_string(),
+        reason: format!(
+            "this run needs {:.0} MiB ({:.0} of tensors (tinyllm plan), {:.0} of text, {:.0} \
+             to checkpoint a ZeRO run, {:.0} for the program, and {MARGIN_PERCENT}%), more \
+             than the {:.0} MiB of {}",
+            mib(needed.total()),
+            mib(needed.tensors),
+            mib(needed.corpus),
+            mib(needed.checkpoint),
+            mib(needed.runtime),
+            mib(bound.bytes),
+            bound.source
+        ),
+    })
+}
