@@ -6,8 +6,10 @@
 //! disagree all fail with the same [`CollectiveError::Mismatch`]; that costs N−1 small
 //! hops of latency per call, nothing in bandwidth.
 
+pub(crate) mod handshake;
 pub(crate) mod header;
 mod link;
+pub(crate) mod rendezvous;
 mod setup;
 
 use std::ops::Range;
@@ -20,7 +22,7 @@ use crate::schedule::{all_gather_step, reduce_scatter_step};
 use crate::shard::shard_range;
 use header::exchange_headers;
 use link::{Exchange, Link, ReduceExchange, Relay};
-pub use setup::socket_path;
+pub use rendezvous::{MAX_SOCKET_PATH, socket_path};
 
 /// A rank of the hand-built ring (see the [crate docs](crate) for the environment a launcher
 /// sets, and [`RingConfig`] to set it up by hand).
