@@ -116,10 +116,13 @@ pub enum CollectiveError {
     /// A rank of a launched job failed.
     #[error("rank {rank} failed: {status}{}", others_note(*others))]
     RankFailed {
-        /// The first rank that failed.
+        /// The rank whose failure most likely ended the job (see
+        /// [`LaunchOutcome::first_failure`](crate::launch::LaunchOutcome::first_failure)).
         rank: usize,
         /// Its exit status or signal, as text.
         status: String,
+        /// Its exit code, when it exited (rather than being killed or stopped by a signal).
+        code: Option<i32>,
         /// How many other ranks failed after it.
         others: usize,
     },

@@ -54,6 +54,31 @@ fn launched_rank() {
             // Not in a collective, so nothing tells this rank; the launcher must stop it.
             std::thread::sleep(Duration::from_secs(30));
         }
+        "rank1_kills_itself" => {
+            for call in 0.. {
+                if call == 3 && comm.rank() == 1 {
+                    let me = rustix::process::getpid();
+                    rustix::process::kill_process(me, rustix::process::Signal::KILL).unwrap();
+                }
+                let mut x = [1.0f64];
+                // As tinyllm does: the error's message on stderr, a failing exit.
+                comm.all_reduce_sum((&mut x[..]).into())
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+        "rank2_stops_itself" => {
+            let mut x = [1.0f64];
+            comm.all_reduce_sum((&mut x[..]).into()).unwrap();
+            if comm.rank() == 2 {
+                let me = rustix::process::getpid();
+                rustix::process::kill_process(me, rustix::process::Signal::STOP).unwrap();
+            }
+            if let Err(e) = comm.all_reduce_sum((&mut x[..]).into()) {
+                let dir = std::env::var("TL_TEST_READY_DIR").unwrap();
+                std::fs::write(format!("{dir}/error-{}", comm.rank()), e.to_string()).unwrap();
+                panic!("{e}");
+            }
+        }
         "sleep" => {
             if let Ok(dir) = std::env::var("TL_TEST_READY_DIR") {
                 std::fs::write(format!("{dir}/ready-{}", comm.rank()), b"").unwrap();
@@ -108,11 +133,67 @@ fn a_failing_rank_is_named_and_the_others_are_stopped() {
         Err(CollectiveError::RankFailed {
             rank: 1,
             status,
+            code: Some(3),
             others: 1,
         }) => {
             assert_eq!(status, "exit code 3");
         }
         other => panic!("expected rank 1 to be named, got {other:?}"),
+    }
+}
+
+/// Rank 0 notices rank 1's death within the same poll of the launcher often enough (4 runs
+/// in 9, before) that the first end seen is no guide: the killed rank is blamed, by its
+/// signal's name, in every run.
+#[test]
+fn a_killed_rank_is_blamed_not_the_neighbour_that_noticed() {
+    let exe = std::env::current_exe().unwrap();
+    for _ in 0..3 {
+        let outcome = launch(2, &exe, &rank_args(), &options("rank1_kills_itself")).unwrap();
+        assert!(!outcome.timed_out);
+        assert!(outcome.ranks[0].after_neighbour, "{outcome:?}");
+        match outcome.into_result() {
+            Err(CollectiveError::RankFailed {
+                rank: 1,
+                status,
+                code: None,
+                others: 1,
+            }) => assert_eq!(status, "killed by SIGKILL"),
+            other => panic!("expected rank 1 to be blamed, got {other:?}"),
+        }
+    }
+}
+
+/// A stopped rank never ends by itself: its neighbours time out naming it, and the launcher,
+/// which saw it stop, blames it rather than the first rank that timed out.
+#[test]
+fn a_stopped_rank_is_named_by_the_launcher_and_its_neighbour() {
+    let exe = std::env::current_exe().unwrap();
+    let errors = support::rendezvous();
+    let mut options = options("rank2_stops_itself");
+    options.comm_timeout = Some(Duration::from_millis(1000));
+    options
+        .env
+        .push(("TL_TEST_READY_DIR".into(), errors.path().into()));
+    let start = Instant::now();
+    let outcome = launch(3, &exe, &rank_args(), &options).unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(!outcome.timed_out);
+    // Rank 0 receives from rank 2, its left neighbour.
+    let error0 = std::fs::read_to_string(errors.path().join("error-0")).unwrap();
+    assert!(error0.contains("waiting for rank 2"), "{error0}");
+    match outcome.into_result() {
+        Err(CollectiveError::RankFailed {
+            rank: 2,
+            status,
+            code: None,
+            others: 2,
+        }) => assert!(status.starts_with("stopped by SIGSTOP"), "{status}"),
+        other => panic!("expected rank 2 to be blamed, got {other:?}"),
     }
 }
 
