@@ -2,10 +2,17 @@
 //!
 //! [`launch`] makes a 0700 rendezvous directory and a random secret, starts `n` copies of a
 //! program with the `TINYLLM_*` variables set, prefixes each line a rank writes to stderr
-//! with `[rank r] `, forwards SIGINT and SIGTERM to every rank, and waits for all of them.
-//! When a rank fails, the others get [`LaunchOptions::grace`] to finish (they normally fail
-//! at once too: their ring closed), then SIGTERM, then after another grace period SIGKILL.
-//! The directory is removed at the end.
+//! with `[rank r] `, forwards SIGINT, SIGTERM and SIGHUP to every rank, and waits for all of
+//! them. When a rank fails, the others get [`LaunchOptions::grace`] to finish (they normally
+//! fail at once too: their ring closed), then SIGTERM, then after another grace period
+//! SIGKILL. The directory is removed at the end.
+//!
+//! Ranks die with their launcher: each is started with a parent-death signal (SIGTERM, which
+//! `tinyllm train` answers with a checkpoint), so a launcher killed outright (SIGKILL) leaves
+//! no orphan holding the run's lock. Its rendezvous directory does not outlive it either:
+//! rank 0 removes it once the ring has formed (see [`RingComm`](crate::RingComm)), since
+//! nobody needs it after that. Only a launcher killed before the ring formed can leave the
+//! directory behind, private (0700) and holding no secret.
 
 mod outcome;
 
@@ -22,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use rustix::io::Errno;
 use rustix::process::{Pid, Signal, WaitOptions, kill_process, waitpid};
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 
 use crate::env::{
     ENV_RANK, ENV_RENDEZVOUS, ENV_SECRET, ENV_TIMEOUT_MS, ENV_WORLD_SIZE, MAX_WORLD_SIZE,
@@ -30,7 +37,7 @@ use crate::env::{
 };
 use crate::error::{CollectiveError, NEIGHBOUR_FAILED, Result};
 use crate::ring::handshake::random_bytes;
-use crate::ring::rendezvous::check_socket_paths;
+use crate::ring::rendezvous::{LAUNCHER_PREFIX, check_socket_paths};
 pub use outcome::{LaunchOutcome, RankExit, describe_status, signal_name};
 
 /// How a job is launched.
@@ -82,7 +89,7 @@ pub fn launch(
         });
     }
     let dir = tempfile::Builder::new()
-        .prefix("tinyllm-rendezvous-")
+        .prefix(LAUNCHER_PREFIX)
         .tempdir()
         .map_err(|e| CollectiveError::io("create the rendezvous directory", e))?;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))
@@ -92,7 +99,9 @@ pub fn launch(
 
     let signal = Arc::new(AtomicUsize::new(0));
     let mut hooks = Vec::new();
-    for sig in [SIGINT, SIGTERM] {
+    // SIGHUP too: a closed terminal must stop the ranks as it would `tinyllm train` alone
+    // (a checkpoint), not kill the launcher and leave them running.
+    for sig in [SIGINT, SIGTERM, SIGHUP] {
         let id = signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize)
             .map_err(|e| CollectiveError::io("install the signal handlers", e))?;
         hooks.push(id);
@@ -129,6 +138,7 @@ fn run_ranks(
             // Own process group: a terminal's Ctrl-C reaches the launcher only, which forwards
             // it once, instead of every rank getting it twice.
             .process_group(0);
+        die_with_launcher(&mut command);
         if let Some(timeout) = options.comm_timeout {
             command.env(ENV_TIMEOUT_MS, timeout.as_millis().to_string());
         }
@@ -187,6 +197,28 @@ fn run_ranks(
         forwarded_signal,
         timed_out,
     })
+}
+
+/// Has `command`'s process receive SIGTERM when this thread ends: the launcher's death
+/// (even by SIGKILL) stops its ranks. Linux sends the signal when the *thread* that forked
+/// the child exits, so ranks are started from the thread that then waits for them.
+fn die_with_launcher(command: &mut Command) {
+    let launcher = rustix::process::getpid();
+    // SAFETY: runs in the child between fork and exec, where only async-signal-safe calls
+    // are allowed: prctl(PR_SET_PDEATHSIG), getppid and kill are single system calls that
+    // neither allocate nor take locks, and the error returned is built from an errno
+    // without allocating.
+    unsafe {
+        command.pre_exec(move || {
+            rustix::process::set_parent_process_death_signal(Some(Signal::TERM))?;
+            // The launcher may have died between fork and prctl, before the signal was
+            // armed: then the child is already someone else's and must not run on.
+            if rustix::process::getppid() != Some(launcher) {
+                return Err(Errno::SRCH.into());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// A started rank, watched until it ends.

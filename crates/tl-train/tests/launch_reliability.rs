@@ -205,3 +205,77 @@ fn a_tmpdir_too_long_for_socket_paths_is_named_before_any_rank_starts() {
     assert!(text.contains("TMPDIR") && text.contains("107"), "{text}");
     assert!(!text.contains("[rank"), "a rank started: {text}");
 }
+
+/// The process ids of `launcher`'s children.
+fn children(launcher: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{launcher}/task/{launcher}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|pid| pid.parse().ok())
+        .collect()
+}
+
+/// Whether process `pid` is gone (or a zombie, dead and not yet reaped).
+fn gone(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+        stat.rsplit(") ")
+            .next()
+            .is_some_and(|state| state.starts_with('Z'))
+    })
+}
+
+/// `kill -9` of the launcher left its ranks training under PID 1, holding the run's lock (so
+/// `--resume` was refused) and the rendezvous directory. Now the ranks get SIGTERM when it
+/// dies, checkpoint and exit; the run resumes at once, and no directory is left.
+#[test]
+fn a_launcher_killed_outright_takes_its_ranks_and_the_run_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args = vec!["launch", "-n", "2", "--"];
+    args.extend(tiny(&out, &["--steps", "100000", "--save-interval", "2"]));
+    let mut launcher = binary()
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while common::train_steps(&out) < 3 {
+        assert!(started.elapsed() < LIMIT, "the run did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let ranks = children(launcher.id());
+    assert_eq!(ranks.len(), 2, "{ranks:?}");
+    let environ = std::fs::read(format!("/proc/{}/environ", ranks[0])).unwrap();
+    let rendezvous = environ
+        .split(|&b| b == 0)
+        .find_map(|var| var.strip_prefix(b"TINYLLM_RENDEZVOUS="))
+        .map(|path| std::path::PathBuf::from(String::from_utf8_lossy(path).into_owned()))
+        .unwrap();
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    let killed = Instant::now();
+    while !ranks.iter().all(|&pid| gone(pid)) {
+        if killed.elapsed() > LIMIT {
+            for pid in &ranks {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+            panic!("the ranks {ranks:?} outlived their launcher");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!rendezvous.exists(), "{} was left", rendezvous.display());
+    let steps = common::train_steps(&out);
+    let until = (steps + 1).to_string();
+    let resumed = launch2(&[
+        "train",
+        "--resume",
+        out.to_str().unwrap(),
+        "--quiet",
+        "--until-step",
+        &until,
+    ]);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+}

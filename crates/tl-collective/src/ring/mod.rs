@@ -38,6 +38,8 @@ pub struct RingComm {
     seq: u64,
     closed: bool,
     refused: Vec<String>,
+    /// The rendezvous directory, for rank 0 to remove after the first collective.
+    rendezvous: Option<std::path::PathBuf>,
 }
 
 impl RingComm {
@@ -62,6 +64,7 @@ impl RingComm {
             seq: 0,
             closed: false,
             refused,
+            rendezvous: (config.rank == 0).then(|| config.rendezvous.clone()),
         })
     }
 
@@ -89,6 +92,11 @@ impl RingComm {
         if outcome.is_err() {
             self.closed = true;
             link.shutdown();
+        } else if let Some(dir) = self.rendezvous.take() {
+            // Every rank's header reached us, so every rank has formed its links and removed
+            // its socket: the directory is empty and needed by nobody. Removed now, it cannot
+            // outlive a launcher that is killed outright.
+            rendezvous::remove_if_launchers(&dir);
         }
         outcome
     }

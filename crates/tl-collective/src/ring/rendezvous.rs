@@ -12,6 +12,22 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{CollectiveError, Result};
 
+/// How the names of the directories `tinyllm launch` makes begin: such a directory is the
+/// run's alone, and its ranks remove it once the ring has formed.
+pub(crate) const LAUNCHER_PREFIX: &str = "tinyllm-rendezvous-";
+
+/// Removes `dir` if the launcher made it and it is empty (every rank's socket is gone once
+/// the ring has formed): a hand-set directory is the user's, and stays.
+pub(crate) fn remove_if_launchers(dir: &Path) {
+    let launchers = dir
+        .file_name()
+        .is_some_and(|name| name.to_string_lossy().starts_with(LAUNCHER_PREFIX));
+    if launchers {
+        // Already removed (by the launcher), or not empty: either way nothing to do.
+        let _ = std::fs::remove_dir(dir);
+    }
+}
+
 /// The longest socket path Linux takes: `sun_path` holds 108 bytes with the final NUL.
 pub const MAX_SOCKET_PATH: usize = 107;
 
