@@ -155,7 +155,17 @@ fn a_listener_in_a_neighbours_place_learns_nothing_and_is_refused() {
 /// the start past the timeout).
 #[test]
 fn silent_connections_do_not_delay_the_ring() {
-    const SILENT: usize = 12;
+    silent_strangers_do_not_delay_the_ring(12);
+}
+
+/// More silent connections than a rank serves at once: the oldest silent ones are dropped,
+/// never the real neighbour part-way through its handshake.
+#[test]
+fn a_flood_of_silent_connections_does_not_crowd_out_the_neighbour() {
+    silent_strangers_do_not_delay_the_ring(100);
+}
+
+fn silent_strangers_do_not_delay_the_ring(count: usize) {
     let dir = support::rendezvous();
     let path = dir.path().to_path_buf();
     let config = move |rank| {
@@ -175,7 +185,7 @@ fn silent_connections_do_not_delay_the_ring() {
     let rank1 = ring(config(1));
     let socket1 = socket_path(dir.path(), 1);
     wait_for(&socket1);
-    let mut silent: Vec<UnixStream> = (0..SILENT)
+    let mut silent: Vec<UnixStream> = (0..count)
         .map(|_| UnixStream::connect(&socket1).unwrap())
         .collect();
     let start = Instant::now();
@@ -183,7 +193,7 @@ fn silent_connections_do_not_delay_the_ring() {
     // Rank 0's socket may not be there yet, or gone already (the ring formed): whichever
     // of these connect are silent strangers to rank 0 as well.
     let socket0 = socket_path(dir.path(), 0);
-    silent.extend((0..SILENT).filter_map(|_| UnixStream::connect(&socket0).ok()));
+    silent.extend((0..count).filter_map(|_| UnixStream::connect(&socket0).ok()));
     let (sum0, refused0) = rank0.join().unwrap();
     let (sum1, refused1) = rank1.join().unwrap();
     let took = start.elapsed();
@@ -192,11 +202,10 @@ fn silent_connections_do_not_delay_the_ring() {
         took < Duration::from_secs(1),
         "the ring took {took:?} to form"
     );
-    // Still silent when the ring formed: dropped, never refused as having lied.
-    assert!(
-        refused0.is_empty() && refused1.is_empty(),
-        "{refused0:?} {refused1:?}"
-    );
+    // Still silent when the ring formed: dropped unread; refused only to make room.
+    for reason in refused0.iter().chain(&refused1) {
+        assert_eq!(reason, "too many connections at once");
+    }
     drop(silent);
 }
 

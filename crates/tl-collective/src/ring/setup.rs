@@ -229,9 +229,20 @@ fn accept_left(
                     stream
                         .set_nonblocking(true)
                         .map_err(|e| CollectiveError::io("accept", e))?;
-                    pending.push(Incoming::new(stream));
+                    // Read its hello at once if it came with the connection, as a rank's
+                    // does: then it is no longer silent, and never the one dropped below.
+                    let mut incoming = Incoming::new(stream);
+                    match incoming.advance(config, left_rank) {
+                        Progress::Waiting => pending.push(incoming),
+                        Progress::Refused(reason) => refuse(reason),
+                        // Its proof came back within this same call: a quick neighbour.
+                        Progress::Accepted => return Ok(Some(incoming.stream)),
+                    }
                     if pending.len() > MAX_PENDING {
-                        pending.remove(0);
+                        // The oldest that has said nothing yet: never a neighbour part-way
+                        // through its handshake.
+                        let silent = pending.iter().position(Incoming::silent).unwrap_or(0);
+                        pending.remove(silent);
                         refuse("too many connections at once".into());
                     }
                 }
@@ -319,6 +330,11 @@ impl Incoming {
             got: Vec::with_capacity(HELLO_LEN),
             transcript: None,
         }
+    }
+
+    /// Whether nothing has arrived on it yet.
+    fn silent(&self) -> bool {
+        self.got.is_empty() && self.transcript.is_none()
     }
 
     /// Reads what has arrived (without blocking) and answers it.
