@@ -6,6 +6,7 @@
 //! disagree all fail with the same [`CollectiveError::Mismatch`]; that costs N−1 small
 //! hops of latency per call, nothing in bandwidth.
 
+mod accept;
 pub(crate) mod handshake;
 pub(crate) mod header;
 mod link;
