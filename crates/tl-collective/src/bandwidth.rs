@@ -33,7 +33,11 @@ pub fn sizes(min: usize, max: usize, factor: usize) -> Vec<usize> {
     let mut size = min.max(4);
     while size <= max {
         out.push(size);
-        size *= factor.max(2);
+        // Past usize's range the sweep is over (it used to wrap to 0 and never end).
+        let Some(next) = size.checked_mul(factor.max(2)) else {
+            break;
+        };
+        size = next;
     }
     out
 }
@@ -134,6 +138,7 @@ mod tests {
     #[test]
     fn sizes_go_up_by_the_factor() {
         assert_eq!(sizes(4096, 65536, 4), [4096, 16384, 65536]);
+        assert_eq!(sizes(1 << 62, usize::MAX, 4), [1 << 62]);
         assert_eq!(format_size(4096), "4 KiB");
         assert_eq!(format_size(64 << 20), "64 MiB");
     }

@@ -16,6 +16,11 @@ pub const ENV_SECRET: &str = "TINYLLM_SECRET";
 /// Milliseconds without progress after which a collective fails [default: 10000].
 pub const ENV_TIMEOUT_MS: &str = "TINYLLM_COMM_TIMEOUT_MS";
 
+/// The most ranks a ring takes: far past what one machine runs, and a bound that turns a
+/// mistyped `TINYLLM_WORLD_SIZE` into an error at once rather than a wait for ranks that
+/// will never come.
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
+
 /// How long a collective may go without moving a byte before it fails, unless
 /// `TINYLLM_COMM_TIMEOUT_MS` or [`RingConfig::timeout`] says otherwise. A rank that exits or
 /// is killed is noticed at once (its sockets close); this bound is for a rank that hangs.
@@ -41,21 +46,26 @@ impl RingConfig {
     /// Rank `rank` of `world_size` meeting in `rendezvous`, with the default timeout.
     ///
     /// # Errors
-    /// [`CollectiveError::InvalidRank`] for a world size of 0 or a rank outside it.
+    /// [`CollectiveError::InvalidRank`] for a world size of 0 or over [`MAX_WORLD_SIZE`], or
+    /// a rank outside it.
     pub fn new(
         rank: usize,
         world_size: usize,
         rendezvous: impl Into<PathBuf>,
         secret: [u8; 32],
     ) -> Result<Self> {
-        if world_size == 0 || rank >= world_size {
+        if world_size == 0 || world_size > MAX_WORLD_SIZE || rank >= world_size {
             return Err(CollectiveError::InvalidRank {
-                what: if world_size == 0 {
+                what: if world_size == 0 || world_size > MAX_WORLD_SIZE {
                     "world size"
                 } else {
                     "rank"
                 },
-                value: if world_size == 0 { 0 } else { rank },
+                value: if world_size == 0 || world_size > MAX_WORLD_SIZE {
+                    world_size
+                } else {
+                    rank
+                },
                 world_size,
             });
         }
@@ -84,7 +94,7 @@ impl RingConfig {
         let Some(world_size) = var(ENV_WORLD_SIZE)? else {
             return Ok(None);
         };
-        let world_size = parse_number(ENV_WORLD_SIZE, &world_size)?;
+        let world_size = parse_world_size(&world_size)?;
         let rank = parse_number(ENV_RANK, &required(ENV_RANK)?)?;
         let rendezvous = PathBuf::from(required(ENV_RENDEZVOUS)?);
         let secret = parse_secret(&required(ENV_SECRET)?)?;
@@ -113,6 +123,20 @@ pub fn timeout_from_env() -> Result<Option<Duration>> {
         },
     }
 }
+
+/// Parses `TINYLLM_WORLD_SIZE`.
+fn parse_world_size(value: &str) -> Result<u64> {
+    match parse_number(ENV_WORLD_SIZE, value)? {
+        n @ 1..=MAX_SIZE => Ok(n),
+        _ => {
+            let reason = format!("must be in 1..={MAX_WORLD_SIZE}");
+            Err(bad(ENV_WORLD_SIZE, value, &reason))
+        }
+    }
+}
+
+/// [`MAX_WORLD_SIZE`] as the variable's type.
+const MAX_SIZE: u64 = MAX_WORLD_SIZE as u64;
 
 fn bad(name: &'static str, value: &str, reason: &str) -> CollectiveError {
     CollectiveError::BadEnv {
@@ -187,6 +211,26 @@ mod tests {
     fn bad_numbers_name_their_variable() {
         let err = parse_number(ENV_RANK, "two").unwrap_err();
         assert!(err.to_string().contains("TINYLLM_RANK"), "{err}");
+    }
+
+    #[test]
+    fn a_world_size_past_the_bound_is_refused_naming_the_variable() {
+        for value in ["18446744073709551615", "65537", "0"] {
+            let text = parse_world_size(value).unwrap_err().to_string();
+            assert!(
+                text.contains("TINYLLM_WORLD_SIZE") && text.contains("65536"),
+                "{text}"
+            );
+        }
+        assert_eq!(parse_world_size("65536").unwrap(), 65536);
+        let err = RingConfig::new(0, MAX_WORLD_SIZE + 1, "/tmp", [0; 32]).unwrap_err();
+        assert!(matches!(
+            err,
+            CollectiveError::InvalidRank {
+                what: "world size",
+                ..
+            }
+        ));
     }
 
     #[test]

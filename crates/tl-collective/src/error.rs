@@ -15,7 +15,7 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum CollectiveError {
     /// A peer exited, was killed, or closed its end of the connection.
-    #[error("rank {rank} exited or closed its connection during {op}")]
+    #[error("rank {rank} {} during {op}", NEIGHBOUR_FAILED[0])]
     PeerExited {
         /// The neighbour whose connection closed (it may itself have stopped because another
         /// rank failed first).
@@ -24,10 +24,17 @@ pub enum CollectiveError {
         op: &'static str,
     },
     /// No byte moved for longer than the communicator's timeout.
-    #[error("{op} made no progress for {} ms (the communicator's timeout)", bound.as_millis())]
+    #[error(
+        "{op} {} for {} ms (the communicator's timeout) waiting for rank {peer}",
+        NEIGHBOUR_FAILED[1],
+        bound.as_millis()
+    )]
     Timeout {
         /// The operation under way.
         op: &'static str,
+        /// The neighbour that went silent: the one whose bytes never came (or that never
+        /// took ours). It may itself wait for another rank.
+        peer: usize,
         /// The timeout that was exceeded.
         bound: Duration,
     },
@@ -76,13 +83,46 @@ pub enum CollectiveError {
         /// What the connection got wrong.
         reason: String,
     },
+    /// A rendezvous directory where a stranger could listen in a rank's place: another
+    /// user's, or one that others can write.
+    #[error(
+        "rendezvous directory {} (mode {mode:04o}, owner uid {owner}): {reason}",
+        path.display()
+    )]
+    UnsafeRendezvous {
+        /// The directory.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+        /// Its owner's user id.
+        owner: u32,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// A rank's socket path longer than Unix sockets allow.
+    #[error(
+        "socket path {} is {len} bytes, over the {limit}-byte limit of Unix socket paths: set \
+         TMPDIR (under tinyllm launch) or TINYLLM_RENDEZVOUS to a shorter directory",
+        path.display()
+    )]
+    SocketPathTooLong {
+        /// The longest socket path of the run.
+        path: PathBuf,
+        /// Its length in bytes.
+        len: usize,
+        /// The longest path allowed.
+        limit: usize,
+    },
     /// A rank of a launched job failed.
     #[error("rank {rank} failed: {status}{}", others_note(*others))]
     RankFailed {
-        /// The first rank that failed.
+        /// The rank whose failure most likely ended the job (see
+        /// [`LaunchOutcome::first_failure`](crate::launch::LaunchOutcome::first_failure)).
         rank: usize,
         /// Its exit status or signal, as text.
         status: String,
+        /// Its exit code, when it exited (rather than being killed or stopped by a signal).
+        code: Option<i32>,
         /// How many other ranks failed after it.
         others: usize,
     },
@@ -101,6 +141,12 @@ pub enum CollectiveError {
         source: std::io::Error,
     },
 }
+
+/// Words of the errors by which a rank reports that a neighbour, not itself, failed (exited,
+/// or went silent): the launcher looks for them in the ranks' error output to blame the rank
+/// that failed first rather than the first that noticed.
+pub(crate) const NEIGHBOUR_FAILED: [&str; 2] =
+    ["exited or closed its connection", "made no progress"];
 
 /// What one rank announced for a collective: every collective starts by exchanging these,
 /// so that a disagreement is an error on every rank and never a misread buffer.
@@ -165,3 +211,29 @@ impl CollectiveError {
 
 /// The result of tl-collective's fallible functions.
 pub type Result<T> = std::result::Result<T, CollectiveError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_neighbours_failure_reads_as_one_in_the_message() {
+        let exited = CollectiveError::PeerExited {
+            rank: 2,
+            op: "all_reduce_sum",
+        };
+        let silent = CollectiveError::Timeout {
+            op: "all_reduce_sum",
+            peer: 2,
+            bound: Duration::from_secs(1),
+        };
+        for error in [exited, silent] {
+            let text = error.to_string();
+            assert!(
+                NEIGHBOUR_FAILED.iter().any(|mark| text.contains(mark)),
+                "{text}"
+            );
+            assert!(text.contains("rank 2"), "{text}");
+        }
+    }
+}

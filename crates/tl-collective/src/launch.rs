@@ -2,10 +2,19 @@
 //!
 //! [`launch`] makes a 0700 rendezvous directory and a random secret, starts `n` copies of a
 //! program with the `TINYLLM_*` variables set, prefixes each line a rank writes to stderr
-//! with `[rank r] `, forwards SIGINT and SIGTERM to every rank, and waits for all of them.
-//! When a rank fails, the others get [`LaunchOptions::grace`] to finish (they normally fail
-//! at once too: their ring closed), then SIGTERM, then after another grace period SIGKILL.
-//! The directory is removed at the end.
+//! with `[rank r] `, forwards SIGINT, SIGTERM and SIGHUP to every rank, and waits for all of
+//! them. When a rank fails, the others get [`LaunchOptions::grace`] to finish (they normally
+//! fail at once too: their ring closed), then SIGTERM, then after another grace period
+//! SIGKILL. The directory is removed at the end.
+//!
+//! Ranks die with their launcher: each is started with a parent-death signal (SIGTERM, which
+//! `tinyllm train` answers with a checkpoint), so a launcher killed outright (SIGKILL) leaves
+//! no orphan holding the run's lock. Its rendezvous directory does not outlive it either:
+//! rank 0 removes it once the ring has formed (see [`RingComm`](crate::RingComm)), since
+//! nobody needs it after that. Only a launcher killed before the ring formed can leave the
+//! directory behind, private (0700) and holding no secret.
+
+mod outcome;
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -14,17 +23,22 @@ use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rustix::process::{Pid, Signal, kill_process};
-use signal_hook::consts::{SIGINT, SIGTERM};
+use rustix::io::Errno;
+use rustix::process::{Pid, Signal, WaitOptions, kill_process, waitpid};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 
 use crate::env::{
-    ENV_RANK, ENV_RENDEZVOUS, ENV_SECRET, ENV_TIMEOUT_MS, ENV_WORLD_SIZE, format_secret,
+    ENV_RANK, ENV_RENDEZVOUS, ENV_SECRET, ENV_TIMEOUT_MS, ENV_WORLD_SIZE, MAX_WORLD_SIZE,
+    format_secret,
 };
-use crate::error::{CollectiveError, Result};
+use crate::error::{CollectiveError, NEIGHBOUR_FAILED, Result};
+use crate::ring::handshake::random_bytes;
+use crate::ring::rendezvous::{LAUNCHER_PREFIX, check_socket_paths};
+pub use outcome::{LaunchOutcome, RankExit, describe_status, signal_name};
 
 /// How a job is launched.
 #[derive(Clone, Debug)]
@@ -51,99 +65,43 @@ impl Default for LaunchOptions {
     }
 }
 
-/// How one rank ended.
-#[derive(Clone, Copy, Debug)]
-pub struct RankExit {
-    /// The rank.
-    pub rank: usize,
-    /// Its exit status (a code, or the signal that killed it).
-    pub status: ExitStatus,
-    /// When it ended, from the launch.
-    pub after: Duration,
-}
-
-/// How a launched job ended.
-#[derive(Clone, Debug)]
-pub struct LaunchOutcome {
-    /// Every rank's end, by rank.
-    pub ranks: Vec<RankExit>,
-    /// The signal (SIGINT or SIGTERM) the launcher received and forwarded, if any.
-    pub forwarded_signal: Option<i32>,
-    /// Whether [`LaunchOptions::deadline`] was reached.
-    pub timed_out: bool,
-}
-
-impl LaunchOutcome {
-    /// Whether every rank exited successfully.
-    pub fn success(&self) -> bool {
-        self.ranks.iter().all(|r| r.status.success())
-    }
-
-    /// The rank that failed first, if any.
-    pub fn first_failure(&self) -> Option<&RankExit> {
-        self.ranks
-            .iter()
-            .filter(|r| !r.status.success())
-            .min_by_key(|r| (r.after, r.rank))
-    }
-
-    /// `Ok` if every rank succeeded.
-    ///
-    /// # Errors
-    /// [`CollectiveError::RankFailed`] naming the first rank that failed and its status.
-    pub fn into_result(self) -> Result<Self> {
-        match self.first_failure() {
-            None => Ok(self),
-            Some(first) => Err(CollectiveError::RankFailed {
-                rank: first.rank,
-                status: describe_status(first.status),
-                others: self.ranks.iter().filter(|r| !r.status.success()).count() - 1,
-            }),
-        }
-    }
-}
-
-/// "exit code 3", or "killed by signal 9".
-pub fn describe_status(status: ExitStatus) -> String {
-    match (status.code(), status.signal()) {
-        (Some(code), _) => format!("exit code {code}"),
-        (None, Some(signal)) => format!("killed by signal {signal}"),
-        _ => status.to_string(),
-    }
-}
-
 /// Starts `n` ranks of `program args` on this machine and waits for them all.
 ///
 /// Returns the outcome even when ranks failed; [`LaunchOutcome::into_result`] turns a
 /// failure into an error.
 ///
 /// # Errors
-/// [`CollectiveError::InvalidRank`] for `n == 0`; [`CollectiveError::Io`] if the rendezvous
-/// directory, the secret or a process cannot be made (ranks already started are killed).
+/// [`CollectiveError::InvalidRank`] for `n` of 0 or over [`MAX_WORLD_SIZE`];
+/// [`CollectiveError::SocketPathTooLong`] when `$TMPDIR` is too long a path for the ranks'
+/// sockets; [`CollectiveError::Io`] if the rendezvous directory, the secret or a process
+/// cannot be made (ranks already started are killed). All before any rank starts.
 pub fn launch(
     n: usize,
     program: &Path,
     args: &[OsString],
     options: &LaunchOptions,
 ) -> Result<LaunchOutcome> {
-    if n == 0 {
+    if n == 0 || n > MAX_WORLD_SIZE {
         return Err(CollectiveError::InvalidRank {
             what: "world size",
-            value: 0,
-            world_size: 0,
+            value: n,
+            world_size: n,
         });
     }
     let dir = tempfile::Builder::new()
-        .prefix("tinyllm-rendezvous-")
+        .prefix(LAUNCHER_PREFIX)
         .tempdir()
         .map_err(|e| CollectiveError::io("create the rendezvous directory", e))?;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))
         .map_err(|e| CollectiveError::io("make the rendezvous directory private", e))?;
-    let secret = random_secret()?;
+    check_socket_paths(dir.path(), n)?;
+    let secret = random_bytes()?;
 
     let signal = Arc::new(AtomicUsize::new(0));
     let mut hooks = Vec::new();
-    for sig in [SIGINT, SIGTERM] {
+    // SIGHUP too: a closed terminal must stop the ranks as it would `tinyllm train` alone
+    // (a checkpoint), not kill the launcher and leave them running.
+    for sig in [SIGINT, SIGTERM, SIGHUP] {
         let id = signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize)
             .map_err(|e| CollectiveError::io("install the signal handlers", e))?;
         hooks.push(id);
@@ -156,14 +114,6 @@ pub fn launch(
     outcome
 }
 
-fn random_secret() -> Result<[u8; 32]> {
-    let mut secret = [0u8; 32];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut secret))
-        .map_err(|e| CollectiveError::io("read a secret from /dev/urandom", e))?;
-    Ok(secret)
-}
-
 fn run_ranks(
     n: usize,
     program: &Path,
@@ -174,8 +124,7 @@ fn run_ranks(
     signal: &AtomicUsize,
 ) -> Result<LaunchOutcome> {
     let start = Instant::now();
-    let mut children: Vec<Child> = Vec::with_capacity(n);
-    let mut forwarders: Vec<JoinHandle<()>> = Vec::with_capacity(n);
+    let mut ranks: Vec<Running> = Vec::with_capacity(n);
     for rank in 0..n {
         let mut command = Command::new(program);
         command
@@ -189,22 +138,16 @@ fn run_ranks(
             // Own process group: a terminal's Ctrl-C reaches the launcher only, which forwards
             // it once, instead of every rank getting it twice.
             .process_group(0);
+        die_with_launcher(&mut command);
         if let Some(timeout) = options.comm_timeout {
             command.env(ENV_TIMEOUT_MS, timeout.as_millis().to_string());
         }
         match command.spawn() {
-            Ok(mut child) => {
-                let stderr = child.stderr.take().expect("stderr is piped");
-                forwarders.push(std::thread::spawn(move || {
-                    let _ =
-                        prefix_lines(stderr, &format!("[rank {rank}] "), &mut std::io::stderr());
-                }));
-                children.push(child);
-            }
+            Ok(child) => ranks.push(Running::watch(rank, child)),
             Err(e) => {
-                for child in &mut children {
-                    let _ = child.kill();
-                    let _ = child.wait();
+                for running in &mut ranks {
+                    let _ = running.child.kill();
+                    let _ = running.child.wait();
                 }
                 return Err(CollectiveError::io(
                     format!("start rank {rank}: {}", program.display()),
@@ -214,70 +157,174 @@ fn run_ranks(
         }
     }
 
-    let mut ends: Vec<Option<RankExit>> = vec![None; n];
     let mut forwarded_signal = None;
     let mut failed_at: Option<Instant> = None;
     let mut terminated = false;
     let mut timed_out = false;
-    while ends.iter().any(Option::is_none) {
+    while ranks.iter().any(|r| r.end.is_none()) {
         let sig = signal.swap(0, Ordering::SeqCst);
         if sig != 0 {
             forwarded_signal = Some(sig as i32);
             signal_all(
-                &children,
-                &ends,
+                &mut ranks,
                 Signal::from_named_raw(sig as i32).unwrap_or(Signal::TERM),
             );
         }
-        for (rank, (child, end)) in children.iter_mut().zip(ends.iter_mut()).enumerate() {
-            if end.is_some() {
-                continue;
-            }
-            if let Ok(Some(status)) = child.try_wait() {
-                *end = Some(RankExit {
-                    rank,
-                    status,
-                    after: start.elapsed(),
-                });
-                if !status.success() && failed_at.is_none() {
-                    failed_at = Some(Instant::now());
-                }
+        for running in &mut ranks {
+            running.poll(start)?;
+            let failed = running.end.as_ref().is_some_and(|e| !e.success());
+            if failed && failed_at.is_none() {
+                failed_at = Some(Instant::now());
             }
         }
         if let Some(at) = failed_at {
             if !terminated && at.elapsed() >= options.grace {
-                signal_all(&children, &ends, Signal::TERM);
+                signal_all(&mut ranks, Signal::TERM);
                 terminated = true;
             } else if at.elapsed() >= options.grace * 2 {
-                signal_all(&children, &ends, Signal::KILL);
+                signal_all(&mut ranks, Signal::KILL);
             }
         }
         if options.deadline.is_some_and(|d| start.elapsed() >= d) {
-            signal_all(&children, &ends, Signal::KILL);
+            signal_all(&mut ranks, Signal::KILL);
             timed_out = true;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    for forwarder in forwarders {
-        let _ = forwarder.join();
-    }
+    let ranks = ranks.into_iter().map(Running::finish).collect();
     Ok(LaunchOutcome {
-        ranks: ends
-            .into_iter()
-            .map(|e| e.expect("every rank ended"))
-            .collect(),
+        ranks,
         forwarded_signal,
         timed_out,
     })
 }
 
-/// Sends `signal` to every rank still running.
-fn signal_all(children: &[Child], ends: &[Option<RankExit>], signal: Signal) {
-    for (child, end) in children.iter().zip(ends) {
-        if end.is_none() {
-            // A rank that exited in the meantime is no error.
-            let _ = kill_process(Pid::from_child(child), signal);
+/// Has `command`'s process receive SIGTERM when this thread ends: the launcher's death
+/// (even by SIGKILL) stops its ranks. Linux sends the signal when the *thread* that forked
+/// the child exits, so ranks are started from the thread that then waits for them.
+fn die_with_launcher(command: &mut Command) {
+    let launcher = rustix::process::getpid();
+    // SAFETY: runs in the child between fork and exec, where only async-signal-safe calls
+    // are allowed: prctl(PR_SET_PDEATHSIG), getppid and kill are single system calls that
+    // neither allocate nor take locks, and the error returned is built from an errno
+    // without allocating.
+    unsafe {
+        command.pre_exec(move || {
+            rustix::process::set_parent_process_death_signal(Some(Signal::TERM))?;
+            // The launcher may have died between fork and prctl, before the signal was
+            // armed: then the child is already someone else's and must not run on.
+            if rustix::process::getppid() != Some(launcher) {
+                return Err(Errno::SRCH.into());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// A started rank, watched until it ends.
+struct Running {
+    rank: usize,
+    child: Child,
+    /// Copies its error output to ours; notes whether it blamed a neighbour.
+    forwarder: Option<JoinHandle<()>>,
+    after_neighbour: Arc<AtomicBool>,
+    stopped_by: Option<i32>,
+    signalled: bool,
+    end: Option<RankExit>,
+}
+
+impl Running {
+    fn watch(rank: usize, mut child: Child) -> Self {
+        let stderr = child.stderr.take().expect("stderr is piped");
+        let after_neighbour = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&after_neighbour);
+        let forwarder = std::thread::spawn(move || {
+            let _ = copy_lines(
+                stderr,
+                &format!("[rank {rank}] "),
+                &mut std::io::stderr(),
+                |line| {
+                    let line = String::from_utf8_lossy(line);
+                    if NEIGHBOUR_FAILED.iter().any(|mark| line.contains(mark)) {
+                        flag.store(true, Ordering::SeqCst);
+                    }
+                },
+            );
+        });
+        Running {
+            rank,
+            child,
+            forwarder: Some(forwarder),
+            after_neighbour,
+            stopped_by: None,
+            signalled: false,
+            end: None,
         }
+    }
+
+    /// Notes whether the rank ended, stopped or continued since the last look. Our own
+    /// `waitpid` rather than `Child::try_wait`, which does not report stops.
+    ///
+    /// # Errors
+    /// [`CollectiveError::Io`] if the rank cannot be waited for (it is no child of ours).
+    fn poll(&mut self, start: Instant) -> Result<()> {
+        if self.end.is_some() {
+            return Ok(());
+        }
+        let pid = Pid::from_child(&self.child);
+        let flags = WaitOptions::NOHANG | WaitOptions::UNTRACED | WaitOptions::CONTINUED;
+        let status = match waitpid(Some(pid), flags) {
+            Ok(None) | Err(Errno::INTR) => return Ok(()),
+            Ok(Some((_, status))) => status,
+            Err(e) => {
+                let context = format!("wait for rank {}", self.rank);
+                return Err(CollectiveError::io(context, e.into()));
+            }
+        };
+        if status.stopped() {
+            self.stopped_by = status.stopping_signal();
+        } else if status.continued() {
+            self.stopped_by = None;
+        } else {
+            // Its error output may still be in the pipe: read it before judging it (with a
+            // bound, since a child of the rank could hold the pipe open).
+            let waited = Instant::now();
+            while self.forwarder.as_ref().is_some_and(|f| !f.is_finished())
+                && waited.elapsed() < Duration::from_millis(200)
+            {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            self.end = Some(RankExit {
+                rank: self.rank,
+                status: ExitStatus::from_raw(status.as_raw()),
+                after: start.elapsed(),
+                stopped_by: self.stopped_by,
+                signalled: self.signalled,
+                after_neighbour: self.after_neighbour.load(Ordering::SeqCst),
+            });
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> RankExit {
+        if let Some(forwarder) = self.forwarder.take() {
+            let _ = forwarder.join();
+        }
+        self.end.expect("every rank ended")
+    }
+}
+
+/// Sends `signal` to every rank still running (and SIGCONT after it to a stopped one, which
+/// would otherwise hold a SIGTERM unanswered until it is killed).
+fn signal_all(ranks: &mut [Running], signal: Signal) {
+    for running in ranks.iter_mut().filter(|r| r.end.is_none()) {
+        let pid = Pid::from_child(&running.child);
+        // A rank that exited in the meantime is no error.
+        let _ = kill_process(pid, signal);
+        if running.stopped_by.is_some() {
+            let _ = kill_process(pid, Signal::CONT);
+        }
+        running.signalled = true;
     }
 }
 
@@ -291,6 +338,16 @@ pub fn prefix_lines(
     prefix: &str,
     output: &mut impl Write,
 ) -> std::io::Result<()> {
+    copy_lines(input, prefix, output, |_| {})
+}
+
+/// [`prefix_lines`], showing each line to `inspect` first.
+fn copy_lines(
+    input: impl Read,
+    prefix: &str,
+    output: &mut impl Write,
+    mut inspect: impl FnMut(&[u8]),
+) -> std::io::Result<()> {
     let mut reader = BufReader::new(input);
     let mut line = Vec::new();
     loop {
@@ -301,6 +358,7 @@ pub fn prefix_lines(
         if line.last() != Some(&b'\n') {
             line.push(b'\n');
         }
+        inspect(&line);
         // One write per line, so that the ranks' lines do not interleave mid-line.
         let mut whole = Vec::with_capacity(prefix.len() + line.len());
         whole.extend_from_slice(prefix.as_bytes());

@@ -55,12 +55,12 @@ pub use communicator::{CommStats, Communicator};
 pub use element::{Element, ReduceOp, Slice, SliceMut};
 pub use env::{
     DEFAULT_TIMEOUT, ENV_RANK, ENV_RENDEZVOUS, ENV_SECRET, ENV_TIMEOUT_MS, ENV_WORLD_SIZE,
-    RingConfig, format_secret, timeout_from_env,
+    MAX_WORLD_SIZE, RingConfig, format_secret, timeout_from_env,
 };
 pub use error::{CallHeader, CollectiveError, Result};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiComm, MpiMode};
-pub use ring::{RingComm, socket_path};
+pub use ring::{MAX_SOCKET_PATH, RingComm, socket_path};
 pub use schedule::reference_all_reduce;
 pub use shard::shard_range;
 pub use single::Single;

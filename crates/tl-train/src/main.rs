@@ -2,6 +2,7 @@
 
 use std::process::ExitCode;
 
+use tl_collective::CollectiveError;
 use tl_tensor::alloc::CachingAllocator;
 use tl_train::TrainError;
 use tl_train::cli::{CliError, Exit, run};
@@ -25,7 +26,8 @@ fn main() -> ExitCode {
 }
 
 /// The exit status of a failed command: 2 for arguments that were refused before anything
-/// ran (as for a usage error), 4 for a run that diverged, 1 for anything else.
+/// ran (as for a usage error), 4 for a run that diverged, 1 for anything else; under
+/// `tinyllm launch`, the documented status the failing rank exited with.
 fn exit_status(error: &TrainError) -> u8 {
     match error {
         TrainError::InvalidArgument { .. }
@@ -35,6 +37,10 @@ fn exit_status(error: &TrainError) -> u8 {
         | TrainError::UnknownPreset { .. }
         | TrainError::Recompute(_) => 2,
         TrainError::Diverged { .. } => 4,
+        TrainError::Collective(CollectiveError::RankFailed {
+            code: Some(code @ (2 | 3 | 4 | 129 | 130 | 143)),
+            ..
+        }) => *code as u8,
         _ => 1,
     }
 }

@@ -66,6 +66,13 @@ impl Link {
             if waited >= self.timeout {
                 return Err(CollectiveError::Timeout {
                     op,
+                    // Waiting to receive means the left neighbour's bytes never came;
+                    // otherwise the right one never took ours.
+                    peer: if want_recv {
+                        self.left_rank
+                    } else {
+                        self.right_rank
+                    },
                     bound: self.timeout,
                 });
             }

@@ -6,8 +6,11 @@
 //! disagree all fail with the same [`CollectiveError::Mismatch`]; that costs N−1 small
 //! hops of latency per call, nothing in bandwidth.
 
+mod accept;
+pub(crate) mod handshake;
 pub(crate) mod header;
 mod link;
+pub(crate) mod rendezvous;
 mod setup;
 
 use std::ops::Range;
@@ -20,7 +23,7 @@ use crate::schedule::{all_gather_step, reduce_scatter_step};
 use crate::shard::shard_range;
 use header::exchange_headers;
 use link::{Exchange, Link, ReduceExchange, Relay};
-pub use setup::socket_path;
+pub use rendezvous::{MAX_SOCKET_PATH, socket_path};
 
 /// A rank of the hand-built ring (see the [crate docs](crate) for the environment a launcher
 /// sets, and [`RingConfig`] to set it up by hand).
@@ -36,6 +39,8 @@ pub struct RingComm {
     seq: u64,
     closed: bool,
     refused: Vec<String>,
+    /// The rendezvous directory, for rank 0 to remove after the first collective.
+    rendezvous: Option<std::path::PathBuf>,
 }
 
 impl RingComm {
@@ -60,6 +65,7 @@ impl RingComm {
             seq: 0,
             closed: false,
             refused,
+            rendezvous: (config.rank == 0).then(|| config.rendezvous.clone()),
         })
     }
 
@@ -87,6 +93,11 @@ impl RingComm {
         if outcome.is_err() {
             self.closed = true;
             link.shutdown();
+        } else if let Some(dir) = self.rendezvous.take() {
+            // Every rank's header reached us, so every rank has formed its links and removed
+            // its socket: the directory is empty and needed by nobody. Removed now, it cannot
+            // outlive a launcher that is killed outright.
+            rendezvous::remove_if_launchers(&dir);
         }
         outcome
     }

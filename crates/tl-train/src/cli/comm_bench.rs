@@ -32,6 +32,10 @@ pub struct CommBenchArgs {
     pub budget_ms: u64,
 }
 
+/// The largest all-reduce `--max-bytes` takes: checked before anything is allocated (each
+/// rank holds the buffer, rank 0 two more for memcpy's yardstick).
+const MAX_BYTES: usize = 1 << 30;
+
 /// The CPU's name, as /proc/cpuinfo gives it.
 fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
@@ -48,6 +52,13 @@ fn cpu_name() -> String {
 
 /// Runs `tinyllm comm-bench`.
 pub(super) fn comm_bench(args: &CommBenchArgs) -> Result<Exit> {
+    if args.max_bytes > MAX_BYTES {
+        return Err(TrainError::InvalidArgument {
+            name: "--max-bytes",
+            value: args.max_bytes.to_string(),
+            reason: format!("at most {MAX_BYTES} bytes, 1 GiB"),
+        });
+    }
     if args.min_bytes < 4 || args.min_bytes > args.max_bytes {
         return Err(TrainError::InvalidArgument {
             name: "--min-bytes",

@@ -5,7 +5,8 @@ use std::ffi::OsString;
 use std::time::Duration;
 
 use clap::Args;
-use tl_collective::launch::{LaunchOptions, launch as launch_ranks};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use tl_collective::launch::{LaunchOptions, LaunchOutcome, launch as launch_ranks};
 
 use super::Exit;
 use crate::error::{Result, TrainError};
@@ -51,6 +52,7 @@ pub(super) fn launch(args: &LaunchArgs) -> Result<Exit> {
             reason: "at least 1 ms".into(),
         });
     }
+    check_multi_rank(&args.command)?;
     let exe = std::env::current_exe().map_err(|e| TrainError::io("the tinyllm executable", e))?;
     if args.threads_per_rank == Some(0) {
         return Err(TrainError::InvalidArgument {
@@ -75,16 +77,75 @@ pub(super) fn launch(args: &LaunchArgs) -> Result<Exit> {
         ..LaunchOptions::default()
     };
     let outcome = launch_ranks(args.nproc, &exe, &args.command, &options)?;
-    // A forwarded SIGINT or SIGTERM that every rank answered as `tinyllm train` does (a
-    // checkpoint, exit 128 + signal) is an interruption, not a failure.
-    if let Some(signal) = outcome.forwarded_signal
-        && outcome
-            .ranks
-            .iter()
-            .all(|r| r.status.code() == Some(128 + signal))
-    {
+    if let Some(signal) = interrupted(&outcome) {
         return Ok(Exit::Interrupted { signal });
     }
+    let failures: Vec<_> = outcome.ranks.iter().filter(|r| !r.success()).collect();
+    if !failures.is_empty() && failures.iter().all(|r| r.status.code() == Some(3)) {
+        // `compare` on rank 0 found MS-L11 missed: a verdict, not a failure.
+        return Ok(Exit::MilestoneMissed);
+    }
+    // Otherwise the error names the rank to blame and carries its exit code, which the
+    // process exits with when it is a documented one (2 refused, 4 diverged).
     outcome.into_result()?;
     Ok(Exit::Success)
+}
+
+/// The commands that run as ranks: those that take `--backend` (and so join the other
+/// ranks); any other would run N times side by side, each writing the same files.
+fn multi_rank_commands() -> Vec<String> {
+    <super::Cli as clap::CommandFactory>::command()
+        .get_subcommands()
+        .filter(|sub| sub.get_arguments().any(|arg| arg.get_id() == "backend"))
+        .map(|sub| sub.get_name().to_string())
+        .collect()
+}
+
+/// Refuses a command that would not run as ranks of one job.
+///
+/// # Errors
+/// [`TrainError::InvalidArgument`] naming the command and the ones that run as ranks.
+fn check_multi_rank(command: &[OsString]) -> Result<()> {
+    let name = command.first().map(|c| c.to_string_lossy().into_owned());
+    let commands = multi_rank_commands();
+    match name {
+        Some(name) if commands.contains(&name) => Ok(()),
+        name => Err(TrainError::InvalidArgument {
+            name: "COMMAND",
+            value: name.unwrap_or_default(),
+            reason: format!(
+                "launch runs only the commands that run as ranks: {}",
+                commands.join(", ")
+            ),
+        }),
+    }
+}
+
+/// The stopping signal every rank answered as `tinyllm train` does (a checkpoint, exit
+/// 128 + signal), whether the launcher forwarded it or one rank received it and the run
+/// stopped on all: an interruption, not a failure.
+fn interrupted(outcome: &LaunchOutcome) -> Option<i32> {
+    let code = outcome.ranks.first()?.status.code()?;
+    let signal = [SIGHUP, SIGINT, SIGTERM]
+        .into_iter()
+        .find(|&s| code == 128 + s)?;
+    let all = outcome.ranks.iter().all(|r| r.status.code() == Some(code));
+    all.then_some(signal)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_commands_that_take_a_backend_run_as_ranks() {
+        let mut commands = multi_rank_commands();
+        commands.sort();
+        assert_eq!(commands, ["bench", "comm-bench", "compare", "train"]);
+        for refused in ["export", "sample", "plan", "launch", "--help"] {
+            let err = check_multi_rank(&[OsString::from(refused)]).unwrap_err();
+            assert!(err.to_string().contains("train"), "{err}");
+        }
+        check_multi_rank(&[OsString::from("train"), OsString::from("--quiet")]).unwrap();
+    }
 }

@@ -108,6 +108,42 @@ pub fn agree<T>(
     Ok(local)
 }
 
+/// Checks that every rank was given the same `value` of `flag`: a number that shapes the
+/// run without being part of its config (`--until-step`), so that [`agree`]'s fingerprint
+/// does not cover it. Ranks that disagree would part at the first step one of them saves
+/// or stops after, as a mismatched collective; this names them before any step.
+///
+/// # Errors
+/// [`TrainError::Ranks`] naming the ranks whose value differs from rank 0's;
+/// [`TrainError::Parallel`] when the collective fails.
+pub fn same_value(ddp: &mut DataParallel, value: u64, flag: &'static str) -> Result<()> {
+    let (rank, world) = (ddp.rank(), ddp.world_size());
+    if world == 1 {
+        return Ok(());
+    }
+    // Slot r: rank r's value (exact in an f64: a step count).
+    let mut slots = vec![0.0f64; world];
+    slots[rank] = value as f64;
+    ddp.with_communicator(|comm| {
+        comm.all_reduce(
+            <f64 as tl_collective::Element>::view_mut(&mut slots),
+            ReduceOp::Sum,
+        )
+    })?;
+    let differing: Vec<usize> = (1..world).filter(|&r| slots[r] != slots[0]).collect();
+    match differing.first() {
+        None => Ok(()),
+        Some(&first) => Err(TrainError::Ranks {
+            what: format!(
+                "would run with another {flag} than rank 0 ({} against {}): start every rank \
+                 with the same flags",
+                slots[first], slots[0]
+            ),
+            ranks: differing,
+        }),
+    }
+}
+
 /// Whether `flag` holds on any rank (`flag` itself in a world of one).
 ///
 /// # Errors

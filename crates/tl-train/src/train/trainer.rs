@@ -971,6 +971,7 @@ impl Trainer {
         on_event: &mut dyn FnMut(&Event),
     ) -> Result<Stop> {
         let until = until.min(self.config.steps);
+        ranks::same_value(&mut self.ddp, until, "--until-step")?;
         while self.step < until {
             let record = self.train_step()?;
             on_event(&Event::Metric(record));
