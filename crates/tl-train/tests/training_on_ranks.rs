@@ -303,6 +303,31 @@ fn a_signal_stops_every_rank_after_the_same_step() {
     succeed(2, &resume(&out, &["--until-step", &until]));
 }
 
+/// SIGTERM to rank 1 alone: every rank stops after the same step and says so by the
+/// signal rank 1 got, and the launcher exits 128 + 15 (rank 0 used to say SIGINT and exit
+/// 130, knowing only that some rank was stopped).
+#[test]
+fn a_signal_to_one_rank_is_named_by_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let child = start_long_run(&out, 3);
+    let victim = rank_pid(child.id(), 1).expect("rank 1 is running");
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &victim.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let output = wait_output(child);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(143), "{stderr}");
+    assert!(stderr.contains("stopped by SIGTERM"), "{stderr}");
+    assert!(!stderr.contains("SIGINT"), "{stderr}");
+    let steps = train_steps(&out);
+    assert!(latest_checkpoint(&out).ends_with(format!("checkpoint-{steps:06}")));
+}
+
 /// Ranks started with different configs refuse to train, each naming the ranks that differ
 /// from rank 0, before anything is trained.
 #[test]

@@ -116,7 +116,14 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
     Ok(match stop {
         Stop::Finished => Exit::Success,
         Stop::Interrupted => {
-            let signal = STOP_SIGNAL.load(Ordering::SeqCst);
+            // Every rank stopped after the same step, but only the ranks that were sent the
+            // signal know it: share it, so that every rank names it and exits with it.
+            let received = if INTERRUPTED.load(Ordering::SeqCst) {
+                STOP_SIGNAL.load(Ordering::SeqCst)
+            } else {
+                0
+            };
+            let signal = trainer.max_over_ranks(received.max(0) as u32)? as i32;
             if !leader {
                 return Ok(Exit::Interrupted { signal });
             }

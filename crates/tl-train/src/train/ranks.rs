@@ -162,6 +162,25 @@ pub fn any(ddp: &mut DataParallel, flag: bool) -> Result<bool> {
     Ok(value[0] > 0.0)
 }
 
+/// The largest of `value` over the ranks (`value` itself in a world of one).
+///
+/// # Errors
+/// [`TrainError::Parallel`] when the collective fails.
+pub fn max(ddp: &mut DataParallel, value: u32) -> Result<u32> {
+    if ddp.world_size() == 1 {
+        return Ok(value);
+    }
+    let mut slot = [f64::from(value)];
+    ddp.with_communicator(|comm| {
+        comm.all_reduce(
+            <f64 as tl_collective::Element>::view_mut(&mut slot),
+            ReduceOp::Max,
+        )
+    })?;
+    // Exact: every rank's value is an integer below 2^32.
+    Ok(slot[0] as u32)
+}
+
 /// What one rank's part of a run cost: memory and communication.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RankReport {

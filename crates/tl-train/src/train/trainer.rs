@@ -956,6 +956,16 @@ impl Trainer {
         )
     }
 
+    /// The largest of `value` over the run's ranks (`value` itself alone): a collective
+    /// that every rank calls, as after [`Trainer::run`] stops them all for a signal that
+    /// only some of them received.
+    ///
+    /// # Errors
+    /// [`TrainError::Parallel`] when the collective fails.
+    pub fn max_over_ranks(&mut self, value: u32) -> Result<u32> {
+        ranks::max(&mut self.ddp, value)
+    }
+
     /// Trains until `until` steps are done (at most the config's `steps`), evaluating and
     /// saving on the config's intervals, and always saving when it stops. When `stop` is
     /// raised (Ctrl-C), the step in progress finishes, a checkpoint is written and the run
