@@ -293,6 +293,189 @@ pub fn write_tensors_atomic(
     Ok(hex(&hasher.finalize()))
 }
 
+/// What [`read_tensors`] hands each tensor to: its name, shape and values.
+pub type TensorVisitor<'a> = dyn FnMut(String, Vec<usize>, Vec<f32>) -> Result<()> + 'a;
+
+/// Where a tensor's bytes lie in a safetensors file, from its header.
+struct Span {
+    name: String,
+    shape: Vec<usize>,
+    /// Its bytes' range after the header.
+    offsets: (usize, usize),
+}
+
+/// The longest safetensors header read (a checkpoint's is a few KiB).
+const MAX_HEADER_BYTES: u64 = 1 << 24;
+
+/// Reads the safetensors file at `path` one tensor at a time, in the file's order, handing
+/// each to `visit` as its name, shape and values; then checks the whole file's SHA-256
+/// against `expected_sha256`.
+///
+/// Only one tensor is in memory at a time (what `visit` keeps aside), where reading the
+/// file whole and decoding it held two copies of every tensor at once. A file whose digest
+/// does not match is refused after `visit` has seen some of its tensors: a caller builds
+/// nothing it keeps from them until this returns `Ok`.
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] naming `path`: it cannot be read, it is damaged (its SHA-256
+/// is not the one expected; preferred over any other complaint about its bytes), it is
+/// not a safetensors file, or a tensor is not F32; then `visit`'s own errors.
+pub fn read_tensors(
+    path: &Path,
+    expected_sha256: &str,
+    visit: &mut TensorVisitor<'_>,
+) -> Result<()> {
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let unreadable =
+        |error: std::io::Error| TrainError::checkpoint(path, format!("cannot be read: {error}"));
+    let file = fs::File::open(path).map_err(unreadable)?;
+    let length = file.metadata().map_err(unreadable)?.len();
+    let mut reader = HashingReader {
+        inner: std::io::BufReader::with_capacity(1 << 20, file),
+        hasher: Sha256::new(),
+    };
+    let damaged = |reader: &mut HashingReader<_>| -> Option<TrainError> {
+        // Hash the rest, so that a damaged file is called damaged whatever broke first.
+        std::io::copy(reader, &mut std::io::sink()).ok()?;
+        let actual = hex(&reader.hasher.clone().finalize());
+        (actual != expected_sha256).then(|| {
+            TrainError::checkpoint(
+                path,
+                format!("damaged: its SHA-256 is {actual}, SHA256SUMS records {expected_sha256}"),
+            )
+        })
+    };
+    let result = (|| {
+        let layout = read_layout(&mut reader, length)
+            .map_err(|reason| TrainError::checkpoint(path, reason))?;
+        // Converted a chunk at a time: the tensor's bytes are never all in memory beside
+        // its values.
+        let mut chunk = vec![0u8; 1 << 16];
+        for Span {
+            name,
+            shape,
+            offsets: (begin, end),
+        } in layout
+        {
+            let mut values = Vec::with_capacity((end - begin) / 4);
+            let mut left = end - begin;
+            while left > 0 {
+                let bytes = &mut chunk[..left.min(1 << 16)];
+                reader.read_exact(bytes).map_err(unreadable)?;
+                values.extend(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|four| f32::from_le_bytes(four.try_into().expect("4 bytes"))),
+                );
+                left -= bytes.len();
+            }
+            visit(name, shape, values)?;
+        }
+        Ok(())
+    })();
+    match (result, damaged(&mut reader)) {
+        (_, Some(damage)) => Err(damage),
+        (result, None) => result,
+    }
+}
+
+/// A reader that hashes what it reads.
+struct HashingReader<R> {
+    inner: R,
+    hasher: sha2::Sha256,
+}
+
+impl<R: std::io::Read> std::io::Read for HashingReader<R> {
+    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        use sha2::Digest;
+        let n = self.inner.read(buffer)?;
+        self.hasher.update(&buffer[..n]);
+        Ok(n)
+    }
+}
+
+/// Reads a safetensors header from `reader` (a file of `length` bytes) and checks it: every
+/// tensor F32 with as many bytes as its shape holds, the data tightly packed to the end of
+/// the file. Returns the tensors in the order of their data.
+fn read_layout(
+    reader: &mut impl std::io::Read,
+    length: u64,
+) -> std::result::Result<Vec<Span>, String> {
+    let invalid = |reason: &str| format!("not a valid safetensors file: {reason}");
+    let mut size = [0u8; 8];
+    reader
+        .read_exact(&mut size)
+        .map_err(|_| invalid("shorter than its header"))?;
+    let header_len = u64::from_le_bytes(size);
+    if header_len > MAX_HEADER_BYTES || header_len > length.saturating_sub(8) {
+        return Err(invalid(&format!(
+            "a header of {header_len} bytes in a file of {length}"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    reader
+        .read_exact(&mut header)
+        .map_err(|_| invalid("shorter than its header"))?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|error| invalid(&error.to_string()))?;
+    #[derive(serde::Deserialize)]
+    struct Info {
+        dtype: String,
+        shape: Vec<usize>,
+        data_offsets: (usize, usize),
+    }
+    let mut layout = Vec::with_capacity(header.len());
+    for (name, info) in header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let info: Info = serde_json::from_value(info)
+            .map_err(|error| invalid(&format!("tensor {name}: {error}")))?;
+        if info.dtype != "F32" {
+            return Err(format!("tensor {name} is {}, expected F32", info.dtype));
+        }
+        let (begin, end) = info.data_offsets;
+        let bytes = info
+            .shape
+            .iter()
+            .try_fold(4usize, |bytes, &dim| bytes.checked_mul(dim));
+        if end < begin || bytes != Some(end - begin) {
+            return Err(invalid(&format!(
+                "tensor {name} of shape {:?} spans bytes {begin}..{end}",
+                info.shape
+            )));
+        }
+        layout.push(Span {
+            name,
+            shape: info.shape,
+            offsets: (begin, end),
+        });
+    }
+    layout.sort_by_key(|span| span.offsets);
+    let mut at = 0;
+    for Span {
+        name,
+        offsets: (begin, end),
+        ..
+    } in &layout
+    {
+        if *begin != at {
+            return Err(invalid(&format!(
+                "tensor {name} starts at {begin}, not {at}"
+            )));
+        }
+        at = *end;
+    }
+    if at as u64 != length - 8 - header_len {
+        return Err(invalid(&format!(
+            "its tensors hold {at} bytes, the file {} after its header",
+            length - 8 - header_len
+        )));
+    }
+    Ok(layout)
+}
+
 /// `plain` (safetensors bytes without metadata) with `metadata` added to its header, keys
 /// sorted. The header stays padded with spaces to a multiple of 8 bytes, as the crate pads
 /// it; tensor offsets count from the end of the header, so they stay as they are.

@@ -345,3 +345,116 @@ fn resuming_a_run_killed_before_its_config_says_what_to_do() {
     args.extend(["--steps", "1", "--out", out]);
     assert_eq!(tinyllm(&args).unwrap(), Exit::Success);
 }
+
+/// The leaves of a JSON value with their key paths.
+fn leaves(value: &serde_json::Value, path: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+    match value {
+        serde_json::Value::Object(map) => {
+            for (key, value) in map {
+                path.push(key.clone());
+                leaves(value, path, out);
+                path.pop();
+            }
+        }
+        _ => out.push(path.clone()),
+    }
+}
+
+/// The values a careless or hostile file gives a leaf that holds `value`.
+fn extremes(value: &serde_json::Value) -> Vec<serde_json::Value> {
+    use serde_json::json;
+    match value {
+        serde_json::Value::Number(n) if n.is_u64() || n.is_i64() => vec![
+            json!(0),
+            json!(1),
+            json!(-1),
+            json!(1u64 << 53),
+            json!(u64::MAX),
+        ],
+        serde_json::Value::Number(_) => vec![
+            json!(0.0),
+            json!(-1.0),
+            json!(5e-324),
+            json!(1e308),
+            json!(-1e308),
+        ],
+        serde_json::Value::Bool(b) => vec![json!(!b)],
+        serde_json::Value::String(_) => vec![json!(""), json!("\u{0}x")],
+        serde_json::Value::Null => vec![json!(0), json!(u64::MAX), json!(1e308)],
+        _ => vec![json!(null)],
+    }
+}
+
+// Defect 4: no panic is reachable from a config file. Every field of a tiny run's config
+// takes each of its type's extremes in turn; the run either trains a step or is refused
+// with a typed error, never a panic or a crash, under a 4 GiB address-space cap (so a
+// value that slips past the bounds cannot take the machine's memory).
+#[test]
+fn every_config_field_at_its_extremes_is_refused_or_trains_never_panics() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base");
+    let mut args: Vec<&str> = TINY_TRAIN.to_vec();
+    args.extend(["--steps", "2", "--out", base.to_str().unwrap()]);
+    assert_eq!(tinyllm(&args).unwrap(), Exit::Success);
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&fs::read(base.join("config.json")).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("tinyllm");
+    let mut paths = Vec::new();
+    leaves(&config, &mut Vec::new(), &mut paths);
+    let mut cases = Vec::new();
+    for path in &paths {
+        let pointer = format!("/{}", path.join("/"));
+        for value in extremes(config.pointer(&pointer).unwrap()) {
+            let mut edited = config.clone();
+            *edited.pointer_mut(&pointer).unwrap() = value.clone();
+            cases.push((format!("{} = {value}", path.join(".")), edited));
+        }
+    }
+    assert!(cases.len() > 100, "{} cases", cases.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failures = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for worker in 0..2 {
+            let (cases, next, failures, dir) = (&cases, &next, &failures, dir.path());
+            scope.spawn(move || {
+                loop {
+                    let index = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let Some((name, config)) = cases.get(index) else {
+                        return;
+                    };
+                    let file = dir.join(format!("case-{worker}.json"));
+                    let out = dir.join(format!("run-{index}"));
+                    fs::write(&file, serde_json::to_vec(config).unwrap()).unwrap();
+                    let output = capped(
+                        &[
+                            "train",
+                            "--config",
+                            file.to_str().unwrap(),
+                            "--out",
+                            out.to_str().unwrap(),
+                            "--until-step",
+                            "1",
+                            "--quiet",
+                            "--threads",
+                            "1",
+                        ],
+                        4096,
+                        Duration::from_secs(120),
+                    );
+                    let message = stderr(&output);
+                    let _ = fs::remove_dir_all(&out);
+                    if !matches!(output.status.code(), Some(0..=2)) || message.contains("panicked")
+                    {
+                        failures.lock().unwrap().push(format!(
+                            "{name}: {:?}: {}",
+                            output.status,
+                            message.lines().last().unwrap_or("")
+                        ));
+                    }
+                }
+            });
+        }
+    });
+    let failures = failures.into_inner().unwrap();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

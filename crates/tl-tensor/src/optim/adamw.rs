@@ -249,6 +249,68 @@ impl<E: Element> AdamW<E> {
         Ok(())
     }
 
+    /// Restores parameter `index`'s step count and moments, taking the arrays as they are
+    /// (no copy): [`AdamW::load_state_dict`] one parameter at a time, for a checkpoint read
+    /// tensor by tensor. The hyperparameters are left as they are ([`AdamW::with_betas`]
+    /// and the others set them).
+    ///
+    /// # Errors
+    /// [`TensorError::StateMismatch`] if there is no parameter `index` or a moment's shape
+    /// is not the parameter's. On error nothing changes.
+    pub fn load_moments(
+        &mut self,
+        index: usize,
+        step: u64,
+        exp_avg: ArrayD<E>,
+        exp_avg_sq: ArrayD<E>,
+    ) -> Result<()> {
+        let Some(parameter) = self.parameters.get(index) else {
+            return Err(TensorError::StateMismatch {
+                what: "AdamW moments",
+                parameter: Some(index),
+                expected: format!("at most {} parameters", self.parameters.len()),
+                found: format!("parameter {index}"),
+            });
+        };
+        for moment in [&exp_avg, &exp_avg_sq] {
+            if moment.shape() != parameter.shape().as_slice() {
+                return Err(TensorError::StateMismatch {
+                    what: "AdamW moments",
+                    parameter: Some(index),
+                    expected: format!("shape {:?}", parameter.shape()),
+                    found: format!("shape {:?}", moment.shape()),
+                });
+            }
+        }
+        self.states[index] = Some(Moments {
+            step,
+            exp_avg: Tensor::from_array(exp_avg),
+            exp_avg_sq: Tensor::from_array(exp_avg_sq),
+        });
+        Ok(())
+    }
+
+    /// Sets the learning rate, moment decay rates, epsilon and weight decay together, as
+    /// a saved state holds them.
+    ///
+    /// # Errors
+    /// [`TensorError::InvalidArgument`] for a value out of its range; on error nothing
+    /// changes.
+    pub fn load_hyperparameters(
+        &mut self,
+        lr: f64,
+        betas: (f64, f64),
+        eps: f64,
+        weight_decay: f64,
+    ) -> Result<()> {
+        let lr = check_non_negative("learning rate", lr)?;
+        let betas = (check_beta("beta1", betas.0)?, check_beta("beta2", betas.1)?);
+        let eps = check_non_negative("eps", eps)?;
+        let weight_decay = check_non_negative("weight decay", weight_decay)?;
+        (self.lr, self.betas, self.eps, self.weight_decay) = (lr, betas, eps, weight_decay);
+        Ok(())
+    }
+
     /// One AdamW update of `parameter` from `grad`, advancing its moments.
     fn update(&self, parameter: &Tensor<E>, grad: &ArrayD<E>, moments: &Moments<E>) {
         let (beta1, beta2) = self.betas;

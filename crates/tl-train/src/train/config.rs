@@ -603,11 +603,14 @@ impl TrainConfig {
                 return invalid(name, beta.to_string(), "must be in [0, 1)");
             }
         }
-        if !(self.adamw.eps > 0.0 && self.adamw.eps <= 1.0) {
+        // The update divides by sqrt(v) + eps in f32: an eps below f32's smallest normal
+        // number is 0 or subnormal there, and a weight whose moments are both 0 then gets
+        // 0/0.
+        if !(self.adamw.eps >= f64::from(f32::MIN_POSITIVE) && self.adamw.eps <= 1.0) {
             return invalid(
                 "adam-epsilon",
                 self.adamw.eps.to_string(),
-                "must be in (0, 1]",
+                "must be in [1.2e-38, 1]: smaller is 0 or subnormal in f32",
             );
         }
         if let Some(clip) = self.clip

@@ -6,7 +6,10 @@
 //! process's peak resident memory (`tests/process_memory.rs`): the training text, the
 //! whole optimizer state that ZeRO gathers to write a checkpoint, and the program itself
 //! (code, threads, the kernels' packing buffers, small allocations). A checkpoint of a
-//! whole optimizer, and a resume, stream tensor by tensor: they add no term.
+//! whole optimizer, and a resume, stream tensor by tensor: they add no term (a resume
+//! holds the weights, the moments and two of the largest tensor at most, under a step's
+//! weights, gradients and moments for any model whose largest tensor is at most half
+//! of it).
 
 use super::config::{DataSource, TrainConfig, limits};
 use crate::error::{Result, TrainError};
@@ -28,9 +31,10 @@ pub struct ProcessMemory {
     pub tensors: u64,
     /// The training and validation text, held as bytes.
     pub corpus: u64,
-    /// The optimizer state a ZeRO run gathers (as `f64`: 16 bytes a parameter) to write a
-    /// checkpoint or to shard it at the start, and at stage 3 the weights gathered for the
-    /// file; 0 without ZeRO.
+    /// The whole optimizer state a ZeRO run gathers to write a checkpoint (or, at the
+    /// start, shards): `24 P (1 + 1/N) + 8 P` bytes for `P` parameters on `N` ranks, 4
+    /// bytes a parameter more at stage 3 (the weights gathered for the file); 0 without
+    /// ZeRO.
     pub checkpoint: u64,
     /// [`RUNTIME_BYTES`].
     pub runtime: u64,
@@ -54,10 +58,22 @@ impl ProcessMemory {
                 .map_or(0, |meta| meta.len())
                 .min(limits::MAX_CORPUS_BYTES as u64),
         };
+        // ZeRO's `full_state` holds the rank's shard as `f64` and `f32` (24 bytes a
+        // parameter of the shard), the gathered moments as `f32` and as `f64` (24 bytes a
+        // parameter); a resume holds the whole moments once more before it shards them
+        // (8 bytes); at stage 3 the weights are gathered for the file too (4 bytes).
+        let ranks = config.parallel.ranks.max(1) as u64;
+        let gathered = parameters.saturating_mul(24);
+        let resumed = parameters.saturating_mul(8);
         let checkpoint = match config.parallel.zero {
             0 => 0,
-            1 | 2 => parameters.saturating_mul(16),
-            _ => parameters.saturating_mul(20),
+            1 | 2 => gathered
+                .saturating_add(gathered / ranks)
+                .saturating_add(resumed),
+            _ => gathered
+                .saturating_add(gathered / ranks)
+                .saturating_add(resumed)
+                .saturating_add(parameters.saturating_mul(4)),
         };
         Ok(Self {
             tensors,

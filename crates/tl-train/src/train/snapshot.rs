@@ -40,13 +40,13 @@ use serde::{Deserialize, Serialize};
 use tl_precision::ScalerState;
 use tl_tensor::GeneratorState;
 use tl_tensor::Tensor;
-use tl_tensor::optim::{AdamW, AdamWParamState, AdamWState};
+use tl_tensor::optim::{AdamW, AdamWState};
 
 use super::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::store::{
-    TensorMap, TensorSource, Values, decode_tensors, fault_point, fingerprint, is_temporary,
-    write_atomic, write_tensors_atomic,
+    TensorMap, TensorSource, TensorVisitor, Values, fault_point, fingerprint, is_temporary,
+    read_tensors, write_atomic, write_tensors_atomic,
 };
 
 /// The version of the checkpoint layout this build writes and reads.
@@ -146,6 +146,9 @@ const STATE_FILE: &str = "state.json";
 const SUMS_FILE: &str = "SHA256SUMS";
 const LATEST_FILE: &str = "LATEST";
 const PREFIX: &str = "checkpoint-";
+/// The longest `state.json` or `SHA256SUMS` read (a state is a few KiB; fp8 amax histories
+/// make it larger).
+const MAX_STATE_BYTES: u64 = 1 << 28;
 
 /// The name of the checkpoint of `step`.
 fn checkpoint_name(step: u64) -> String {
@@ -453,13 +456,33 @@ pub fn live_moments(adamw: &AdamW<f32>) -> Vec<MomentValues<'static>> {
 }
 
 /// Reads the checkpoint `LATEST` names in `run_dir`, checking every file against its
-/// SHA-256 in `SHA256SUMS`.
+/// SHA-256 in `SHA256SUMS`: [`open`], then every tensor into memory.
 ///
 /// # Errors
 /// [`TrainError::Checkpoint`] when there is no checkpoint, `LATEST` names something that is
 /// not a checkpoint of this run, or a file is missing, damaged or from another format
 /// version.
 pub fn load(run_dir: &Path) -> Result<Snapshot> {
+    open(run_dir)?.into_snapshot()
+}
+
+/// [`load`] of the checkpoint of `step` in `run_dir` (whichever `LATEST` names).
+///
+/// # Errors
+/// As [`open_step`], then as [`load`].
+pub fn load_step(run_dir: &Path, step: u64) -> Result<Snapshot> {
+    open_step(run_dir, step)?.into_snapshot()
+}
+
+/// Opens the checkpoint `LATEST` names in `run_dir`: its `SHA256SUMS` and `state.json` are
+/// read and checked; its tensors are read later, one at a time
+/// ([`Checkpoint::read_weights`], [`Checkpoint::read_moments`]).
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] when there is no checkpoint, `LATEST` names something that is
+/// not a checkpoint of this run, or `SHA256SUMS` or `state.json` is missing, damaged or
+/// from another format version.
+pub fn open(run_dir: &Path) -> Result<Checkpoint> {
     let Some(step) = latest_step(run_dir)? else {
         return Err(TrainError::checkpoint(
             run_dir,
@@ -476,16 +499,15 @@ pub fn load(run_dir: &Path) -> Result<Snapshot> {
             ),
         ));
     }
-    load_dir(dir, step)
+    Checkpoint::open_dir(dir, step)
 }
 
-/// Reads the checkpoint of `step` in `run_dir` (whichever `LATEST` names), checking every
-/// file as [`load`] does.
+/// [`open`] of the checkpoint of `step` in `run_dir` (whichever `LATEST` names).
 ///
 /// # Errors
 /// [`TrainError::InvalidArgument`] (`checkpoint`) listing the steps the run has checkpoints
-/// of when it has none of `step`; then those of [`load`].
-pub fn load_step(run_dir: &Path, step: u64) -> Result<Snapshot> {
+/// of when it has none of `step`; then those of [`open`].
+pub fn open_step(run_dir: &Path, step: u64) -> Result<Checkpoint> {
     let dir = run_dir.join(checkpoint_name(step));
     if !fs::symlink_metadata(&dir).is_ok_and(|meta| meta.is_dir()) {
         let steps = checkpoint_steps(run_dir)?;
@@ -507,59 +529,124 @@ pub fn load_step(run_dir: &Path, step: u64) -> Result<Snapshot> {
             ),
         });
     }
-    load_dir(dir, step)
+    Checkpoint::open_dir(dir, step)
 }
 
-/// Reads the checkpoint of `step` in `dir`, checking every file against `SHA256SUMS`.
-fn load_dir(dir: PathBuf, step: u64) -> Result<Snapshot> {
-    let read = |file: &str| {
-        let path = dir.join(file);
-        fs::read(&path)
-            .map_err(|error| TrainError::checkpoint(&path, format!("cannot be read: {error}")))
-    };
-    let sums = parse_sums(&dir.join(SUMS_FILE), &read(SUMS_FILE)?)?;
-    let mut verified = BTreeMap::new();
-    for file in [STATE_FILE, MODEL_FILE, OPTIMIZER_FILE] {
-        let path = dir.join(file);
-        let bytes = read(file)?;
-        let expected = sums.get(file).ok_or_else(|| {
-            TrainError::checkpoint(dir.join(SUMS_FILE), format!("lists no SHA-256 of {file}"))
-        })?;
+/// A checkpoint whose `state.json` is read and checked, and whose tensors are read on
+/// demand, one at a time, each file checked against its SHA-256 as it is read: loading a
+/// model holds no second copy of it.
+pub struct Checkpoint {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// Its `state.json`.
+    pub state: RunState,
+    /// `SHA256SUMS`, by file name.
+    sums: BTreeMap<String, String>,
+}
+
+impl Checkpoint {
+    /// Reads `SHA256SUMS` and `state.json` of the checkpoint of `step` in `dir`.
+    fn open_dir(dir: PathBuf, step: u64) -> Result<Self> {
+        let read = |file: &str| {
+            let path = dir.join(file);
+            crate::store::read_bounded(&path, MAX_STATE_BYTES, "a checkpoint's state")
+                .map_err(|error| TrainError::checkpoint(&path, format!("cannot be read: {error}")))
+        };
+        let sums = parse_sums(&dir.join(SUMS_FILE), &read(SUMS_FILE)?)?;
+        for file in [STATE_FILE, MODEL_FILE, OPTIMIZER_FILE] {
+            if !sums.contains_key(file) {
+                return Err(TrainError::checkpoint(
+                    dir.join(SUMS_FILE),
+                    format!("lists no SHA-256 of {file}"),
+                ));
+            }
+        }
+        let state_path = dir.join(STATE_FILE);
+        let bytes = read(STATE_FILE)?;
         let actual = fingerprint(&bytes);
-        if &actual != expected {
+        if actual != sums[STATE_FILE] {
             return Err(TrainError::checkpoint(
-                &path,
-                format!("damaged: its SHA-256 is {actual}, SHA256SUMS records {expected}"),
+                &state_path,
+                format!(
+                    "damaged: its SHA-256 is {actual}, SHA256SUMS records {}",
+                    sums[STATE_FILE]
+                ),
             ));
         }
-        verified.insert(file, bytes);
+        let state: RunState = serde_json::from_slice(&bytes)
+            .map_err(|error| TrainError::checkpoint(&state_path, format!("malformed: {error}")))?;
+        if state.format != FORMAT_VERSION {
+            return Err(TrainError::checkpoint(
+                &state_path,
+                format!(
+                    "format version {} (this build reads {FORMAT_VERSION})",
+                    state.format
+                ),
+            ));
+        }
+        if state.step != step {
+            return Err(TrainError::checkpoint(
+                &state_path,
+                format!("is the state of step {}, not of step {step}", state.step),
+            ));
+        }
+        Ok(Self { dir, state, sums })
     }
-    let state_path = dir.join(STATE_FILE);
-    let state: RunState = serde_json::from_slice(&verified[STATE_FILE])
-        .map_err(|error| TrainError::checkpoint(&state_path, format!("malformed: {error}")))?;
-    if state.format != FORMAT_VERSION {
-        return Err(TrainError::checkpoint(
-            &state_path,
-            format!(
-                "format version {} (this build reads {FORMAT_VERSION})",
-                state.format
-            ),
-        ));
+
+    /// Hands every weight of `model.safetensors` to `visit` (name, shape, values), one at a
+    /// time; the file's SHA-256 is checked at the end (see [`crate::store::read_tensors`]).
+    ///
+    /// # Errors
+    /// [`TrainError::Checkpoint`] naming the file; `visit`'s errors.
+    pub fn read_weights(&self, visit: &mut TensorVisitor<'_>) -> Result<()> {
+        read_tensors(&self.dir.join(MODEL_FILE), &self.sums[MODEL_FILE], visit)
     }
-    if state.step != step {
-        return Err(TrainError::checkpoint(
-            &state_path,
-            format!("is the state of step {}, not of step {step}", state.step),
-        ));
+
+    /// [`Checkpoint::read_weights`] of `optimizer.safetensors`: AdamW's moments, named
+    /// `NAME.exp_avg` and `NAME.exp_avg_sq`.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_weights`].
+    pub fn read_moments(&self, visit: &mut TensorVisitor<'_>) -> Result<()> {
+        read_tensors(
+            &self.dir.join(OPTIMIZER_FILE),
+            &self.sums[OPTIMIZER_FILE],
+            visit,
+        )
     }
-    let weights = decode_tensors(&dir.join(MODEL_FILE), &verified[MODEL_FILE])?;
-    let moments = decode_tensors(&dir.join(OPTIMIZER_FILE), &verified[OPTIMIZER_FILE])?;
-    Ok(Snapshot {
-        dir,
-        state,
-        weights,
-        moments,
-    })
+
+    /// The path of the weights' file, for errors about its contents.
+    pub fn weights_path(&self) -> PathBuf {
+        self.dir.join(MODEL_FILE)
+    }
+
+    /// The path of the moments' file, for errors about its contents.
+    pub fn moments_path(&self) -> PathBuf {
+        self.dir.join(OPTIMIZER_FILE)
+    }
+
+    /// Every tensor read into memory.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_weights`].
+    pub fn into_snapshot(self) -> Result<Snapshot> {
+        let collect = |read: &dyn Fn(&mut TensorVisitor<'_>) -> Result<()>| {
+            let mut tensors = TensorMap::new();
+            read(&mut |name, shape, values| {
+                tensors.insert(name, (shape, values));
+                Ok(())
+            })?;
+            Ok::<_, TrainError>(tensors)
+        };
+        let weights = collect(&|visit| self.read_weights(visit))?;
+        let moments = collect(&|visit| self.read_moments(visit))?;
+        Ok(Snapshot {
+            dir: self.dir,
+            state: self.state,
+            weights,
+            moments,
+        })
+    }
 }
 
 /// The `sha256sum`-format lines of a `SHA256SUMS` file, by file name.
@@ -577,73 +664,4 @@ fn parse_sums(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, String>> {
         sums.insert(file.to_string(), hash.to_string());
     }
     Ok(sums)
-}
-
-impl Snapshot {
-    /// The saved values of the weight `name`, checked against the shape the model expects.
-    ///
-    /// # Errors
-    /// [`TrainError::Checkpoint`] if the weight is missing or shaped differently.
-    pub fn weight(&self, name: &str, shape: &[usize]) -> Result<&[f32]> {
-        lookup(&self.dir.join(MODEL_FILE), &self.weights, name, shape)
-    }
-
-    /// The AdamW state for weights named `names` with `shapes`, ready for
-    /// `AdamW::load_state_dict`.
-    ///
-    /// # Errors
-    /// [`TrainError::Checkpoint`] if a moment is missing or shaped differently, or the step
-    /// counts do not match the weights.
-    pub fn adamw_state(&self, names: &[String], shapes: &[Vec<usize>]) -> Result<AdamWState> {
-        let path = self.dir.join(OPTIMIZER_FILE);
-        let meta = &self.state.adamw;
-        if meta.steps.len() != names.len() {
-            return Err(TrainError::checkpoint(
-                &path,
-                format!(
-                    "holds {} step counts for {} weights",
-                    meta.steps.len(),
-                    names.len()
-                ),
-            ));
-        }
-        let mut params = Vec::with_capacity(names.len());
-        for ((name, shape), &step) in names.iter().zip(shapes).zip(&meta.steps) {
-            let widen = |values: &[f32]| values.iter().map(|&v| f64::from(v)).collect();
-            let exp_avg = lookup(&path, &self.moments, &format!("{name}.exp_avg"), shape)?;
-            let exp_avg_sq = lookup(&path, &self.moments, &format!("{name}.exp_avg_sq"), shape)?;
-            params.push((step > 0).then(|| AdamWParamState {
-                step,
-                exp_avg: widen(exp_avg),
-                exp_avg_sq: widen(exp_avg_sq),
-            }));
-        }
-        Ok(AdamWState {
-            lr: meta.lr,
-            betas: meta.betas,
-            eps: meta.eps,
-            weight_decay: meta.weight_decay,
-            shapes: shapes.to_vec(),
-            params,
-        })
-    }
-}
-
-fn lookup<'a>(
-    path: &Path,
-    tensors: &'a TensorMap,
-    name: &str,
-    shape: &[usize],
-) -> Result<&'a [f32]> {
-    match tensors.get(name) {
-        None => Err(TrainError::checkpoint(
-            path,
-            format!("has no tensor {name}"),
-        )),
-        Some((saved, _)) if saved.as_slice() != shape => Err(TrainError::checkpoint(
-            path,
-            format!("{name} has shape {saved:?}, the model expects {shape:?}"),
-        )),
-        Some((_, values)) => Ok(values),
-    }
 }

@@ -2,6 +2,7 @@
 //! exact resumption.
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -15,7 +16,7 @@ use tl_precision::{
 };
 use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, Optimizer};
-use tl_tensor::{Generator, no_grad};
+use tl_tensor::{Generator, Tensor, no_grad};
 
 use super::config::{AdamWConfig, DataSource, FileFingerprint, TrainConfig};
 use super::lock::RunLock;
@@ -351,7 +352,7 @@ fn resume_state(
         let optimizer = new_optimizer(&model, &config)?;
         return Ok(RunParts::fresh(config, lock, corpus, model, optimizer));
     }
-    let snapshot = snapshot::load(run_dir)?;
+    let snapshot = snapshot::open(run_dir)?;
     let state = &snapshot.state;
     let mut config = state.config.at_ranks(world)?;
     config.parallel.zero = run_config.parallel.zero;
@@ -366,13 +367,8 @@ fn resume_state(
     let corpus = load_corpus(&config)?;
     check_data(run_dir, &mut config, &corpus, options, leader)?;
     let model = restore_model(&snapshot)?;
-    let named = model.named_parameters();
-    let names: Vec<String> = named.iter().map(|(name, _)| name.clone()).collect();
-    let shapes: Vec<Vec<usize>> = named.iter().map(|(_, tensor)| tensor.shape()).collect();
     let mut optimizer = new_optimizer(&model, &config)?;
-    optimizer
-        .load_state_dict(snapshot.adamw_state(&names, &shapes)?)
-        .map_err(|error| TrainError::checkpoint(&snapshot.dir, error.to_string()))?;
+    restore_moments(&snapshot, &model, &mut optimizer)?;
     let mut scaler = new_scaler(&config);
     match (&mut scaler, &state.scaler) {
         (Some(scaler), Some(saved)) => scaler
@@ -1043,8 +1039,8 @@ pub fn load_model(run_dir: &Path) -> Result<(TrainConfig, Llama<f32>)> {
 /// when it has none of `step`.
 pub fn load_model_at(run_dir: &Path, step: Option<u64>) -> Result<(TrainConfig, Llama<f32>)> {
     let snapshot = match step {
-        Some(step) => snapshot::load_step(run_dir, step)?,
-        None => snapshot::load(run_dir)?,
+        Some(step) => snapshot::open_step(run_dir, step)?,
+        None => snapshot::open(run_dir)?,
     };
     let model = restore_model(&snapshot)?;
     for (name, tensor) in model.named_parameters() {
@@ -1058,21 +1054,125 @@ pub fn load_model_at(run_dir: &Path, step: Option<u64>) -> Result<(TrainConfig, 
     Ok((snapshot.state.config, model))
 }
 
-/// A model of the snapshot's config holding the snapshot's weights.
-fn restore_model(snapshot: &snapshot::Snapshot) -> Result<Llama<f32>> {
-    let config = &snapshot.state.config;
+/// A model of the checkpoint's config holding its weights, read one at a time into place.
+fn restore_model(checkpoint: &snapshot::Checkpoint) -> Result<Llama<f32>> {
+    let config = &checkpoint.state.config;
+    let path = checkpoint.weights_path();
     let model = Llama::new(&config.model, config.seed)
-        .map_err(|error| TrainError::checkpoint(&snapshot.dir, error.to_string()))?;
-    for (name, tensor) in model.named_parameters() {
-        let values = snapshot.weight(&name, &tensor.shape())?;
+        .map_err(|error| TrainError::checkpoint(&checkpoint.dir, error.to_string()))?;
+    let mut missing: BTreeMap<String, Tensor<f32>> = model.named_parameters().into_iter().collect();
+    checkpoint.read_weights(&mut |name, shape, values| {
+        let tensor = missing.remove(&name).ok_or_else(|| {
+            TrainError::checkpoint(
+                &path,
+                format!("holds {name}, which is no weight of the model"),
+            )
+        })?;
+        if tensor.shape() != shape {
+            return Err(TrainError::checkpoint(
+                &path,
+                format!(
+                    "{name} has shape {shape:?}, the model expects {:?}",
+                    tensor.shape()
+                ),
+            ));
+        }
         tensor.update_value(|array| {
             array
                 .iter_mut()
                 .zip(values)
-                .for_each(|(slot, &value)| *slot = value);
+                .for_each(|(slot, value)| *slot = value);
         });
+        Ok(())
+    })?;
+    if let Some(name) = missing.keys().next() {
+        return Err(TrainError::checkpoint(
+            &path,
+            format!("has no tensor {name}"),
+        ));
     }
     Ok(model)
+}
+
+/// AdamW's moments and hyperparameters from the checkpoint, each moment read into place:
+/// a weight whose step count is 0 has none yet (its saved zeros are skipped).
+fn restore_moments(
+    checkpoint: &snapshot::Checkpoint,
+    model: &Llama<f32>,
+    optimizer: &mut AdamW<f32>,
+) -> Result<()> {
+    let path = checkpoint.moments_path();
+    let meta = &checkpoint.state.adamw;
+    let named = model.named_parameters();
+    if meta.steps.len() != named.len() {
+        return Err(TrainError::checkpoint(
+            &path,
+            format!(
+                "holds {} step counts for {} weights",
+                meta.steps.len(),
+                named.len()
+            ),
+        ));
+    }
+    optimizer
+        .load_hyperparameters(meta.lr, meta.betas, meta.eps, meta.weight_decay)
+        .map_err(|error| {
+            TrainError::checkpoint(checkpoint.dir.join("state.json"), error.to_string())
+        })?;
+    // Each weight's index and shape by moment name; removed as they are read.
+    let mut missing: BTreeMap<String, (usize, Vec<usize>)> = BTreeMap::new();
+    for (index, (name, tensor)) in named.iter().enumerate() {
+        for suffix in ["exp_avg", "exp_avg_sq"] {
+            missing.insert(format!("{name}.{suffix}"), (index, tensor.shape()));
+        }
+    }
+    // `NAME.exp_avg` comes just before `NAME.exp_avg_sq` (the file is in name order, and
+    // a weight's name ends before its suffix): at most one moment waits for its pair.
+    let mut first: Option<(usize, Vec<f32>)> = None;
+    checkpoint.read_moments(&mut |name, shape, values| {
+        let (index, expected) = missing.remove(&name).ok_or_else(|| {
+            TrainError::checkpoint(
+                &path,
+                format!("holds {name}, which is no moment of the model"),
+            )
+        })?;
+        if shape != expected {
+            return Err(TrainError::checkpoint(
+                &path,
+                format!("{name} has shape {shape:?}, the model expects {expected:?}"),
+            ));
+        }
+        let step = meta.steps[index];
+        if name.ends_with(".exp_avg") {
+            first = Some((index, values));
+            return Ok(());
+        }
+        let exp_avg = match first.take() {
+            Some((pending, exp_avg)) if pending == index => exp_avg,
+            _ => {
+                return Err(TrainError::checkpoint(
+                    &path,
+                    format!("{name} does not follow its first moment"),
+                ));
+            }
+        };
+        if step == 0 {
+            return Ok(());
+        }
+        let array = |values: Vec<f32>| {
+            ndarray::ArrayD::from_shape_vec(shape.clone(), values).expect("the shape was checked")
+        };
+        optimizer
+            .load_moments(index, step, array(exp_avg), array(values))
+            .map_err(|error| TrainError::checkpoint(&path, error.to_string()))
+    })?;
+    if let Some(name) = missing.keys().next() {
+        return Err(TrainError::checkpoint(
+            &path,
+            format!("has no tensor {name}"),
+        ));
+    }
+    Ok(())
 }
 
 /// One optimizer step of `config`'s recipe (precision, loss scaling, clipping) on
