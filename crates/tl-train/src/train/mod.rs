@@ -8,6 +8,7 @@ mod metrics;
 mod optimizer;
 mod ranks;
 mod recipes;
+mod resume;
 mod run_config;
 mod schedule;
 pub mod snapshot;
@@ -24,10 +25,9 @@ pub use metrics::{Fp8Counts, MetricsLog, Record, read_records, rfc3339_utc};
 pub use optimizer::RunOptimizer;
 pub use ranks::{RankReport, StepBatch, StepTraffic, dropout_state};
 pub use recipes::{STEP_RECIPES, StepRecipe};
+pub use resume::{load_model, load_model_at, read_config};
 pub use run_config::{BUILD_KEY, config_json, read_config_json};
 pub use schedule::LrSchedule;
 pub use summary::RunSummary;
-pub use trainer::{
-    Event, ResumeOptions, Stop, Trainer, batch_loss, load_model, load_model_at, read_config,
-};
+pub use trainer::{Event, ResumeOptions, Stop, Trainer, batch_loss};
 pub(crate) use trainer::{load_corpus, mixed_step, new_optimizer, new_scaler};
