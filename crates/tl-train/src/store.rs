@@ -25,13 +25,25 @@ use crate::error::{Result, TrainError};
 /// # Errors
 /// [`TrainError::Io`] naming the file that failed.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |file| file.write_all(bytes))
+}
+
+/// [`write_atomic`] of the bytes `fill` writes into the file (streamed, when they are too
+/// many to hold in memory at once).
+///
+/// # Errors
+/// [`TrainError::Io`] naming the file that failed, `fill`'s errors included.
+pub(crate) fn write_atomic_with(
+    path: &Path,
+    fill: impl FnOnce(&mut fs::File) -> std::io::Result<()>,
+) -> Result<()> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let temporary = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
     let write = || -> std::io::Result<()> {
         fault_point();
         let mut file = fs::File::create(&temporary)?;
         fault_point();
-        file.write_all(bytes)?;
+        fill(&mut file)?;
         file.sync_all()?;
         fault_point();
         fs::rename(&temporary, path)?;

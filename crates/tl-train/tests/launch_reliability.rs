@@ -94,52 +94,25 @@ fn a_diverged_run_exits_4_under_launch_as_alone() {
 #[test]
 fn ranks_given_different_until_steps_refuse_before_any_step() {
     use std::sync::atomic::AtomicBool;
-    use tl_collective::{RingComm, RingConfig};
     use tl_train::TrainError;
-    use tl_train::model::Preset;
-    use tl_train::train::{DataSource, TrainConfig, Trainer};
+    use tl_train::train::{TrainConfig, Trainer};
 
     let dir = tempfile::tempdir().unwrap();
-    let rendezvous = dir.path().join("rendezvous");
-    std::fs::create_dir(&rendezvous).unwrap();
     let out = dir.path().join("run");
-    let errors: Vec<TrainError> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..2)
-            .map(|rank| {
-                let (rendezvous, out) = (&rendezvous, &out);
-                scope.spawn(move || {
-                    let config = RingConfig::new(rank, 2, rendezvous, [7; 32])
-                        .unwrap()
-                        .timeout(Duration::from_secs(10));
-                    let comm = RingComm::connect(config).unwrap();
-                    let train = TrainConfig {
-                        data: DataSource::Builtin {
-                            seed: 0,
-                            bytes: 20_000,
-                        },
-                        micro_batch: 2,
-                        accum: 1,
-                        steps: 8,
-                        save_interval: 8,
-                        ..TrainConfig::for_preset(Preset::Tiny)
-                    };
-                    let mut trainer = Trainer::new_on(train, out, Box::new(comm)).unwrap();
-                    let until = 2 + 2 * rank as u64; // rank 1 was given --until-step 4
-                    let stop = AtomicBool::new(false);
-                    let outcome = trainer.run(until, &stop, &mut |_| {});
-                    (outcome.err(), trainer.step())
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                let (error, step) = h.join().unwrap();
-                assert_eq!(step, 0, "a step was taken");
-                error.expect("the ranks refuse")
-            })
-            .collect()
-    });
+    let errors: Vec<TrainError> =
+        common::on_two_ranks(dir.path(), Duration::from_secs(10), |rank, comm| {
+            let train = TrainConfig {
+                steps: 8,
+                save_interval: 8,
+                ..common::tiny_ranks_config()
+            };
+            let mut trainer = Trainer::new_on(train, &out, comm).unwrap();
+            let until = 2 + 2 * rank as u64; // rank 1 was given --until-step 4
+            let stop = AtomicBool::new(false);
+            let outcome = trainer.run(until, &stop, &mut |_| {});
+            assert_eq!(trainer.step(), 0, "a step was taken");
+            outcome.expect_err("the ranks refuse")
+        });
     for error in errors {
         assert!(
             matches!(&error, TrainError::Ranks { ranks, .. } if ranks == &[1]),

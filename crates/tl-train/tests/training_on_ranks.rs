@@ -10,11 +10,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{TINY_TRAIN, latest_checkpoint, train_steps};
-use tl_collective::{RingComm, RingConfig};
 use tl_train::TrainError;
-use tl_train::model::Preset;
 use tl_train::plan::{DataParallelism, Recipe, plan_ranks, relative_error};
-use tl_train::train::{DataSource, Record, TrainConfig, Trainer, read_config, read_records};
+use tl_train::train::{Record, TrainConfig, Trainer, read_config, read_records};
 
 /// How long any one multi-process command may take before the test fails.
 const LIMIT: Duration = Duration::from_secs(120);
@@ -333,34 +331,15 @@ fn a_signal_to_one_rank_is_named_by_every_rank() {
 #[test]
 fn ranks_started_with_different_configs_refuse_to_start() {
     let dir = tempfile::tempdir().unwrap();
-    let rendezvous = dir.path().join("rendezvous");
-    fs::create_dir(&rendezvous).unwrap();
     let out = dir.path().join("run");
-    let errors: Vec<TrainError> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..2)
-            .map(|rank| {
-                let (rendezvous, out) = (&rendezvous, &out);
-                scope.spawn(move || {
-                    let config = RingConfig::new(rank, 2, rendezvous, [7; 32])
-                        .unwrap()
-                        .timeout(Duration::from_secs(20));
-                    let comm = RingComm::connect(config).unwrap();
-                    let train = TrainConfig {
-                        data: DataSource::Builtin {
-                            seed: 0,
-                            bytes: 20_000,
-                        },
-                        micro_batch: 2,
-                        accum: 1,
-                        seed: rank as u64, // rank 1 was given another --seed
-                        ..TrainConfig::for_preset(Preset::Tiny)
-                    };
-                    Trainer::new_on(train, out, Box::new(comm)).err().unwrap()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let errors: Vec<TrainError> =
+        common::on_two_ranks(dir.path(), Duration::from_secs(20), |rank, comm| {
+            let train = TrainConfig {
+                seed: rank as u64, // rank 1 was given another --seed
+                ..common::tiny_ranks_config()
+            };
+            Trainer::new_on(train, &out, comm).err().unwrap()
+        });
     for error in errors {
         assert!(
             matches!(&error, TrainError::Ranks { ranks, .. } if ranks == &[1]),

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use safetensors::{Dtype, SafeTensors, serialize, tensor::TensorView};
 
-use super::{fault_point, hex};
+use super::{hex, write_atomic_with};
 use crate::error::{Result, TrainError};
 
 /// A named `f32` tensor: its shape and row-major values.
@@ -156,22 +156,10 @@ pub fn write_tensors_atomic(
         );
         offset += 4 * n;
     }
-    let metadata: BTreeMap<&str, &str> = metadata.iter().copied().collect();
-    header.insert(
-        "__metadata__".to_string(),
-        serde_json::to_value(metadata).expect("strings serialize"),
-    );
-    let mut header = serde_json::to_vec(&header).expect("JSON serializes");
-    while !header.len().is_multiple_of(8) {
-        header.push(b' ');
-    }
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
-    let temporary = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let header = header_bytes(header, metadata);
     let mut hasher = Sha256::new();
-    let write = |hasher: &mut Sha256| -> std::io::Result<()> {
-        fault_point();
-        let mut file = std::io::BufWriter::with_capacity(1 << 20, fs::File::create(&temporary)?);
-        fault_point();
+    write_atomic_with(path, |file| {
+        let mut file = std::io::BufWriter::with_capacity(1 << 20, file);
         let mut sink = |bytes: &[u8]| {
             hasher.update(bytes);
             file.write_all(bytes)
@@ -181,23 +169,28 @@ pub fn write_tensors_atomic(
         for tensor in &order {
             tensor.values.write_le(&mut sink)?;
         }
-        let file = file
-            .into_inner()
-            .map_err(std::io::IntoInnerError::into_error)?;
-        file.sync_all()?;
-        fault_point();
-        fs::rename(&temporary, path)?;
-        fault_point();
-        if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            fs::File::open(dir)?.sync_all()?;
-        }
-        Ok(())
-    };
-    write(&mut hasher).map_err(|source| {
-        let _ = fs::remove_file(&temporary);
-        TrainError::io(path, source)
+        file.flush()
     })?;
     Ok(hex(&hasher.finalize()))
+}
+
+/// A safetensors header: `tensors` (name to dtype, shape and offsets) with `metadata` as
+/// `__metadata__`, keys sorted, padded with spaces to a multiple of 8 bytes as the crate
+/// pads it.
+fn header_bytes(
+    mut tensors: serde_json::Map<String, serde_json::Value>,
+    metadata: &[(&str, &str)],
+) -> Vec<u8> {
+    let metadata: BTreeMap<&str, &str> = metadata.iter().copied().collect();
+    tensors.insert(
+        "__metadata__".to_string(),
+        serde_json::to_value(metadata).expect("strings serialize"),
+    );
+    let mut header = serde_json::to_vec(&tensors).expect("JSON serializes");
+    while !header.len().is_multiple_of(8) {
+        header.push(b' ');
+    }
+    header
 }
 
 /// What [`read_tensors`] hands each tensor to: its name, shape and values.
@@ -390,17 +383,10 @@ fn with_metadata(plain: &[u8], metadata: &[(&str, &str)]) -> Vec<u8> {
     let length = u64::from_le_bytes(plain[..8].try_into().expect("8 bytes"));
     let length = usize::try_from(length).expect("a header in memory");
     let (header, data) = plain[8..].split_at(length);
-    let mut header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(header).expect("safetensors writes a JSON object");
-    let metadata: BTreeMap<&str, &str> = metadata.iter().copied().collect();
-    header.insert(
-        "__metadata__".to_string(),
-        serde_json::to_value(metadata).expect("strings serialize"),
+    let header = header_bytes(
+        serde_json::from_slice(header).expect("safetensors writes a JSON object"),
+        metadata,
     );
-    let mut header = serde_json::to_vec(&header).expect("JSON serializes");
-    while !header.len().is_multiple_of(8) {
-        header.push(b' ');
-    }
     let mut bytes = Vec::with_capacity(8 + header.len() + data.len());
     bytes.extend_from_slice(&(header.len() as u64).to_le_bytes());
     bytes.extend_from_slice(&header);

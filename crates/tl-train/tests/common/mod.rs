@@ -93,3 +93,44 @@ pub fn train_steps(run: &Path) -> usize {
         .filter(|record| matches!(record, Record::Train { .. }))
         .count()
 }
+
+/// Runs `body(rank, communicator)` as ranks 0 and 1 of a ring formed in-process (each rank
+/// a thread, meeting in a fresh directory under `dir`); the results in rank order.
+pub fn on_two_ranks<T: Send>(
+    dir: &Path,
+    timeout: std::time::Duration,
+    body: impl Fn(usize, Box<dyn tl_collective::Communicator>) -> T + Sync,
+) -> Vec<T> {
+    use tl_collective::{RingComm, RingConfig};
+    let rendezvous = dir.join("rendezvous");
+    fs::create_dir(&rendezvous).unwrap();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let (rendezvous, body) = (&rendezvous, &body);
+                scope.spawn(move || {
+                    let config = RingConfig::new(rank, 2, rendezvous, [7; 32])
+                        .unwrap()
+                        .timeout(timeout);
+                    body(rank, Box::new(RingComm::connect(config).unwrap()))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// The tiny preset on 20 kB of built-in text, one micro-batch of 2 sequences a step: the
+/// config of the in-process multi-rank tests.
+pub fn tiny_ranks_config() -> tl_train::train::TrainConfig {
+    use tl_train::train::{DataSource, TrainConfig};
+    TrainConfig {
+        data: DataSource::Builtin {
+            seed: 0,
+            bytes: 20_000,
+        },
+        micro_batch: 2,
+        accum: 1,
+        ..TrainConfig::for_preset(tl_train::model::Preset::Tiny)
+    }
+}
