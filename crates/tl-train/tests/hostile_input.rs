@@ -458,3 +458,105 @@ fn every_config_field_at_its_extremes_is_refused_or_trains_never_panics() {
     let failures = failures.into_inner().unwrap();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+// Defect 2: every size a user gives is bounded. Each numeric flag of every command, at
+// 2^64 - 1, is refused (exit 2) or finishes (exit 0), within 30 s and 2 GiB of address
+// space; seeds take any value, and run a whole command.
+#[test]
+fn every_numeric_flag_at_its_largest_is_refused_or_finishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = trained_run(dir.path(), "run");
+    let run = run.to_str().unwrap();
+    let max = u64::MAX.to_string();
+    let mut checked = 0;
+    for command in [
+        "train",
+        "plan",
+        "profile",
+        "bench",
+        "compare",
+        "gradients",
+        "sample",
+        "logits",
+        "comm-bench",
+        "launch",
+    ] {
+        let help = binary().args(["help", command]).output().unwrap();
+        let help = String::from_utf8(help.stdout).unwrap();
+        // Flags that take a number: `--name <N>`, `<K>`, `<MS>`, `<BYTES>` and the like.
+        let flags: Vec<String> = help
+            .lines()
+            .filter_map(|line| {
+                let mut words = line.split_whitespace();
+                let mut flag = words.next()?;
+                if flag.starts_with("-n") || flag.starts_with("-") && !flag.starts_with("--") {
+                    flag = words.next()?;
+                }
+                let value = words.next()?;
+                let numeric = [
+                    "<N>", "<K>", "<S>", "<M>", "<MS>", "<BYTES>", "<T>", "<STEP>",
+                ]
+                .contains(&value)
+                    || value.starts_with("<MIB");
+                (flag.starts_with("--") && numeric && !flag.contains("seed"))
+                    .then(|| flag.trim_end_matches(',').to_string())
+            })
+            .collect();
+        // A quick run around the flag, so that a value accepted finishes in seconds.
+        let out = dir.path().join(format!("{command}-out"));
+        let out = out.to_str().unwrap();
+        let svg = format!("{out}.svg");
+        let tiny = [
+            ["--preset", "tiny"],
+            ["--corpus-bytes", "40000"],
+            ["--micro-batch", "1"],
+            ["--accum", "1"],
+        ];
+        let base: Vec<[&str; 2]> = match command {
+            "train" => [
+                &tiny[..],
+                &[["--steps", "2"], ["--out", out], ["--quiet", ""]],
+            ]
+            .concat(),
+            "compare" => [
+                &tiny[..],
+                &[["--steps", "2"], ["--out", out], ["--quiet", ""]],
+            ]
+            .concat(),
+            "bench" => [&tiny[..], &[["--steps", "2"]]].concat(),
+            "profile" => vec![tiny[0], tiny[2], tiny[3], ["--out", &svg]],
+            "gradients" => vec![tiny[0], tiny[2], ["--out", out]],
+            "plan" => vec![tiny[0]],
+            "sample" | "logits" => vec![["--from", run], ["--prompt", "The "]],
+            _ => vec![],
+        };
+        for flag in flags {
+            let mut args = vec![command.to_string()];
+            for [name, value] in &base {
+                if *name != flag {
+                    args.extend([name.to_string(), value.to_string()]);
+                }
+            }
+            args.retain(|arg| !arg.is_empty());
+            args.extend([flag.clone(), max.clone()]);
+            if command == "launch" {
+                args.extend(["--".into(), "comm-bench".into()]);
+            }
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let output = capped(&args, 2048, Duration::from_secs(30));
+            let message = stderr(&output);
+            assert!(
+                matches!(output.status.code(), Some(0 | 2)),
+                "tinyllm {}: {:?}: {message}",
+                args.join(" "),
+                output.status
+            );
+            assert!(!message.contains("panicked"), "{args:?}: {message}");
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= 30,
+        "only {checked} flags found in the help texts"
+    );
+}

@@ -36,6 +36,9 @@ pub struct CommBenchArgs {
 /// rank holds the buffer, rank 0 two more for memcpy's yardstick).
 const MAX_BYTES: usize = 1 << 30;
 
+/// The longest `--budget-ms`: a minute of measuring per size.
+const MAX_BUDGET_MS: u64 = 60_000;
+
 /// The CPU's name, as /proc/cpuinfo gives it.
 fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
@@ -57,6 +60,13 @@ pub(super) fn comm_bench(args: &CommBenchArgs) -> Result<Exit> {
             name: "--max-bytes",
             value: args.max_bytes.to_string(),
             reason: format!("at most {MAX_BYTES} bytes, 1 GiB"),
+        });
+    }
+    if !(1..=MAX_BUDGET_MS).contains(&args.budget_ms) {
+        return Err(TrainError::InvalidArgument {
+            name: "--budget-ms",
+            value: args.budget_ms.to_string(),
+            reason: format!("between 1 and {MAX_BUDGET_MS} ms (a minute) per size"),
         });
     }
     if args.min_bytes < 4 || args.min_bytes > args.max_bytes {

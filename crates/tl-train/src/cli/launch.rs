@@ -36,13 +36,19 @@ pub struct LaunchArgs {
     pub command: Vec<OsString>,
 }
 
+/// The most ranks `launch` starts on one machine: far past its cores, short of a fork bomb.
+const MAX_LOCAL_RANKS: usize = 256;
+
 /// Runs `tinyllm launch`: re-executes this program as every rank.
 pub(super) fn launch(args: &LaunchArgs) -> Result<Exit> {
-    if args.nproc == 0 {
+    if !(1..=MAX_LOCAL_RANKS).contains(&args.nproc) {
         return Err(TrainError::InvalidArgument {
             name: "--nproc",
-            value: "0".into(),
-            reason: "at least one rank".into(),
+            value: args.nproc.to_string(),
+            reason: format!(
+                "1 to {MAX_LOCAL_RANKS} ranks on this machine (each is a process; across \
+                 machines, use mpirun)"
+            ),
         });
     }
     if args.timeout_ms == Some(0) {

@@ -21,18 +21,24 @@ pub struct ProfileConfig {
     pub steps: usize,
 }
 
+/// The most steps one profile records (each step's timeline is kept in memory and drawn).
+pub const MAX_PROFILE_STEPS: usize = 100;
+
 impl ProfileConfig {
     /// Checks the config as the trainer would, and that at least one step is recorded.
     ///
     /// # Errors
-    /// Those of [`TrainConfig::validate`]; [`TrainError::InvalidArgument`] for zero steps.
+    /// Those of [`TrainConfig::validate`]; [`TrainError::InvalidArgument`] for steps outside
+    /// `1..=MAX_PROFILE_STEPS`.
     pub fn validate(&self) -> Result<()> {
         self.train.validate()?;
-        if self.steps == 0 {
+        if !(1..=MAX_PROFILE_STEPS).contains(&self.steps) {
             return Err(TrainError::InvalidArgument {
                 name: "steps",
-                value: "0".into(),
-                reason: "must be at least 1".into(),
+                value: self.steps.to_string(),
+                reason: format!(
+                    "must be in 1..={MAX_PROFILE_STEPS}: every step's timeline is kept"
+                ),
             });
         }
         Ok(())
