@@ -7,53 +7,16 @@ mod common;
 
 use std::fs;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Duration;
 
-use common::{TINY_TRAIN, run_error, tinyllm};
+use common::{TINY_TRAIN, capped, run_error, tinyllm};
 use tl_train::TrainError;
 use tl_train::cli::Exit;
 use tl_train::store::fingerprint;
 
 fn binary() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tinyllm"))
-}
-
-/// `tinyllm ARGS..` as a process whose address space is capped at `limit_mib` MiB (so an
-/// unbounded read fails inside it and never touches the test machine's memory), killed
-/// after `time_limit`.
-fn capped(args: &[&str], limit_mib: u64, time_limit: Duration) -> Output {
-    let mut command = Command::new("sh");
-    command
-        .arg("-c")
-        .arg(format!(
-            "ulimit -v {} && exec \"$0\" \"$@\"",
-            limit_mib * 1024
-        ))
-        .arg(env!("CARGO_BIN_EXE_tinyllm"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let child = command.spawn().unwrap();
-    let id = child.id();
-    let started = Instant::now();
-    let watchdog = std::thread::spawn(move || {
-        while started.elapsed() < time_limit {
-            std::thread::sleep(Duration::from_millis(50));
-            // The process is gone once its /proc entry is.
-            if !Path::new(&format!("/proc/{id}")).exists() {
-                return;
-            }
-        }
-        let _ = Command::new("kill").args(["-9", &id.to_string()]).status();
-    });
-    let output = child.wait_with_output().unwrap();
-    let _ = watchdog.join();
-    assert!(
-        started.elapsed() < time_limit,
-        "tinyllm {args:?} ran past {time_limit:?}"
-    );
-    output
 }
 
 fn stderr(output: &Output) -> String {

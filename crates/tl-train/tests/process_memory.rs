@@ -7,6 +7,8 @@
 //! memory from its first instruction, which neither the tensor meter nor the run's
 //! summary (reset once training starts) covers.
 
+mod common;
+
 use std::fs;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -118,8 +120,52 @@ fn a_large_vocabulary_stays_within_the_checks_prediction() {
                        eval_batches = 1\n[data.builtin]\nbytes = 100000\nseed = 0\n\
                        [model]\nvocab = 60000\n";
     check_against_prediction(dir.path(), "large-vocab", large_vocab);
+    // A long context on a narrow model: the attention kernel's scores and the GEMMs'
+    // packing buffers against small weights.
+    let long_context = "steps = 4\nmicro_batch = 2\naccum = 1\nsave_interval = 1\n\
+                        eval_batches = 1\n[data.builtin]\nbytes = 100000\nseed = 0\n\
+                        [model]\ncontext = 2048\nd_model = 64\nn_heads = 2\nhidden = 176\n\
+                        n_layers = 2\n";
+    check_against_prediction(dir.path(), "long-context", long_context);
     // At ZeRO-1 on one process, a checkpoint gathers the moments as f64: 16 bytes more a
     // parameter, which the check counts.
     let zero = format!("{large_vocab}[parallel]\nzero = 1\n");
     check_against_prediction(dir.path(), "large-vocab-zero1", &zero);
+}
+
+// The check refuses what the process cannot be given, naming the bound: here `ulimit -v`
+// below the large vocabulary's 378 MiB, where the run used to start and die.
+#[test]
+fn a_run_that_cannot_fit_its_address_space_limit_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("large-vocab.toml");
+    fs::write(
+        &file,
+        "steps = 2\nmicro_batch = 1\naccum = 1\n[model]\nvocab = 60000\n",
+    )
+    .unwrap();
+    let out = dir.path().join("run");
+    let args = [
+        "train",
+        "--config",
+        file.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--quiet",
+    ];
+    let output = common::capped(&args, 320, Duration::from_secs(120));
+    let message = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{message}");
+    assert!(
+        message.contains("ulimit -v") && message.contains("MiB of tensors"),
+        "{message}"
+    );
+    assert!(!out.exists(), "nothing written");
+    // With room, the same run trains.
+    let output = common::capped(&args, 4096, Duration::from_secs(300));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }

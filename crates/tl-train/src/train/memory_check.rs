@@ -110,18 +110,24 @@ pub fn check_memory(config: &TrainConfig) -> Result<()> {
         return Ok(());
     }
     let mib = |bytes: u64| bytes as f64 / f64::from(1u32 << 20);
+    let terms: Vec<String> = [
+        (needed.tensors, "of tensors (tinyllm plan)"),
+        (needed.corpus, "of text"),
+        (needed.checkpoint, "to gather ZeRO's state for a checkpoint"),
+        (needed.runtime, "for the program"),
+    ]
+    .iter()
+    .filter(|(bytes, _)| *bytes > 0)
+    .map(|(bytes, what)| format!("{:.0} MiB {what}", mib(*bytes)))
+    .collect();
     Err(TrainError::InvalidArgument {
         name: "micro-batch",
         value: config.micro_batch.to_string(),
         reason: format!(
-            "this run needs {:.0} MiB ({:.0} of tensors (tinyllm plan), {:.0} of text, {:.0} \
-             to checkpoint a ZeRO run, {:.0} for the program, and {MARGIN_PERCENT}%), more \
-             than the {:.0} MiB of {}",
+            "this run needs {:.0} MiB: {}, and {MARGIN_PERCENT}% more; that is more than the \
+             {:.0} MiB of {}",
             mib(needed.total()),
-            mib(needed.tensors),
-            mib(needed.corpus),
-            mib(needed.checkpoint),
-            mib(needed.runtime),
+            terms.join(", "),
             mib(bound.bytes),
             bound.source
         ),

@@ -134,3 +134,52 @@ pub fn tiny_ranks_config() -> tl_train::train::TrainConfig {
         ..TrainConfig::for_preset(tl_train::model::Preset::Tiny)
     }
 }
+
+/// `tinyllm ARGS..` as a process whose address space is capped at `limit_mib` MiB (`ulimit
+/// -v`, so an unbounded read or allocation fails inside it and never reaches the test
+/// machine's memory), killed past `time_limit` (and the test failed).
+pub fn capped(
+    args: &[&str],
+    limit_mib: u64,
+    time_limit: std::time::Duration,
+) -> std::process::Output {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -v {} && exec \"$0\" \"$@\"",
+            limit_mib * 1024
+        ))
+        .arg(env!("CARGO_BIN_EXE_tinyllm"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let id = child.id().to_string();
+    let started = std::time::Instant::now();
+    let done = Arc::new(AtomicBool::new(false));
+    let watchdog = {
+        let done = Arc::clone(&done);
+        std::thread::spawn(move || {
+            while started.elapsed() < time_limit {
+                if done.load(Ordering::SeqCst) {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &id])
+                .status();
+        })
+    };
+    let output = child.wait_with_output().unwrap();
+    done.store(true, Ordering::SeqCst);
+    let _ = watchdog.join();
+    assert!(
+        started.elapsed() < time_limit,
+        "tinyllm {args:?} ran past {time_limit:?}"
+    );
+    output
+}
