@@ -124,6 +124,48 @@ fn ranks_given_different_until_steps_refuse_before_any_step() {
 
 /// A command that does not run as ranks (`export`, `sample`, ...) would run N times side by
 /// side; it is refused with exit 2 before any rank starts.
+/// The same, resumed by hand at step 2 where rank 0's `--until-step` is already reached:
+/// rank 0 used to return with nothing to do while rank 1 waited in vain for it.
+#[test]
+fn ranks_resumed_with_different_until_steps_refuse_even_with_nothing_to_do() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let first = launch2(&tiny(&out, &["--steps", "4", "--until-step", "2"]));
+    assert!(first.status.success(), "{}", stderr(&first));
+    let rendezvous = dir.path().join("rendezvous");
+    std::fs::create_dir(&rendezvous).unwrap();
+    std::fs::set_permissions(&rendezvous, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let ranks: Vec<Child> = [("0", "2"), ("1", "4")]
+        .iter()
+        .map(|(rank, until)| {
+            binary()
+                .args(["train", "--resume", out.to_str().unwrap(), "--quiet"])
+                .args(["--until-step", until])
+                .env("TINYLLM_RANK", rank)
+                .env("TINYLLM_WORLD_SIZE", "2")
+                .env("TINYLLM_RENDEZVOUS", &rendezvous)
+                .env("TINYLLM_SECRET", "ab".repeat(32))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let started = Instant::now();
+    for (rank, child) in ranks.into_iter().enumerate() {
+        let output = wait_output(child);
+        let message = stderr(&output);
+        assert!(!output.status.success(), "rank {rank}: {message}");
+        assert!(message.contains("--until-step"), "rank {rank}: {message}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "refused by a timeout, not at once"
+    );
+    assert!(out.join("checkpoint-000002").exists());
+}
+
 #[test]
 fn launch_refuses_a_command_that_does_not_run_as_ranks() {
     let dir = tempfile::tempdir().unwrap();

@@ -54,6 +54,9 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
                     that rebuilt it, which trained no step";
         return report(&mut trainer, Some(note)).map(|()| Exit::Success);
     }
+    // Before any rank finds it has nothing to do: a rank that returned here would leave the
+    // others waiting for it in `run`'s own check.
+    trainer.agree_on_until(until)?;
     if trainer.step() >= until && !leader {
         return Ok(Exit::Success);
     }

@@ -689,6 +689,18 @@ impl Trainer {
         )
     }
 
+    /// Checks that every rank was asked to stop after the same step (`until`, at most the
+    /// run's steps): a collective every rank calls before it trains, or before it finds
+    /// there is nothing to do. [`Trainer::run`] checks it too.
+    ///
+    /// # Errors
+    /// [`TrainError::Ranks`] naming the ranks whose `--until-step` differs from rank 0's;
+    /// [`TrainError::Parallel`] when the collective fails.
+    pub fn agree_on_until(&mut self, until: u64) -> Result<()> {
+        let until = until.min(self.config.steps);
+        ranks::same_value(&mut self.ddp, until, "--until-step")
+    }
+
     /// The largest of `value` over the run's ranks (`value` itself alone): a collective
     /// that every rank calls, as after [`Trainer::run`] stops them all for a signal that
     /// only some of them received.
@@ -713,8 +725,8 @@ impl Trainer {
         stop: &AtomicBool,
         on_event: &mut dyn FnMut(&Event),
     ) -> Result<Stop> {
+        self.agree_on_until(until)?;
         let until = until.min(self.config.steps);
-        ranks::same_value(&mut self.ddp, until, "--until-step")?;
         while self.step < until {
             let record = self.train_step()?;
             on_event(&Event::Metric(record));
