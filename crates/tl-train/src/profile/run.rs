@@ -177,7 +177,12 @@ mod tests {
         let mut config = tiny(2, 1, Checkpointing::Off);
         config.steps = 0;
         let error = record_run(&config).unwrap_err();
-        assert_eq!(error.to_string(), "invalid steps: 0 (must be at least 1)");
+        assert_eq!(
+            error.to_string(),
+            "invalid steps: 0 (must be in 1..=100: every step's timeline is kept)"
+        );
+        config.steps = MAX_PROFILE_STEPS + 1;
+        assert!(record_run(&config).is_err(), "past the bound");
         let config = tiny(0, 1, Checkpointing::Off);
         assert!(matches!(
             compare(&config),
