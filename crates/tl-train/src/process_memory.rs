@@ -17,8 +17,12 @@ pub fn peak_rss_bytes() -> Option<u64> {
 
 /// `VmHWM` of `/proc/self/status`, in bytes.
 fn linux_peak_rss_bytes() -> Option<u64> {
-    let status = fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|line| line.starts_with("VmHWM:"))?;
+    kib_line_bytes(&fs::read_to_string("/proc/self/status").ok()?, "VmHWM:")
+}
+
+/// The value of the line `key N kB` of a `/proc` file's `text`, in bytes.
+fn kib_line_bytes(text: &str, key: &str) -> Option<u64> {
+    let line = text.lines().find(|line| line.starts_with(key))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
 }
@@ -57,12 +61,6 @@ pub fn describe_peak(peak_rss_bytes: Option<u64>) -> String {
     }
 }
 
-/// The machine's physical memory (`MemTotal` of `/proc/meminfo`), in bytes; `None` where
-/// it is not available.
-pub fn total_memory_bytes() -> Option<u64> {
-    meminfo_bytes("MemTotal:")
-}
-
 /// The most memory this process can hold, and what sets that bound.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryBound {
@@ -79,14 +77,7 @@ pub struct MemoryBound {
 /// reported (not Linux).
 pub fn memory_bound() -> Option<MemoryBound> {
     let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let status_bytes = |key: &str| -> Option<u64> {
-        let line = status.lines().find(|line| line.starts_with(key))?;
-        line.split_whitespace()
-            .nth(1)?
-            .parse::<u64>()
-            .ok()?
-            .checked_mul(1024)
-    };
+    let status_bytes = |key: &str| kib_line_bytes(&status, key);
     let held = status_bytes("VmRSS:").unwrap_or(0);
     let mut bounds = Vec::new();
     if let Some(free) = meminfo_bytes("MemAvailable:") {
@@ -115,10 +106,7 @@ pub fn memory_bound() -> Option<MemoryBound> {
 
 /// A line of `/proc/meminfo`, in bytes.
 fn meminfo_bytes(key: &str) -> Option<u64> {
-    let meminfo = fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|line| line.starts_with(key))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+    kib_line_bytes(&fs::read_to_string("/proc/meminfo").ok()?, key)
 }
 
 /// The cgroup v2 `memory.max` of this process, when it sets one.

@@ -58,16 +58,6 @@ pub enum Values<'a> {
 }
 
 impl Values<'_> {
-    /// The same values, borrowed again (a tensor's handle cloned).
-    pub fn share(&self) -> Values<'_> {
-        match self {
-            Values::F32(values) => Values::F32(values),
-            Values::Narrowed(values) => Values::Narrowed(values),
-            Values::Tensor(tensor) => Values::Tensor(tensor.clone()),
-            Values::Zeros(n) => Values::Zeros(*n),
-        }
-    }
-
     /// How many values there are.
     fn len(&self) -> usize {
         match self {

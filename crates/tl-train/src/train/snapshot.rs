@@ -335,7 +335,7 @@ pub fn save(
     run_dir: &Path,
     state: RunState,
     weights: &[(String, Tensor<f32>)],
-    moments: &[MomentValues<'_>],
+    moments: Vec<MomentValues<'_>>,
     keep: usize,
 ) -> Result<PathBuf> {
     let name = checkpoint_name(state.step);
@@ -402,12 +402,12 @@ pub fn save(
 /// that have none yet.
 fn moment_sources<'a>(
     weights: &[(String, Tensor<f32>)],
-    moments: &'a [MomentValues<'a>],
+    moments: Vec<MomentValues<'a>>,
 ) -> Vec<TensorSource<'a>> {
     let mut sources = Vec::with_capacity(2 * weights.len());
     for ((name, weight), moments) in weights.iter().zip(moments) {
         let (avg, avg_sq) = match moments {
-            Some((avg, avg_sq)) => (avg.share(), avg_sq.share()),
+            Some(pair) => pair,
             None => (Values::Zeros(weight.numel()), Values::Zeros(weight.numel())),
         };
         for (suffix, values) in [("exp_avg", avg), ("exp_avg_sq", avg_sq)] {

@@ -684,7 +684,7 @@ impl Trainer {
             &self.run_dir,
             state,
             &weights,
-            &moments,
+            moments,
             self.config.keep_checkpoints,
         )
     }
