@@ -12,13 +12,19 @@ use std::rc::Rc;
 
 use ndarray::{ArrayD, Zip};
 
-use crate::Element;
 use crate::memory;
 use crate::storage::Buffer;
+use crate::{Element, Tensor};
 
 /// The vector-Jacobian product of an op: given the gradient of the output, the gradients of
 /// each parent, in the order the parents were given (`None` for a parent that gets none).
 pub type Vjp<E> = Box<dyn FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>>>;
+
+/// The backward of an op written over tensors rather than values: given the output's
+/// gradient as a constant tensor, the gradients of each parent (see
+/// [`Tensor::from_op_tensors`](crate::Tensor::from_op_tensors)). It runs for meta gradients
+/// too.
+pub type TensorVjp<E> = Box<dyn FnOnce(Tensor<E>) -> Vec<Option<Tensor<E>>>>;
 
 /// A callback a leaf runs each time a backward sweep has accumulated its gradient (see
 /// [`Tensor::set_grad_ready_hook`](crate::Tensor::set_grad_ready_hook)).
@@ -42,7 +48,23 @@ pub(crate) enum NodeKind<E: Element> {
 
 pub(crate) struct OpRecord<E: Element> {
     pub(crate) parents: Vec<Option<Rc<GradNode<E>>>>,
-    pub(crate) vjp: Vjp<E>,
+    pub(crate) vjp: Backward<E>,
+}
+
+/// How an op's backward is computed.
+pub(crate) enum Backward<E: Element> {
+    /// A function of values, skipped for a meta gradient (its parents get meta gradients of
+    /// their own shapes).
+    Values(Vjp<E>),
+    /// A function of tensors, run for real and meta gradients alike.
+    Tensors(TensorVjp<E>),
+}
+
+/// A gradient a VJP hands back: values, or (for a meta gradient) the shape of its parent.
+enum Returned<E: Element> {
+    Values(ArrayD<E>),
+    Meta,
+    Buffer(Buffer<E>),
 }
 
 impl<E: Element> GradNode<E> {
@@ -110,10 +132,19 @@ fn topological_order<E: Element>(root: &Rc<GradNode<E>>) -> Vec<Rc<GradNode<E>>>
     })
 }
 
-fn add_into<E: Element>(acc: &mut Buffer<E>, grad: &ArrayD<E>) {
-    acc.update(|acc| {
-        Zip::from(acc).and(grad).for_each(|a, &g| *a += g);
-    });
+/// `acc += grad`; a meta gradient (`None`) on either side leaves a meta sum.
+fn add_into<E: Element>(acc: &mut Buffer<E>, grad: Option<&ArrayD<E>>) {
+    match grad {
+        Some(grad) if !acc.is_meta() => acc.update(|acc| {
+            Zip::from(acc).and(grad).for_each(|a, &g| *a += g);
+        }),
+        _ => acc.make_meta(),
+    }
+}
+
+/// A buffer's values for [`add_into`]: `None` when it is meta.
+fn values_of<E: Element>(buffer: &Buffer<E>) -> Option<&ArrayD<E>> {
+    (!buffer.is_meta()).then(|| buffer.array())
 }
 
 /// Whether `node` is a leaf with a gradient-ready hook.
@@ -154,7 +185,7 @@ fn finish_leaf<E: Element>(node: &GradNode<E>, grad: Buffer<E>) {
     {
         let mut slot = leaf_grad.borrow_mut();
         match slot.as_mut() {
-            Some(acc) => add_into(acc, grad.array()),
+            Some(acc) => add_into(acc, values_of(&grad)),
             None => *slot = Some(grad),
         }
     }
@@ -216,7 +247,7 @@ impl Drop for Sweep {
 /// parameters after everything below the layer): its gradient is complete then, and the
 /// hook can release or reduce it while the sweep goes on through the rest of the graph.
 /// The sums are the same, only their hand-over is earlier. Without hooks nothing changes.
-pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: ArrayD<E>) {
+pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: Buffer<E>) {
     assert_eq!(
         grad_out.shape(),
         root.shape.as_slice(),
@@ -226,7 +257,7 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: ArrayD<E>) 
     let order = topological_order(root);
     let mut waiting = hooked_consumers(&order);
     let mut pending: HashMap<usize, Buffer<E>> = HashMap::new();
-    pending.insert(root.key(), Buffer::new(grad_out));
+    pending.insert(root.key(), grad_out);
     // Consume the order front to back, dropping each node's entry as soon as it has run.
     for node in order {
         let Some(grad) = pending.remove(&node.key()) else {
@@ -239,31 +270,39 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: ArrayD<E>) 
                     .borrow_mut()
                     .take()
                     .expect("backward through a graph that a previous backward already freed");
-                // The incoming gradient stays on the meter until the VJP's results are (it
-                // is alive while the VJP runs, and may be reused as one of its results).
-                let incoming_bytes = grad.bytes();
-                let grad = grad.into_array();
-                memory::on_alloc(incoming_bytes);
-                let parent_grads = (record.vjp)(grad);
+                let OpRecord { parents, vjp } = record;
+                let (parent_grads, incoming) = run_vjp(vjp, grad, &parents);
                 assert_eq!(
                     parent_grads.len(),
-                    record.parents.len(),
+                    parents.len(),
                     "a VJP must return one entry per parent"
                 );
-                for (parent, parent_grad) in record.parents.iter().zip(parent_grads) {
+                for (parent, parent_grad) in parents.iter().zip(parent_grads) {
                     let Some(parent) = parent else {
                         continue;
                     };
                     if let Some(parent_grad) = parent_grad {
-                        assert_eq!(
-                            parent_grad.shape(),
-                            parent.shape.as_slice(),
-                            "a VJP returned a gradient of the wrong shape for its parent"
-                        );
-                        match pending.get_mut(&parent.key()) {
-                            Some(acc) => add_into(acc, &parent_grad),
-                            None => {
-                                pending.insert(parent.key(), Buffer::new(parent_grad));
+                        let entry = pending.get_mut(&parent.key());
+                        match (parent_grad, entry) {
+                            (Returned::Values(values), Some(acc)) => {
+                                check_shape(values.shape(), parent);
+                                add_into(acc, Some(&values));
+                            }
+                            (Returned::Values(values), None) => {
+                                check_shape(values.shape(), parent);
+                                pending.insert(parent.key(), Buffer::new(values));
+                            }
+                            (Returned::Meta, Some(acc)) => add_into(acc, None),
+                            (Returned::Meta, None) => {
+                                pending.insert(parent.key(), Buffer::meta(&parent.shape));
+                            }
+                            (Returned::Buffer(buffer), Some(acc)) => {
+                                check_shape(buffer.shape(), parent);
+                                add_into(acc, values_of(&buffer));
+                            }
+                            (Returned::Buffer(buffer), None) => {
+                                check_shape(buffer.shape(), parent);
+                                pending.insert(parent.key(), buffer);
                             }
                         }
                     }
@@ -279,9 +318,73 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: ArrayD<E>) 
                         }
                     }
                 }
-                memory::on_free(incoming_bytes);
-                // `record` drops here: the VJP's saved values are freed now.
+                drop(incoming);
+                // `parents` and the VJP's saved values drop here.
             }
+        }
+    }
+}
+
+/// What a VJP returned for a parent must have the parent's shape.
+fn check_shape<E: Element>(shape: &[usize], parent: &GradNode<E>) {
+    assert_eq!(
+        shape,
+        parent.shape.as_slice(),
+        "a VJP returned a gradient of the wrong shape for its parent"
+    );
+}
+
+/// The incoming gradient, kept on the meter until the VJP's results are in (it is alive
+/// while the VJP runs, and a VJP may hand it back as one of its results). Counted off the
+/// meter when dropped.
+struct Incoming {
+    bytes: usize,
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        memory::on_free(self.bytes);
+    }
+}
+
+/// Runs one op's backward on `grad`: the gradient for each parent, and the incoming
+/// gradient's hold on the meter (to drop once the results are placed). A values VJP is
+/// skipped for a meta gradient, every parent in the graph getting a meta gradient; a
+/// tensors VJP runs either way.
+fn run_vjp<E: Element>(
+    vjp: Backward<E>,
+    grad: Buffer<E>,
+    parents: &[Option<Rc<GradNode<E>>>],
+) -> (Vec<Option<Returned<E>>>, Option<Incoming>) {
+    match vjp {
+        Backward::Values(vjp) => {
+            // The values leave the buffer (which counts them off) and are counted again
+            // until the results are placed: the same events for a meta gradient.
+            let bytes = grad.bytes();
+            let values = (!grad.is_meta()).then(|| grad.into_array());
+            memory::on_alloc(bytes);
+            let incoming = Incoming { bytes };
+            let returned = match values {
+                Some(values) => vjp(values)
+                    .into_iter()
+                    .map(|grad| grad.map(Returned::Values))
+                    .collect(),
+                None => {
+                    drop(vjp);
+                    parents
+                        .iter()
+                        .map(|parent| parent.as_ref().map(|_| Returned::Meta))
+                        .collect()
+                }
+            };
+            (returned, Some(incoming))
+        }
+        Backward::Tensors(vjp) => {
+            let returned = vjp(Tensor::from_buffer(grad))
+                .into_iter()
+                .map(|grad| grad.map(|grad| Returned::Buffer(grad.into_buffer())))
+                .collect();
+            (returned, None)
         }
     }
 }

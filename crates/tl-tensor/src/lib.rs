@@ -14,6 +14,7 @@ mod graph;
 pub mod kernels;
 pub mod losses;
 pub mod memory;
+pub mod meta;
 mod mode;
 pub mod nn;
 pub mod ops;
@@ -26,7 +27,8 @@ pub mod testing;
 
 pub use element::Element;
 pub use error::{Result, TensorError};
-pub use graph::{GradReadyHook, Vjp, in_backward};
+pub use graph::{GradReadyHook, TensorVjp, Vjp, in_backward};
+pub use meta::{MetaModeGuard, is_meta_mode, meta_mode, set_meta_mode};
 pub use mode::{
     GradModeGuard, ModeSnapshot, ModeSnapshotGuard, NoGradGuard, enable_grad, is_grad_enabled,
     no_grad, set_grad_enabled,

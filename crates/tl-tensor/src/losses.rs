@@ -33,14 +33,19 @@ pub fn mse<E: Element>(pred: &Tensor<E>, target: &Tensor<E>) -> Tensor<E> {
         pred_shape, target_shape,
         "mse: prediction shape {pred_shape:?} and target shape {target_shape:?} differ"
     );
-    let diff = &*pred.value() - &*target.value();
-    let count = diff.len() as f64;
-    let sum_squares: f64 = diff.iter().map(|&d| d.to_f64() * d.to_f64()).sum();
-    let value = ArrayD::from_elem(IxDyn(&[]), E::from_f64(sum_squares / count));
+    let count = pred.numel() as f64;
+    // The difference, saved as a tensor so the memory meter counts it, and the mean square.
+    let (diff, value) = if crate::meta::computes(&[pred, target]) {
+        let diff = &*pred.value() - &*target.value();
+        let sum_squares: f64 = diff.iter().map(|&d| d.to_f64() * d.to_f64()).sum();
+        let value = ArrayD::from_elem(IxDyn(&[]), E::from_f64(sum_squares / count));
+        (Tensor::from_array(diff), Some(value))
+    } else {
+        (Tensor::meta(&pred_shape), None)
+    };
+    let value = || value.expect("computed for real inputs");
     let (pred_grad_needed, target_grad_needed) = (pred.requires_grad(), target.requires_grad());
-    // Saved as a tensor so the memory meter counts it.
-    let diff = Tensor::from_array(diff);
-    Tensor::from_op(value, &[pred, target], move |grad_out| {
+    Tensor::from_op_shaped(&[], value, &[pred, target], move |grad_out| {
         let factor =
             grad_out.iter().next().copied().expect("one element") * E::from_f64(2.0 / count);
         let pred_grad = diff.value().mapv(|d| d * factor);
@@ -86,7 +91,8 @@ pub fn cross_entropy<E: Element>(logits: &Tensor<E>, targets: &[usize]) -> Tenso
     if let Some((row, &target)) = targets.iter().enumerate().find(|&(_, &t)| t >= classes) {
         panic!("cross_entropy: target {target} (row {row}) is not below the {classes} classes");
     }
-    let (value, log_sum_exp) = {
+    // Each row's log-sum-exp is computed with the value, and kept for the VJP.
+    let computed = crate::meta::computes(&[logits]).then(|| {
         let logits_value = logits.value();
         let standard = logits_value.as_standard_layout();
         let by_row = as_rows(standard.view(), rows, classes);
@@ -101,9 +107,12 @@ pub fn cross_entropy<E: Element>(logits: &Tensor<E>, targets: &[usize]) -> Tenso
             .sum();
         let mean = E::from_f64(total / rows as f64);
         (ArrayD::from_elem(IxDyn(&[]), mean), log_sum_exp)
-    };
+    });
+    let (value, log_sum_exp) = computed.unzip();
+    let value = || value.expect("computed for real inputs");
     let (saved, targets) = (logits.clone(), targets.to_vec());
-    Tensor::from_op(value, &[logits], move |grad_out| {
+    Tensor::from_op_shaped(&[], value, &[logits], move |grad_out| {
+        let log_sum_exp = log_sum_exp.expect("a values VJP runs on real gradients only");
         let scale =
             grad_out.iter().next().copied().expect("one element") / E::from_f64(rows as f64);
         let logits_value = saved.value();

@@ -4,6 +4,7 @@
 use std::cell::Cell;
 use std::sync::Arc;
 
+use crate::meta::{MetaModeGuard, is_meta_mode, set_meta_mode};
 use crate::ops::matmul::{self, MatmulHook};
 
 thread_local! {
@@ -58,7 +59,7 @@ impl Drop for GradModeGuard {
     }
 }
 
-/// Every thread-local mode of tl-tensor (grad mode and the matmul override), captured so a
+/// Every thread-local mode of tl-tensor (grad mode, meta mode and the matmul override), captured so a
 /// worker thread can run Tensor-level code under the same modes as the thread that spawned it.
 ///
 /// Modes are thread-local and do not follow work onto other threads by themselves.
@@ -78,6 +79,7 @@ impl Drop for GradModeGuard {
 #[derive(Clone)]
 pub struct ModeSnapshot {
     grad_enabled: bool,
+    meta: bool,
     matmul_hook: Option<Arc<dyn MatmulHook>>,
 }
 
@@ -85,6 +87,7 @@ pub struct ModeSnapshot {
 #[must_use = "the modes are restored as soon as the guard is dropped"]
 pub struct ModeSnapshotGuard {
     _grad: GradModeGuard,
+    _meta: MetaModeGuard,
     previous_hook: Option<Arc<dyn MatmulHook>>,
 }
 
@@ -93,6 +96,7 @@ impl ModeSnapshot {
     pub fn capture() -> Self {
         Self {
             grad_enabled: is_grad_enabled(),
+            meta: is_meta_mode(),
             matmul_hook: matmul::matmul_hook(),
         }
     }
@@ -100,9 +104,11 @@ impl ModeSnapshot {
     /// Puts the captured modes in force on the current thread until the guard drops.
     pub fn enter(&self) -> ModeSnapshotGuard {
         let grad = set_grad_enabled(self.grad_enabled);
+        let meta = set_meta_mode(self.meta);
         let previous_hook = matmul::set_matmul_hook(self.matmul_hook.clone());
         ModeSnapshotGuard {
             _grad: grad,
+            _meta: meta,
             previous_hook,
         }
     }

@@ -1,5 +1,6 @@
 //! Metered storage: an n-dimensional array whose bytes are counted by [`crate::memory`] from
-//! the moment it is made until it is dropped.
+//! the moment it is made until it is dropped; or, in [meta mode](crate::meta), the shape of
+//! one, counted the same and holding no values.
 
 use ndarray::ArrayD;
 
@@ -17,6 +18,8 @@ pub(crate) struct Buffer<E: Element> {
     version: u64,
     /// The shape the values had, while they are released (see [`Buffer::release`]).
     released: Option<Vec<usize>>,
+    /// The shape of a meta buffer, which never holds values (see [`Buffer::meta`]).
+    meta: Option<Vec<usize>>,
 }
 
 impl<E: Element> Buffer<E> {
@@ -28,12 +31,46 @@ impl<E: Element> Buffer<E> {
             bytes,
             version: 0,
             released: None,
+            meta: None,
         }
     }
 
-    /// The shape of the values, or the shape they had while they are released.
+    /// A buffer with a shape and no values, counted on the meter as if it held
+    /// `shape`'s elements.
+    pub(crate) fn meta(shape: &[usize]) -> Self {
+        let bytes = shape.iter().product::<usize>() * std::mem::size_of::<E>();
+        memory::on_alloc(bytes);
+        Self {
+            array: ArrayD::zeros(ndarray::IxDyn(&[0])),
+            bytes,
+            version: 0,
+            released: None,
+            meta: Some(shape.to_vec()),
+        }
+    }
+
+    /// The shape of the values, or the shape they had while they are released, or a meta
+    /// buffer's shape.
     pub(crate) fn shape(&self) -> &[usize] {
-        self.released.as_deref().unwrap_or(self.array.shape())
+        self.released
+            .as_deref()
+            .or(self.meta.as_deref())
+            .unwrap_or(self.array.shape())
+    }
+
+    /// Whether this is a meta buffer (a shape, no values).
+    pub(crate) fn is_meta(&self) -> bool {
+        self.meta.is_some()
+    }
+
+    /// Drops the values, keeping the shape and the bytes on the meter: the buffer is meta
+    /// from now on. What accumulating a meta gradient into a real one leaves.
+    pub(crate) fn make_meta(&mut self) {
+        if self.meta.is_none() {
+            self.meta = Some(self.shape().to_vec());
+            self.array = ArrayD::zeros(ndarray::IxDyn(&[0]));
+            self.version += 1;
+        }
     }
 
     /// Whether the values are released.
@@ -51,7 +88,7 @@ impl<E: Element> Buffer<E> {
             !self.is_released(),
             "release: the value is released already"
         );
-        self.released = Some(self.array.shape().to_vec());
+        self.released = Some(self.shape().to_vec());
         self.array = ArrayD::zeros(ndarray::IxDyn(&[0]));
         memory::on_free(self.bytes);
         self.bytes = 0;
@@ -61,8 +98,13 @@ impl<E: Element> Buffer<E> {
     /// Puts values back into a released buffer, counting them on the meter again.
     ///
     /// # Panics
-    /// If the values are not released, or `array`'s shape is not the one they had.
+    /// If the values are not released, or `array`'s shape is not the one they had, or the
+    /// buffer is meta (see [`restore_meta`](Self::restore_meta)).
     pub(crate) fn restore(&mut self, array: ArrayD<E>) {
+        assert!(
+            self.meta.is_none(),
+            "restore: a meta buffer takes no values (restore_meta counts it back)"
+        );
         let shape = self
             .released
             .take()
@@ -75,6 +117,22 @@ impl<E: Element> Buffer<E> {
         self.bytes = array.len() * std::mem::size_of::<E>();
         memory::on_alloc(self.bytes);
         self.array = array;
+        self.version += 1;
+    }
+
+    /// Counts a released meta buffer on the meter again, as [`restore`](Self::restore)
+    /// would with values of its shape.
+    ///
+    /// # Panics
+    /// If the buffer is not released, or not meta.
+    pub(crate) fn restore_meta(&mut self) {
+        assert!(self.meta.is_some(), "restore_meta: the buffer holds values");
+        let shape = self
+            .released
+            .take()
+            .expect("restore_meta: the value is not released");
+        self.bytes = shape.iter().product::<usize>() * std::mem::size_of::<E>();
+        memory::on_alloc(self.bytes);
         self.version += 1;
     }
 
@@ -95,8 +153,13 @@ impl<E: Element> Buffer<E> {
     /// Mutable access for in-place updates (optimizer steps, gradient accumulation).
     ///
     /// # Panics
-    /// If the closure changes the number of elements, which would break the meter.
+    /// If the closure changes the number of elements, which would break the meter, or the
+    /// buffer is meta (it has no values to update: callers skip the update).
     pub(crate) fn update<T>(&mut self, f: impl FnOnce(&mut ArrayD<E>) -> T) -> T {
+        assert!(
+            self.meta.is_none(),
+            "an in-place update of a meta tensor: it has no values (check is_meta first)"
+        );
         let len = self.array.len();
         self.version += 1;
         let out = f(&mut self.array);
@@ -117,7 +180,14 @@ impl<E: Element> Drop for Buffer<E> {
 
 impl<E: Element> Buffer<E> {
     /// Gives the array back, uncounted from now on.
+    ///
+    /// # Panics
+    /// If the buffer is meta.
     pub(crate) fn into_array(mut self) -> ArrayD<E> {
+        assert!(
+            self.meta.is_none(),
+            "into_array: a meta buffer has no values"
+        );
         memory::on_free(self.bytes);
         self.bytes = 0;
         std::mem::take(&mut self.array)

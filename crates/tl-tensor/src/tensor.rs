@@ -6,7 +6,8 @@ use std::rc::{Rc, Weak};
 
 use ndarray::{ArrayD, IxDyn};
 
-use crate::graph::{self, GradNode, GradReadyHook, NodeKind, OpRecord};
+use crate::graph::{self, Backward, GradNode, GradReadyHook, NodeKind, OpRecord, TensorVjp};
+use crate::meta::is_meta_mode;
 use crate::mode::is_grad_enabled;
 use crate::storage::Buffer;
 use crate::{Element, Result, TensorError};
@@ -90,8 +91,107 @@ impl<E: Element> fmt::Debug for WeakValue<E> {
 }
 
 impl<E: Element> Tensor<E> {
+    /// A tensor holding `value`, or in [meta mode](crate::meta) its shape only.
     fn with_node(value: ArrayD<E>, node: Option<Rc<GradNode<E>>>) -> Self {
-        Self::on_storage(Rc::new(RefCell::new(Buffer::new(value))), node)
+        let buffer = if is_meta_mode() {
+            Buffer::meta(value.shape())
+        } else {
+            Buffer::new(value)
+        };
+        Self::on_storage(Rc::new(RefCell::new(buffer)), node)
+    }
+
+    /// A tensor on its own storage.
+    pub(crate) fn from_buffer(buffer: Buffer<E>) -> Self {
+        Self::on_storage(Rc::new(RefCell::new(buffer)), None)
+    }
+
+    /// The storage, taken over when this is its only handle, or else a copy of it (a meta
+    /// copy of a meta tensor).
+    pub(crate) fn into_buffer(self) -> Buffer<E> {
+        let value = match Rc::try_unwrap(self.inner) {
+            Ok(inner) => inner.value,
+            Err(shared) => Rc::clone(&shared.value),
+        };
+        match Rc::try_unwrap(value) {
+            Ok(cell) => cell.into_inner(),
+            Err(shared) => {
+                let buffer = shared.borrow();
+                if buffer.is_meta() {
+                    Buffer::meta(buffer.shape())
+                } else {
+                    Buffer::new(buffer.array().clone())
+                }
+            }
+        }
+    }
+
+    /// A constant of shape `shape` with no values: a [meta](crate::meta) tensor, counted on
+    /// the memory meter as a real one of that shape.
+    ///
+    /// ```
+    /// use tl_tensor::{Tensor, memory};
+    /// let before = memory::live_bytes();
+    /// let x = Tensor::<f32>::meta(&[1000, 1000]);
+    /// assert!(x.is_meta() && x.value().is_empty());
+    /// assert_eq!((x.shape(), memory::live_bytes() - before), (vec![1000, 1000], 4_000_000));
+    /// ```
+    pub fn meta(shape: &[usize]) -> Self {
+        Self::from_buffer(Buffer::meta(shape))
+    }
+
+    /// A meta leaf that requires grad: a parameter with a shape and no values.
+    pub fn meta_param(shape: &[usize]) -> Self {
+        Self::on_storage(
+            Rc::new(RefCell::new(Buffer::meta(shape))),
+            Some(GradNode::leaf(shape.to_vec())),
+        )
+    }
+
+    /// A parameter of shape `shape` holding `init()`; in [meta mode](crate::meta) a meta
+    /// parameter, and `init` is not called.
+    ///
+    /// # Panics
+    /// If `init` returns another shape.
+    pub fn param_with(shape: &[usize], init: impl FnOnce() -> ArrayD<E>) -> Self {
+        if is_meta_mode() {
+            return Self::meta_param(shape);
+        }
+        let value = init();
+        assert_eq!(
+            value.shape(),
+            shape,
+            "param_with: the initialiser made another shape"
+        );
+        Self::param(value)
+    }
+
+    /// Whether this tensor is [meta](crate::meta): a shape with no values.
+    pub fn is_meta(&self) -> bool {
+        self.inner.value.borrow().is_meta()
+    }
+
+    /// Whether this leaf's accumulated gradient is meta (false without a gradient).
+    pub fn grad_is_meta(&self) -> bool {
+        match self.inner.node.borrow().as_deref() {
+            Some(GradNode {
+                kind: NodeKind::Leaf { grad, .. },
+                ..
+            }) => grad.borrow().as_ref().is_some_and(Buffer::is_meta),
+            _ => false,
+        }
+    }
+
+    /// Takes this leaf's accumulated gradient out as a constant tensor on the same storage
+    /// (nothing is copied or allocated), leaving the leaf with none.
+    pub fn take_grad(&self) -> Option<Tensor<E>> {
+        match self.inner.node.borrow().as_deref() {
+            Some(GradNode {
+                kind: NodeKind::Leaf { grad, .. },
+                ..
+            }) => grad.borrow_mut().take().map(Self::from_buffer),
+            _ => None,
+        }
     }
 
     /// A tensor on existing storage (shared, not copied) with its own place in the graph.
@@ -104,12 +204,15 @@ impl<E: Element> Tensor<E> {
         }
     }
 
-    /// A constant tensor (no gradient) holding `array`.
+    /// A constant tensor (no gradient) holding `array` (in [meta mode](crate::meta), its
+    /// shape).
     pub fn from_array(array: ArrayD<E>) -> Self {
         Self::with_node(array, None)
     }
 
-    /// A leaf that requires grad — a trainable parameter — holding `array`.
+    /// A leaf that requires grad — a trainable parameter — holding `array` (in [meta
+    /// mode](crate::meta), its shape; see [`param_with`](Self::param_with) to skip making
+    /// the values).
     pub fn param(array: ArrayD<E>) -> Self {
         let shape = array.shape().to_vec();
         Self::with_node(array, Some(GradNode::leaf(shape)))
@@ -173,13 +276,96 @@ impl<E: Element> Tensor<E> {
     /// y.sum_all().backward();
     /// assert_eq!(x.grad().unwrap().as_slice().unwrap(), &[3.0, 3.0]);
     /// ```
+    ///
+    /// # Panics
+    /// If a parent is [meta](crate::meta): an op that computes its value before its node
+    /// exists has no shape rule to run without values. Such an op records itself with
+    /// [`from_op_shaped`](Self::from_op_shaped) instead.
     pub fn from_op(
         value: ArrayD<E>,
         parents: &[&Tensor<E>],
         vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
     ) -> Self {
+        assert!(
+            !parents.iter().any(|parent| parent.is_meta()),
+            "an op recorded with from_op got a meta input: it has no shape rule (record it \
+             with from_op_shaped)"
+        );
         let output = Self::from_array(value);
-        output.attach_op(parents, vjp);
+        output.attach_op(parents, Backward::Values(Box::new(vjp)));
+        output
+    }
+
+    /// Records the output of an op of shape `shape` whose value is `compute()`: the way
+    /// every op of this crate enters the graph. When a parent is [meta](crate::meta), or
+    /// meta mode is on, the output is a meta tensor of `shape` and `compute` is not called;
+    /// otherwise `compute()`'s shape must be `shape`, so a wrong shape rule fails on real
+    /// inputs. The VJP is as for [`from_op`](Self::from_op).
+    ///
+    /// # Panics
+    /// If `compute()` returns an array of another shape.
+    ///
+    /// ```
+    /// use tl_tensor::Tensor;
+    /// let x = Tensor::<f64>::param(ndarray::arr1(&[1.0, 2.0]).into_dyn());
+    /// let triple = |x: &Tensor<f64>| {
+    ///     Tensor::from_op_shaped(&x.shape(), || x.value().mapv(|v| 3.0 * v), &[x], |g| {
+    ///         vec![Some(g * 3.0)]
+    ///     })
+    /// };
+    /// assert_eq!(triple(&x).to_vec(), vec![3.0, 6.0]);
+    /// let m = Tensor::<f64>::meta_param(&[2]);
+    /// let y = triple(&m); // nothing computed
+    /// assert!(y.is_meta() && y.requires_grad());
+    /// y.sum_all().backward();
+    /// assert!(m.grad_is_meta());
+    /// ```
+    pub fn from_op_shaped(
+        shape: &[usize],
+        compute: impl FnOnce() -> ArrayD<E>,
+        parents: &[&Tensor<E>],
+        vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
+    ) -> Self {
+        let output = if !crate::meta::computes(parents) {
+            Self::meta(shape)
+        } else {
+            let value = compute();
+            assert_eq!(
+                value.shape(),
+                shape,
+                "an op's kernel made a result of another shape than its shape rule says"
+            );
+            Self::from_array(value)
+        };
+        output.attach_op(parents, Backward::Values(Box::new(vjp)));
+        output
+    }
+
+    /// Records an op whose backward is written over tensors: `vjp` gets the output's
+    /// gradient as a constant tensor (meta for a meta output) and returns one gradient per
+    /// parent, shaped like it. Unlike a values VJP it runs in meta mode too, so an op whose
+    /// backward does more than arithmetic — reruns a checkpointed segment, gathers a
+    /// sharded parameter — does it in a meta run as in a real one. The output shares
+    /// `value`'s storage, as with [`from_op_shared`](Self::from_op_shared).
+    ///
+    /// A returned tensor that nothing else holds becomes the parent's gradient as it is; one
+    /// still held elsewhere is copied.
+    ///
+    /// ```
+    /// use tl_tensor::Tensor;
+    /// let x = Tensor::<f64>::param(ndarray::arr1(&[1.0, 2.0]).into_dyn());
+    /// let y = Tensor::from_op_tensors(&x.detach(), &[&x], |grad| vec![Some(grad.mul_scalar(2.0))]);
+    /// y.sum_all().backward();
+    /// assert_eq!(x.grad().unwrap().as_slice().unwrap(), &[2.0, 2.0]);
+    /// ```
+    pub fn from_op_tensors(
+        value: &Tensor<E>,
+        parents: &[&Tensor<E>],
+        vjp: impl FnOnce(Tensor<E>) -> Vec<Option<Tensor<E>>> + 'static,
+    ) -> Self {
+        let output = value.detach();
+        let vjp: TensorVjp<E> = Box::new(vjp);
+        output.attach_op(parents, Backward::Tensors(vjp));
         output
     }
 
@@ -204,7 +390,7 @@ impl<E: Element> Tensor<E> {
         vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
     ) -> Self {
         let output = value.detach();
-        output.attach_op(parents, vjp);
+        output.attach_op(parents, Backward::Values(Box::new(vjp)));
         output
     }
 
@@ -236,13 +422,15 @@ impl<E: Element> Tensor<E> {
     ) -> Self {
         let sole_holder =
             Rc::strong_count(&input.inner) == 1 && Rc::strong_count(&input.inner.value) == 1;
-        let output = if sole_holder {
-            input.detach()
-        } else {
-            Self::from_array(input.to_array())
+        let output = match (sole_holder, input.is_meta()) {
+            (true, _) => input.detach(),
+            (false, false) => Self::from_array(input.to_array()),
+            (false, true) => Self::meta(&input.shape()),
         };
-        output.update_value(apply);
-        output.attach_op(&[&input], vjp);
+        if !output.is_meta() {
+            output.update_value(apply);
+        }
+        output.attach_op(&[&input], Backward::Values(Box::new(vjp)));
         output
     }
 
@@ -258,17 +446,13 @@ impl<E: Element> Tensor<E> {
     /// and some parent requires grad, and otherwise drops `vjp` unused. Either way after the
     /// output's storage exists, so the memory meter sees the output allocated before what
     /// an unused `vjp` held is freed.
-    fn attach_op(
-        &self,
-        parents: &[&Tensor<E>],
-        vjp: impl FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
-    ) {
+    fn attach_op(&self, parents: &[&Tensor<E>], vjp: Backward<E>) {
         if !is_grad_enabled() || !parents.iter().any(|p| p.requires_grad()) {
             return;
         }
         let record = OpRecord {
             parents: parents.iter().map(|p| p.node()).collect(),
-            vjp: Box::new(vjp),
+            vjp,
         };
         *self.inner.node.borrow_mut() = Some(GradNode::op(self.shape(), record));
     }
@@ -296,7 +480,8 @@ impl<E: Element> Tensor<E> {
 
     /// A borrow of the value. Do not hold it across an op that updates this tensor in place.
     ///
-    /// While the value is [released](Self::release_value) this is an empty 1-D array.
+    /// While the value is [released](Self::release_value), and for a [meta](crate::meta)
+    /// tensor, this is an empty 1-D array.
     pub fn value(&self) -> Ref<'_, ArrayD<E>> {
         Ref::map(self.inner.value.borrow(), Buffer::array)
     }
@@ -311,11 +496,21 @@ impl<E: Element> Tensor<E> {
         self.value().iter().copied().collect()
     }
 
-    /// The one element of a one-element tensor.
+    /// The one element of a one-element tensor; zero for a one-element [meta](crate::meta)
+    /// tensor.
     ///
     /// # Panics
     /// If the tensor does not hold exactly one element.
     pub fn item(&self) -> E {
+        if self.is_meta() {
+            assert_eq!(
+                self.numel(),
+                1,
+                "item: the tensor has shape {:?}, not one element",
+                self.shape()
+            );
+            return E::zero();
+        }
         let value = self.value();
         assert_eq!(
             value.len(),
@@ -431,6 +626,30 @@ impl<E: Element> Tensor<E> {
         *grad.borrow_mut() = new_grad.map(Buffer::new);
     }
 
+    /// Replaces the accumulated gradient of a leaf that requires grad with `new_grad`'s
+    /// storage (taken over if nothing else holds it, copied otherwise; meta stays meta).
+    ///
+    /// # Panics
+    /// As [`set_grad`](Self::set_grad).
+    pub fn set_grad_tensor(&self, new_grad: Option<Tensor<E>>) {
+        let node = self.inner.node.borrow();
+        let Some(GradNode {
+            kind: NodeKind::Leaf { grad, .. },
+            shape,
+        }) = node.as_deref()
+        else {
+            panic!("set_grad_tensor: only a leaf that requires grad holds a gradient");
+        };
+        if let Some(new_grad) = &new_grad {
+            assert_eq!(
+                new_grad.shape(),
+                *shape,
+                "set_grad_tensor: gradient shape must match the tensor's"
+            );
+        }
+        *grad.borrow_mut() = new_grad.map(Tensor::into_buffer);
+    }
+
     /// Sets (or, with `None`, clears) the callback this leaf runs during every backward
     /// sweep right after its gradient has been accumulated, replacing any earlier one.
     ///
@@ -533,6 +752,15 @@ impl<E: Element> Tensor<E> {
         self.inner.value.borrow_mut().restore(array);
     }
 
+    /// [`restore_value`](Self::restore_value) for a released [meta](crate::meta) tensor:
+    /// counts its shape's bytes on the meter again.
+    ///
+    /// # Panics
+    /// If the value is not released, or the tensor is not meta.
+    pub fn restore_meta(&self) {
+        self.inner.value.borrow_mut().restore_meta();
+    }
+
     /// Whether the value is released (see [`release_value`](Self::release_value)).
     pub fn is_released(&self) -> bool {
         self.inner.value.borrow().is_released()
@@ -548,16 +776,41 @@ impl<E: Element> Tensor<E> {
     /// If the tensor does not hold exactly one element, does not require grad, or its graph
     /// was already consumed by a previous backward.
     pub fn backward(&self) {
-        let value = self.value();
+        let shape = self.shape();
         assert_eq!(
-            value.len(),
+            self.numel(),
             1,
-            "backward: call it on a one-element loss (shape {:?}) or use backward_with",
-            value.shape()
+            "backward: call it on a one-element loss (shape {shape:?}) or use backward_with"
         );
-        let seed = ArrayD::from_elem(value.raw_dim(), E::one());
-        drop(value);
-        self.backward_with(seed);
+        let seed = if self.is_meta() {
+            Buffer::meta(&shape)
+        } else {
+            Buffer::new(ArrayD::from_elem(IxDyn(&shape), E::one()))
+        };
+        self.sweep(seed);
+    }
+
+    /// Runs the backward sweep from this tensor's node with `seed` as its gradient.
+    fn sweep(&self, seed: Buffer<E>) {
+        let node = self
+            .node()
+            .expect("backward: the tensor does not require grad (no parameter reaches it)");
+        graph::backward(&node, seed);
+    }
+
+    /// [`backward_with`](Self::backward_with) from a gradient held by a tensor (a copy of
+    /// its value is the seed); from a [meta](crate::meta) gradient, or on a meta tensor, a
+    /// meta sweep.
+    ///
+    /// # Panics
+    /// As [`backward_with`](Self::backward_with).
+    pub fn backward_from(&self, grad_out: &Tensor<E>) {
+        let seed = if self.is_meta() || grad_out.is_meta() {
+            Buffer::meta(&grad_out.shape())
+        } else {
+            Buffer::new(grad_out.to_array())
+        };
+        self.sweep(seed);
     }
 
     /// Backpropagates from this tensor, starting from `grad_out` (same shape as the tensor).
@@ -565,10 +818,12 @@ impl<E: Element> Tensor<E> {
     /// # Panics
     /// As [`backward`](Self::backward), or if `grad_out`'s shape differs from the tensor's.
     pub fn backward_with(&self, grad_out: ArrayD<E>) {
-        let node = self
-            .node()
-            .expect("backward: the tensor does not require grad (no parameter reaches it)");
-        graph::backward(&node, grad_out);
+        let seed = if self.is_meta() {
+            Buffer::meta(grad_out.shape())
+        } else {
+            Buffer::new(grad_out)
+        };
+        self.sweep(seed);
     }
 }
 

@@ -2,7 +2,7 @@
 
 use std::cell::Cell;
 
-use ndarray::{ArrayD, Zip};
+use ndarray::{ArrayD, IxDyn, Zip};
 
 use super::Module;
 use crate::{Element, Generator, Result, Tensor, TensorError};
@@ -82,19 +82,25 @@ impl<E: Element> Module<E> for Dropout {
             return x.clone();
         }
         let scale = E::from_f64(1.0 / (1.0 - self.p));
-        // A standard-layout mask: `from_shape_simple_fn` fills it in row-major order, which
-        // fixes which draw lands on which element.
-        let mask = ArrayD::from_shape_simple_fn(x.value().raw_dim(), || {
-            if self.rng.next_f64() >= self.p {
-                scale
-            } else {
-                E::zero()
-            }
-        });
-        let value = &*x.value() * &mask;
-        // Kept as a tensor so the memory meter counts it among the saved activations.
-        let mask = Tensor::from_array(mask);
-        Tensor::from_op(value, &[x], move |mut grad_out| {
+        let shape = x.shape();
+        // Kept as a tensor so the memory meter counts it among the saved activations. No
+        // draws for a meta input.
+        let mask = if crate::meta::computes(&[x]) {
+            // A standard-layout mask: `from_shape_simple_fn` fills it in row-major order,
+            // which fixes which draw lands on which element.
+            Tensor::from_array(ArrayD::from_shape_simple_fn(IxDyn(&shape), || {
+                if self.rng.next_f64() >= self.p {
+                    scale
+                } else {
+                    E::zero()
+                }
+            }))
+        } else {
+            Tensor::meta(&shape)
+        };
+        let applied = mask.clone();
+        let value = || &*x.value() * &*applied.value();
+        Tensor::from_op_shaped(&shape, value, &[x], move |mut grad_out| {
             Zip::from(&mut grad_out)
                 .and(&*mask.value())
                 .for_each(|g, &m| *g *= m);

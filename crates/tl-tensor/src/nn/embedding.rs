@@ -28,11 +28,11 @@ impl<E: Element> Embedding<E> {
     /// A table initialised as PyTorch's `nn.Embedding`: independent standard normal draws,
     /// row-major.
     pub fn new(num_embeddings: usize, dim: usize, rng: &Generator) -> Self {
-        let table = ArrayD::from_shape_simple_fn(IxDyn(&[num_embeddings, dim]), || {
-            E::from_f64(rng.next_normal())
-        });
+        let shape = [num_embeddings, dim];
+        let table =
+            || ArrayD::from_shape_simple_fn(IxDyn(&shape), || E::from_f64(rng.next_normal()));
         Self {
-            weight: Tensor::param(table),
+            weight: Tensor::param_with(&shape, table),
         }
     }
 

@@ -46,8 +46,10 @@ impl<E: Element> Linear<E> {
     pub fn new(in_features: usize, out_features: usize, bias: bool, rng: &Generator) -> Self {
         assert!(in_features > 0, "Linear::new: in_features must be positive");
         let bound = 1.0 / (in_features as f64).sqrt();
-        let weight = Tensor::param(uniform(&[in_features, out_features], bound, rng));
-        let bias = bias.then(|| Tensor::param(uniform(&[out_features], bound, rng)));
+        let shape = [in_features, out_features];
+        let weight = Tensor::param_with(&shape, || uniform(&shape, bound, rng));
+        let bias = bias
+            .then(|| Tensor::param_with(&[out_features], || uniform(&[out_features], bound, rng)));
         Self { weight, bias }
     }
 

@@ -46,7 +46,7 @@ impl<E: Element> RmsNorm<E> {
             "RmsNorm::new: eps must be finite and non-negative, got {eps}"
         );
         Self {
-            gain: Tensor::param(ArrayD::ones(IxDyn(&[dim]))),
+            gain: Tensor::param_with(&[dim], || ArrayD::ones(IxDyn(&[dim]))),
             eps,
         }
     }
@@ -92,7 +92,8 @@ impl<E: Element> RmsNorm<E> {
         let rows = x.numel() / dim;
         let (eps, n) = (E::from_f64(self.eps), E::from_f64(dim as f64));
         let block = ROWS_PER_TASK * dim;
-        let (value, inv_rms) = {
+        // The rows' 1/rms is computed with the value, and kept for the VJP.
+        let computed = crate::meta::computes(&[x, &self.gain]).then(|| {
             let x_value = x.value();
             let x_std = x_value.as_standard_layout();
             let xs = x_std.as_slice().expect("standard layout");
@@ -119,9 +120,12 @@ impl<E: Element> RmsNorm<E> {
                 });
             let value = ArrayD::from_shape_vec(IxDyn(&shape), out).expect("same count");
             (value, inv_rms)
-        };
+        });
+        let (value, inv_rms) = computed.unzip();
+        let value = || value.expect("computed for real inputs");
         let (x_saved, gain_saved) = (x.clone(), self.gain.clone());
-        Tensor::from_op(value, &[x, &self.gain], move |grad_out| {
+        Tensor::from_op_shaped(&shape.clone(), value, &[x, &self.gain], move |grad_out| {
+            let inv_rms = inv_rms.expect("a values VJP runs on real gradients only");
             let x_value = x_saved.value();
             let x_std = x_value.as_standard_layout();
             let xs = x_std.as_slice().expect("standard layout");

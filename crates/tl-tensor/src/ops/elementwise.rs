@@ -16,9 +16,9 @@ impl<E: Element> Tensor<E> {
     /// If the shapes do not broadcast.
     pub fn add(&self, rhs: &Tensor<E>) -> Tensor<E> {
         let (lhs_shape, rhs_shape) = (self.shape(), rhs.shape());
-        broadcast_shape("add", &lhs_shape, &rhs_shape);
-        let value = &*self.value() + &*rhs.value();
-        Tensor::from_op(value, &[self, rhs], move |grad| {
+        let shape = broadcast_shape("add", &lhs_shape, &rhs_shape);
+        let value = || &*self.value() + &*rhs.value();
+        Tensor::from_op_shaped(&shape, value, &[self, rhs], move |grad| {
             vec![
                 Some(unbroadcast(grad.clone(), &lhs_shape)),
                 Some(unbroadcast(grad, &rhs_shape)),
@@ -32,9 +32,9 @@ impl<E: Element> Tensor<E> {
     /// If the shapes do not broadcast.
     pub fn sub(&self, rhs: &Tensor<E>) -> Tensor<E> {
         let (lhs_shape, rhs_shape) = (self.shape(), rhs.shape());
-        broadcast_shape("sub", &lhs_shape, &rhs_shape);
-        let value = &*self.value() - &*rhs.value();
-        Tensor::from_op(value, &[self, rhs], move |grad| {
+        let shape = broadcast_shape("sub", &lhs_shape, &rhs_shape);
+        let value = || &*self.value() - &*rhs.value();
+        Tensor::from_op_shaped(&shape, value, &[self, rhs], move |grad| {
             let neg = grad.mapv(|g| -g);
             vec![
                 Some(unbroadcast(grad, &lhs_shape)),
@@ -48,10 +48,10 @@ impl<E: Element> Tensor<E> {
     /// # Panics
     /// If the shapes do not broadcast.
     pub fn mul(&self, rhs: &Tensor<E>) -> Tensor<E> {
-        broadcast_shape("mul", &self.shape(), &rhs.shape());
-        let value = &*self.value() * &*rhs.value();
+        let shape = broadcast_shape("mul", &self.shape(), &rhs.shape());
+        let value = || &*self.value() * &*rhs.value();
         let (lhs_saved, rhs_saved) = (self.clone(), rhs.clone());
-        Tensor::from_op(value, &[self, rhs], move |grad| {
+        Tensor::from_op_shaped(&shape, value, &[self, rhs], move |grad| {
             let lhs_grad = lhs_saved
                 .requires_grad()
                 .then(|| unbroadcast(&grad * &*rhs_saved.value(), &lhs_saved.shape()));
@@ -67,10 +67,10 @@ impl<E: Element> Tensor<E> {
     /// # Panics
     /// If the shapes do not broadcast.
     pub fn div(&self, rhs: &Tensor<E>) -> Tensor<E> {
-        broadcast_shape("div", &self.shape(), &rhs.shape());
-        let value = &*self.value() / &*rhs.value();
+        let shape = broadcast_shape("div", &self.shape(), &rhs.shape());
+        let value = || &*self.value() / &*rhs.value();
         let (lhs_saved, rhs_saved) = (self.clone(), rhs.clone());
-        Tensor::from_op(value, &[self, rhs], move |grad| {
+        Tensor::from_op_shaped(&shape, value, &[self, rhs], move |grad| {
             let rhs_value = rhs_saved.value();
             let lhs_grad = lhs_saved
                 .requires_grad()
@@ -87,32 +87,40 @@ impl<E: Element> Tensor<E> {
 
     /// `−self`.
     pub fn neg(&self) -> Tensor<E> {
-        let value = self.value().mapv(|x| -x);
-        Tensor::from_op(value, &[self], |grad| vec![Some(grad.mapv(|g| -g))])
+        let value = || self.value().mapv(|x| -x);
+        Tensor::from_op_shaped(&self.shape(), value, &[self], |grad| {
+            vec![Some(grad.mapv(|g| -g))]
+        })
     }
 
     /// `self + c` for a scalar `c`.
     pub fn add_scalar(&self, c: E) -> Tensor<E> {
-        let value = self.value().mapv(|x| x + c);
-        Tensor::from_op(value, &[self], |grad| vec![Some(grad)])
+        let value = || self.value().mapv(|x| x + c);
+        Tensor::from_op_shaped(&self.shape(), value, &[self], |grad| vec![Some(grad)])
     }
 
     /// `self · c` for a scalar `c`. d/dself = c.
     pub fn mul_scalar(&self, c: E) -> Tensor<E> {
-        let value = self.value().mapv(|x| x * c);
-        Tensor::from_op(value, &[self], move |grad| vec![Some(grad.mapv(|g| g * c))])
+        let value = || self.value().mapv(|x| x * c);
+        Tensor::from_op_shaped(&self.shape(), value, &[self], move |grad| {
+            vec![Some(grad.mapv(|g| g * c))]
+        })
     }
 
     /// `self / c` for a scalar `c`. d/dself = 1/c.
     pub fn div_scalar(&self, c: E) -> Tensor<E> {
-        let value = self.value().mapv(|x| x / c);
-        Tensor::from_op(value, &[self], move |grad| vec![Some(grad.mapv(|g| g / c))])
+        let value = || self.value().mapv(|x| x / c);
+        Tensor::from_op_shaped(&self.shape(), value, &[self], move |grad| {
+            vec![Some(grad.mapv(|g| g / c))]
+        })
     }
 
     /// `c − self` for a scalar `c`.
     pub fn rsub_scalar(&self, c: E) -> Tensor<E> {
-        let value = self.value().mapv(|x| c - x);
-        Tensor::from_op(value, &[self], |grad| vec![Some(grad.mapv(|g| -g))])
+        let value = || self.value().mapv(|x| c - x);
+        Tensor::from_op_shaped(&self.shape(), value, &[self], |grad| {
+            vec![Some(grad.mapv(|g| -g))]
+        })
     }
 
     /// An elementwise function `f` with derivative `df` (both of the input value): the
@@ -122,9 +130,9 @@ impl<E: Element> Tensor<E> {
         f: impl Fn(E) -> E + Send + Sync,
         df: impl Fn(E) -> E + Send + Sync + 'static,
     ) -> Tensor<E> {
-        let value = map_elementwise(&self.value(), f);
+        let value = || map_elementwise(&self.value(), f);
         let saved = self.clone();
-        Tensor::from_op(value, &[self], move |mut grad| {
+        Tensor::from_op_shaped(&self.shape(), value, &[self], move |mut grad| {
             scale_elementwise(&mut grad, &saved.value(), df);
             vec![Some(grad)]
         })

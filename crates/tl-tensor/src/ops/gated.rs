@@ -78,7 +78,7 @@ impl<E: Element> Tensor<E> {
             gate_shape == up_shape,
             "swiglu: the gate {gate_shape:?} and the up projection {up_shape:?} differ in shape"
         );
-        let value = {
+        let value = || {
             let (gate, up) = (self.value(), up.value());
             let (gate, up) = (gate.as_standard_layout(), up.as_standard_layout());
             let (gs, us) = (contiguous(&gate), contiguous(&up));
@@ -95,7 +95,7 @@ impl<E: Element> Tensor<E> {
             ArrayD::from_shape_vec(gate.raw_dim(), out).expect("same count")
         };
         let (gate_saved, up_saved) = (self.clone(), up.clone());
-        Tensor::from_op(value, &[self, up], move |grad| {
+        Tensor::from_op_shaped(&gate_shape, value, &[self, up], move |grad| {
             let (gate, up) = (gate_saved.value(), up_saved.value());
             let (gate, up) = (gate.as_standard_layout(), up.as_standard_layout());
             let (gs, us) = (contiguous(&gate), contiguous(&up));

@@ -111,7 +111,7 @@ impl<E: Element> Tensor<E> {
     ) -> Self {
         match take_given_product::<E>(shape) {
             Some(given) => Tensor::from_op_shared(&given, parents, vjp),
-            None => Tensor::from_op(compute(), parents, vjp),
+            None => Tensor::from_op_shaped(shape, compute, parents, vjp),
         }
     }
 }

@@ -28,8 +28,10 @@ impl<E: Element> Tensor<E> {
             start + len
         );
         let range = Slice::from(start..start + len);
-        let value = self.value().slice_axis(Axis(axis), range).to_owned();
-        Tensor::from_op(value, &[self], move |grad| {
+        let mut out_shape = shape.clone();
+        out_shape[axis] = len;
+        let value = || self.value().slice_axis(Axis(axis), range).to_owned();
+        Tensor::from_op_shaped(&out_shape, value, &[self], move |grad| {
             let mut full = ArrayD::zeros(IxDyn(&shape));
             full.slice_axis_mut(Axis(axis), range).assign(&grad);
             vec![Some(full)]
@@ -68,13 +70,15 @@ impl<E: Element> Tensor<E> {
             agree,
             "concat: cannot join shapes {shapes:?} along axis {axis}"
         );
-        let value = {
+        let mut out_shape = first.clone();
+        out_shape[axis] = shapes.iter().map(|s| s[axis]).sum();
+        let value = || {
             let values: Vec<_> = tensors.iter().map(|t| t.value()).collect();
             let views: Vec<_> = values.iter().map(|v| v.view()).collect();
             ndarray::concatenate(Axis(axis), &views).expect("shapes checked to agree")
         };
         let wanted: Vec<bool> = tensors.iter().map(|t| t.requires_grad()).collect();
-        Tensor::from_op(value, tensors, move |grad| {
+        Tensor::from_op_shaped(&out_shape, value, tensors, move |grad| {
             let mut start = 0;
             shapes
                 .iter()
@@ -113,16 +117,20 @@ impl<E: Element> Tensor<E> {
                 mask.shape()
             )
         });
-        let mut filled = self.to_array();
-        Zip::from(&mut filled)
-            .and(&broadcast)
-            .for_each(|x, &masked| {
-                if masked {
-                    *x = value;
-                }
-            });
-        let mask = mask.clone();
-        Tensor::from_op(filled, &[self], move |mut grad| {
+        let filled = || {
+            let mut filled = self.to_array();
+            Zip::from(&mut filled)
+                .and(&broadcast)
+                .for_each(|x, &masked| {
+                    if masked {
+                        *x = value;
+                    }
+                });
+            filled
+        };
+        let saved_mask = mask.clone();
+        Tensor::from_op_shaped(&shape.clone(), filled, &[self], move |mut grad| {
+            let mask = saved_mask;
             let broadcast = mask.broadcast(IxDyn(&shape)).expect("checked in forward");
             Zip::from(&mut grad).and(&broadcast).for_each(|g, &masked| {
                 if masked {
@@ -159,15 +167,17 @@ impl<E: Element> Tensor<E> {
         if let Some(&bad) = ids.iter().find(|&&id| id >= vocab) {
             panic!("gather_rows: id {bad} out of range for a table of {vocab} rows");
         }
-        let mut value = ArrayD::zeros(IxDyn(&[ids.len(), width]));
-        {
+        let value = || {
+            let mut value = ArrayD::zeros(IxDyn(&[ids.len(), width]));
             let table = self.value();
             for (mut row, &id) in value.outer_iter_mut().zip(ids) {
                 row.assign(&table.index_axis(Axis(0), id));
             }
-        }
-        let ids = ids.to_vec();
-        Tensor::from_op(value, &[self], move |grad| {
+            value
+        };
+        let saved_ids = ids.to_vec();
+        Tensor::from_op_shaped(&[ids.len(), width], value, &[self], move |grad| {
+            let ids = saved_ids;
             let mut table_grad = ArrayD::<E>::zeros(IxDyn(&shape));
             for (row, &id) in grad.outer_iter().zip(&ids) {
                 let mut target = table_grad.index_axis_mut(Axis(0), id);

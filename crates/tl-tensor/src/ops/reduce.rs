@@ -56,8 +56,8 @@ impl<E: Element> Tensor<E> {
     /// The sum of all elements, as a 0-dimensional tensor. d/dx = 1.
     pub fn sum_all(&self) -> Tensor<E> {
         let shape = self.shape();
-        let total = self.value().sum();
-        Tensor::from_op(ArrayD::from_elem(IxDyn(&[]), total), &[self], move |grad| {
+        let total = || ArrayD::from_elem(IxDyn(&[]), self.value().sum());
+        Tensor::from_op_shaped(&[], total, &[self], move |grad| {
             let g = *grad.iter().next().expect("one element");
             vec![Some(ArrayD::from_elem(IxDyn(&shape), g))]
         })
@@ -76,17 +76,29 @@ impl<E: Element> Tensor<E> {
     pub fn sum_axes(&self, axes: &[usize], keep_dims: bool) -> Tensor<E> {
         let shape = self.shape();
         let axes = checked_axes("sum_axes", axes, shape.len());
-        let mut value = self.value().to_owned();
-        for &axis in axes.iter().rev() {
-            value = value.sum_axis(Axis(axis));
-        }
         let kept = kept_shape(&shape, &axes);
-        if keep_dims {
-            value = value
-                .into_shape_with_order(IxDyn(&kept))
-                .expect("same element count");
-        }
-        Tensor::from_op(value, &[self], move |grad| {
+        let out_shape: Vec<usize> = if keep_dims {
+            kept.clone()
+        } else {
+            (0..shape.len())
+                .filter(|a| !axes.contains(a))
+                .map(|a| shape[a])
+                .collect()
+        };
+        let kept_for_value = kept.clone();
+        let value = || {
+            let mut value = self.value().to_owned();
+            for &axis in axes.iter().rev() {
+                value = value.sum_axis(Axis(axis));
+            }
+            if keep_dims {
+                value = value
+                    .into_shape_with_order(IxDyn(&kept_for_value))
+                    .expect("same element count");
+            }
+            value
+        };
+        Tensor::from_op_shaped(&out_shape, value, &[self], move |grad| {
             let grad = grad
                 .into_shape_with_order(IxDyn(&kept))
                 .expect("same element count");
@@ -129,20 +141,36 @@ impl<E: Element> Tensor<E> {
     /// ```
     pub fn max_axis(&self, axis: usize, keep_dims: bool) -> Tensor<E> {
         let shape = self.shape();
-        let (value, argmax) = {
-            let input = self.value();
-            let argmax = argmax_lanes("max_axis", &input, axis);
-            let value = Zip::from(input.lanes(Axis(axis)))
-                .and(&argmax)
-                .map_collect(|lane, &i| lane[i]);
-            (value, argmax)
-        };
-        let value = if keep_dims {
-            value.insert_axis(Axis(axis))
+        assert!(
+            axis < shape.len() && shape[axis] > 0,
+            "max_axis: axis {axis} out of range or empty for shape {shape:?}"
+        );
+        let mut out_shape = shape.clone();
+        if keep_dims {
+            out_shape[axis] = 1;
         } else {
-            value
+            out_shape.remove(axis);
+        }
+        // The lanes' argmax is computed with the value, and kept for the VJP.
+        let (value, argmax) = match crate::meta::computes(&[self]) {
+            true => {
+                let input = self.value();
+                let argmax = argmax_lanes("max_axis", &input, axis);
+                let value = Zip::from(input.lanes(Axis(axis)))
+                    .and(&argmax)
+                    .map_collect(|lane, &i| lane[i]);
+                let value = if keep_dims {
+                    value.insert_axis(Axis(axis))
+                } else {
+                    value
+                };
+                (Some(value), Some(argmax))
+            }
+            false => (None, None),
         };
-        Tensor::from_op(value, &[self], move |grad| {
+        let value = || value.expect("computed for real inputs");
+        Tensor::from_op_shaped(&out_shape, value, &[self], move |grad| {
+            let argmax = argmax.expect("a values VJP runs on real gradients only");
             let grad = grad
                 .into_shape_with_order(argmax.raw_dim())
                 .expect("one gradient per lane");
@@ -167,7 +195,18 @@ impl<E: Element> Tensor<E> {
     /// assert_eq!(logits.argmax_axis(1).as_slice().unwrap(), &[1, 0]);
     /// # Ok::<(), tl_tensor::TensorError>(())
     /// ```
+    ///
+    /// A [meta](crate::meta) tensor's lanes all answer 0.
     pub fn argmax_axis(&self, axis: usize) -> ArrayD<usize> {
+        if self.is_meta() {
+            let mut shape = self.shape();
+            assert!(
+                axis < shape.len() && shape[axis] > 0,
+                "argmax_axis: axis {axis} out of range or empty for shape {shape:?}"
+            );
+            shape.remove(axis);
+            return ArrayD::zeros(IxDyn(&shape));
+        }
         argmax_lanes("argmax_axis", &self.value(), axis)
     }
 }

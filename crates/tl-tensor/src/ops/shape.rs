@@ -17,13 +17,14 @@ impl<E: Element> Tensor<E> {
             shape.iter().product::<usize>(),
             "reshape: cannot view shape {old_shape:?} as {shape:?}"
         );
-        let value = self
-            .value()
-            .as_standard_layout()
-            .into_owned()
-            .into_shape_with_order(IxDyn(shape))
-            .expect("element counts checked");
-        Tensor::from_op(value, &[self], move |grad| {
+        let value = || {
+            self.value()
+                .as_standard_layout()
+                .into_owned()
+                .into_shape_with_order(IxDyn(shape))
+                .expect("element counts checked")
+        };
+        Tensor::from_op_shaped(shape, value, &[self], move |grad| {
             let grad = grad
                 .as_standard_layout()
                 .into_owned()
@@ -48,17 +49,20 @@ impl<E: Element> Tensor<E> {
             valid,
             "permute: {axes:?} is not a permutation of {ndim} axes"
         );
-        let value = self
-            .value()
-            .view()
-            .permuted_axes(IxDyn(axes))
-            .as_standard_layout()
-            .into_owned();
+        let old_shape = self.shape();
+        let out_shape: Vec<usize> = axes.iter().map(|&a| old_shape[a]).collect();
+        let value = || {
+            self.value()
+                .view()
+                .permuted_axes(IxDyn(axes))
+                .as_standard_layout()
+                .into_owned()
+        };
         let mut inverse = vec![0; ndim];
         for (i, &a) in axes.iter().enumerate() {
             inverse[a] = i;
         }
-        Tensor::from_op(value, &[self], move |grad| {
+        Tensor::from_op_shaped(&out_shape, value, &[self], move |grad| {
             let grad = grad
                 .permuted_axes(IxDyn(&inverse))
                 .as_standard_layout()

@@ -36,14 +36,17 @@ impl<E: Element> Tensor<E> {
     /// ```
     pub fn softmax(&self, axis: usize) -> Tensor<E> {
         check_axis("softmax", axis, &self.shape());
-        let mut value = self.to_array();
-        for mut lane in value.lanes_mut(Axis(axis)) {
-            let max = lane_max(&lane);
-            lane.mapv_inplace(|x| (x - max).exp());
-            let sum = lane.sum();
-            lane.mapv_inplace(|e| e / sum);
-        }
-        Tensor::from_op_saving_output(value, &[self], move |mut grad, output| {
+        let value = || {
+            let mut value = self.to_array();
+            for mut lane in value.lanes_mut(Axis(axis)) {
+                let max = lane_max(&lane);
+                lane.mapv_inplace(|x| (x - max).exp());
+                let sum = lane.sum();
+                lane.mapv_inplace(|e| e / sum);
+            }
+            value
+        };
+        Tensor::from_op_saving_output(&self.shape(), value, &[self], move |mut grad, output| {
             Zip::from(grad.lanes_mut(Axis(axis)))
                 .and(output.lanes(Axis(axis)))
                 .for_each(|mut grad_lane, y_lane| {
@@ -73,13 +76,16 @@ impl<E: Element> Tensor<E> {
     /// ```
     pub fn log_softmax(&self, axis: usize) -> Tensor<E> {
         check_axis("log_softmax", axis, &self.shape());
-        let mut value = self.to_array();
-        for mut lane in value.lanes_mut(Axis(axis)) {
-            let max = lane_max(&lane);
-            let log_sum = lane.iter().map(|&x| (x - max).exp()).sum::<E>().ln();
-            lane.mapv_inplace(|x| x - max - log_sum);
-        }
-        Tensor::from_op_saving_output(value, &[self], move |mut grad, output| {
+        let value = || {
+            let mut value = self.to_array();
+            for mut lane in value.lanes_mut(Axis(axis)) {
+                let max = lane_max(&lane);
+                let log_sum = lane.iter().map(|&x| (x - max).exp()).sum::<E>().ln();
+                lane.mapv_inplace(|x| x - max - log_sum);
+            }
+            value
+        };
+        Tensor::from_op_saving_output(&self.shape(), value, &[self], move |mut grad, output| {
             Zip::from(grad.lanes_mut(Axis(axis)))
                 .and(output.lanes(Axis(axis)))
                 .for_each(|mut grad_lane, y_lane| {

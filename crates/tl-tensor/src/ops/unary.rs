@@ -44,7 +44,8 @@ fn in_f64<E: Element>(f: impl Fn(f64) -> f64 + Send + Sync) -> impl Fn(E) -> E +
 
 impl<E: Element> Tensor<E> {
     /// Records an op whose VJP needs the op's own output: `vjp(grad_out, output)` returns one
-    /// gradient per parent, as for [`Tensor::from_op`].
+    /// gradient per parent, as for [`Tensor::from_op`]. The output is `compute()`, of shape
+    /// `shape`, as for [`Tensor::from_op_shaped`].
     ///
     /// The VJP sees the output through a handle that shares its storage and sits outside the
     /// graph: no copy, and no reference cycle from the output's node back to itself. Fused
@@ -54,20 +55,22 @@ impl<E: Element> Tensor<E> {
     /// use tl_tensor::Tensor;
     /// // y = x², written through its output: dy/dx = 2x = 2·sqrt(y) for x ≥ 0.
     /// let x = Tensor::<f64>::param(ndarray::arr1(&[3.0]).into_dyn());
-    /// let y = Tensor::from_op_saving_output(x.value().mapv(|v| v * v), &[&x], |grad, y| {
+    /// let square = || x.value().mapv(|v| v * v);
+    /// let y = Tensor::from_op_saving_output(&[1], square, &[&x], |grad, y| {
     ///     vec![Some(grad * &y.mapv(|v| 2.0 * v.sqrt()))]
     /// });
     /// y.sum_all().backward();
     /// assert_eq!(x.grad().unwrap()[[0]], 6.0);
     /// ```
     pub fn from_op_saving_output(
-        value: ArrayD<E>,
+        shape: &[usize],
+        compute: impl FnOnce() -> ArrayD<E>,
         parents: &[&Tensor<E>],
         vjp: impl FnOnce(ArrayD<E>, &ArrayD<E>) -> Vec<Option<ArrayD<E>>> + 'static,
     ) -> Tensor<E> {
         let slot: Rc<OnceCell<Tensor<E>>> = Rc::new(OnceCell::new());
         let saved = Rc::clone(&slot);
-        let output = Tensor::from_op(value, parents, move |grad_out| {
+        let output = Tensor::from_op_shaped(shape, compute, parents, move |grad_out| {
             let output = saved
                 .get()
                 .expect("the output is saved as soon as it is made");
@@ -97,8 +100,8 @@ impl<E: Element> Tensor<E> {
         f: impl Fn(E) -> E + Send + Sync,
         df_of_output: impl Fn(E) -> E + Send + Sync + 'static,
     ) -> Tensor<E> {
-        let value = map_elementwise(&self.value(), f);
-        Tensor::from_op_saving_output(value, &[self], move |mut grad, output| {
+        let value = || map_elementwise(&self.value(), f);
+        Tensor::from_op_saving_output(&self.shape(), value, &[self], move |mut grad, output| {
             scale_elementwise(&mut grad, output, df_of_output);
             vec![Some(grad)]
         })

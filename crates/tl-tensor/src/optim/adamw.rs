@@ -359,15 +359,24 @@ impl<E: Element> Optimizer<E> for AdamW<E> {
     fn step(&mut self) {
         let mut states = std::mem::take(&mut self.states);
         for (parameter, state) in self.parameters.iter().zip(&mut states) {
+            // A meta step makes the moments as a real one does, and updates nothing.
+            let meta = parameter.is_meta() || parameter.grad_is_meta();
+            let shape = parameter.shape();
+            let moment = || match meta {
+                true => Tensor::meta(&shape),
+                false => Tensor::zeros(&shape),
+            };
             parameter.with_grad(|grad| {
                 let Some(grad) = grad else { return };
                 let moments = state.get_or_insert_with(|| Moments {
                     step: 0,
-                    exp_avg: Tensor::zeros(grad.shape()),
-                    exp_avg_sq: Tensor::zeros(grad.shape()),
+                    exp_avg: moment(),
+                    exp_avg_sq: moment(),
                 });
                 moments.step += 1;
-                self.update(parameter, grad, moments);
+                if !meta && !moments.exp_avg.is_meta() {
+                    self.update(parameter, grad, moments);
+                }
             });
         }
         self.states = states;

@@ -164,6 +164,13 @@ impl<E: Element> Optimizer<E> for Sgd<E> {
         let momentum = E::from_f64(self.momentum);
         let weight_decay = E::from_f64(self.weight_decay);
         for (parameter, buffer) in self.parameters.iter().zip(&mut self.buffers) {
+            if parameter.is_meta() || parameter.grad_is_meta() {
+                // A meta step: the momentum buffer is made as a real step makes it.
+                if parameter.grad().is_some() && self.momentum != 0.0 && buffer.is_none() {
+                    *buffer = Some(Tensor::meta(&parameter.shape()));
+                }
+                continue;
+            }
             let Some(mut direction) = parameter.grad() else {
                 continue;
             };
