@@ -39,8 +39,8 @@ thread_local! {
 /// assert_eq!(x.grad().unwrap().as_slice().unwrap(), &[1.0078125, 1.0078125]);
 /// ```
 pub fn cast<E: Element>(x: &Tensor<E>, format: Format) -> Tensor<E> {
-    let value = rounded_copy(&x.value(), format);
-    Tensor::from_op(value, &[x], cast_vjp(format))
+    let value = || rounded_copy(&x.value(), format);
+    Tensor::from_op_shaped(&x.shape(), value, &[x], cast_vjp(format))
 }
 
 /// [`cast`] of a tensor that the caller is done with (a product it has just computed):

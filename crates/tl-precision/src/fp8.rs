@@ -349,18 +349,22 @@ pub fn fp8_matmul<E: Element>(
         let scales = &state.layers[layer];
         (scales.input.scale, scales.weight.scale)
     };
-    let xq = cast_scaled(
-        &x.value(),
-        s_x,
-        Format::E4M3,
-        record.then_some((state, layer, Role::Input)),
-    );
-    let wq = cast_scaled(
-        &w.value(),
-        s_w,
-        Format::E4M3,
-        record.then_some((state, layer, Role::Weight)),
-    );
+    // The fp8 copies of the operands, made (and their amaxes recorded) for values only.
+    let quantized = tl_tensor::meta::computes(&[x, w]).then(|| {
+        let xq = cast_scaled(
+            &x.value(),
+            s_x,
+            Format::E4M3,
+            record.then_some((state, layer, Role::Input)),
+        );
+        let wq = cast_scaled(
+            &w.value(),
+            s_w,
+            Format::E4M3,
+            record.then_some((state, layer, Role::Weight)),
+        );
+        (Rc::new(xq), Rc::new(wq))
+    });
     let unscale = |product: ArrayD<E>, a: f32, b: f32| {
         let inverse = E::from_f32(1.0 / a) * E::from_f32(1.0 / b);
         product.mapv(|v| v * inverse)
@@ -369,10 +373,10 @@ pub fn fp8_matmul<E: Element>(
     out_shape.push(n);
     // The fp8 copies stay for the VJP; a checkpoint's rerun that kept this product's
     // output gives it back (tl-tensor's `with_given_product`), and it is not computed again.
-    let (xq, wq) = (Rc::new(xq), Rc::new(wq));
     let forward = {
-        let (xq, wq, out_shape) = (Rc::clone(&xq), Rc::clone(&wq), out_shape.clone());
+        let (quantized, out_shape) = (quantized.clone(), out_shape.clone());
         move || {
+            let (xq, wq) = quantized.expect("computed for real operands");
             let forward = gemm(as2(&xq, rows, k), as2(&wq, k, n)).into_dyn();
             unscale(forward, s_x, s_w)
                 .into_shape_with_order(IxDyn(&out_shape))
@@ -381,6 +385,7 @@ pub fn fp8_matmul<E: Element>(
     };
     let (x_in, w_in, state) = (x.clone(), w.clone(), Rc::clone(state));
     Tensor::from_product(&out_shape, forward, &[x, w], move |grad| {
+        let (xq, wq) = quantized.expect("a values VJP runs on real gradients only");
         // Each VJP runs once per step (a checkpoint's rerun builds the nodes that backward
         // then runs), so the gradient's cast always records.
         let s_g = state.borrow().layers[layer].grad.scale;

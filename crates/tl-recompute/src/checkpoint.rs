@@ -1,7 +1,6 @@
 //! [`checkpoint`]: one graph node that stands for a whole segment and reruns it during
 //! backward instead of keeping its activations.
 
-use tl_tensor::ndarray::ArrayD;
 use tl_tensor::{
     Element, Generator, GeneratorState, ModeSnapshot, Tensor, enable_grad, is_grad_enabled, no_grad,
 };
@@ -139,16 +138,23 @@ where
         (output, recording.finish())
     };
     let fingerprint = options.verify.then(|| Fingerprint::of(&forward_output));
-    // A copy: `from_op` owns its value. The segment's own output dies with this scope.
-    let value = forward_output.to_array();
+    // A copy, made before the segment's own output dies with this scope (a meta copy of a
+    // meta output); the node's output is counted from then on.
+    let shape = forward_output.shape();
+    let value = (!forward_output.is_meta()).then(|| forward_output.to_array());
     drop(forward_output);
+    let value = match value {
+        Some(value) => Tensor::from_array(value),
+        None => Tensor::meta(&shape),
+    };
 
     let parents: Vec<&Tensor<E>> = inputs.iter().chain(params).collect();
     let n_parents = parents.len();
     let inputs = inputs.to_vec();
     let rngs = rngs.to_vec();
     let segment = options.segment.clone();
-    Tensor::from_op(value, &parents, move |grad_out| {
+    // A backward over tensors: the rerun and its sweep happen in a meta run as in a real one.
+    Tensor::from_op_tensors(&value, &parents, move |grad_out| {
         let reached = rng_states(&rngs);
         set_rng_states(&rngs, &recorded);
         let leaves: Vec<Tensor<E>> = inputs.iter().map(rerun_copy).collect();
@@ -168,12 +174,12 @@ where
             // not even match `grad_out`): report it and pass nothing on.
             Err(error) => report(error),
             // An `f` that ignores everything that requires grad has nothing to backpropagate.
-            Ok(()) if rerun_output.requires_grad() => rerun_output.backward_with(grad_out),
+            Ok(()) if rerun_output.requires_grad() => rerun_output.backward_from(&grad_out),
             Ok(()) => {}
         }
         // One leaf per position: an input passed twice has two leaves, each holding the
-        // gradient of its own use; the outer backward adds the two.
-        let mut grads: Vec<Option<ArrayD<E>>> = leaves.iter().map(Tensor::grad).collect();
+        // gradient of its own use; the outer backward adds the two. Taken, not copied.
+        let mut grads: Vec<Option<Tensor<E>>> = leaves.iter().map(Tensor::take_grad).collect();
         // The parameters' gradients went straight into their `.grad` during the rerun.
         grads.resize(n_parents, None);
         grads

@@ -389,7 +389,10 @@ fn values_dependent_reads_have_their_meta_answers() {
     assert_eq!(loss.item(), 0.0, "item of a meta scalar is zero");
     loss.backward();
     assert!(w.grad_is_meta());
-    assert_eq!(clip_grad_norm(std::slice::from_ref(&w), 1.0).expect("a valid max"), 0.0);
+    assert_eq!(
+        clip_grad_norm(std::slice::from_ref(&w), 1.0).expect("a valid max"),
+        0.0
+    );
     assert_eq!(w.argmax_axis(1).shape(), &[3]);
     assert!(tl_tensor::kernels::finite::all_finite(
         w.grad()

@@ -52,6 +52,23 @@ impl Corpus {
         }
     }
 
+    /// Zero bytes standing in for data where only the batches' shapes matter (a plan's meta
+    /// run): room for one window of `context` bytes and its targets in each split.
+    ///
+    /// ```
+    /// use tl_train::data::Corpus;
+    /// let corpus = Corpus::stand_in(8);
+    /// assert_eq!((corpus.train.len(), corpus.validation.len()), (9, 9));
+    /// ```
+    pub fn stand_in(context: usize) -> Corpus {
+        Corpus {
+            source: "a stand-in of zero bytes".into(),
+            train: vec![0; context + 1],
+            validation: vec![0; context + 1],
+            entropy_nats_per_byte: None,
+        }
+    }
+
     /// The bytes of a UTF-8 text file, for a model with a context of `context` bytes.
     ///
     /// # Errors

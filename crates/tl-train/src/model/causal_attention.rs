@@ -95,6 +95,11 @@ pub fn causal_attention<E: Element>(
     // The most expensive part of a block's forward pass for one `[B, T, d]` result: a
     // checkpointed block whose policy names it keeps it rather than computing it again.
     let (output, row_stats) = keep_named(ATTENTION, || {
+        if !tl_tensor::meta::computes(&[q, k, v]) {
+            // No values: a result of its shape, and no row statistics (kept off the meter
+            // in a real run too).
+            return (Tensor::meta(&shape), Rc::new(Vec::new()));
+        }
         let (value, row_stats) = with_rounding(format, products.as_ref(), |rounding| {
             kernel.forward(&q.value(), &k.value(), &v.value(), rounding)
         });

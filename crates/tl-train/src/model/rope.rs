@@ -75,9 +75,9 @@ impl<E: Element> Rope<E> {
              got {shape:?}",
             self.context,
         );
-        let value = self.rotate(&x.value(), false);
+        let value = || self.rotate(&x.value(), false);
         let tables = std::rc::Rc::clone(self);
-        Tensor::from_op(value, &[x], move |grad_out| {
+        Tensor::from_op_shaped(&shape, value, &[x], move |grad_out| {
             vec![Some(tables.rotate(&grad_out, true))]
         })
     }

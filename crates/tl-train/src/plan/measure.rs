@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
+use tl_collective::Single;
 use tl_tensor::memory;
 
 use crate::error::{Result, TrainError};
@@ -54,9 +55,27 @@ pub fn measure_steps(config: &TrainConfig) -> Result<Measurement> {
     outcome
 }
 
+/// [`measure_steps`] on a [meta](tl_tensor::meta) trainer ([`Trainer::meta_on`]): the same
+/// steps of the same code, counted by the same meter, with shapes and no values. Instant at
+/// any size, and equal to the real figures byte for byte.
+///
+/// # Errors
+/// Those of [`Trainer::meta_on`] and [`Trainer::train_step`].
+pub fn measure_meta_steps(config: &TrainConfig) -> Result<Measurement> {
+    let _meta = tl_tensor::meta_mode();
+    let base = memory::live_bytes();
+    let trainer = Trainer::meta_on(config.clone(), Box::new(Single::new()))?;
+    measure_trainer(trainer, base)
+}
+
 fn measure_in(config: &TrainConfig, run_dir: &std::path::Path) -> Result<Measurement> {
     let base = memory::live_bytes();
-    let mut trainer = Trainer::new(config.clone(), run_dir)?;
+    let trainer = Trainer::new(config.clone(), run_dir)?;
+    measure_trainer(trainer, base)
+}
+
+/// Steps `trainer` (made when `base` bytes were live) as [`measure_steps`] describes.
+fn measure_trainer(mut trainer: Trainer, base: usize) -> Result<Measurement> {
     memory::reset_peak();
     let mut taken = !skipped(&trainer.train_step()?);
     let first_step_peak_bytes = (memory::peak_bytes() - base) as u64;

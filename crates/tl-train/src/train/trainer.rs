@@ -242,6 +242,29 @@ impl Trainer {
         Self::assemble(run_dir, parts, ddp)
     }
 
+    /// A trainer of `config` whose tensors are [meta](tl_tensor::meta) — shapes, no values —
+    /// as rank `comm.rank()` of `comm`'s ranks: what `tinyllm plan` and the pre-flight memory
+    /// check run, under [`tl_tensor::meta_mode`], with a phantom communicator for a world of
+    /// many ranks. Its [`train_step`](Self::train_step) is the real step, allocating and
+    /// freeing what a real one does, with no arithmetic. Nothing is read or written on disk
+    /// (no run directory, no metrics), the data is a stand-in of the right length, and the
+    /// memory check is not made (this is what it runs).
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidArgument`]/[`TrainError::InvalidConfig`] for the config, and what
+    /// [`Trainer::new_on`] reports of the parallel setup.
+    pub fn meta_on(mut config: TrainConfig, comm: Box<dyn Communicator>) -> Result<Self> {
+        let _meta = tl_tensor::meta_mode();
+        let ddp = DataParallel::new(comm);
+        config.parallel.ranks = ddp.world_size();
+        config.validate()?;
+        let corpus = Corpus::stand_in(config.model.context);
+        let model = Llama::new(&config.model, config.seed)?;
+        let optimizer = new_optimizer(&model, &config)?;
+        let parts = RunParts::fresh(config, None, corpus, model, optimizer);
+        Self::assemble(Path::new(""), parts, ddp)
+    }
+
     /// The trainer of `parts` in `run_dir` (locked by rank 0), on `ddp`'s ranks.
     fn assemble(run_dir: &Path, parts: RunParts, ddp: DataParallel) -> Result<Self> {
         let RunParts {
