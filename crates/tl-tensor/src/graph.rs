@@ -12,7 +12,7 @@ use std::rc::Rc;
 
 use ndarray::{ArrayD, Zip};
 
-use crate::memory;
+use crate::memory::{self, Kind, Tag};
 use crate::storage::Buffer;
 use crate::{Element, Tensor};
 
@@ -41,6 +41,8 @@ pub(crate) enum NodeKind<E: Element> {
     Leaf {
         grad: RefCell<Option<Buffer<E>>>,
         hook: RefCell<Option<GradReadyHook>>,
+        /// The model's unit that owns the parameter, for its gradient's tag.
+        owner: Option<usize>,
     },
     /// The output of an op; `None` once backward has consumed it.
     Op(RefCell<Option<OpRecord<E>>>),
@@ -49,6 +51,8 @@ pub(crate) enum NodeKind<E: Element> {
 pub(crate) struct OpRecord<E: Element> {
     pub(crate) parents: Vec<Option<Rc<GradNode<E>>>>,
     pub(crate) vjp: Backward<E>,
+    /// The meter's tag scope the op ran in: its backward runs in it too.
+    pub(crate) scope: Tag,
 }
 
 /// How an op's backward is computed.
@@ -68,14 +72,29 @@ enum Returned<E: Element> {
 }
 
 impl<E: Element> GradNode<E> {
+    /// A leaf owned by the meter's current owner.
     pub(crate) fn leaf(shape: Vec<usize>) -> Rc<Self> {
         Rc::new(Self {
             shape,
             kind: NodeKind::Leaf {
                 grad: RefCell::new(None),
                 hook: RefCell::new(None),
+                owner: memory::current_tag().owner,
             },
         })
+    }
+
+    /// The tag of this leaf's accumulated gradient.
+    pub(crate) fn gradient_tag(&self) -> Tag {
+        let owner = match &self.kind {
+            NodeKind::Leaf { owner, .. } => *owner,
+            NodeKind::Op(_) => None,
+        };
+        Tag {
+            kind: Kind::Gradients,
+            owner,
+            label: "",
+        }
     }
 
     pub(crate) fn op(shape: Vec<usize>, record: OpRecord<E>) -> Rc<Self> {
@@ -99,7 +118,7 @@ impl<E: Element> Drop for GradNode<E> {
             return;
         };
         let mut worklist: Vec<OpRecord<E>> = record.get_mut().take().into_iter().collect();
-        while let Some(OpRecord { parents, vjp }) = worklist.pop() {
+        while let Some(OpRecord { parents, vjp, .. }) = worklist.pop() {
             // The VJP's saved tensors point at these same parents: dropping it while the
             // parents are still held here only decrements their counts.
             drop(vjp);
@@ -178,6 +197,7 @@ fn finish_leaf<E: Element>(node: &GradNode<E>, grad: Buffer<E>) {
     let NodeKind::Leaf {
         grad: leaf_grad,
         hook,
+        ..
     } = &node.kind
     else {
         unreachable!("only leaves accumulate");
@@ -186,7 +206,11 @@ fn finish_leaf<E: Element>(node: &GradNode<E>, grad: Buffer<E>) {
         let mut slot = leaf_grad.borrow_mut();
         match slot.as_mut() {
             Some(acc) => add_into(acc, values_of(&grad)),
-            None => *slot = Some(grad),
+            None => {
+                let mut grad = grad;
+                grad.set_tag(node.gradient_tag());
+                *slot = Some(grad);
+            }
         }
     }
     // Cloned out first: the hook may replace itself or read the gradient.
@@ -270,7 +294,14 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: Buffer<E>) 
                     .borrow_mut()
                     .take()
                     .expect("backward through a graph that a previous backward already freed");
-                let OpRecord { parents, vjp } = record;
+                let OpRecord {
+                    parents,
+                    vjp,
+                    scope,
+                } = record;
+                // The op's backward, and the gradients it makes, belong where its forward ran.
+                let _scope = memory::tag_scope(scope);
+                let flight = in_flight();
                 let (parent_grads, incoming) = run_vjp(vjp, grad, &parents);
                 assert_eq!(
                     parent_grads.len(),
@@ -290,18 +321,20 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: Buffer<E>) 
                             }
                             (Returned::Values(values), None) => {
                                 check_shape(values.shape(), parent);
-                                pending.insert(parent.key(), Buffer::new(values));
+                                pending.insert(parent.key(), Buffer::new_tagged(values, flight));
                             }
                             (Returned::Meta, Some(acc)) => add_into(acc, None),
                             (Returned::Meta, None) => {
-                                pending.insert(parent.key(), Buffer::meta(&parent.shape));
+                                let meta = Buffer::meta_tagged(&parent.shape, flight);
+                                pending.insert(parent.key(), meta);
                             }
                             (Returned::Buffer(buffer), Some(acc)) => {
                                 check_shape(buffer.shape(), parent);
                                 add_into(acc, values_of(&buffer));
                             }
-                            (Returned::Buffer(buffer), None) => {
+                            (Returned::Buffer(mut buffer), None) => {
                                 check_shape(buffer.shape(), parent);
+                                buffer.set_tag(flight);
                                 pending.insert(parent.key(), buffer);
                             }
                         }
@@ -325,6 +358,15 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: Buffer<E>) 
     }
 }
 
+/// The tag of a gradient a sweep carries, made in the current scope.
+pub(crate) fn in_flight() -> Tag {
+    Tag {
+        kind: Kind::GradientsInFlight,
+        label: "",
+        ..memory::current_tag()
+    }
+}
+
 /// What a VJP returned for a parent must have the parent's shape.
 fn check_shape<E: Element>(shape: &[usize], parent: &GradNode<E>) {
     assert_eq!(
@@ -339,11 +381,12 @@ fn check_shape<E: Element>(shape: &[usize], parent: &GradNode<E>) {
 /// meter when dropped.
 struct Incoming {
     bytes: usize,
+    tag: Tag,
 }
 
 impl Drop for Incoming {
     fn drop(&mut self) {
-        memory::on_free(self.bytes);
+        memory::on_free_tagged(self.bytes, self.tag);
     }
 }
 
@@ -360,10 +403,10 @@ fn run_vjp<E: Element>(
         Backward::Values(vjp) => {
             // The values leave the buffer (which counts them off) and are counted again
             // until the results are placed: the same events for a meta gradient.
-            let bytes = grad.bytes();
+            let (bytes, tag) = (grad.bytes(), grad.tag());
             let values = (!grad.is_meta()).then(|| grad.into_array());
-            memory::on_alloc(bytes);
-            let incoming = Incoming { bytes };
+            memory::on_alloc_tagged(bytes, tag);
+            let incoming = Incoming { bytes, tag };
             let returned = match values {
                 Some(values) => vjp(values)
                     .into_iter()

@@ -4,33 +4,160 @@
 //! The meter is per thread. A [`Tensor`](crate::Tensor) never leaves the thread that made it,
 //! so every allocation and free of its storage is seen by the same thread's meter, and tests
 //! running in parallel threads do not disturb each other's figures.
+//!
+//! # Tags
+//!
+//! Every allocation carries a [`Tag`]: what [`Kind`] of storage it is, which unit of the
+//! model owns it, and a label naming its role. The [recorded](record) events carry the tags,
+//! so a timeline says not only how many bytes are live but whose and what they are (the
+//! plan's tables are sums of tags). The tags come from scope guards set where the knowledge
+//! lives — [`owner_scope`] by the model's unit hook, [`kind_scope`] by an optimizer or by
+//! data parallelism's buffers, [`label_scope`] by the layer that makes an activation — and
+//! from the engine itself for what only it knows: a parameter's storage is
+//! [`Kind::Weights`], a gradient is [`Kind::GradientsInFlight`] while a backward sweep
+//! carries it and [`Kind::Gradients`] once it lands in a leaf's `.grad` (a
+//! [`EventKind::Retag`] event), and every op's backward runs in the owner and label scope
+//! its forward ran in.
+//!
+//! ```
+//! use tl_tensor::{Tensor, memory::{self, Kind, EventKind}};
+//! let ((), events) = memory::record(|| {
+//!     let w = {
+//!         let _block = memory::owner_scope(Some(3));
+//!         Tensor::<f32>::param(tl_tensor::ndarray::ArrayD::ones(vec![4]))
+//!     };
+//!     let y = {
+//!         let _label = memory::label_scope("norm outputs");
+//!         w.mul_scalar(2.0)
+//!     };
+//!     y.sum_all().backward();
+//! });
+//! let tags: Vec<_> = events.iter().map(|e| (e.kind, e.tag.kind, e.tag.owner, e.tag.label)).collect();
+//! assert_eq!(tags[0], (EventKind::Alloc, Kind::Weights, Some(3), ""));
+//! assert_eq!(tags[1], (EventKind::Alloc, Kind::Activations, None, "norm outputs"));
+//! // The gradient of w lands in its `.grad`: retagged, owned by w's unit.
+//! let landed = events.iter().find(|e| e.kind == EventKind::Retag).unwrap();
+//! assert_eq!((landed.tag.kind, landed.tag.owner, landed.bytes), (Kind::Gradients, Some(3), 16));
+//! ```
 
 use std::cell::{Cell, RefCell};
 
-/// Whether an [`Event`] is an allocation or a free.
+/// What a piece of storage is for: the first axis of a [`Tag`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    /// Parameters' values (made by [`Tensor::param`](crate::Tensor::param) and its kin).
+    Weights,
+    /// Gradients accumulated in leaves' `.grad`.
+    Gradients,
+    /// Gradients a backward sweep is carrying, not yet in a leaf (or never: an
+    /// intermediate's).
+    GradientsInFlight,
+    /// An optimizer's state (AdamW's moments, a sharded optimizer's master copy).
+    OptimizerState,
+    /// Results of ops: what a forward pass makes, saved for backward or not. The default.
+    #[default]
+    Activations,
+    /// Buffers that data parallelism sends and receives through.
+    Communication,
+    /// Anything else a step makes and drops at once.
+    Temporaries,
+}
+
+/// Whose and what a piece of storage is: see the [module docs](self).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Tag {
+    /// What it is for.
+    pub kind: Kind,
+    /// The model's unit that owns it (as the model's unit hook numbers its units), if any.
+    pub owner: Option<usize>,
+    /// The role the code that made it gave it (`"norm outputs"`, say); empty without one.
+    pub label: &'static str,
+}
+
+/// Whether an [`Event`] is an allocation, a free, or a change of tag.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventKind {
     /// Storage was allocated.
     Alloc,
     /// Storage was freed.
     Free,
+    /// Live storage changed its tag (a gradient landing in a leaf); no bytes moved.
+    Retag,
 }
 
 /// One allocation or free seen by the meter, for timelines (see [`record`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Event {
-    /// Allocation or free.
+    /// Allocation, free or change of tag.
     pub kind: EventKind,
-    /// Bytes allocated or freed.
+    /// Bytes allocated, freed or retagged.
     pub bytes: usize,
     /// Live bytes right after the event.
     pub live_after: usize,
+    /// The storage's tag (for a retag, its new one).
+    pub tag: Tag,
+    /// For a retag, the tag the storage had before.
+    pub previous: Option<Tag>,
 }
 
 thread_local! {
     static LIVE: Cell<usize> = const { Cell::new(0) };
     static PEAK: Cell<usize> = const { Cell::new(0) };
     static RECORDING: RefCell<Option<Vec<Event>>> = const { RefCell::new(None) };
+    static SCOPE: Cell<Tag> = const {
+        Cell::new(Tag { kind: Kind::Activations, owner: None, label: "" })
+    };
+}
+
+/// The tag an allocation made now gets: the innermost scopes' kind, owner and label.
+pub fn current_tag() -> Tag {
+    SCOPE.with(Cell::get)
+}
+
+/// Restores the tag scope in force when it was made, when dropped.
+#[must_use = "the scope ends as soon as the guard is dropped"]
+pub struct TagScope {
+    previous: Tag,
+}
+
+impl Drop for TagScope {
+    fn drop(&mut self) {
+        SCOPE.with(|scope| scope.set(self.previous));
+    }
+}
+
+/// Sets the whole tag of allocations made on this thread until the guard drops.
+pub fn tag_scope(tag: Tag) -> TagScope {
+    TagScope {
+        previous: SCOPE.with(|scope| scope.replace(tag)),
+    }
+}
+
+/// Tags allocations made on this thread until the guard drops as `kind` (owner and label
+/// as they are).
+pub fn kind_scope(kind: Kind) -> TagScope {
+    tag_scope(Tag {
+        kind,
+        ..current_tag()
+    })
+}
+
+/// Tags allocations made on this thread until the guard drops as owned by the model's unit
+/// `owner` (kind and label as they are).
+pub fn owner_scope(owner: Option<usize>) -> TagScope {
+    tag_scope(Tag {
+        owner,
+        ..current_tag()
+    })
+}
+
+/// Labels allocations made on this thread until the guard drops with `label` (kind and
+/// owner as they are).
+pub fn label_scope(label: &'static str) -> TagScope {
+    tag_scope(Tag {
+        label,
+        ..current_tag()
+    })
 }
 
 /// Bytes of tensor storage alive on this thread now.
@@ -68,7 +195,7 @@ pub fn record<T>(f: impl FnOnce() -> T) -> (T, Vec<Event>) {
     (out, events)
 }
 
-fn note(kind: EventKind, bytes: usize, live_after: usize) {
+fn note(kind: EventKind, bytes: usize, live_after: usize, tag: Tag, previous: Option<Tag>) {
     RECORDING.with(|r| {
         if let Ok(mut guard) = r.try_borrow_mut()
             && let Some(events) = guard.as_mut()
@@ -77,15 +204,37 @@ fn note(kind: EventKind, bytes: usize, live_after: usize) {
                 kind,
                 bytes,
                 live_after,
+                tag,
+                previous,
             });
         }
     });
 }
 
 /// Counts `bytes` of storage that is not a tensor's but belongs to this thread's figures (a
-/// communication buffer of data parallelism, say), as allocated now. Pair every call with an
-/// [`on_free`] of the same bytes when the storage goes, or the meter drifts.
+/// communication buffer of data parallelism, say), as allocated now, with the
+/// [current tag](current_tag). Pair every call with an [`on_free`] of the same bytes when the
+/// storage goes, or the meter drifts.
 pub fn on_alloc(bytes: usize) {
+    on_alloc_tagged(bytes, current_tag());
+}
+
+/// Counts `bytes` counted by [`on_alloc`] as freed now (with the [current tag](current_tag):
+/// see [`on_free_tagged`] to name the tag it was allocated with).
+pub fn on_free(bytes: usize) {
+    on_free_tagged(bytes, current_tag());
+}
+
+/// Records that `bytes` of live storage tagged `previous` are tagged `tag` from now on.
+pub fn on_retag(bytes: usize, previous: Tag, tag: Tag) {
+    if bytes == 0 || previous == tag {
+        return;
+    }
+    note(EventKind::Retag, bytes, live_bytes(), tag, Some(previous));
+}
+
+/// [`on_alloc`] with the storage's tag given.
+pub fn on_alloc_tagged(bytes: usize, tag: Tag) {
     if bytes == 0 {
         return;
     }
@@ -95,11 +244,11 @@ pub fn on_alloc(bytes: usize) {
         now
     });
     PEAK.with(|peak| peak.set(peak.get().max(live)));
-    note(EventKind::Alloc, bytes, live);
+    note(EventKind::Alloc, bytes, live, tag, None);
 }
 
-/// Counts `bytes` counted by [`on_alloc`] as freed now.
-pub fn on_free(bytes: usize) {
+/// [`on_free`] of storage allocated with `tag`.
+pub fn on_free_tagged(bytes: usize, tag: Tag) {
     if bytes == 0 {
         return;
     }
@@ -108,7 +257,7 @@ pub fn on_free(bytes: usize) {
         live.set(now);
         now
     });
-    note(EventKind::Free, bytes, live);
+    note(EventKind::Free, bytes, live, tag, None);
 }
 
 #[cfg(test)]

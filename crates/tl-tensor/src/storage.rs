@@ -5,7 +5,7 @@
 use ndarray::ArrayD;
 
 use crate::Element;
-use crate::memory;
+use crate::memory::{self, Tag};
 
 /// An array of tensor data, counted by the memory meter while it lives.
 ///
@@ -20,33 +20,59 @@ pub(crate) struct Buffer<E: Element> {
     released: Option<Vec<usize>>,
     /// The shape of a meta buffer, which never holds values (see [`Buffer::meta`]).
     meta: Option<Vec<usize>>,
+    /// Whose and what the storage is, on the meter.
+    tag: Tag,
 }
 
 impl<E: Element> Buffer<E> {
+    /// A buffer holding `array`, with the meter's [current tag](memory::current_tag).
     pub(crate) fn new(array: ArrayD<E>) -> Self {
+        Self::new_tagged(array, memory::current_tag())
+    }
+
+    /// A buffer holding `array`, tagged `tag` on the meter.
+    pub(crate) fn new_tagged(array: ArrayD<E>, tag: Tag) -> Self {
         let bytes = array.len() * std::mem::size_of::<E>();
-        memory::on_alloc(bytes);
+        memory::on_alloc_tagged(bytes, tag);
         Self {
             array,
             bytes,
             version: 0,
             released: None,
             meta: None,
+            tag,
         }
     }
 
     /// A buffer with a shape and no values, counted on the meter as if it held
-    /// `shape`'s elements.
+    /// `shape`'s elements, with the meter's [current tag](memory::current_tag).
     pub(crate) fn meta(shape: &[usize]) -> Self {
+        Self::meta_tagged(shape, memory::current_tag())
+    }
+
+    /// [`Buffer::meta`] tagged `tag`.
+    pub(crate) fn meta_tagged(shape: &[usize], tag: Tag) -> Self {
         let bytes = shape.iter().product::<usize>() * std::mem::size_of::<E>();
-        memory::on_alloc(bytes);
+        memory::on_alloc_tagged(bytes, tag);
         Self {
             array: ArrayD::zeros(ndarray::IxDyn(&[0])),
             bytes,
             version: 0,
             released: None,
             meta: Some(shape.to_vec()),
+            tag,
         }
+    }
+
+    /// The storage's tag on the meter.
+    pub(crate) fn tag(&self) -> Tag {
+        self.tag
+    }
+
+    /// Tags the storage `tag` from now on (a retag event on the meter).
+    pub(crate) fn set_tag(&mut self, tag: Tag) {
+        memory::on_retag(self.bytes, self.tag, tag);
+        self.tag = tag;
     }
 
     /// The shape of the values, or the shape they had while they are released, or a meta
@@ -90,7 +116,7 @@ impl<E: Element> Buffer<E> {
         );
         self.released = Some(self.shape().to_vec());
         self.array = ArrayD::zeros(ndarray::IxDyn(&[0]));
-        memory::on_free(self.bytes);
+        memory::on_free_tagged(self.bytes, self.tag);
         self.bytes = 0;
         self.version += 1;
     }
@@ -115,7 +141,7 @@ impl<E: Element> Buffer<E> {
             "restore: the values must have the released shape"
         );
         self.bytes = array.len() * std::mem::size_of::<E>();
-        memory::on_alloc(self.bytes);
+        memory::on_alloc_tagged(self.bytes, self.tag);
         self.array = array;
         self.version += 1;
     }
@@ -132,7 +158,7 @@ impl<E: Element> Buffer<E> {
             .take()
             .expect("restore_meta: the value is not released");
         self.bytes = shape.iter().product::<usize>() * std::mem::size_of::<E>();
-        memory::on_alloc(self.bytes);
+        memory::on_alloc_tagged(self.bytes, self.tag);
         self.version += 1;
     }
 
@@ -174,7 +200,7 @@ impl<E: Element> Buffer<E> {
 
 impl<E: Element> Drop for Buffer<E> {
     fn drop(&mut self) {
-        memory::on_free(self.bytes);
+        memory::on_free_tagged(self.bytes, self.tag);
     }
 }
 
@@ -188,7 +214,7 @@ impl<E: Element> Buffer<E> {
             self.meta.is_none(),
             "into_array: a meta buffer has no values"
         );
-        memory::on_free(self.bytes);
+        memory::on_free_tagged(self.bytes, self.tag);
         self.bytes = 0;
         std::mem::take(&mut self.array)
     }

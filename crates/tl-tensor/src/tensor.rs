@@ -7,6 +7,7 @@ use std::rc::{Rc, Weak};
 use ndarray::{ArrayD, IxDyn};
 
 use crate::graph::{self, Backward, GradNode, GradReadyHook, NodeKind, OpRecord, TensorVjp};
+use crate::memory::{self, Kind, Tag};
 use crate::meta::is_meta_mode;
 use crate::mode::is_grad_enabled;
 use crate::storage::Buffer;
@@ -91,12 +92,17 @@ impl<E: Element> fmt::Debug for WeakValue<E> {
 }
 
 impl<E: Element> Tensor<E> {
-    /// A tensor holding `value`, or in [meta mode](crate::meta) its shape only.
+    /// A tensor holding `value`, or in [meta mode](crate::meta) its shape only; a leaf's
+    /// storage (`node` given) is tagged as weights on the meter.
     fn with_node(value: ArrayD<E>, node: Option<Rc<GradNode<E>>>) -> Self {
+        let tag = match node {
+            Some(_) => weights_tag(),
+            None => memory::current_tag(),
+        };
         let buffer = if is_meta_mode() {
-            Buffer::meta(value.shape())
+            Buffer::meta_tagged(value.shape(), tag)
         } else {
-            Buffer::new(value)
+            Buffer::new_tagged(value, tag)
         };
         Self::on_storage(Rc::new(RefCell::new(buffer)), node)
     }
@@ -143,7 +149,7 @@ impl<E: Element> Tensor<E> {
     /// A meta leaf that requires grad: a parameter with a shape and no values.
     pub fn meta_param(shape: &[usize]) -> Self {
         Self::on_storage(
-            Rc::new(RefCell::new(Buffer::meta(shape))),
+            Rc::new(RefCell::new(Buffer::meta_tagged(shape, weights_tag()))),
             Some(GradNode::leaf(shape.to_vec())),
         )
     }
@@ -164,6 +170,11 @@ impl<E: Element> Tensor<E> {
             "param_with: the initialiser made another shape"
         );
         Self::param(value)
+    }
+
+    /// The tag of this tensor's storage on the memory meter (see [`memory`](crate::memory)).
+    pub fn memory_tag(&self) -> Tag {
+        self.inner.value.borrow().tag()
     }
 
     /// Whether this tensor is [meta](crate::meta): a shape with no values.
@@ -453,6 +464,7 @@ impl<E: Element> Tensor<E> {
         let record = OpRecord {
             parents: parents.iter().map(|p| p.node()).collect(),
             vjp,
+            scope: memory::current_tag(),
         };
         *self.inner.node.borrow_mut() = Some(GradNode::op(self.shape(), record));
     }
@@ -623,7 +635,8 @@ impl<E: Element> Tensor<E> {
                 "set_grad: gradient shape must match the tensor's"
             );
         }
-        *grad.borrow_mut() = new_grad.map(Buffer::new);
+        let tag = node.as_deref().expect("a leaf").gradient_tag();
+        *grad.borrow_mut() = new_grad.map(|array| Buffer::new_tagged(array, tag));
     }
 
     /// Replaces the accumulated gradient of a leaf that requires grad with `new_grad`'s
@@ -647,7 +660,12 @@ impl<E: Element> Tensor<E> {
                 "set_grad_tensor: gradient shape must match the tensor's"
             );
         }
-        *grad.borrow_mut() = new_grad.map(Tensor::into_buffer);
+        let tag = node.as_deref().expect("a leaf").gradient_tag();
+        *grad.borrow_mut() = new_grad.map(|new_grad| {
+            let mut buffer = new_grad.into_buffer();
+            buffer.set_tag(tag);
+            buffer
+        });
     }
 
     /// Sets (or, with `None`, clears) the callback this leaf runs during every backward
@@ -783,9 +801,12 @@ impl<E: Element> Tensor<E> {
             "backward: call it on a one-element loss (shape {shape:?}) or use backward_with"
         );
         let seed = if self.is_meta() {
-            Buffer::meta(&shape)
+            Buffer::meta_tagged(&shape, graph::in_flight())
         } else {
-            Buffer::new(ArrayD::from_elem(IxDyn(&shape), E::one()))
+            Buffer::new_tagged(
+                ArrayD::from_elem(IxDyn(&shape), E::one()),
+                graph::in_flight(),
+            )
         };
         self.sweep(seed);
     }
@@ -806,9 +827,9 @@ impl<E: Element> Tensor<E> {
     /// As [`backward_with`](Self::backward_with).
     pub fn backward_from(&self, grad_out: &Tensor<E>) {
         let seed = if self.is_meta() || grad_out.is_meta() {
-            Buffer::meta(&grad_out.shape())
+            Buffer::meta_tagged(&grad_out.shape(), graph::in_flight())
         } else {
-            Buffer::new(grad_out.to_array())
+            Buffer::new_tagged(grad_out.to_array(), graph::in_flight())
         };
         self.sweep(seed);
     }
@@ -819,11 +840,20 @@ impl<E: Element> Tensor<E> {
     /// As [`backward`](Self::backward), or if `grad_out`'s shape differs from the tensor's.
     pub fn backward_with(&self, grad_out: ArrayD<E>) {
         let seed = if self.is_meta() {
-            Buffer::meta(grad_out.shape())
+            Buffer::meta_tagged(grad_out.shape(), graph::in_flight())
         } else {
-            Buffer::new(grad_out)
+            Buffer::new_tagged(grad_out, graph::in_flight())
         };
         self.sweep(seed);
+    }
+}
+
+/// The tag of a parameter's values: weights, owned by the current owner.
+fn weights_tag() -> Tag {
+    Tag {
+        kind: Kind::Weights,
+        label: "",
+        ..memory::current_tag()
     }
 }
 

@@ -5,13 +5,13 @@ use std::sync::Arc;
 
 use ndarray::{ArrayD, IxDyn};
 use proptest::prelude::*;
-use tl_tensor::memory::{self, EventKind};
+use tl_tensor::memory::{self, EventKind, Tag};
 use tl_tensor::nn::{Dropout, Embedding, Linear, Module, RmsNorm, Sequential};
 use tl_tensor::ops::given::with_given_product;
 use tl_tensor::optim::{AdamW, Optimizer, Sgd, clip_grad_norm};
 use tl_tensor::{Generator, ProductKernel, Tensor, losses, meta_mode};
 
-type Events = Vec<(EventKind, usize)>;
+type Events = Vec<(EventKind, usize, Tag, Option<Tag>)>;
 
 /// Values in [0.5, 1.5): every op of the catalogue is finite on them.
 fn values(shape: &[usize], rng: &Generator) -> ArrayD<f64> {
@@ -22,7 +22,10 @@ fn values(shape: &[usize], rng: &Generator) -> ArrayD<f64> {
 fn record<T>(meta: bool, body: impl FnOnce() -> T) -> (T, Events) {
     let _meta = meta.then(meta_mode);
     let (out, events) = memory::record(body);
-    let events = events.into_iter().map(|e| (e.kind, e.bytes)).collect();
+    let events = events
+        .into_iter()
+        .map(|e| (e.kind, e.bytes, e.tag, e.previous))
+        .collect();
     (out, events)
 }
 

@@ -362,9 +362,12 @@ impl<E: Element> Optimizer<E> for AdamW<E> {
             // A meta step makes the moments as a real one does, and updates nothing.
             let meta = parameter.is_meta() || parameter.grad_is_meta();
             let shape = parameter.shape();
-            let moment = || match meta {
-                true => Tensor::meta(&shape),
-                false => Tensor::zeros(&shape),
+            let moment = || {
+                let _state = super::state_scope(parameter);
+                match meta {
+                    true => Tensor::meta(&shape),
+                    false => Tensor::zeros(&shape),
+                }
             };
             parameter.with_grad(|grad| {
                 let Some(grad) = grad else { return };

@@ -43,6 +43,16 @@ pub trait Optimizer<E: Element = f32> {
 }
 
 /// Checks that a hyperparameter is finite and non-negative.
+/// The meter's tag scope for the optimizer state of `parameter`: owned where the parameter
+/// is.
+pub(crate) fn state_scope<E: Element>(parameter: &Tensor<E>) -> crate::memory::TagScope {
+    crate::memory::tag_scope(crate::memory::Tag {
+        kind: crate::memory::Kind::OptimizerState,
+        owner: parameter.memory_tag().owner,
+        label: "",
+    })
+}
+
 pub(crate) fn check_non_negative(name: &'static str, value: f64) -> Result<f64> {
     if value.is_finite() && value >= 0.0 {
         Ok(value)

@@ -167,6 +167,7 @@ impl<E: Element> Optimizer<E> for Sgd<E> {
             if parameter.is_meta() || parameter.grad_is_meta() {
                 // A meta step: the momentum buffer is made as a real step makes it.
                 if parameter.grad().is_some() && self.momentum != 0.0 && buffer.is_none() {
+                    let _state = super::state_scope(parameter);
                     *buffer = Some(Tensor::meta(&parameter.shape()));
                 }
                 continue;
@@ -181,7 +182,10 @@ impl<E: Element> Optimizer<E> for Sgd<E> {
             }
             if self.momentum != 0.0 {
                 match buffer {
-                    None => *buffer = Some(Tensor::from_array(direction.clone())),
+                    None => {
+                        let _state = super::state_scope(parameter);
+                        *buffer = Some(Tensor::from_array(direction.clone()));
+                    }
                     Some(buffer) => {
                         buffer.update_value(|b| {
                             Zip::from(&mut *b)

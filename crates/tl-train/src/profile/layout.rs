@@ -123,6 +123,8 @@ mod tests {
                     kind: EventKind::Alloc,
                     bytes: 1,
                     live_after,
+                    tag: Default::default(),
+                    previous: None,
                 })
                 .collect()
         };

@@ -163,13 +163,18 @@ impl Timeline {
         base: usize,
     ) {
         let first = self.events.len();
-        self.events.extend(events.iter().map(|event| MemoryEvent {
-            kind: match event.kind {
+        // A retag moves no bytes: the timeline of live bytes has no place for it.
+        self.events.extend(events.iter().filter_map(|event| {
+            let kind = match event.kind {
                 memory::EventKind::Alloc => EventKind::Alloc,
                 memory::EventKind::Free => EventKind::Free,
-            },
-            bytes: event.bytes as u64,
-            live: event.live_after.saturating_sub(base) as u64,
+                memory::EventKind::Retag => return None,
+            };
+            Some(MemoryEvent {
+                kind,
+                bytes: event.bytes as u64,
+                live: event.live_after.saturating_sub(base) as u64,
+            })
         }));
         self.spans.push(Span {
             step,
@@ -249,6 +254,8 @@ mod tests {
             kind,
             bytes,
             live_after,
+            tag: Default::default(),
+            previous: None,
         }
     }
 
