@@ -7,6 +7,7 @@
 //! only one micro-batch's graph exists at a time. Weighting by `1/k` instead is right only
 //! when all micro-batches have the same size.
 
+use tl_tensor::memory::{self, Stage};
 use tl_tensor::nn::Module;
 use tl_tensor::{Element, Tensor};
 
@@ -102,6 +103,9 @@ where
     grad_accumulate_observed(model, micro_batches, loss_fn, scaler, &mut ())
 }
 
+/// The memory meter's label of a micro-batch's weighted (and scaled) loss.
+pub const LOSS_LABEL: &str = "weighted loss";
+
 /// [`grad_accumulate`] with each micro-batch's forward and backward run as a
 /// [`StepPhase::Forward`] and a [`StepPhase::Backward`] of `observer`.
 pub(crate) fn grad_accumulate_observed<E, M, B, F, S>(
@@ -129,16 +133,21 @@ where
     let loss_scale = scaler.map_or(1.0, DynamicLossScaler::loss_scale);
     let mut batch_loss = 0.0;
     for (index, (micro_batch, &n)) in micro_batches.iter().zip(&rows).enumerate() {
+        // On the memory meter, what this micro-batch makes is its own.
+        let _micro_batch = memory::micro_batch_scope(Some(index));
         let (loss, weighted) = observer.phase(StepPhase::Forward { micro_batch: index }, |_| {
+            let _forward = memory::stage_scope(Stage::Forward);
             let loss = loss_fn(model, micro_batch);
             let weight = n as f64 / total_rows as f64;
             batch_loss += weight * loss.item().to_f64();
+            let _label = memory::label_scope(LOSS_LABEL);
             let weighted = loss.mul_scalar(E::from_f64(weight * loss_scale));
             (loss, weighted)
         });
         // Both losses are moved in and dropped there, the weighted one first, so that the
         // release of the graph belongs to the backward phase.
         observer.phase(StepPhase::Backward { micro_batch: index }, move |_| {
+            let _backward = memory::stage_scope(Stage::Backward);
             weighted.backward();
             drop(weighted);
             drop(loss);

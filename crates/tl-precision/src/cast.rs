@@ -39,9 +39,21 @@ thread_local! {
 /// assert_eq!(x.grad().unwrap().as_slice().unwrap(), &[1.0078125, 1.0078125]);
 /// ```
 pub fn cast<E: Element>(x: &Tensor<E>, format: Format) -> Tensor<E> {
+    // On the memory meter: a rounded copy, of a parameter or of an activation.
+    let _label = tl_tensor::memory::label_scope(if x.is_leaf() && x.requires_grad() {
+        WEIGHT_COPY_LABEL
+    } else {
+        COPY_LABEL
+    });
     let value = || rounded_copy(&x.value(), format);
     Tensor::from_op_shaped(&x.shape(), value, &[x], cast_vjp(format))
 }
+
+/// The memory meter's label of a [`cast`] of a parameter: a rounded weight copy.
+pub const WEIGHT_COPY_LABEL: &str = "rounded weight copy";
+
+/// The memory meter's label of a [`cast`] of anything else: a rounded copy.
+pub const COPY_LABEL: &str = "rounded copy";
 
 /// [`cast`] of a tensor that the caller is done with (a product it has just computed):
 /// when nothing else holds `x`, its storage is rounded in place and becomes the result's,

@@ -40,12 +40,15 @@ mod scaler_state;
 mod step;
 mod tensor_core;
 
-pub use accumulate::{MicroBatch, grad_accumulate};
+pub use accumulate::{LOSS_LABEL, MicroBatch, grad_accumulate};
 pub use autocast::{
     AutocastGuard, autocast, autocast_accumulation, autocast_bf16, autocast_format,
     autocast_product_kernel, autocast_with, mark_rounded, parse_format, round_for_products,
 };
-pub use cast::{cast, record_underflows, round_gradient, take_underflow_count, underflow_count};
+pub use cast::{
+    COPY_LABEL, WEIGHT_COPY_LABEL, cast, record_underflows, round_gradient, take_underflow_count,
+    underflow_count,
+};
 pub use error::{PrecisionError, Result};
 pub use fp8::{AmaxAlgorithm, Fp8Recipe, Fp8State, LinearScales, ScaleState, fp8_matmul};
 pub use observer::{StepObserver, StepPhase};

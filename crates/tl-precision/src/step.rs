@@ -2,6 +2,7 @@
 //! accumulation, the loop body of the capstone trainer.
 
 use serde::Serialize;
+use tl_tensor::memory::{self, Stage};
 use tl_tensor::nn::Module;
 use tl_tensor::optim::{Optimizer, clip_grad_norm_reduced};
 use tl_tensor::{Element, Tensor};
@@ -165,6 +166,7 @@ where
     let params = opt.parameters().to_vec();
     observer.gradients_ready(&params);
     observer.phase(StepPhase::Update, |observer| {
+        let _update = memory::stage_scope(Stage::Update);
         update(opt, &params, loss, scaler, clip, observer)
     })
 }

@@ -159,6 +159,7 @@ where
         set_rng_states(&rngs, &recorded);
         let leaves: Vec<Tensor<E>> = inputs.iter().map(rerun_copy).collect();
         let rerun_output = {
+            let _recompute = tl_tensor::memory::stage_scope(tl_tensor::memory::Stage::Recompute);
             let _forward_modes = modes.enter();
             let _graph_on = enable_grad();
             let _replay = FrameGuard::replaying(kept);

@@ -12,7 +12,7 @@ use std::rc::Rc;
 
 use ndarray::{ArrayD, Zip};
 
-use crate::memory::{self, Kind, Tag};
+use crate::memory::{self, Kind, Stage, Tag};
 use crate::storage::Buffer;
 use crate::{Element, Tensor};
 
@@ -94,6 +94,7 @@ impl<E: Element> GradNode<E> {
             kind: Kind::Gradients,
             owner,
             label: "",
+            ..memory::current_tag()
         }
     }
 
@@ -278,6 +279,7 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: Buffer<E>) 
         "backward: the output gradient's shape must match the tensor's"
     );
     let _sweep = Sweep::start();
+    let _stage = memory::stage_scope(Stage::Backward);
     let order = topological_order(root);
     let mut waiting = hooked_consumers(&order);
     let mut pending: HashMap<usize, Buffer<E>> = HashMap::new();
@@ -299,8 +301,12 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: Buffer<E>) 
                     vjp,
                     scope,
                 } = record;
-                // The op's backward, and the gradients it makes, belong where its forward ran.
-                let _scope = memory::tag_scope(scope);
+                // The op's backward, and the gradients it makes, belong where its forward ran
+                // (its unit, its micro-batch), in the backward stage.
+                let _scope = memory::tag_scope(Tag {
+                    stage: Stage::Backward,
+                    ..scope
+                });
                 let flight = in_flight();
                 let (parent_grads, incoming) = run_vjp(vjp, grad, &parents);
                 assert_eq!(

@@ -63,7 +63,28 @@ pub enum Kind {
     Temporaries,
 }
 
-/// Whose and what a piece of storage is: see the [module docs](self).
+/// Which part of a training step made a piece of storage: the second axis of a timeline.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Stage {
+    /// Outside any stage named below (building a model, between steps).
+    #[default]
+    Other,
+    /// A forward pass.
+    Forward,
+    /// A backward sweep (set by the sweep itself).
+    Backward,
+    /// A checkpointed segment's forward pass run again during backward.
+    Recompute,
+    /// Reducing gradients over ranks.
+    Reduction,
+    /// The optimizer's update (and the checks before it).
+    Update,
+    /// Gathering sharded weights over ranks.
+    Gather,
+}
+
+/// Whose and what a piece of storage is, and when it was made: see the [module
+/// docs](self).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Tag {
     /// What it is for.
@@ -72,6 +93,10 @@ pub struct Tag {
     pub owner: Option<usize>,
     /// The role the code that made it gave it (`"norm outputs"`, say); empty without one.
     pub label: &'static str,
+    /// The part of the step that made it.
+    pub stage: Stage,
+    /// The micro-batch (from 0) whose forward or backward made it, if any.
+    pub micro_batch: Option<usize>,
 }
 
 /// Whether an [`Event`] is an allocation, a free, or a change of tag.
@@ -105,7 +130,13 @@ thread_local! {
     static PEAK: Cell<usize> = const { Cell::new(0) };
     static RECORDING: RefCell<Option<Vec<Event>>> = const { RefCell::new(None) };
     static SCOPE: Cell<Tag> = const {
-        Cell::new(Tag { kind: Kind::Activations, owner: None, label: "" })
+        Cell::new(Tag {
+            kind: Kind::Activations,
+            owner: None,
+            label: "",
+            stage: Stage::Other,
+            micro_batch: None,
+        })
     };
 }
 
@@ -147,6 +178,24 @@ pub fn kind_scope(kind: Kind) -> TagScope {
 pub fn owner_scope(owner: Option<usize>) -> TagScope {
     tag_scope(Tag {
         owner,
+        ..current_tag()
+    })
+}
+
+/// Tags allocations made on this thread until the guard drops as made in `stage` (the rest
+/// as it is).
+pub fn stage_scope(stage: Stage) -> TagScope {
+    tag_scope(Tag {
+        stage,
+        ..current_tag()
+    })
+}
+
+/// Tags allocations made on this thread until the guard drops as made for micro-batch
+/// `micro_batch` (the rest as it is).
+pub fn micro_batch_scope(micro_batch: Option<usize>) -> TagScope {
+    tag_scope(Tag {
+        micro_batch,
         ..current_tag()
     })
 }

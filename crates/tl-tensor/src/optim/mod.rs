@@ -50,6 +50,7 @@ pub(crate) fn state_scope<E: Element>(parameter: &Tensor<E>) -> crate::memory::T
         kind: crate::memory::Kind::OptimizerState,
         owner: parameter.memory_tag().owner,
         label: "",
+        ..crate::memory::current_tag()
     })
 }
 

@@ -3,10 +3,11 @@
 use std::rc::Rc;
 
 use tl_tensor::nn::{Linear, Module};
-use tl_tensor::{Element, Generator, Tensor};
+use tl_tensor::{Element, Generator, Tensor, memory};
 
 use super::causal_attention::causal_attention;
 use super::fp8::Fp8Slot;
+use super::roles;
 use super::rope::Rope;
 
 /// Multi-head attention where position `t` attends to positions `0..=t`, as in a decoder.
@@ -52,8 +53,12 @@ impl<E: Element> CausalSelfAttention<E> {
 
 impl<E: Element> Module<E> for CausalSelfAttention<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
-        let q = self.rope.apply(&self.fp8.project(0, &self.wq, x));
-        let k = self.rope.apply(&self.fp8.project(1, &self.wk, x));
+        let rotated = |projected: Tensor<E>| {
+            let _label = memory::label_scope(roles::ROPE);
+            self.rope.apply(&projected)
+        };
+        let q = rotated(self.fp8.project(0, &self.wq, x));
+        let k = rotated(self.fp8.project(1, &self.wk, x));
         let v = self.fp8.project(2, &self.wv, x);
         let mixed = causal_attention(&q, &k, &v, self.n_heads);
         self.fp8.project(3, &self.wo, &mixed)

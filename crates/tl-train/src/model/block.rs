@@ -4,11 +4,12 @@ use std::rc::Rc;
 
 use tl_precision::round_for_products;
 use tl_tensor::nn::{Dropout, Linear, Module, RmsNorm};
-use tl_tensor::{Element, Generator, Tensor};
+use tl_tensor::{Element, Generator, Tensor, memory};
 
 use super::attention::CausalSelfAttention;
 use super::config::ModelConfig;
 use super::fp8::Fp8Slot;
+use super::roles;
 use super::rope::Rope;
 
 /// The MLP of Llama: `y = (silu(x·W1) ⊙ x·W3)·W2`, no biases.
@@ -38,7 +39,9 @@ impl<E: Element> Module<E> for SwiGlu<E> {
         // The gate's only reader is W2: under autocast, it is rounded as it is written.
         let gated = round_for_products(|finish| {
             let gate = self.fp8.project(0, &self.w1, x);
-            gate.swiglu_then(&self.fp8.project(1, &self.w3, x), finish)
+            let up = self.fp8.project(1, &self.w3, x);
+            let _label = memory::label_scope(roles::SWIGLU);
+            gate.swiglu_then(&up, finish)
         });
         self.fp8.project(2, &self.w2, &gated)
     }
@@ -117,10 +120,21 @@ impl<E: Element> Block<E> {
     }
 
     fn branch(&self, x: &Tensor<E>, output: Tensor<E>) -> Tensor<E> {
-        match &self.dropout {
-            Some(dropout) => x.add(&dropout.forward(&output)),
-            None => x.add(&output),
-        }
+        let output = match &self.dropout {
+            Some(dropout) => {
+                let _label = memory::label_scope(roles::DROPOUT);
+                dropout.forward(&output)
+            }
+            None => output,
+        };
+        let _label = memory::label_scope(roles::RESIDUAL);
+        x.add(&output)
+    }
+
+    /// An RMSNorm's output, rounded for the projections that read it.
+    fn norm(norm: &RmsNorm<E>, x: &Tensor<E>) -> Tensor<E> {
+        let _label = memory::label_scope(roles::NORM);
+        round_for_products(|finish| norm.forward_then(x, finish))
     }
 }
 
@@ -128,11 +142,11 @@ impl<E: Element> Module<E> for Block<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
         // Each norm's output feeds only projections: under autocast, it is rounded as it is
         // written rather than copied by them (see `round_for_products`).
-        let normed = round_for_products(|finish| self.norm1.forward_then(x, finish));
+        let normed = Self::norm(&self.norm1, x);
         let x = self.branch(x, self.attention.forward(&normed));
-        drop(normed); // freed before the MLP's norm, as the memory plan has it
+        drop(normed); // freed before the MLP's norm makes its own
 
-        let normed = round_for_products(|finish| self.norm2.forward_then(&x, finish));
+        let normed = Self::norm(&self.norm2, &x);
         self.branch(&x, self.mlp.forward(&normed))
     }
 

@@ -94,6 +94,7 @@ pub fn causal_attention<E: Element>(
     let products = autocast_product_kernel();
     // The most expensive part of a block's forward pass for one `[B, T, d]` result: a
     // checkpointed block whose policy names it keeps it rather than computing it again.
+    let _label = tl_tensor::memory::label_scope(ATTENTION);
     let (output, row_stats) = keep_named(ATTENTION, || {
         if !tl_tensor::meta::computes(&[q, k, v]) {
             // No values: a result of its shape, and no row statistics (kept off the meter

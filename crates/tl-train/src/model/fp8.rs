@@ -55,6 +55,8 @@ impl Fp8Slot {
         x: &Tensor<E>,
     ) -> Tensor<E> {
         let layer = self.offset + j;
+        // The product's output is labelled on the memory meter by the projection's name.
+        let _label = tl_tensor::memory::label_scope(LAYER_NAMES[layer]);
         keep_product(LAYER_NAMES[layer], || match &*self.state.borrow() {
             Some((state, first)) => fp8_matmul(x, linear.weight(), state, first + layer),
             None => linear.forward(x),

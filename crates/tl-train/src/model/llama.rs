@@ -7,12 +7,13 @@ use tl_precision::round_for_products;
 use tl_recompute::{KeepPolicy, checkpoint_schedule, checkpoint_sequential_with, keeping};
 use tl_tensor::losses::cross_entropy;
 use tl_tensor::nn::{Embedding, Linear, Module, RmsNorm};
-use tl_tensor::{Element, Generator, Tensor, no_grad};
+use tl_tensor::{Element, Generator, Tensor, memory, no_grad};
 
 use super::block::Block;
 use super::causal_attention::ATTENTION;
 use super::config::ModelConfig;
 use super::fp8::LAYER_NAMES;
+use super::roles;
 use super::rope::Rope;
 use crate::error::Result;
 
@@ -197,6 +198,8 @@ fn run_unit<E: Element>(
     unit: usize,
     forward: &dyn Fn() -> Tensor<E>,
 ) -> Tensor<E> {
+    // What the unit makes is its own on the memory meter (its parameters are, see `new`).
+    let _owner = memory::owner_scope(Some(unit));
     match hook {
         Some(hook) => hook(unit, forward),
         None => forward(),
@@ -219,10 +222,18 @@ impl<E: Element> Llama<E> {
             config.context,
             config.rope_base,
         ));
-        let embedding = Embedding::new(config.vocab, config.d_model, &rng);
+        // Each unit's parameters are owned by it on the memory meter (see `units`).
+        let embedding = {
+            let _owner = memory::owner_scope(Some(0));
+            Embedding::new(config.vocab, config.d_model, &rng)
+        };
         let blocks = (0..config.n_layers)
-            .map(|_| Rc::new(Block::new(config, Rc::clone(&rope), &rng, &dropout_rng)))
+            .map(|i| {
+                let _owner = memory::owner_scope(Some(i + 1));
+                Rc::new(Block::new(config, Rc::clone(&rope), &rng, &dropout_rng))
+            })
             .collect();
+        let _owner = memory::owner_scope(Some(config.n_layers + 1));
         Ok(Self {
             config: config.clone(),
             embedding,
@@ -315,11 +326,17 @@ impl<E: Element> Llama<E> {
         );
         let hook = self.unit_hook.borrow().clone();
         let hook = hook.as_ref();
-        let x = run_unit(hook, 0, &|| self.embedding.forward_ids(ids, &[rows, time]));
+        let x = run_unit(hook, 0, &|| {
+            let _label = memory::label_scope(roles::EMBEDDING);
+            self.embedding.forward_ids(ids, &[rows, time])
+        });
         let x = self.run_blocks(&x, hook)?;
-        let head = self.blocks.len() + 1;
-        Ok(run_unit(hook, head, &|| {
-            let normed = round_for_products(|finish| self.norm.forward_then(&x, finish));
+        Ok(run_unit(hook, self.head_unit(), &|| {
+            let normed = {
+                let _label = memory::label_scope(roles::NORM);
+                round_for_products(|finish| self.norm.forward_then(&x, finish))
+            };
+            let _label = memory::label_scope(roles::LOGITS);
             self.head.forward(&normed)
         }))
     }
@@ -337,10 +354,19 @@ impl<E: Element> Llama<E> {
         time: usize,
     ) -> Result<Tensor<E>> {
         let logits = self.forward_ids(inputs, rows, time)?;
-        Ok(cross_entropy(
-            &logits.reshape(&[rows * time, self.config.vocab]),
-            targets,
-        ))
+        // The loss belongs with the head on the memory meter, outside its unit.
+        let _owner = memory::owner_scope(Some(self.head_unit()));
+        let flat = {
+            let _label = memory::label_scope(roles::LOGITS);
+            logits.reshape(&[rows * time, self.config.vocab])
+        };
+        let _label = memory::label_scope(roles::LOSS);
+        Ok(cross_entropy(&flat, targets))
+    }
+
+    /// The last unit's index: the final norm and the head.
+    fn head_unit(&self) -> usize {
+        self.blocks.len() + 1
     }
 
     fn run_blocks(&self, x: &Tensor<E>, hook: Option<&UnitHook<E>>) -> Result<Tensor<E>> {

@@ -14,6 +14,7 @@ pub mod causal_attention;
 pub mod config;
 pub mod fp8;
 pub mod llama;
+pub mod roles;
 pub mod rope;
 
 pub use config::{ModelConfig, Preset};
