@@ -60,7 +60,9 @@ pub use env::{
 pub use error::{CallHeader, CollectiveError, Result};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiComm, MpiMode};
-pub use ring::{MAX_SOCKET_PATH, RingComm, socket_path};
+pub use ring::{
+    Collective, MAX_SOCKET_PATH, RING_HEADER_BYTES, RingComm, ring_bytes_sent, socket_path,
+};
 pub use schedule::reference_all_reduce;
 pub use shard::shard_range;
 pub use single::Single;

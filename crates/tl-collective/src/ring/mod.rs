@@ -4,9 +4,10 @@
 //! `link.rs` for how a step streams. Each collective starts with a ring all-gather of a
 //! 40-byte header (collective, element type, length, root, call number), so that ranks that
 //! disagree all fail with the same [`CollectiveError::Mismatch`]; that costs N−1 small
-//! hops of latency per call, nothing in bandwidth.
+//! hops of latency per call, nothing in bandwidth. `cost.rs` says what each rank sends.
 
 mod accept;
+mod cost;
 pub(crate) mod handshake;
 pub(crate) mod header;
 mod link;
@@ -21,6 +22,7 @@ use crate::env::RingConfig;
 use crate::error::{CallHeader, CollectiveError, Result};
 use crate::schedule::{all_gather_step, reduce_scatter_step};
 use crate::shard::shard_range;
+pub use cost::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
 use header::exchange_headers;
 use link::{Exchange, Link, ReduceExchange, Relay};
 pub use rendezvous::{MAX_SOCKET_PATH, socket_path};
