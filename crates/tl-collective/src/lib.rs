@@ -52,7 +52,7 @@ mod shard;
 mod single;
 
 pub use communicator::{CommStats, Communicator};
-pub use element::{Element, ReduceOp, Slice, SliceMut};
+pub use element::{Element, ElementType, ReduceOp, Slice, SliceMut};
 pub use env::{
     DEFAULT_TIMEOUT, ENV_RANK, ENV_RENDEZVOUS, ENV_SECRET, ENV_TIMEOUT_MS, ENV_WORLD_SIZE,
     MAX_WORLD_SIZE, RingConfig, format_secret, timeout_from_env,
