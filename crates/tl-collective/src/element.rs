@@ -3,8 +3,10 @@
 //!
 //! A view may also be shape-only ([`Slice::Shape`], [`SliceMut::Shape`]): an element type and
 //! a length, no values. That is what a planner passes when it runs the trainer's step on
-//! shapes; [`Single`](crate::Single) takes such buffers, the backends that move bytes refuse
-//! them.
+//! shapes; [`Single`](crate::Single) and [`Phantom`](crate::Phantom) take such buffers, the
+//! backends that move bytes refuse them.
+
+use std::ops::Range;
 
 use bytemuck::Pod;
 
@@ -264,6 +266,40 @@ impl SliceMut<'_> {
     }
 }
 
+impl<'a> Slice<'a> {
+    /// The elements `range` of the buffer (of its shape, for a shape-only one).
+    pub(crate) fn part(self, range: Range<usize>) -> Slice<'a> {
+        match self {
+            Slice::F32(xs) => Slice::F32(&xs[range]),
+            Slice::F64(xs) => Slice::F64(&xs[range]),
+            Slice::Shape { element, len } => {
+                assert!(range.end <= len, "part {range:?} of {len} elements");
+                Slice::Shape {
+                    element,
+                    len: range.len(),
+                }
+            }
+        }
+    }
+}
+
+impl<'a> SliceMut<'a> {
+    /// The elements `range` of the buffer (of its shape, for a shape-only one).
+    pub(crate) fn part(self, range: Range<usize>) -> SliceMut<'a> {
+        match self {
+            SliceMut::F32(xs) => SliceMut::F32(&mut xs[range]),
+            SliceMut::F64(xs) => SliceMut::F64(&mut xs[range]),
+            SliceMut::Shape { element, len } => {
+                assert!(range.end <= len, "part {range:?} of {len} elements");
+                SliceMut::Shape {
+                    element,
+                    len: range.len(),
+                }
+            }
+        }
+    }
+}
+
 /// Copies `input` into `output` when both have values; with a shape-only side there is
 /// nothing to copy and `output` keeps what it holds. The caller has checked that the element
 /// types and lengths agree.
@@ -327,6 +363,14 @@ mod tests {
         let shape = SliceMut::shape::<f64>(10);
         assert_eq!((shape.len(), shape.element()), (10, "f64"));
         assert!(shape.is_shape() && !shape.is_empty());
+        let part = shape.part(3..7);
+        assert!(matches!(
+            part,
+            SliceMut::Shape {
+                element: ElementType::F64,
+                len: 4
+            }
+        ));
         let mut real = [1.0f32, 2.0];
         let real = SliceMut::from(&mut real[..]);
         assert_eq!(
@@ -335,5 +379,11 @@ mod tests {
         );
         assert_eq!(Slice::shape::<f32>(0).element_type().bytes(), 4);
         assert!(Slice::shape::<f32>(0).is_empty());
+    }
+
+    #[test]
+    #[should_panic(expected = "part 3..7 of 5 elements")]
+    fn a_part_past_the_end_of_a_shape_panics_as_a_slice_would() {
+        Slice::shape::<f32>(5).part(3..7);
     }
 }

@@ -1,5 +1,5 @@
 //! What one rank of the ring sends for each collective, to the byte: the arithmetic that
-//! planners print, kept beside the ring it describes.
+//! [`Phantom`](crate::Phantom) counts and planners print, kept beside the ring it describes.
 //!
 //! The ring splits a buffer of `L` elements into the shards of
 //! [`shard_range`](crate::shard_range) (the first `L mod N` one element longer). A

@@ -1,7 +1,7 @@
 //! The collectives a plan counts, by the names its tables and JSON print, and what one rank of
 //! tl-collective's ring sends for each: the arithmetic is tl-collective's own
 //! ([`tl_collective::ring_bytes_sent`], whose docs give the formulas), so that the plan and
-//! the ring share one count.
+//! the ring (and the [`Phantom`](tl_collective::Phantom) that stands for it) share one count.
 
 use serde::Serialize;
 
