@@ -12,7 +12,8 @@ pub struct CommStats {
     pub collectives: u64,
     /// Bytes this rank wrote to its peers, headers included (0 for [`Single`](crate::Single);
     /// for MPI's own collectives, the bytes the bandwidth-optimal algorithm would send, since
-    /// MPI does not say what it sent).
+    /// MPI does not say what it sent; for [`Phantom`](crate::Phantom), what the ring's rank
+    /// would have written).
     pub bytes_sent: u64,
 }
 

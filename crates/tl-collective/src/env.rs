@@ -21,6 +21,22 @@ pub const ENV_TIMEOUT_MS: &str = "TINYLLM_COMM_TIMEOUT_MS";
 /// will never come.
 pub const MAX_WORLD_SIZE: usize = 1 << 16;
 
+/// Checks that `world_size` is in `1..=MAX_WORLD_SIZE` and `rank` below it.
+pub(crate) fn check_world(rank: usize, world_size: usize) -> Result<()> {
+    let (what, value) = if world_size == 0 || world_size > MAX_WORLD_SIZE {
+        ("world size", world_size)
+    } else if rank >= world_size {
+        ("rank", rank)
+    } else {
+        return Ok(());
+    };
+    Err(CollectiveError::InvalidRank {
+        what,
+        value,
+        world_size,
+    })
+}
+
 /// How long a collective may go without moving a byte before it fails, unless
 /// `TINYLLM_COMM_TIMEOUT_MS` or [`RingConfig::timeout`] says otherwise. A rank that exits or
 /// is killed is noticed at once (its sockets close); this bound is for a rank that hangs.
@@ -54,21 +70,7 @@ impl RingConfig {
         rendezvous: impl Into<PathBuf>,
         secret: [u8; 32],
     ) -> Result<Self> {
-        if world_size == 0 || world_size > MAX_WORLD_SIZE || rank >= world_size {
-            return Err(CollectiveError::InvalidRank {
-                what: if world_size == 0 || world_size > MAX_WORLD_SIZE {
-                    "world size"
-                } else {
-                    "rank"
-                },
-                value: if world_size == 0 || world_size > MAX_WORLD_SIZE {
-                    world_size
-                } else {
-                    rank
-                },
-                world_size,
-            });
-        }
+        check_world(rank, world_size)?;
         Ok(RingConfig {
             rank,
             world_size,

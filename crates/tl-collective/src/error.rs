@@ -55,13 +55,22 @@ pub enum CollectiveError {
         world_size: usize,
     },
     /// Buffers whose lengths do not fit the collective on this rank (for example an
-    /// `all_gather` output that is not world-size shards long).
+    /// `all_gather` output that is not world-size shards long), or whose element types
+    /// differ.
     #[error("{op}: {reason}")]
     BadBuffer {
         /// The operation.
         op: &'static str,
         /// What does not fit.
         reason: String,
+    },
+    /// A shape-only buffer ([`Slice::Shape`](crate::Slice::Shape)) given to a backend that
+    /// moves bytes ([`RingComm`](crate::RingComm), `MpiComm`): it has no values to send.
+    /// Refused before the call's header is exchanged, so no rank waits on it.
+    #[error("{op}: a shape-only buffer has no values to send (only Single and Phantom take one)")]
+    ShapeOnly {
+        /// The operation.
+        op: &'static str,
     },
     /// An environment variable that is set but cannot be used.
     #[error("environment variable {name}={value:?}: {reason}")]

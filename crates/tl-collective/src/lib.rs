@@ -16,6 +16,12 @@
 //!   within a bound when a rank dies. [`launch::launch`] starts the ranks.
 //! - `MpiComm` (feature `mpi`): MPI's own collectives, or the ring over MPI point-to-point for
 //!   deterministic sums, for runs across machines under `mpirun`.
+//! - [`Phantom`]: rank r of a ring of N in a process of its own, for planning: it moves
+//!   nothing and counts what the ring's rank r would send ([`ring_bytes_sent`]).
+//!
+//! A buffer may be shape-only ([`SliceMut::shape`]: an element type and a length, no
+//! values), as a planner running the step on shapes passes it: [`Single`] and [`Phantom`]
+//! take it, the backends that move bytes refuse it ([`CollectiveError::ShapeOnly`]).
 //!
 //! [`from_env`] picks the ring when a launcher set [`ENV_WORLD_SIZE`] and friends, else
 //! [`Single`]; code written against `Box<dyn Communicator>` runs unchanged on one process:
@@ -46,13 +52,14 @@ mod error;
 pub mod launch;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
+mod phantom;
 mod ring;
 mod schedule;
 mod shard;
 mod single;
 
 pub use communicator::{CommStats, Communicator};
-pub use element::{Element, ReduceOp, Slice, SliceMut};
+pub use element::{Element, ElementType, ReduceOp, Slice, SliceMut};
 pub use env::{
     DEFAULT_TIMEOUT, ENV_RANK, ENV_RENDEZVOUS, ENV_SECRET, ENV_TIMEOUT_MS, ENV_WORLD_SIZE,
     MAX_WORLD_SIZE, RingConfig, format_secret, timeout_from_env,
@@ -60,7 +67,10 @@ pub use env::{
 pub use error::{CallHeader, CollectiveError, Result};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiComm, MpiMode};
-pub use ring::{MAX_SOCKET_PATH, RingComm, socket_path};
+pub use phantom::Phantom;
+pub use ring::{
+    Collective, MAX_SOCKET_PATH, RING_HEADER_BYTES, RingComm, ring_bytes_sent, socket_path,
+};
 pub use schedule::reference_all_reduce;
 pub use shard::shard_range;
 pub use single::Single;

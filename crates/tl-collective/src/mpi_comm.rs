@@ -8,7 +8,8 @@
 //! the socket ring on every rank and every run, whatever MPI's tuning.
 //!
 //! Failures are MPI's: with its default error handler a dead rank aborts the whole job
-//! (mpirun reports it), so this backend has no timeout of its own.
+//! (mpirun reports it), so this backend has no timeout of its own. A shape-only buffer is
+//! refused ([`CollectiveError::ShapeOnly`]) before the call's header is gathered.
 
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Equivalence, PartitionMut};
@@ -133,12 +134,7 @@ impl MpiComm {
         data: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let name = if op == ReduceOp::Sum {
-            "all_reduce_sum"
-        } else {
-            "all_reduce_max"
-        };
-        self.agree(name, T::NAME, data.len(), 0)?;
+        self.agree(all_reduce_name(op), T::NAME, data.len(), 0)?;
         if self.world_size == 1 || data.is_empty() {
             return Ok(());
         }
@@ -270,6 +266,13 @@ impl MpiComm {
     }
 }
 
+fn all_reduce_name(op: ReduceOp) -> &'static str {
+    match op {
+        ReduceOp::Sum => "all_reduce_sum",
+        ReduceOp::Max => "all_reduce_max",
+    }
+}
+
 fn system_op(op: ReduceOp) -> SystemOperation {
     match op {
         ReduceOp::Sum => SystemOperation::sum(),
@@ -291,6 +294,9 @@ impl Communicator for MpiComm {
         match data {
             SliceMut::F32(xs) => self.all_reduce_t(xs, op),
             SliceMut::F64(xs) => self.all_reduce_t(xs, op),
+            SliceMut::Shape { .. } => Err(CollectiveError::ShapeOnly {
+                op: all_reduce_name(op),
+            }),
         }
     }
 
@@ -313,6 +319,9 @@ impl Communicator for MpiComm {
         match (input, output) {
             (Slice::F32(x), SliceMut::F32(y)) => self.reduce_scatter_t(x, y, op),
             (Slice::F64(x), SliceMut::F64(y)) => self.reduce_scatter_t(x, y, op),
+            (Slice::Shape { .. }, _) | (_, SliceMut::Shape { .. }) => {
+                Err(CollectiveError::ShapeOnly { op: name })
+            }
             (x, y) => Err(CollectiveError::mismatched_types(
                 name,
                 x.element(),
@@ -335,6 +344,9 @@ impl Communicator for MpiComm {
         match (input, output) {
             (Slice::F32(x), SliceMut::F32(y)) => self.all_gather_t(x, y),
             (Slice::F64(x), SliceMut::F64(y)) => self.all_gather_t(x, y),
+            (Slice::Shape { .. }, _) | (_, SliceMut::Shape { .. }) => {
+                Err(CollectiveError::ShapeOnly { op: name })
+            }
             (x, y) => Err(CollectiveError::mismatched_types(
                 name,
                 x.element(),
@@ -348,6 +360,7 @@ impl Communicator for MpiComm {
         match data {
             SliceMut::F32(xs) => self.broadcast_t(xs, root),
             SliceMut::F64(xs) => self.broadcast_t(xs, root),
+            SliceMut::Shape { .. } => Err(CollectiveError::ShapeOnly { op: "broadcast" }),
         }
     }
 

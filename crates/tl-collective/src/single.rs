@@ -1,11 +1,14 @@
 //! The communicator of a world of one process.
 
 use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
-use crate::element::{ReduceOp, Slice, SliceMut};
-use crate::error::{CollectiveError, Result};
+use crate::element::{ReduceOp, Slice, SliceMut, copy_values};
+use crate::error::Result;
 
 /// A world of one: every collective is a copy or nothing at all. What a run without a
 /// launcher uses, so that the same training code runs on one process and on many.
+///
+/// It takes shape-only buffers ([`Slice::Shape`]) too, checking their lengths and element
+/// types as it checks real ones: a copy from or to one copies nothing.
 #[derive(Debug, Default)]
 pub struct Single {
     stats: CommStats,
@@ -20,20 +23,6 @@ impl Single {
     fn count(&mut self) {
         self.stats.collectives += 1;
     }
-}
-
-fn copy(op: &'static str, input: Slice<'_>, output: SliceMut<'_>) -> Result<()> {
-    match (input, output) {
-        (Slice::F32(src), SliceMut::F32(dst)) => dst.copy_from_slice(src),
-        (Slice::F64(src), SliceMut::F64(dst)) => dst.copy_from_slice(src),
-        (src, dst) => {
-            return Err(CollectiveError::BadBuffer {
-                op,
-                reason: format!("input is {} but output is {}", src.element(), dst.element()),
-            });
-        }
-    }
-    Ok(())
 }
 
 impl Communicator for Single {
@@ -66,7 +55,8 @@ impl Communicator for Single {
             1,
             0,
         )?;
-        copy(op, input, output)
+        copy_values(input, output);
+        Ok(())
     }
 
     fn all_gather(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> Result<()> {
@@ -80,7 +70,8 @@ impl Communicator for Single {
             1,
             0,
         )?;
-        copy(op, input, output)
+        copy_values(input, output);
+        Ok(())
     }
 
     fn broadcast(&mut self, _data: SliceMut<'_>, root: usize) -> Result<()> {
@@ -101,6 +92,7 @@ impl Communicator for Single {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::CollectiveError;
 
     #[test]
     fn sharded_collectives_copy_and_count() {
@@ -132,5 +124,35 @@ mod tests {
             err,
             CollectiveError::InvalidRank { what: "root", .. }
         ));
+    }
+
+    #[test]
+    fn shape_only_buffers_are_checked_like_real_ones_and_copy_nothing() {
+        let mut comm = Single::new();
+        comm.all_reduce_sum(SliceMut::shape::<f32>(1 << 40))
+            .unwrap();
+        comm.broadcast(SliceMut::shape::<f64>(3), 0).unwrap();
+        // A real output of a shape-only input keeps its values.
+        let mut out = [7.0f32; 3];
+        comm.all_gather(Slice::shape::<f32>(3), (&mut out[..]).into())
+            .unwrap();
+        assert_eq!(out, [7.0; 3]);
+        comm.reduce_scatter_sum((&[1.0f32; 3][..]).into(), SliceMut::shape::<f32>(3))
+            .unwrap();
+        assert_eq!(comm.stats().collectives, 4);
+
+        let err = comm
+            .all_gather(Slice::shape::<f64>(3), (&mut out[..]).into())
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "all_gather: input is f64 but output is f32"
+        );
+        let err = comm
+            .reduce_scatter_sum(Slice::shape::<f32>(4), SliceMut::shape::<f32>(3))
+            .unwrap_err();
+        assert!(matches!(err, CollectiveError::BadBuffer { .. }), "{err}");
+        let err = comm.broadcast(SliceMut::shape::<f32>(3), 1).unwrap_err();
+        assert!(matches!(err, CollectiveError::InvalidRank { .. }), "{err}");
     }
 }

@@ -5,7 +5,8 @@ use crate::ring::link::{Exchange, Link};
 use crate::ring::split_pair;
 use crate::schedule::all_gather_step;
 
-const HEADER_LEN: usize = 40;
+/// Bytes of one encoded header (its fields and the magic word).
+pub(crate) const HEADER_LEN: usize = 40;
 const MAGIC: u64 = 0x746c_5f68_6472_3031; // "tl_hdr01"
 
 /// Every collective's name, by wire code.

@@ -4,9 +4,10 @@
 //! `link.rs` for how a step streams. Each collective starts with a ring all-gather of a
 //! 40-byte header (collective, element type, length, root, call number), so that ranks that
 //! disagree all fail with the same [`CollectiveError::Mismatch`]; that costs N−1 small
-//! hops of latency per call, nothing in bandwidth.
+//! hops of latency per call, nothing in bandwidth. `cost.rs` says what each rank sends.
 
 mod accept;
+mod cost;
 pub(crate) mod handshake;
 pub(crate) mod header;
 mod link;
@@ -21,6 +22,7 @@ use crate::env::RingConfig;
 use crate::error::{CallHeader, CollectiveError, Result};
 use crate::schedule::{all_gather_step, reduce_scatter_step};
 use crate::shard::shard_range;
+pub use cost::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
 use header::exchange_headers;
 use link::{Exchange, Link, ReduceExchange, Relay};
 pub use rendezvous::{MAX_SOCKET_PATH, socket_path};
@@ -30,6 +32,10 @@ pub use rendezvous::{MAX_SOCKET_PATH, socket_path};
 ///
 /// Sums run in the ring's fixed order ([`reference_all_reduce`](crate::reference_all_reduce)),
 /// so every rank ends with the same bits, run after run.
+///
+/// A call this rank gets wrong by itself (a shard of the wrong length, a root outside the
+/// world, a shape-only buffer, which has no values to send) fails before its header is
+/// exchanged and closes the communicator, so that the neighbours fail at once too.
 #[derive(Debug)]
 pub struct RingComm {
     rank: usize,
@@ -129,6 +135,13 @@ impl RingComm {
         }
         check
     }
+
+    /// Refuses a shape-only buffer: it has no values to send. A local misuse like any other,
+    /// it closes the communicator, so that a neighbour given real buffers fails at once
+    /// instead of waiting for a header that will not come.
+    fn refuse_shape(&mut self, op: &'static str) -> Result<()> {
+        self.local_check(Err(CollectiveError::ShapeOnly { op }))
+    }
 }
 
 /// Two disjoint parts of `data`: one to read, one to write.
@@ -197,7 +210,8 @@ fn all_gather_in_place<T: Element>(
     Ok(())
 }
 
-fn reduce_name(base: &'static str, op: ReduceOp) -> &'static str {
+/// The ring's name of a reducing collective, in headers and errors.
+pub(crate) fn reduce_name(base: &'static str, op: ReduceOp) -> &'static str {
     match (base, op) {
         ("all_reduce", ReduceOp::Sum) => "all_reduce_sum",
         ("all_reduce", ReduceOp::Max) => "all_reduce_max",
@@ -274,6 +288,7 @@ impl Communicator for RingComm {
         match data {
             SliceMut::F32(xs) => self.all_reduce_t(xs, op),
             SliceMut::F64(xs) => self.all_reduce_t(xs, op),
+            SliceMut::Shape { .. } => self.refuse_shape(reduce_name("all_reduce", op)),
         }
     }
 
@@ -296,6 +311,7 @@ impl Communicator for RingComm {
         match (input, output) {
             (Slice::F32(x), SliceMut::F32(y)) => self.reduce_scatter_t(x, y, op),
             (Slice::F64(x), SliceMut::F64(y)) => self.reduce_scatter_t(x, y, op),
+            (Slice::Shape { .. }, _) | (_, SliceMut::Shape { .. }) => self.refuse_shape(name),
             (x, y) => Err(CollectiveError::mismatched_types(
                 name,
                 x.element(),
@@ -317,6 +333,9 @@ impl Communicator for RingComm {
         match (input, output) {
             (Slice::F32(x), SliceMut::F32(y)) => self.all_gather_t(x, y),
             (Slice::F64(x), SliceMut::F64(y)) => self.all_gather_t(x, y),
+            (Slice::Shape { .. }, _) | (_, SliceMut::Shape { .. }) => {
+                self.refuse_shape("all_gather")
+            }
             (x, y) => Err(CollectiveError::mismatched_types(
                 "all_gather",
                 x.element(),
@@ -331,6 +350,7 @@ impl Communicator for RingComm {
         match data {
             SliceMut::F32(xs) => self.broadcast_t(xs, root),
             SliceMut::F64(xs) => self.broadcast_t(xs, root),
+            SliceMut::Shape { .. } => self.refuse_shape("broadcast"),
         }
     }
 

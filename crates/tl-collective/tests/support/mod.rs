@@ -4,6 +4,9 @@
 //! each running only the `rank_entry` test with [`SCENARIO`] and the `TINYLLM_*` variables
 //! set; `rank_entry` is a no-op in a normal test run. Each world has its own deadline: past
 //! it every rank is killed and the test fails, so nothing hangs.
+//!
+//! Tests that only need the ring's bytes, not separate processes, run the ranks as threads
+//! with [`thread_world`] (the sockets and the algorithm are the same).
 
 #![allow(dead_code)]
 
@@ -12,7 +15,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use tl_collective::{ENV_RANK, ENV_RENDEZVOUS, ENV_SECRET, ENV_WORLD_SIZE, format_secret};
+use tl_collective::{
+    ENV_RANK, ENV_RENDEZVOUS, ENV_SECRET, ENV_WORLD_SIZE, RingComm, RingConfig, format_secret,
+};
 
 /// The variable that tells a re-executed test binary which scenario to run as a rank.
 pub const SCENARIO: &str = "TL_TEST_SCENARIO";
@@ -43,6 +48,35 @@ pub fn rendezvous() -> tempfile::TempDir {
         .expect("temporary directory");
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).expect("chmod");
     dir
+}
+
+/// Runs `rank_program` on the `n` ranks of a ring, one thread each, with the ring's
+/// `timeout` (a rank that waits that long fails, so nothing hangs), and returns what each
+/// returned, in rank order. A rank that panics drops its sockets, so the others fail at once.
+pub fn thread_world<T: Send>(
+    n: usize,
+    timeout: Duration,
+    rank_program: impl Fn(RingComm) -> T + Sync,
+) -> Vec<T> {
+    let dir = rendezvous();
+    let secret = [n as u8; 32];
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (dir, rank_program) = (dir.path(), &rank_program);
+                scope.spawn(move || {
+                    let config = RingConfig::new(rank, n, dir, secret)
+                        .expect("a valid rank")
+                        .timeout(timeout);
+                    rank_program(RingComm::connect(config).expect("the ring forms"))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank panicked"))
+            .collect()
+    })
 }
 
 /// Runs `scenario` on `n` ranks with `env`, killing them all and panicking past `deadline`.

@@ -1,27 +1,12 @@
-//! What one rank of tl-collective's ring sends for each collective, to the byte.
-//!
-//! The ring splits a buffer of `L` elements into the shards of
-//! [`tl_collective::shard_range`] (the first `L mod N` one element longer). A reduce-scatter
-//! runs `N − 1` steps; at each, rank `r` sends one shard and receives another, and over the
-//! steps it sends every shard but its own (`r`). An all-gather sends every shard but the one
-//! of its right neighbour (`r + 1`), which that neighbour already holds. An all-reduce is the
-//! two in turn. Before its payload every collective all-gathers a 40-byte header round the
-//! ring (`N − 1` sends of 40 bytes) so that ranks whose calls disagree all fail the same way.
-//! A world of one sends nothing at all.
-//!
-//! So rank `r` sends, for `e`-byte elements and shard lengths `s(q)`,
-//!
-//! ```text
-//! reduce-scatter   40(N−1) + e·(L − s(r))
-//! all-gather       40(N−1) + e·(L − s(r+1))
-//! all-reduce       40(N−1) + e·(2L − s(r) − s(r+1))      ≈ 2(N−1)/N · e·L
-//! ```
+//! The collectives a plan counts, by the names its tables and JSON print, and what one rank of
+//! tl-collective's ring sends for each: the arithmetic is tl-collective's own
+//! ([`tl_collective::ring_bytes_sent`], whose docs give the formulas), so that the plan and
+//! the ring (and the [`Phantom`](tl_collective::Phantom) that stands for it) share one count.
 
 use serde::Serialize;
-use tl_collective::shard_range;
 
-/// Bytes of the header each collective gathers round the ring, per hop.
-pub const RING_HEADER_BYTES: u64 = 40;
+/// Bytes of the header each collective gathers round the ring, per hop (tl-collective's).
+pub use tl_collective::RING_HEADER_BYTES;
 
 /// A collective of tl-collective's [`Communicator`](tl_collective::Communicator).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -46,9 +31,19 @@ impl Collective {
     }
 }
 
+impl From<Collective> for tl_collective::Collective {
+    fn from(collective: Collective) -> Self {
+        match collective {
+            Collective::AllReduce => tl_collective::Collective::AllReduce,
+            Collective::ReduceScatter => tl_collective::Collective::ReduceScatter,
+            Collective::AllGather => tl_collective::Collective::AllGather,
+        }
+    }
+}
+
 /// Bytes rank `rank` of a ring of `world_size` sends for one `collective` over a buffer of
-/// `elements` elements of `element_bytes` bytes, headers included (see the [module
-/// docs](self)).
+/// `elements` elements of `element_bytes` bytes, headers included:
+/// [`tl_collective::ring_bytes_sent`] for the plan's collectives.
 ///
 /// ```
 /// use tl_train::plan::{Collective, ring_bytes_sent};
@@ -68,23 +63,7 @@ pub fn ring_bytes_sent(
     world_size: usize,
     rank: usize,
 ) -> u64 {
-    assert!(rank < world_size, "rank {rank} outside {world_size}");
-    if world_size == 1 {
-        return 0;
-    }
-    let shard = |q: usize| {
-        // Shards are at most `elements / N + 1` long: compute them without a usize buffer
-        // length when `elements` exceeds usize (never on 64-bit targets).
-        shard_range(elements as usize, world_size, q).len() as u64
-    };
-    let own = shard(rank);
-    let right = shard((rank + 1) % world_size);
-    let payload = match collective {
-        Collective::ReduceScatter => elements - own,
-        Collective::AllGather => elements - right,
-        Collective::AllReduce => 2 * elements - own - right,
-    };
-    RING_HEADER_BYTES * (world_size as u64 - 1) + element_bytes * payload
+    tl_collective::ring_bytes_sent(collective.into(), elements, element_bytes, world_size, rank)
 }
 
 #[cfg(test)]
@@ -102,6 +81,7 @@ mod tests {
         }
     }
 
+    /// Each collective maps onto its own: with uneven shards the three differ on a rank.
     #[test]
     fn uneven_shards_make_ranks_send_different_amounts() {
         // 5 elements over 2 ranks: shards of 3 and 2. Rank 0 owns 3, its neighbour 2.

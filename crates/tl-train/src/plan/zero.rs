@@ -32,7 +32,7 @@ use std::fmt;
 use serde::{Serialize, Serializer};
 use tl_collective::shard_range;
 
-use super::collectives::Collective;
+use super::collectives::{Collective, RING_HEADER_BYTES};
 use crate::error::{Result, TrainError};
 use crate::model::ModelConfig;
 
@@ -213,7 +213,7 @@ pub fn stage_terms(
         if ranks == 1 {
             0
         } else {
-            F32 * shard(len, ranks, 0) + 40 * ranks as u64
+            F32 * shard(len, ranks, 0) + RING_HEADER_BYTES * ranks as u64
         }
     };
     let bucket_buffers = F32 * first_bucket + ring(first_bucket);
