@@ -140,9 +140,11 @@ where
     let fingerprint = options.verify.then(|| Fingerprint::of(&forward_output));
     // A copy, made before the segment's own output dies with this scope (a meta copy of a
     // meta output); the node's output is counted from then on.
-    let shape = forward_output.shape();
+    let (shape, tag) = (forward_output.shape(), forward_output.memory_tag());
     let value = (!forward_output.is_meta()).then(|| forward_output.to_array());
     drop(forward_output);
+    // On the memory meter the copy is what it stands for: the segment's output.
+    let _tag = tl_tensor::memory::tag_scope(tag);
     let value = match value {
         Some(value) => Tensor::from_array(value),
         None => Tensor::meta(&shape),

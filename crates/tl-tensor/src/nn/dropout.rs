@@ -76,7 +76,7 @@ impl Dropout {
 }
 
 /// The memory meter's label of a dropout mask.
-pub const MASK_LABEL: &str = "dropout mask";
+pub const DROPOUT_MASK_LABEL: &str = "dropout mask";
 
 impl<E: Element> Module<E> for Dropout {
     /// `x · mask / (1 − p)` while training with `p > 0`; `x` itself otherwise.
@@ -88,7 +88,7 @@ impl<E: Element> Module<E> for Dropout {
         let shape = x.shape();
         // Kept as a tensor so the memory meter counts it among the saved activations. No
         // draws for a meta input.
-        let mask_label = crate::memory::label_scope(MASK_LABEL);
+        let mask_label = crate::memory::label_scope(DROPOUT_MASK_LABEL);
         let mask = if crate::meta::computes(&[x]) {
             // A standard-layout mask: `from_shape_simple_fn` fills it in row-major order,
             // which fixes which draw lands on which element.

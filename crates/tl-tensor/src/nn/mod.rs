@@ -9,7 +9,7 @@ mod rmsnorm;
 mod sequential;
 
 pub use activation::{Gelu, Relu, Silu, Tanh};
-pub use dropout::Dropout;
+pub use dropout::{DROPOUT_MASK_LABEL, Dropout};
 pub use embedding::Embedding;
 pub use linear::Linear;
 pub use module::Module;

@@ -119,7 +119,7 @@ impl<E: Element> Block<E> {
             .set(state.map(|(s, first)| (Rc::clone(s), first)));
     }
 
-    fn branch(&self, x: &Tensor<E>, output: Tensor<E>) -> Tensor<E> {
+    fn branch(&self, x: &Tensor<E>, output: Tensor<E>, label: &'static str) -> Tensor<E> {
         let output = match &self.dropout {
             Some(dropout) => {
                 let _label = memory::label_scope(roles::DROPOUT);
@@ -127,7 +127,7 @@ impl<E: Element> Block<E> {
             }
             None => output,
         };
-        let _label = memory::label_scope(roles::RESIDUAL);
+        let _label = memory::label_scope(label);
         x.add(&output)
     }
 
@@ -143,11 +143,11 @@ impl<E: Element> Module<E> for Block<E> {
         // Each norm's output feeds only projections: under autocast, it is rounded as it is
         // written rather than copied by them (see `round_for_products`).
         let normed = Self::norm(&self.norm1, x);
-        let x = self.branch(x, self.attention.forward(&normed));
+        let x = self.branch(x, self.attention.forward(&normed), roles::RESIDUAL);
         drop(normed); // freed before the MLP's norm makes its own
 
         let normed = Self::norm(&self.norm2, &x);
-        self.branch(&x, self.mlp.forward(&normed))
+        self.branch(&x, self.mlp.forward(&normed), roles::BLOCK_OUTPUT)
     }
 
     fn parameters(&self) -> Vec<Tensor<E>> {

@@ -9,8 +9,10 @@
 
 /// The embedding's rows: the residual stream's start.
 pub const EMBEDDING: &str = "embedding";
-/// A residual sum, `x + branch(x)`.
+/// A residual sum inside a block, `x + attention(x)`.
 pub const RESIDUAL: &str = "residual";
+/// A block's output, `x + mlp(x)`: the next unit's input.
+pub const BLOCK_OUTPUT: &str = "block output";
 /// An RMSNorm's output.
 pub const NORM: &str = "norm";
 /// Rotary embedding's rotated queries and keys.

@@ -84,11 +84,13 @@
 mod collectives;
 mod dry_run;
 mod kind;
+mod ledger;
 mod measure;
 mod model;
 mod ops;
 mod parallel;
 mod parallel_table;
+mod recipe;
 mod report;
 mod shapes;
 mod step;
@@ -97,14 +99,16 @@ mod zero;
 
 pub use collectives::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
 pub use kind::{Layer, Phase, Stage, TensorKind};
+pub use ledger::{MASTER_SHARD_LABEL, predict_step};
 pub use measure::{Measurement, measure_meta_steps, measure_steps, relative_error};
 pub use parallel::{
     DataParallelism, LISTED_RANKS, ParallelPlan, PeakPhase, RankPlan, SentBytes, Term, plan_ranks,
 };
 pub use parallel_table::{render_parallel, render_sweep};
+pub use recipe::Recipe;
 pub use report::{FLOOR_BYTES_PER_PARAMETER, KindBytes, LayerBytes, MemoryPlan, PolicyPlan};
 pub use shapes::PlanShape;
-pub use step::{Recipe, SavedBytes, StepPrediction, predict_step};
+pub use step::{SavedBytes, StepPrediction};
 pub use table::{render, render_measurement, schedule_label, thousands};
 pub use zero::{
     BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, STEP_EXTRAS, StageTerms,

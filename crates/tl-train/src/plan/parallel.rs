@@ -45,7 +45,8 @@ use serde::Serialize;
 
 use super::collectives::ring_bytes_sent;
 use super::kind::{Stage, TensorKind};
-use super::step::{OptimizerShard, Recipe, StepPrediction, predict_step_sharded};
+use super::recipe::Recipe;
+use super::step::{OptimizerShard, StepPrediction, predict_step_sharded};
 use super::zero::{
     BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, StageTerms, ZeroStage,
     paper_figures, stage_terms,

@@ -7,82 +7,16 @@ use std::rc::Rc;
 
 use serde::Serialize;
 use tl_collective::shard_range;
-use tl_precision::Precision;
 
 use super::collectives::Collective;
 use super::dry_run::{DryRun, EXTRAS, Handle, Sharding, Tag, Zero2, Zero3, bucket_plan, tag};
 use super::kind::{Layer, Phase, Stage, TensorKind};
 use super::model::ShadowLlama;
 use super::ops::F32;
+use super::recipe::Recipe;
 use super::zero::{CollectiveCalls, ZeroStage};
-use crate::error::{Result, TrainError};
-use crate::model::{Checkpointing, ModelConfig};
-use crate::train::TrainConfig;
-
-/// What fixes the memory of a training step: the model, the micro-batch, the number of
-/// micro-batches per step, the precision and the checkpointing schedule.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Recipe {
-    /// The model's sizes.
-    pub model: ModelConfig,
-    /// Sequences per micro-batch (each `model.context` tokens long).
-    pub micro_batch: usize,
-    /// Micro-batches accumulated per optimizer step.
-    pub accum: usize,
-    /// The arithmetic of the matmuls (autocast for bf16 and fp16).
-    pub precision: Precision,
-    /// How the blocks keep their activations.
-    pub checkpointing: Checkpointing,
-    /// Whether the gradients' norm is clipped: under ZeRO-2 and 3 the ranks then add their
-    /// shards' sums of squares (one more all-reduce per step).
-    pub clip: bool,
-}
-
-impl From<&TrainConfig> for Recipe {
-    fn from(config: &TrainConfig) -> Self {
-        Self {
-            model: config.model.clone(),
-            micro_batch: config.micro_batch,
-            accum: config.accum,
-            precision: config.precision,
-            checkpointing: config.checkpointing,
-            clip: config.clip.is_some(),
-        }
-    }
-}
-
-impl Recipe {
-    /// The same recipe with another checkpointing schedule.
-    pub fn with_checkpointing(&self, checkpointing: Checkpointing) -> Self {
-        Self {
-            checkpointing,
-            ..self.clone()
-        }
-    }
-
-    /// Checks what a step needs: valid model sizes, at least one sequence and one
-    /// micro-batch, and a checkpointing budget that admits a schedule.
-    ///
-    /// # Errors
-    /// [`TrainError::InvalidConfig`], [`TrainError::InvalidArgument`] or
-    /// [`TrainError::Recompute`] naming what does not fit.
-    pub fn validate(&self) -> Result<()> {
-        self.model.validate()?;
-        for (name, value) in [("micro-batch", self.micro_batch), ("accum", self.accum)] {
-            if value == 0 {
-                return Err(TrainError::InvalidArgument {
-                    name,
-                    value: "0".into(),
-                    reason: "must be at least 1".into(),
-                });
-            }
-        }
-        if let Checkpointing::Budget(budget) = self.checkpointing {
-            tl_recompute::checkpoint_schedule(self.model.n_layers, budget)?;
-        }
-        Ok(())
-    }
-}
+use crate::error::Result;
+use crate::model::Checkpointing;
 
 /// The dry run's account of one recipe: peaks, where they fall, what they hold, and what
 /// the forward pass of one micro-batch leaves saved for backward.
@@ -382,29 +316,6 @@ pub(crate) fn second_step_events(
     dry.take_events()
 }
 
-/// Runs `recipe` through the dry run: a fresh model, one step, then a steady-state step.
-///
-/// ```
-/// use tl_train::model::Preset;
-/// use tl_train::plan::{Recipe, predict_step};
-/// use tl_train::train::TrainConfig;
-///
-/// let mut config = TrainConfig::for_preset(Preset::Tiny);
-/// config.micro_batch = 2;
-/// let prediction = predict_step(&Recipe::from(&config))?;
-/// // Between steps: weights and moments, 12 bytes per parameter (the trainer drops the
-/// // gradients after the update).
-/// assert_eq!(prediction.between_steps_bytes, 12 * 133_440);
-/// assert!(prediction.peak_bytes > prediction.between_steps_bytes + prediction.saved_total());
-/// # Ok::<(), tl_train::TrainError>(())
-/// ```
-///
-/// # Errors
-/// As [`Recipe::validate`].
-pub fn predict_step(recipe: &Recipe) -> Result<StepPrediction> {
-    predict_step_sharded(recipe, None)
-}
-
 /// [`predict_step`] for one rank of tl-parallel's data parallelism (`shard`: its stage and
 /// shards), or for a single process without it (`None`). A rank runs the recipe's
 /// micro-batches; what data parallelism adds on its meter is replicated stage by stage:
@@ -528,7 +439,7 @@ fn run_step(
     }
     dry.phase.stage = Stage::Optimizer;
     // Under ZeRO-2 and 3 the clip norm's sum of squares is added over the ranks, in f64.
-    if recipe.clip && matches!(stage, Some(ZeroStage::Gradients | ZeroStage::Parameters)) {
+    if recipe.clips() && matches!(stage, Some(ZeroStage::Gradients | ZeroStage::Parameters)) {
         dry.call("gradient norm", Collective::AllReduce, 1, 8);
     }
     let before_update = dry.live();

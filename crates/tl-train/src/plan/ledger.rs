@@ -1,0 +1,283 @@
+//! The plan's figures from the memory meter's tagged timeline of the trainer's own step,
+//! run on meta tensors (see `tl_tensor::meta`): the peak, when it comes and what it holds,
+//! what a micro-batch saves for backward, and what the update allocates.
+//!
+//! Every allocation of the step carries a tag (`tl_tensor::memory::Tag`): its kind, the
+//! model's unit that owns it, the label of what made it, the stage and micro-batch of the
+//! step that made it. [`TensorKind::of`] and [`Layer::of_unit`] read the plan's terms
+//! from them, and the ledger adds them up event by event.
+
+use std::collections::BTreeMap;
+
+use tl_precision::{COPY_LABEL, LOSS_LABEL, WEIGHT_COPY_LABEL};
+use tl_tensor::memory::{self, Event, EventKind, Kind, Stage as MeterStage, Tag};
+use tl_tensor::nn::DROPOUT_MASK_LABEL;
+
+use tl_collective::Single;
+
+use super::kind::{Layer, Phase, Stage, TensorKind};
+use super::recipe::Recipe;
+use super::step::{SavedBytes, StepPrediction};
+use crate::error::Result;
+use crate::model::causal_attention::ATTENTION;
+use crate::model::roles;
+use crate::train::Trainer;
+
+impl TensorKind {
+    /// The plan's term for storage tagged `tag`; `None` for an activation whose label the
+    /// plan does not know (which its tests rule out).
+    pub fn of(tag: &Tag) -> Option<TensorKind> {
+        Some(match tag.kind {
+            Kind::Weights => TensorKind::Weights,
+            Kind::Gradients => TensorKind::Gradients,
+            Kind::GradientsInFlight => TensorKind::GradientsInFlight,
+            Kind::OptimizerState if tag.label == MASTER_SHARD_LABEL => TensorKind::MasterShard,
+            Kind::OptimizerState => TensorKind::AdamMoments,
+            Kind::Communication => TensorKind::CommBuffers,
+            Kind::Activations | Kind::Temporaries => match tag.label {
+                roles::EMBEDDING | roles::RESIDUAL | roles::BLOCK_OUTPUT => {
+                    TensorKind::ResidualStream
+                }
+                roles::NORM => TensorKind::NormOutputs,
+                "wq" | "wk" | "wv" | roles::ROPE => TensorKind::Heads,
+                "wo" | "w2" | ATTENTION | roles::DROPOUT => TensorKind::LinearOutputs,
+                "w1" | "w3" | roles::SWIGLU => TensorKind::MlpHidden,
+                DROPOUT_MASK_LABEL => TensorKind::DropoutMasks,
+                roles::LOGITS => TensorKind::Logits,
+                COPY_LABEL => TensorKind::RoundedCopies,
+                WEIGHT_COPY_LABEL => TensorKind::WeightCopies,
+                roles::LOSS | LOSS_LABEL => TensorKind::Loss,
+                _ => return None,
+            },
+        })
+    }
+}
+
+/// The label tl-parallel gives the f32 master copy of a ZeRO rank's parameter shard.
+pub const MASTER_SHARD_LABEL: &str = "master shard";
+
+impl Layer {
+    /// The layer storage tagged `tag` is counted with: its owner's, except that a unit's
+    /// output (the embedding's rows, a block's output) is counted with the unit that reads
+    /// it, which saves it for backward or keeps it as a checkpoint's input.
+    pub fn of_tag(tag: &Tag, n_layers: usize) -> Layer {
+        let output = tag.kind == Kind::Activations
+            && matches!(tag.label, roles::EMBEDDING | roles::BLOCK_OUTPUT);
+        let unit = if output {
+            tag.owner.map(|unit| unit + 1)
+        } else {
+            tag.owner
+        };
+        Layer::of_unit(unit, n_layers)
+    }
+
+    /// The layer of the model's unit `unit` of a model of `n_layers` blocks (the unit hook's
+    /// numbering: the embedding, each block, the final norm with the head); storage no
+    /// unit owns (the weighted loss) goes with the head.
+    pub fn of_unit(unit: Option<usize>, n_layers: usize) -> Layer {
+        match unit {
+            Some(0) => Layer::Embedding,
+            Some(u) if u <= n_layers => Layer::Block(u - 1),
+            _ => Layer::Head,
+        }
+    }
+}
+
+/// Live bytes by tag, without the stage and micro-batch that made them.
+type Live = BTreeMap<(TensorKind, Layer), u64>;
+
+/// The figures of one recorded step.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct StepLedger {
+    /// The highest live bytes (counted from the start of the live bytes given).
+    pub peak_bytes: u64,
+    /// The allocation that reached the peak, as a phase of the step.
+    pub peak_at: Phase,
+    /// Live bytes at the peak, by term and layer.
+    pub peak_live: Live,
+    /// Live bytes when the first micro-batch's forward pass ended, by term and layer.
+    pub after_first_forward: Live,
+    /// The most the update allocated above the live bytes when it began.
+    pub update_extra_bytes: u64,
+    /// Live bytes when the step ended.
+    pub end_bytes: u64,
+}
+
+/// Adds up tagged events.
+struct Tally {
+    n_layers: usize,
+    live: Live,
+    total: u64,
+}
+
+impl Tally {
+    fn key(&self, tag: &Tag) -> (TensorKind, Layer) {
+        let kind = TensorKind::of(tag).unwrap_or_else(|| {
+            panic!(
+                "the plan has no term for {:?} storage labelled {:?} ({tag:?})",
+                tag.kind, tag.label
+            )
+        });
+        (kind, Layer::of_tag(tag, self.n_layers))
+    }
+
+    fn apply(&mut self, event: &Event) {
+        let bytes = event.bytes as u64;
+        match event.kind {
+            EventKind::Alloc => {
+                *self.live.entry(self.key(&event.tag)).or_default() += bytes;
+                self.total += bytes;
+            }
+            EventKind::Free => {
+                let key = self.key(&event.tag);
+                let entry = self.live.entry(key).or_default();
+                *entry = entry
+                    .checked_sub(bytes)
+                    .unwrap_or_else(|| panic!("{key:?}: freed more than was allocated"));
+                self.total -= bytes;
+            }
+            EventKind::Retag => {
+                let previous = self.key(&event.previous.expect("a retag names its old tag"));
+                *self.live.entry(previous).or_default() -= bytes;
+                *self.live.entry(self.key(&event.tag)).or_default() += bytes;
+            }
+        }
+    }
+
+    fn snapshot(&self) -> Live {
+        self.live
+            .iter()
+            .filter(|&(_, &bytes)| bytes > 0)
+            .map(|(&key, &bytes)| (key, bytes))
+            .collect()
+    }
+}
+
+/// Runs `step` (the `step`-th, from 1, of `accum` micro-batches, for a model of `n_layers`
+/// blocks) with the meter recording, on top of `live` (what was live before it, by term),
+/// and returns its figures and what is live after it.
+pub(crate) fn record_step<T>(
+    n_layers: usize,
+    step_number: u32,
+    accum: usize,
+    live: Live,
+    step: impl FnOnce() -> T,
+) -> (T, StepLedger, Live) {
+    let (out, events) = memory::record(step);
+    let mut tally = Tally {
+        n_layers,
+        total: live.values().sum(),
+        live,
+    };
+    let mut peak = (tally.total, None::<Tag>, tally.snapshot());
+    let mut after_first_forward = None;
+    let mut update = None::<(u64, u64)>;
+    for event in &events {
+        let tag = event.tag;
+        let first_backward = tag.micro_batch == Some(0)
+            && event.kind == EventKind::Alloc
+            && tag.stage != MeterStage::Forward;
+        if after_first_forward.is_none() && first_backward {
+            after_first_forward = Some(tally.snapshot());
+        }
+        tally.apply(event);
+        if event.kind == EventKind::Alloc && tally.total > peak.0 {
+            peak = (tally.total, Some(tag), tally.snapshot());
+        }
+        if tag.stage == MeterStage::Update && event.kind == EventKind::Alloc {
+            let before = update.map_or(tally.total - event.bytes as u64, |(b, _)| b);
+            let high = update.map_or(0, |(_, h)| h).max(tally.total);
+            update = Some((before, high));
+        }
+    }
+    let (peak_bytes, peak_tag, peak_live) = peak;
+    let ledger = StepLedger {
+        peak_bytes,
+        peak_at: phase_of(peak_tag.unwrap_or_default(), step_number, accum, n_layers),
+        peak_live,
+        after_first_forward: after_first_forward.unwrap_or_default(),
+        update_extra_bytes: update.map_or(0, |(before, high)| high - before),
+        end_bytes: tally.total,
+    };
+    (out, ledger, tally.snapshot())
+}
+
+/// The plan's phase of an allocation tagged `tag`.
+fn phase_of(tag: Tag, step: u32, accum: usize, n_layers: usize) -> Phase {
+    let stage = match tag.stage {
+        MeterStage::Other => Stage::StepStart,
+        MeterStage::Forward => Stage::Forward,
+        MeterStage::Backward => Stage::Backward,
+        MeterStage::Recompute => Stage::Recompute,
+        MeterStage::Reduction => Stage::Reduction,
+        MeterStage::Update => Stage::Optimizer,
+        MeterStage::Gather => Stage::Gather,
+    };
+    Phase {
+        step,
+        micro_batch: tag.micro_batch.map_or(0, |m| m + 1),
+        accum,
+        stage,
+        layer: Layer::of_unit(tag.owner, n_layers),
+    }
+}
+
+/// The memory of one training step of `recipe`, for one process: the trainer's own steps
+/// on meta tensors (a fresh meta trainer, its first step, then a steady-state second one),
+/// each recorded by the tagged memory meter and added up term by term.
+///
+/// ```
+/// use tl_train::model::Preset;
+/// use tl_train::plan::{Recipe, predict_step};
+/// use tl_train::train::TrainConfig;
+///
+/// let mut config = TrainConfig::for_preset(Preset::Tiny);
+/// config.micro_batch = 2;
+/// let prediction = predict_step(&Recipe::from(&config))?;
+/// // Between steps: weights and moments, 12 bytes per parameter (the trainer drops the
+/// // gradients after the update).
+/// assert_eq!(prediction.between_steps_bytes, 12 * 133_440);
+/// assert!(prediction.peak_bytes > prediction.between_steps_bytes + prediction.saved_total());
+/// # Ok::<(), tl_train::TrainError>(())
+/// ```
+///
+/// # Errors
+/// Those of [`Trainer::meta_on`] (an invalid config) and [`Trainer::train_step`].
+pub fn predict_step(recipe: &Recipe) -> Result<StepPrediction> {
+    let config = recipe.config();
+    let _meta = tl_tensor::meta_mode();
+    let (n, accum) = (config.model.n_layers, config.accum);
+    let (trainer, _, live) = record_step(n, 0, accum, Live::new(), || {
+        Trainer::meta_on(config.clone(), Box::new(Single::new()))
+    });
+    let mut trainer = trainer?;
+    let (stepped, first, live) = record_step(n, 1, accum, live, || trainer.train_step());
+    stepped?;
+    let (stepped, second, _) = record_step(n, 2, accum, live, || trainer.train_step());
+    stepped?;
+    let mut by_kind = BTreeMap::new();
+    for (&(kind, _), &bytes) in &second.peak_live {
+        *by_kind.entry(kind).or_insert(0) += bytes;
+    }
+    let peak_by_kind = TensorKind::ALL
+        .into_iter()
+        .filter_map(|kind| by_kind.get(&kind).map(|&bytes| (kind, bytes)))
+        .collect();
+    let saved = second
+        .after_first_forward
+        .iter()
+        .filter(|((kind, _), _)| kind.is_activation())
+        .map(|(&(kind, layer), &bytes)| SavedBytes { layer, kind, bytes })
+        .collect();
+    Ok(StepPrediction {
+        checkpointing: config.checkpointing,
+        peak_bytes: second.peak_bytes,
+        peak_at: second.peak_at,
+        peak_by_kind,
+        first_step_peak_bytes: first.peak_bytes,
+        between_steps_bytes: first.end_bytes,
+        update_extra_bytes: second.update_extra_bytes,
+        saved,
+        collectives: Vec::new(),
+    })
+}
