@@ -83,8 +83,8 @@ impl Layer {
     }
 }
 
-/// Live bytes by tag, without the stage and micro-batch that made them.
-type Live = BTreeMap<(TensorKind, Layer), u64>;
+/// Live bytes by layer and term (in that order, the order the plan lists them).
+type Live = BTreeMap<(Layer, TensorKind), u64>;
 
 /// The figures of one recorded step.
 #[derive(Clone, Debug, PartialEq)]
@@ -111,14 +111,14 @@ struct Tally {
 }
 
 impl Tally {
-    fn key(&self, tag: &Tag) -> (TensorKind, Layer) {
+    fn key(&self, tag: &Tag) -> (Layer, TensorKind) {
         let kind = TensorKind::of(tag).unwrap_or_else(|| {
             panic!(
                 "the plan has no term for {:?} storage labelled {:?} ({tag:?})",
                 tag.kind, tag.label
             )
         });
-        (kind, Layer::of_tag(tag, self.n_layers))
+        (Layer::of_tag(tag, self.n_layers), kind)
     }
 
     fn apply(&mut self, event: &Event) {
@@ -256,7 +256,7 @@ pub fn predict_step(recipe: &Recipe) -> Result<StepPrediction> {
     let (stepped, second, _) = record_step(n, 2, accum, live, || trainer.train_step());
     stepped?;
     let mut by_kind = BTreeMap::new();
-    for (&(kind, _), &bytes) in &second.peak_live {
+    for (&(_, kind), &bytes) in &second.peak_live {
         *by_kind.entry(kind).or_insert(0) += bytes;
     }
     let peak_by_kind = TensorKind::ALL
@@ -266,8 +266,8 @@ pub fn predict_step(recipe: &Recipe) -> Result<StepPrediction> {
     let saved = second
         .after_first_forward
         .iter()
-        .filter(|((kind, _), _)| kind.is_activation())
-        .map(|(&(kind, layer), &bytes)| SavedBytes { layer, kind, bytes })
+        .filter(|((_, kind), _)| kind.is_activation())
+        .map(|(&(layer, kind), &bytes)| SavedBytes { layer, kind, bytes })
         .collect();
     Ok(StepPrediction {
         checkpointing: config.checkpointing,
