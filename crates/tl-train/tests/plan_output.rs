@@ -48,6 +48,20 @@ fn single_process_tables() {
         ])
     );
     insta::assert_snapshot!(
+        "tiny_fp8",
+        plan(&[
+            "--preset",
+            "tiny",
+            "--bf16",
+            "--fp8",
+            "--checkpoint-activations"
+        ])
+    );
+    insta::assert_snapshot!(
+        "tiny_accumulate_h100",
+        plan(&["--preset", "tiny", "--bf16", "--accumulate", "h100"])
+    );
+    insta::assert_snapshot!(
         "tiny_matmuls_json",
         plan(&[
             "--preset",

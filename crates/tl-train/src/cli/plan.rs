@@ -53,6 +53,13 @@ pub struct PlanArgs {
     /// takes it [default: 25].
     #[arg(long, value_name = "MIB")]
     pub bucket_mib: Option<f64>,
+    /// The blocks' linear layers in fp8 with delayed scaling, as `tinyllm train --fp8`.
+    #[arg(long)]
+    pub fp8: bool,
+    /// Do not clip gradients, as `tinyllm train --no-clip` (under ZeRO-2 and 3 clipping
+    /// adds an all-reduce of the norm).
+    #[arg(long)]
+    pub no_clip: bool,
     /// Compute threads.
     #[command(flatten)]
     pub threads: super::Threads,
@@ -80,6 +87,8 @@ fn plan_config(args: &PlanArgs) -> Result<TrainConfig> {
         recipe,
         config: args.config.clone(),
         bucket_mib: args.bucket_mib,
+        fp8: args.fp8,
+        no_clip: args.no_clip,
         ..TrainArgs::default()
     };
     let mut config = config_from_flags(&train_args)?;

@@ -35,7 +35,7 @@ fn recipe_line(out: &mut String, plan: &ParallelPlan) {
         thousands(plan.sizes.parameters),
         r.accum,
         r.micro_batch,
-        r.precision,
+        r.arithmetic(),
         schedule_label(r.checkpointing),
         size(plan.parallelism.bucket_bytes),
     );

@@ -60,6 +60,20 @@ impl Recipe {
         })
     }
 
+    /// The step's arithmetic as the tables print it: the precision, then the tensor cores'
+    /// accumulation and fp8 when the recipe has them (`bf16`, `bf16, h100 accumulation`,
+    /// `bf16, fp8 linears`).
+    pub fn arithmetic(&self) -> String {
+        let mut label = self.0.precision.to_string();
+        if self.0.accumulation != Accumulation::F32 {
+            label.push_str(&format!(", {} accumulation", self.0.accumulation));
+        }
+        if self.0.fp8.is_some() {
+            label.push_str(", fp8 linears");
+        }
+        label
+    }
+
     /// Whether the gradients' norm is clipped.
     pub fn clips(&self) -> bool {
         self.0.clip.is_some()

@@ -106,7 +106,7 @@ pub fn render_measurement(plan: &MemoryPlan, measured: &Measurement) -> String {
     let mut out = format!(
         "measured on real steps ({}, {}):\n{:<26}{:>18}{:>18}{:>12}\n",
         schedule_label(predicted.checkpointing),
-        plan.recipe.precision,
+        plan.recipe.arithmetic(),
         "",
         "predicted",
         "measured",
@@ -159,7 +159,7 @@ fn header(out: &mut String, plan: &MemoryPlan) {
         model.vocab,
         r.micro_batch,
         model.context,
-        r.precision,
+        r.arithmetic(),
         schedule_label(r.checkpointing),
     );
     if let Checkpointing::Budget(budget) = r.checkpointing

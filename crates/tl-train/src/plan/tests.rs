@@ -1,10 +1,11 @@
-//! The dry run against closed forms worked by hand, and against the real engine's meter,
-//! event for event.
+//! The plan against closed forms worked by hand; the meta run it makes against the real
+//! step's meter, event for event; and the ranks' replica (until data parallelism runs on
+//! meta tensors too) against the meter.
 
 use tl_precision::Precision;
-use tl_tensor::memory;
+use tl_tensor::memory::{self, Event};
 
-use super::step::second_step_events;
+use super::step::second_step_events as replica_second_step_events;
 use super::*;
 use crate::model::{Checkpointing, ModelConfig, Preset};
 use crate::train::{DataSource, TrainConfig, Trainer};
@@ -116,7 +117,7 @@ fn each_keep_policy_adds_its_kept_products_to_a_checkpointed_blocks_bytes() {
 }
 
 #[test]
-fn the_replay_holds_for_every_keep_policy_under_autocast_and_dropout() {
+fn the_meta_run_holds_for_every_keep_policy_under_autocast_and_dropout() {
     // The kept products are taken back under autocast (their rounded copies and cast nodes
     // recorded again, nothing multiplied) and with dropout's masks drawn again.
     for checkpointing in [Checkpointing::Matmuls, Checkpointing::FirstMatmul] {
@@ -166,10 +167,16 @@ fn a_budget_with_no_schedule_is_refused() {
     ));
 }
 
-/// The allocations and frees of a real trainer's second step.
-fn measured_second_step_events(config: &TrainConfig) -> Vec<(memory::EventKind, usize)> {
+/// The meter's events (tags included) of a trainer's second step: a real trainer, or with
+/// `meta`, the trainer on meta tensors that the plan runs.
+fn second_step_events(config: &TrainConfig, meta: bool) -> Vec<Event> {
     let dir = tempfile::tempdir().unwrap();
-    let mut trainer = Trainer::new(config.clone(), &dir.path().join("run")).unwrap();
+    let _meta = meta.then(tl_tensor::meta_mode);
+    let mut trainer = if meta {
+        Trainer::meta_on(config.clone(), Box::new(tl_collective::Single::new())).unwrap()
+    } else {
+        Trainer::new(config.clone(), &dir.path().join("run")).unwrap()
+    };
     trainer.train_step().unwrap();
     let (record, events) = memory::record(|| trainer.train_step().unwrap());
     assert!(matches!(
@@ -178,14 +185,15 @@ fn measured_second_step_events(config: &TrainConfig) -> Vec<(memory::EventKind, 
     ));
     events
         .into_iter()
-        .filter(|e| e.kind != memory::EventKind::Retag)
-        .map(|e| (e.kind, e.bytes))
+        .map(|e| Event { live_after: 0, ..e })
         .collect()
 }
 
+/// The meta run allocates and frees what the real step does, event for event, with the
+/// same tags.
 fn assert_same_timeline(config: &TrainConfig) {
-    let predicted = second_step_events(&Recipe::from(config), None);
-    let measured = measured_second_step_events(config);
+    let predicted = second_step_events(config, true);
+    let measured = second_step_events(config, false);
     let first_difference = predicted.iter().zip(&measured).position(|(p, m)| p != m);
     assert_eq!(
         (first_difference, predicted.len()),
@@ -195,12 +203,12 @@ fn assert_same_timeline(config: &TrainConfig) {
 }
 
 #[test]
-fn the_dry_run_replays_the_meters_timeline_event_for_event() {
+fn the_meta_run_replays_the_meters_timeline_event_for_event() {
     assert_same_timeline(&micro_config(Precision::Fp32, Checkpointing::Off, 0.0));
 }
 
 #[test]
-fn the_replay_holds_under_autocast_dropout_and_a_checkpoint_budget() {
+fn the_meta_run_holds_under_autocast_dropout_and_a_checkpoint_budget() {
     // Budget 3 on 4 blocks: segments [1, 3], the first one checkpointed.
     assert_same_timeline(&micro_config(
         Precision::Bf16,
@@ -291,7 +299,7 @@ fn assert_same_rank_timeline(config: &TrainConfig, stage: ZeroStage, bucket_byte
         rank: 0,
         bucket_bytes,
     };
-    let predicted = second_step_events(&Recipe::from(config), Some(shard));
+    let predicted = replica_second_step_events(&Recipe::from(config), Some(shard));
     let first_difference = predicted.iter().zip(&measured).position(|(p, m)| p != m);
     if let Some(i) = first_difference {
         let lo = i.saturating_sub(6);
