@@ -45,7 +45,8 @@ pub struct PlanArgs {
     /// table) [default: 0,1,2,3].
     #[arg(long, value_name = "S", value_delimiter = ',')]
     pub zero: Vec<usize>,
-    /// Plan a large Llama shape instead of a preset: 1.3b or 7b (plan only: far too large
+    /// Plan a large Llama shape instead of a preset: 1.3b, 7b or 70b (70b without
+    /// grouped-query attention; plan only: far too large
     /// to train here). Micro-batch and accum default to 1.
     #[arg(long, value_name = "SHAPE", conflicts_with = "preset")]
     pub shape: Option<String>,

@@ -23,17 +23,25 @@ pub enum PlanShape {
     /// Llama 7B: width 4096, 32 blocks of 32 heads, SwiGLU hidden 11008, vocabulary 32,000,
     /// context 4096 (Llama 2's).
     Llama7b,
+    /// Llama 2 70B's sizes: width 8192, 80 blocks of 64 heads, SwiGLU hidden 28672,
+    /// vocabulary 32,000, context 4096 — with full multi-head attention. Llama 2 70B shares
+    /// each key and value head among 8 query heads (grouped-query attention), which this
+    /// model does not have: its wk and wv are 8192 × 8192 rather than 8192 × 1024, so it has
+    /// 78.4 billion parameters rather than 69 billion, and its keys and values in the
+    /// activations are 8 times Llama 2's.
+    Llama70b,
 }
 
 impl PlanShape {
     /// Both shapes, smallest first.
-    pub const ALL: [PlanShape; 2] = [PlanShape::Llama1b3, PlanShape::Llama7b];
+    pub const ALL: [PlanShape; 3] = [PlanShape::Llama1b3, PlanShape::Llama7b, PlanShape::Llama70b];
 
     /// The name `--shape` takes.
     pub fn name(self) -> &'static str {
         match self {
             PlanShape::Llama1b3 => "1.3b",
             PlanShape::Llama7b => "7b",
+            PlanShape::Llama70b => "70b",
         }
     }
 
@@ -45,11 +53,15 @@ impl PlanShape {
     /// // 32000·4096 (embedding) + 32·(4·4096² + 3·4096·11008 + 2·4096) + 4096 + 4096·32000
     /// assert_eq!(PlanShape::Llama7b.config().num_parameters(), 6_738_415_616);
     /// assert_eq!(PlanShape::Llama1b3.config().num_parameters(), 1_345_423_360);
+    /// // 32000·8192·2 + 80·(4·8192² + 3·8192·28672 + 2·8192) + 8192: no grouped-query
+    /// // attention, so not Llama 2 70B's 68,976,648,192.
+    /// assert_eq!(PlanShape::Llama70b.config().num_parameters(), 78_371_889_152);
     /// ```
     pub fn config(self) -> ModelConfig {
         let (d_model, n_layers, n_heads, hidden, context) = match self {
             PlanShape::Llama1b3 => (2048, 24, 16, 5504, 2048),
             PlanShape::Llama7b => (4096, 32, 32, 11008, 4096),
+            PlanShape::Llama70b => (8192, 80, 64, 28672, 4096),
         };
         ModelConfig {
             vocab: 32_000,
@@ -81,7 +93,7 @@ impl FromStr for PlanShape {
             .ok_or_else(|| TrainError::InvalidArgument {
                 name: "shape",
                 value: s.to_string(),
-                reason: "expected 1.3b or 7b".into(),
+                reason: "expected 1.3b, 7b or 70b".into(),
             })
     }
 }
