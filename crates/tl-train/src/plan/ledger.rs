@@ -13,15 +13,16 @@ use tl_precision::{COPY_LABEL, LOSS_LABEL, WEIGHT_COPY_LABEL};
 use tl_tensor::memory::{self, Event, EventKind, Kind, Stage as MeterStage, Tag};
 use tl_tensor::nn::DROPOUT_MASK_LABEL;
 
-use tl_collective::Single;
+use tl_collective::{Communicator, Single};
 
 use super::kind::{Layer, Phase, Stage, TensorKind};
 use super::recipe::Recipe;
+use super::recorder::Calls;
 use super::step::{SavedBytes, StepPrediction};
 use crate::error::Result;
 use crate::model::causal_attention::ATTENTION;
 use crate::model::roles;
-use crate::train::Trainer;
+use crate::train::{TrainConfig, Trainer};
 
 impl TensorKind {
     /// The plan's term for storage tagged `tag`; `None` for an activation whose label the
@@ -244,15 +245,28 @@ fn phase_of(tag: Tag, step: u32, accum: usize, n_layers: usize) -> Phase {
 /// # Errors
 /// Those of [`Trainer::meta_on`] (an invalid config) and [`Trainer::train_step`].
 pub fn predict_step(recipe: &Recipe) -> Result<StepPrediction> {
-    let config = recipe.config();
+    predict_rank(recipe.config(), Box::new(Single::new()), &Calls::default())
+}
+
+/// [`predict_step`] of rank `comm.rank()` of `comm`'s world (a [`Recorder`] around a
+/// phantom, for a plan), with the config's ZeRO stage and buckets; `calls` is where the
+/// recorder notes its collectives, left holding the steady-state step's.
+///
+/// [`Recorder`]: super::recorder::Recorder
+pub(crate) fn predict_rank(
+    config: &TrainConfig,
+    comm: Box<dyn Communicator>,
+    calls: &Calls,
+) -> Result<StepPrediction> {
     let _meta = tl_tensor::meta_mode();
     let (n, accum) = (config.model.n_layers, config.accum);
     let (trainer, _, live) = record_step(n, 0, accum, Live::new(), || {
-        Trainer::meta_on(config.clone(), Box::new(Single::new()))
+        Trainer::meta_on(config.clone(), comm)
     });
     let mut trainer = trainer?;
     let (stepped, first, live) = record_step(n, 1, accum, live, || trainer.train_step());
     stepped?;
+    calls.borrow_mut().clear();
     let (stepped, second, _) = record_step(n, 2, accum, live, || trainer.train_step());
     stepped?;
     let mut by_kind = BTreeMap::new();

@@ -42,10 +42,13 @@
 //! are checked against the dry run by its unit tests.
 
 use serde::Serialize;
+use tl_collective::Phantom;
 
 use super::collectives::ring_bytes_sent;
 use super::kind::{Stage, TensorKind};
+use super::ledger::predict_rank;
 use super::recipe::Recipe;
+use super::recorder::{Recorder, by_purpose};
 use super::step::{OptimizerShard, StepPrediction, predict_step_sharded};
 use super::zero::{
     BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, StageTerms, ZeroStage,
@@ -256,6 +259,28 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
         sizes,
         ranks,
     })
+}
+
+/// Rank `rank` of `parallelism`, planned by running the trainer's own data-parallel step on
+/// meta tensors, as that rank of a phantom world (see the [module docs](self)).
+#[allow(dead_code)] // Replaces the replica's rank plan once tl-parallel runs on meta tensors.
+fn plan_rank(
+    recipe: &Recipe,
+    parallelism: &DataParallelism,
+    rank: usize,
+    terms: StageTerms,
+) -> Result<RankPlan> {
+    let mut config = recipe.config().clone();
+    config.parallel.zero = parallelism.stage.index() as u8;
+    config.parallel.bucket_bytes = parallelism.bucket_bytes as usize;
+    let phantom = Phantom::new(rank, parallelism.ranks)?;
+    let (recorder, calls) = Recorder::new(phantom);
+    let prediction = predict_rank(&config, Box::new(recorder), &calls)?;
+    let sent = by_purpose(&calls.borrow(), parallelism.stage, config.model.n_layers)
+        .into_iter()
+        .map(|(calls, bytes)| SentBytes { calls, bytes })
+        .collect();
+    Ok(from_dry_run(&prediction).into_rank_plan(rank, terms, sent))
 }
 
 /// When a rank's metered bytes are highest.

@@ -1,0 +1,186 @@
+//! [`Recorder`]: a communicator that passes every collective on to another and notes what
+//! it was — which collective, how many elements of which type, what the rank sent for it,
+//! and the memory meter's tag at the moment of the call (the stage of the step and the
+//! model's unit) — so the plan can list a rank's traffic by purpose.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use tl_collective::{CommStats, Communicator, ReduceOp, Result, Slice, SliceMut};
+use tl_tensor::memory::{self, Tag};
+
+use super::collectives::Collective;
+
+/// One collective a rank called.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Call {
+    /// Which collective.
+    pub collective: Collective,
+    /// Elements of the buffer (the whole buffer: the gathered output, the scattered input).
+    pub elements: u64,
+    /// Bytes per element.
+    pub element_bytes: u64,
+    /// Bytes this rank sent for it, headers included.
+    pub bytes_sent: u64,
+    /// The memory meter's tag scope when it was called.
+    pub scope: Tag,
+}
+
+/// The calls a [`Recorder`] noted, shared with whoever reads them.
+pub(crate) type Calls = Rc<RefCell<Vec<Call>>>;
+
+/// Passes every collective on to `inner` and notes it in `calls` (broadcasts and barriers
+/// too are passed on, and not noted: the training step makes none).
+pub(crate) struct Recorder<C: Communicator> {
+    inner: C,
+    calls: Calls,
+}
+
+impl<C: Communicator> Recorder<C> {
+    /// A recorder around `inner`, and the handle its calls can be read from.
+    pub(crate) fn new(inner: C) -> (Self, Calls) {
+        let calls = Calls::default();
+        let recorder = Self {
+            inner,
+            calls: Rc::clone(&calls),
+        };
+        (recorder, calls)
+    }
+
+    /// Runs `call` on the inner communicator and notes it, if it succeeded.
+    fn note<T>(
+        &mut self,
+        collective: Collective,
+        (elements, element_bytes): (usize, usize),
+        call: impl FnOnce(&mut C) -> Result<T>,
+    ) -> Result<T> {
+        let before = self.inner.stats().bytes_sent;
+        let out = call(&mut self.inner)?;
+        self.calls.borrow_mut().push(Call {
+            collective,
+            elements: elements as u64,
+            element_bytes: element_bytes as u64,
+            bytes_sent: self.inner.stats().bytes_sent - before,
+            scope: memory::current_tag(),
+        });
+        Ok(out)
+    }
+}
+
+impl<C: Communicator> Communicator for Recorder<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> Result<()> {
+        let size = (data.len(), data.element_type().bytes());
+        self.note(Collective::AllReduce, size, |inner| inner.all_reduce(data, op))
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        input: Slice<'_>,
+        output: SliceMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let size = (input.len(), input.element_type().bytes());
+        self.note(Collective::ReduceScatter, size, |inner| {
+            inner.reduce_scatter(input, output, op)
+        })
+    }
+
+    fn all_gather(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> Result<()> {
+        let size = (output.len(), output.element_type().bytes());
+        self.note(Collective::AllGather, size, |inner| {
+            inner.all_gather(input, output)
+        })
+    }
+
+    fn broadcast(&mut self, data: SliceMut<'_>, root: usize) -> Result<()> {
+        self.inner.broadcast(data, root)
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        self.inner.barrier()
+    }
+
+    fn stats(&self) -> CommStats {
+        self.inner.stats()
+    }
+}
+
+/// What each of a rank's `calls` of one step was for, at `stage`, as the plan's tables name
+/// it, with the bytes the rank sent for them; equal calls merged (in the order of their
+/// first call). A model has `n_layers` blocks (the units: the embedding, each block, the
+/// norm with the head).
+pub(crate) fn by_purpose(
+    calls: &[Call],
+    stage: super::zero::ZeroStage,
+    n_layers: usize,
+) -> Vec<(super::zero::CollectiveCalls, u64)> {
+    use super::zero::{CollectiveCalls, STEP_EXTRAS, ZeroStage};
+    use tl_tensor::memory::Stage;
+    // The last call of the gradient reduction carries what ends the step (DDP: the loss,
+    // the overflow flag and the underflows ride on the last bucket).
+    let buckets = |call: &Call| match stage {
+        ZeroStage::Ddp | ZeroStage::OptimizerStates => {
+            call.collective == Collective::AllReduce && call.element_bytes == 4
+        }
+        ZeroStage::Gradients => call.collective == Collective::ReduceScatter,
+        ZeroStage::Parameters => false,
+    };
+    let last_bucket = calls.iter().rposition(buckets);
+    let unit = |call: &Call| match call.scope.owner {
+        Some(0) => "embedding",
+        Some(u) if u <= n_layers => "block",
+        _ => "norm + head",
+    };
+    let mut merged: Vec<(CollectiveCalls, u64)> = Vec::new();
+    for (index, call) in calls.iter().enumerate() {
+        let purpose = match call.collective {
+            Collective::AllReduce if call.element_bytes == 8 => "gradient norm",
+            Collective::AllReduce if stage == ZeroStage::Parameters => {
+                debug_assert_eq!(call.elements, STEP_EXTRAS);
+                "loss, overflow flag, underflows"
+            }
+            _ if Some(index) == last_bucket => "last gradient bucket",
+            _ if buckets(call) => "gradient buckets",
+            Collective::AllGather if stage != ZeroStage::Parameters => "updated weights",
+            Collective::AllGather => match (unit(call), call.scope.stage) {
+                ("embedding", Stage::Forward) => "embedding weights, forward",
+                ("embedding", _) => "embedding weights, backward",
+                ("block", Stage::Forward) => "block weights, forward",
+                ("block", _) => "block weights, backward",
+                (_, Stage::Forward) => "norm + head weights, forward",
+                _ => "norm + head weights, backward",
+            },
+            _ => match unit(call) {
+                "embedding" => "embedding gradients",
+                "block" => "block gradients",
+                _ => "norm + head gradients",
+            },
+        };
+        let calls = CollectiveCalls {
+            purpose,
+            collective: call.collective,
+            elements: call.elements,
+            element_bytes: call.element_bytes,
+            calls: 1,
+        };
+        match merged
+            .iter_mut()
+            .find(|(m, _)| CollectiveCalls { calls: 1, ..*m } == calls)
+        {
+            Some((same, bytes)) => {
+                same.calls += 1;
+                *bytes += call.bytes_sent;
+            }
+            None => merged.push((calls, call.bytes_sent)),
+        }
+    }
+    merged
+}
