@@ -78,7 +78,9 @@ impl<C: Communicator> Communicator for Recorder<C> {
 
     fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> Result<()> {
         let size = (data.len(), data.element_type().bytes());
-        self.note(Collective::AllReduce, size, |inner| inner.all_reduce(data, op))
+        self.note(Collective::AllReduce, size, |inner| {
+            inner.all_reduce(data, op)
+        })
     }
 
     fn reduce_scatter(
