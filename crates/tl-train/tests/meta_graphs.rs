@@ -61,7 +61,7 @@ fn apply(which: usize, a: &Tensor<f32>, b: &Tensor<f32>, w: &[Tensor<f32>; 2]) -
             let weight = w[0].clone();
             checkpoint(
                 move |xs| xs[0].matmul(&weight).gelu(),
-                &[a.clone()],
+                std::slice::from_ref(a),
                 &w[..1],
                 &[],
             )
