@@ -396,6 +396,11 @@ fn values_dependent_reads_have_their_meta_answers() {
         clip_grad_norm(std::slice::from_ref(&w), 1.0).expect("a valid max"),
         0.0
     );
+    // Even a max below the norm's epsilon, which asks to scale, scales nothing.
+    assert_eq!(
+        clip_grad_norm(std::slice::from_ref(&w), 1e-300).expect("a valid max"),
+        0.0
+    );
     assert_eq!(w.argmax_axis(1).shape(), &[3]);
     assert!(tl_tensor::kernels::finite::all_finite(
         w.grad()
