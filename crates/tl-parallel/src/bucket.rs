@@ -9,6 +9,19 @@
 use tl_tensor::Tensor;
 use tl_tensor::ndarray::ArrayD;
 
+/// Bytes per bucket unless [`DataParallel::with_bucket_bytes`](crate::DataParallel::
+/// with_bucket_bytes) says otherwise: PyTorch DDP's default, 25 MiB. The one definition
+/// of the default: tl-train's config and plan take it from here.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
+/// Scalars appended to the last bucket of a step's gradient reduction (DDP's all-reduce,
+/// ZeRO-2's reduce-scatter), in this order: this rank's part of the global loss, whether
+/// its gradients held an inf or a NaN (1 or 0), and its count of gradient values the 16-bit
+/// casts flushed to zero. Summed over the ranks they give the global loss, the number of
+/// ranks that overflowed and the global underflows. (ZeRO-3, whose units have no last
+/// bucket, all-reduces the same three on their own.)
+pub const STEP_EXTRAS: usize = 3;
+
 /// A run of one parameter's elements inside a bucket.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Segment {

@@ -5,9 +5,9 @@
 //! the micro-batches run. When the last backward is done, [`StepObserver::gradients_ready`]
 //! sums the ranks' gradients, each weighted by its share of the rows, in buckets of about
 //! [`DEFAULT_BUCKET_BYTES`] filled in reverse parameter order (the order backward produces
-//! the gradients). Three scalars ride in the last bucket, so they cost no collective of
-//! their own: this rank's part of the global loss, whether its gradients were all finite,
-//! and its count of flushed gradient underflows.
+//! the gradients). Three scalars ([`STEP_EXTRAS`](crate::STEP_EXTRAS)) ride in the last
+//! bucket, so they cost no collective of their own: this rank's part of the global loss,
+//! whether its gradients were all finite, and its count of flushed gradient underflows.
 //!
 //! After the reduction every rank holds the same gradients, bit for bit (the ring adds in a
 //! fixed order), so what the step computes from them is global without further talk: the
@@ -37,17 +37,13 @@ use tl_tensor::nn::Module;
 use tl_tensor::optim::Optimizer;
 use tl_tensor::{Element, Tensor};
 
-use crate::bucket::{bucket_len, ensure_grad, plan, read_run, write_run};
+use crate::bucket::{
+    DEFAULT_BUCKET_BYTES, STEP_EXTRAS, bucket_len, ensure_grad, plan, read_run, write_run,
+};
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
 use crate::metered::Metered;
 use crate::zero2::{self, Core};
-
-/// Bucket size of PyTorch DDP's default, 25 MiB.
-pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
-
-/// The scalars appended to the last bucket: loss, non-finite flag, underflows.
-pub(crate) const EXTRAS: usize = 3;
 
 /// An element type whose gradients [`DataParallel`] can reduce: `f32` or `f64`, a tensor
 /// element that is also a collective's element.
@@ -327,11 +323,7 @@ impl DataParallel {
             }
             let last = index + 1 == buckets.len();
             if last {
-                buf.extend([
-                    E::from_f64(self.local_loss.get()),
-                    if finite { E::zero() } else { E::one() },
-                    E::from_f64(underflow_count() as f64),
-                ]);
+                buf.extend(step_extras(self.local_loss.get(), !finite));
             }
             let view = <E as tl_collective::Element>::view_mut(&mut buf);
             self.link
@@ -345,15 +337,33 @@ impl DataParallel {
                 offset += s.len;
             }
             if last {
-                let extras = &buf[buf.len() - EXTRAS..];
-                self.summary = Some(StepSummary {
-                    global_loss: self.loss_recorded.then(|| extras[0].to_f64()),
-                    nonfinite_ranks: extras[1].to_f64() as u64,
-                    underflows: extras[2].to_f64() as u64,
-                });
+                let extras = &buf[buf.len() - STEP_EXTRAS..];
+                self.summary = Some(StepSummary::of_extras(extras, self.loss_recorded));
             }
         }
         Some(())
+    }
+}
+
+/// This rank's [`STEP_EXTRAS`], in their order: its part of the global loss, whether its
+/// gradients held an inf or a NaN, its flushed underflows.
+pub(crate) fn step_extras<E: GradElement>(local_loss: f64, nonfinite: bool) -> [E; STEP_EXTRAS] {
+    [
+        E::from_f64(local_loss),
+        if nonfinite { E::one() } else { E::zero() },
+        E::from_f64(underflow_count() as f64),
+    ]
+}
+
+impl StepSummary {
+    /// What the [`STEP_EXTRAS`] summed over the ranks say (the loss only when it was
+    /// recorded).
+    pub(crate) fn of_extras<E: GradElement>(extras: &[E], loss_recorded: bool) -> Self {
+        StepSummary {
+            global_loss: loss_recorded.then(|| extras[0].to_f64()),
+            nonfinite_ranks: extras[1].to_f64() as u64,
+            underflows: extras[2].to_f64() as u64,
+        }
     }
 }
 

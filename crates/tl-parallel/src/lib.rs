@@ -58,14 +58,18 @@ mod ddp;
 mod error;
 mod link;
 mod metered;
+mod stage;
 mod zero;
 mod zero2;
 mod zero3;
 
 pub use batch::{BatchShare, batch_share};
-pub use bucket::{Segment as BucketSegment, plan as bucket_plan};
-pub use ddp::{DEFAULT_BUCKET_BYTES, DataParallel, GradElement, StepSummary};
+pub use bucket::{
+    DEFAULT_BUCKET_BYTES, STEP_EXTRAS, Segment as BucketSegment, plan as bucket_plan,
+};
+pub use ddp::{DataParallel, GradElement, StepSummary};
 pub use error::{ParallelError, Result};
+pub use stage::ZeroStage;
 pub use zero::ShardedAdamW;
 pub use zero2::Zero2AdamW;
 pub use zero3::{UnitRunner, Zero3};

@@ -41,14 +41,14 @@ use std::ops::Range;
 use std::rc::{Rc, Weak};
 
 use tl_collective::shard_range;
-use tl_precision::{grad_is_finite, underflow_count};
+use tl_precision::grad_is_finite;
 use tl_tensor::kernels::finite::all_finite;
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 use tl_tensor::{Element, Tensor};
 
-use crate::bucket::{Segment, bucket_len, plan, read_run, write_run};
-use crate::ddp::{DataParallel, EXTRAS, GradElement, StepSummary};
+use crate::bucket::{STEP_EXTRAS, Segment, bucket_len, plan, read_run, write_run};
+use crate::ddp::{DataParallel, GradElement, StepSummary, step_extras};
 use crate::error::{ParallelError, Result};
 use crate::link::SharedLink;
 use crate::metered::Metered;
@@ -57,7 +57,7 @@ use crate::zero::{adamw_like, load_shard, moment_elements, whole_state};
 /// One bucket: its segments, its length on the wire and this rank's chunk of it.
 struct Bucket {
     segments: Vec<Segment>,
-    /// The bucket's elements, plus [`EXTRAS`] for the last one.
+    /// The bucket's elements, plus [`STEP_EXTRAS`] for the last one.
     wire_len: usize,
     /// This rank's chunk, `shard_range(wire_len, N, r)`.
     chunk: Range<usize>,
@@ -223,19 +223,11 @@ pub(crate) fn finish<E: GradElement>(
     let shard_finite = core.pieces.iter().all(|p| grad_is_finite(&p.values));
     let flag = !(core.finite && shard_finite);
     core.reset();
-    let mut extras = [
-        E::from_f64(local_loss),
-        if flag { E::one() } else { E::zero() },
-        E::from_f64(underflow_count() as f64),
-    ];
+    let mut extras = step_extras::<E>(local_loss, flag);
     core.link
         .borrow_mut()
         .call(|comm| comm.all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut extras)))?;
-    Some(StepSummary {
-        global_loss: loss_recorded.then(|| extras[0].to_f64()),
-        nonfinite_ranks: extras[1].to_f64() as u64,
-        underflows: extras[2].to_f64() as u64,
-    })
+    Some(StepSummary::of_extras(&extras, loss_recorded))
 }
 
 /// Sets the pieces' gradients to NaN (after a failed collective).
@@ -300,7 +292,7 @@ impl<E: GradElement> Zero2AdamW<E> {
         let mut buckets = Vec::new();
         for (index, segments) in planned.into_iter().enumerate() {
             let len = bucket_len(&segments);
-            let wire_len = len + if index == last { EXTRAS } else { 0 };
+            let wire_len = len + if index == last { STEP_EXTRAS } else { 0 };
             let chunk = shard_range(wire_len, world_size, rank);
             let mut bucket_pieces = Vec::new();
             let mut offset = 0;

@@ -45,7 +45,7 @@ use std::rc::{Rc, Weak};
 use tl_collective::{Communicator, shard_range};
 use tl_precision::{
     DynamicLossScaler, MicroBatch, Precision, StepObserver, StepPhase, StepReport, grad_is_finite,
-    train_step_mixed_observed, underflow_count,
+    train_step_mixed_observed,
 };
 use tl_tensor::kernels::finite::all_finite;
 use tl_tensor::ndarray::ArrayD;
@@ -54,7 +54,9 @@ use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 use tl_tensor::{Element, Tensor, in_backward, is_grad_enabled};
 
 use crate::bucket::{read_run, write_run};
-use crate::ddp::{DataParallel, GradElement, StepSummary, global_report, recording_loss};
+use crate::ddp::{
+    DataParallel, GradElement, StepSummary, global_report, recording_loss, step_extras,
+};
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
 use crate::metered::Metered;
@@ -702,20 +704,12 @@ impl<E: GradElement> StepObserver<E> for Observer<'_, E> {
         let core = self.core.borrow();
         let shard_finite = core.pieces.iter().all(|p| grad_is_finite(&p.values));
         let flag = !(core.finite && shard_finite);
-        let mut extras = [
-            E::from_f64(self.local_loss.get()),
-            if flag { E::one() } else { E::zero() },
-            E::from_f64(underflow_count() as f64),
-        ];
+        let mut extras = step_extras::<E>(self.local_loss.get(), flag);
         let sent = core
             .link
             .borrow_mut()
             .call(|comm| comm.all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut extras)));
-        *self.summary = sent.map(|()| StepSummary {
-            global_loss: Some(extras[0].to_f64()),
-            nonfinite_ranks: extras[1].to_f64() as u64,
-            underflows: extras[2].to_f64() as u64,
-        });
+        *self.summary = sent.map(|()| StepSummary::of_extras(&extras, true));
     }
 
     fn all_finite(&mut self, local: bool) -> bool {
