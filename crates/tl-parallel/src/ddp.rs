@@ -23,8 +23,7 @@
 //! interleaved with backward, so the gradients can be freed, but blocking while it runs —
 //! no collective runs concurrently with computation.
 
-use std::any::Any;
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::rc::{Rc, Weak};
 
 use tl_collective::{CommStats, Communicator};
@@ -43,7 +42,7 @@ use crate::bucket::{
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
 use crate::metered::Metered;
-use crate::zero2::{self, Core};
+use crate::zero2::GradientShards;
 
 /// An element type whose gradients [`DataParallel`] can reduce: `f32` or `f64`, a tensor
 /// element that is also a collective's element.
@@ -83,9 +82,9 @@ pub struct DataParallel {
     local_loss: Rc<Cell<f64>>,
     loss_recorded: bool,
     summary: Option<StepSummary>,
-    /// The ZeRO-2 optimizer whose shards receive the gradients (a `Core<E>`), if any:
-    /// while it lives, steps reduce-scatter instead of all-reducing.
-    sharded: Option<Weak<dyn Any>>,
+    /// The ZeRO-2 optimizer whose shards receive the gradients, if any: while it lives,
+    /// steps reduce-scatter instead of all-reducing.
+    sharded: Option<Weak<dyn GradientShards>>,
     /// Micro-batches of the step `train_step` is running, to arm ZeRO-2's hooks for the
     /// last backward.
     micro_batches: Option<usize>,
@@ -115,14 +114,13 @@ impl DataParallel {
     }
 
     /// Makes the steps reduce-scatter the gradients into `core`'s shards (ZeRO-2).
-    pub(crate) fn shard_gradients<E: GradElement>(&mut self, core: Rc<RefCell<Core<E>>>) {
-        let core: Rc<dyn Any> = core;
-        self.sharded = Some(Rc::downgrade(&core));
+    pub(crate) fn shard_gradients(&mut self, shards: &Rc<dyn GradientShards>) {
+        self.sharded = Some(Rc::downgrade(shards));
     }
 
-    /// The ZeRO-2 core of element `E`, while its optimizer lives.
-    fn sharded<E: GradElement>(&self) -> Option<Rc<RefCell<Core<E>>>> {
-        self.sharded.as_ref()?.upgrade()?.downcast().ok()
+    /// The stage that shards the gradients, while its optimizer lives.
+    fn sharded(&self) -> Option<Rc<dyn GradientShards>> {
+        self.sharded.as_ref()?.upgrade()
     }
 
     /// The communicator, for the pieces that share it.
@@ -383,11 +381,11 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
         let StepPhase::Backward { micro_batch } = phase else {
             return run(self);
         };
-        match self.sharded::<E>() {
-            Some(core) if self.micro_batches == Some(micro_batch + 1) => {
-                zero2::arm(&core, self.weight);
+        match self.sharded() {
+            Some(shards) if self.micro_batches == Some(micro_batch + 1) => {
+                shards.arm(self.weight);
                 let out = run(self);
-                zero2::disarm(&core);
+                shards.disarm();
                 out
             }
             _ => run(self),
@@ -396,11 +394,11 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
 
     /// Reduces the gradients (see the [type's docs](DataParallel) for a failure).
     fn gradients_ready(&mut self, params: &[Tensor<E>]) {
-        if let Some(core) = self.sharded::<E>() {
+        if let Some(shards) = self.sharded() {
             let local_loss = self.local_loss.get();
-            self.summary = zero2::finish(&core, self.weight, local_loss, self.loss_recorded);
+            self.summary = shards.finish(self.weight, local_loss, self.loss_recorded);
             if self.summary.is_none() {
-                zero2::poison(&core);
+                shards.poison();
             }
             return;
         }
@@ -425,7 +423,7 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
     /// The reduced gradients are replicated, so this rank's sum is the global one; under
     /// ZeRO-2 each rank holds a shard, and the sums are added over the ranks.
     fn total_sum_squares(&mut self, local: f64) -> f64 {
-        if self.sharded::<E>().is_none() {
+        if self.sharded().is_none() {
             return local;
         }
         self.link

@@ -79,6 +79,8 @@ struct Piece<E: Element> {
 
 /// What the optimizer and the gradient-ready hooks share.
 pub(crate) struct Core<E: GradElement> {
+    /// This core, for the hooks [`GradientShards::arm`] sets.
+    this: Weak<RefCell<Core<E>>>,
     link: SharedLink,
     parameters: Vec<Tensor<E>>,
     buckets: Vec<Bucket>,
@@ -174,69 +176,80 @@ impl<E: GradElement> Core<E> {
     }
 }
 
-/// Arms the gradient-ready hooks of `core`'s parameters for one backward, with this rank's
-/// weight `n_r/B`.
-pub(crate) fn arm<E: GradElement>(core: &Rc<RefCell<Core<E>>>, weight: f64) {
-    let weak: Weak<RefCell<Core<E>>> = Rc::downgrade(core);
-    {
-        // A step that failed before its gradients were reduced may have left state behind.
-        let mut core = core.borrow_mut();
-        core.reset();
+/// What [`DataParallel`] asks of a stage that shards the gradients of its steps (ZeRO-2's
+/// [`Zero2AdamW`], through its core): the step's reduction, taken over.
+pub(crate) trait GradientShards {
+    /// Arms the gradient-ready hooks for one backward (the last micro-batch's), with this
+    /// rank's weight `n_r/B`, so that each bucket is reduce-scattered as soon as its
+    /// gradients are complete.
+    fn arm(&self, weight: f64);
+
+    /// Removes the hooks [`arm`](Self::arm) set.
+    fn disarm(&self);
+
+    /// After every backward of the step: reduces what is left, then makes the loss, the
+    /// flag and the underflows global. `None` if a collective failed.
+    fn finish(&self, weight: f64, local_loss: f64, loss_recorded: bool) -> Option<StepSummary>;
+
+    /// Sets the shards' gradients to NaN (after a failed collective).
+    fn poison(&self);
+}
+
+impl<E: GradElement> GradientShards for RefCell<Core<E>> {
+    fn arm(&self, weight: f64) {
+        {
+            // A step that failed before its gradients were reduced may have left state
+            // behind.
+            let mut core = self.borrow_mut();
+            core.reset();
+            core.weight = E::from_f64(weight);
+        }
+        let core = self.borrow();
+        for (index, param) in core.parameters.iter().enumerate() {
+            let this = Weak::clone(&core.this);
+            param.set_grad_ready_hook(Some(Rc::new(move || {
+                if let Some(core) = this.upgrade() {
+                    let mut core = core.borrow_mut();
+                    assert!(
+                        !core.ready[index],
+                        "ZeRO-2: parameter {index} got a second gradient in the last \
+                         backward, after its bucket may have been reduced (shared weights \
+                         are not supported)"
+                    );
+                    core.ready[index] = true;
+                    core.advance(false);
+                }
+            })));
+        }
+    }
+
+    fn disarm(&self) {
+        for param in &self.borrow().parameters {
+            param.set_grad_ready_hook(None);
+        }
+    }
+
+    fn finish(&self, weight: f64, local_loss: f64, loss_recorded: bool) -> Option<StepSummary> {
+        let mut core = self.borrow_mut();
         core.weight = E::from_f64(weight);
+        core.advance(true);
+        let shard_finite = core.pieces.iter().all(|p| grad_is_finite(&p.values));
+        let flag = !(core.finite && shard_finite);
+        core.reset();
+        let mut extras = step_extras::<E>(local_loss, flag);
+        core.link.borrow_mut().call(|comm| {
+            comm.all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut extras))
+        })?;
+        Some(StepSummary::of_extras(&extras, loss_recorded))
     }
-    let core = core.borrow();
-    for (index, param) in core.parameters.iter().enumerate() {
-        let weak = weak.clone();
-        param.set_grad_ready_hook(Some(Rc::new(move || {
-            if let Some(core) = weak.upgrade() {
-                let mut core = core.borrow_mut();
-                assert!(
-                    !core.ready[index],
-                    "ZeRO-2: parameter {index} got a second gradient in the last backward, \
-                     after its bucket may have been reduced (shared weights are not supported)"
-                );
-                core.ready[index] = true;
-                core.advance(false);
-            }
-        })));
-    }
-}
 
-/// Removes the hooks [`arm`] set.
-pub(crate) fn disarm<E: GradElement>(core: &Rc<RefCell<Core<E>>>) {
-    for param in &core.borrow().parameters {
-        param.set_grad_ready_hook(None);
-    }
-}
-
-/// After every backward of the step: reduces what is left, then makes the loss, the flag
-/// and the underflows global. Returns `None` if a collective failed.
-pub(crate) fn finish<E: GradElement>(
-    core: &Rc<RefCell<Core<E>>>,
-    weight: f64,
-    local_loss: f64,
-    loss_recorded: bool,
-) -> Option<StepSummary> {
-    let mut core = core.borrow_mut();
-    core.weight = E::from_f64(weight);
-    core.advance(true);
-    let shard_finite = core.pieces.iter().all(|p| grad_is_finite(&p.values));
-    let flag = !(core.finite && shard_finite);
-    core.reset();
-    let mut extras = step_extras::<E>(local_loss, flag);
-    core.link
-        .borrow_mut()
-        .call(|comm| comm.all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut extras)))?;
-    Some(StepSummary::of_extras(&extras, loss_recorded))
-}
-
-/// Sets the pieces' gradients to NaN (after a failed collective).
-pub(crate) fn poison<E: GradElement>(core: &Rc<RefCell<Core<E>>>) {
-    for piece in &core.borrow().pieces {
-        let len = piece.values.numel();
-        piece
-            .values
-            .set_grad(Some(ArrayD::from_elem(vec![len], E::nan())));
+    fn poison(&self) {
+        for piece in &self.borrow().pieces {
+            let len = piece.values.numel();
+            piece
+                .values
+                .set_grad(Some(ArrayD::from_elem(vec![len], E::nan())));
+        }
     }
 }
 
@@ -319,19 +332,23 @@ impl<E: GradElement> Zero2AdamW<E> {
         }
         let shards: Vec<Tensor<E>> = pieces.iter().map(|p| p.values.clone()).collect();
         let inner = adamw_like(&adamw, shards.clone())?;
-        let core = Rc::new(RefCell::new(Core {
-            link,
-            ready: vec![false; parameters.len()],
-            remaining: segments_of.clone(),
-            segments_of,
-            parameters,
-            buckets,
-            pieces,
-            next: 0,
-            weight: E::zero(),
-            finite: true,
-        }));
-        ddp.shard_gradients(Rc::clone(&core));
+        let core = Rc::new_cyclic(|this| {
+            RefCell::new(Core {
+                this: Weak::clone(this),
+                link,
+                ready: vec![false; parameters.len()],
+                remaining: segments_of.clone(),
+                segments_of,
+                parameters,
+                buckets,
+                pieces,
+                next: 0,
+                weight: E::zero(),
+                finite: true,
+            })
+        });
+        let sharding: Rc<dyn GradientShards> = Rc::clone(&core) as _;
+        ddp.shard_gradients(&sharding);
         Ok(Self {
             core,
             shards,
