@@ -6,8 +6,9 @@
 //! bucket is split across two, so every bucket but the last holds exactly `capacity`
 //! elements.
 
-use tl_tensor::Tensor;
+use tl_tensor::memory::{self, Kind, Tag};
 use tl_tensor::ndarray::ArrayD;
+use tl_tensor::{Element, Tensor};
 
 /// Bytes per bucket unless [`DataParallel::with_bucket_bytes`](crate::DataParallel::
 /// with_bucket_bytes) says otherwise: PyTorch DDP's default, 25 MiB. The one definition
@@ -92,10 +93,29 @@ pub(crate) fn write_run<E: Copy>(array: &mut ArrayD<E>, start: usize, src: &[E])
 
 /// Gives `param` a zero gradient if it has none, so that the reduced sum can be written into
 /// it: a parameter this rank's micro-batches did not reach still gets the others' gradient.
-pub(crate) fn ensure_grad<E: tl_tensor::Element>(param: &Tensor<E>) {
+pub(crate) fn ensure_grad<E: Element>(param: &Tensor<E>) {
     if param.with_grad(|grad| grad.is_none()) {
-        param.set_grad(Some(ArrayD::zeros(param.shape())));
+        set_grad_with(param, || ArrayD::zeros(param.shape()));
     }
+}
+
+/// Sets `param`'s gradient to `values()`; for a [meta](tl_tensor::meta) parameter, to a
+/// meta gradient of its shape instead (`values` is not called), allocated and tagged on
+/// the meter as [`Tensor::set_grad`] allocates and tags the values.
+pub(crate) fn set_grad_with<E: Element>(param: &Tensor<E>, values: impl FnOnce() -> ArrayD<E>) {
+    if !param.is_meta() {
+        param.set_grad(Some(values()));
+        return;
+    }
+    // Made in the gradient's own tag (a leaf's gradient is owned where its storage is), so
+    // that handing it over is no retag.
+    let _gradient = memory::tag_scope(Tag {
+        kind: Kind::Gradients,
+        owner: param.memory_tag().owner,
+        label: "",
+        ..memory::current_tag()
+    });
+    param.set_grad_tensor(Some(Tensor::meta(&param.shape())));
 }
 
 #[cfg(test)]

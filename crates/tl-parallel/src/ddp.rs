@@ -32,6 +32,7 @@ use tl_precision::{
     underflow_count,
 };
 use tl_tensor::kernels::finite::all_finite;
+use tl_tensor::memory::{self, Stage};
 use tl_tensor::nn::Module;
 use tl_tensor::optim::Optimizer;
 use tl_tensor::{Element, Tensor};
@@ -41,7 +42,7 @@ use crate::bucket::{
 };
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
-use crate::metered::Metered;
+use crate::metered::{Metered, communication, labels};
 use crate::zero2::GradientShards;
 
 /// An element type whose gradients [`DataParallel`] can reduce: `f32` or `f64`, a tensor
@@ -192,30 +193,32 @@ impl DataParallel {
     /// [`ParallelError::Collective`] if a broadcast fails.
     pub fn broadcast_parameters<E: GradElement>(&mut self, params: &[Tensor<E>]) -> Result<()> {
         let numels: Vec<usize> = params.iter().map(Tensor::numel).collect();
-        let mut buf = Metered::new();
+        let meta = params.iter().any(Tensor::is_meta);
+        let mut buf = Metered::new(meta, communication(labels::BROADCAST_WEIGHTS, None));
         for bucket in plan(&numels, self.capacity::<E>()) {
             buf.reset(bucket_len(&bucket));
-            let mut offset = 0;
-            for s in &bucket {
-                read_run(
-                    &params[s.param].value(),
-                    s.start,
-                    &mut buf[offset..offset + s.len],
-                );
-                offset += s.len;
+            if let Some(values) = buf.values_mut() {
+                let mut offset = 0;
+                for s in &bucket {
+                    let run = &mut values[offset..offset + s.len];
+                    read_run(&params[s.param].value(), s.start, run);
+                    offset += s.len;
+                }
             }
-            let view = <E as tl_collective::Element>::view_mut(&mut buf);
+            let view = buf.view_mut();
             let sent = self.link.borrow_mut().call(|comm| comm.broadcast(view, 0));
             if sent.is_none() {
                 return Err(self
                     .take_error()
                     .expect("a failed broadcast keeps its error"));
             }
-            let mut offset = 0;
-            for s in &bucket {
-                let run = &buf[offset..offset + s.len];
-                params[s.param].update_value(|value| write_run(value, s.start, run));
-                offset += s.len;
+            if let Some(values) = buf.values() {
+                let mut offset = 0;
+                for s in &bucket {
+                    let run = &values[offset..offset + s.len];
+                    params[s.param].update_value(|value| write_run(value, s.start, run));
+                    offset += s.len;
+                }
             }
         }
         Ok(())
@@ -306,37 +309,47 @@ impl DataParallel {
         let numels: Vec<usize> = params.iter().map(Tensor::numel).collect();
         let buckets = plan(&numels, self.capacity::<E>());
         let weight = E::from_f64(self.weight);
+        let meta = params.iter().any(|p| p.is_meta() || p.grad_is_meta());
         let mut finite = true;
-        let mut buf: Metered<E> = Metered::new();
+        let mut buf = Metered::new(meta, communication(labels::GRADIENT_BUCKET, None));
         for (index, bucket) in buckets.iter().enumerate() {
             buf.reset(bucket_len(bucket));
-            let mut offset = 0;
-            for s in bucket {
-                let run = &mut buf[offset..offset + s.len];
-                // A parameter without a gradient contributes zeros.
-                params[s.param].with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
-                finite &= all_finite(run);
-                run.iter_mut().for_each(|v| *v *= weight);
-                offset += s.len;
+            if let Some(values) = buf.values_mut() {
+                let mut offset = 0;
+                for s in bucket {
+                    let run = &mut values[offset..offset + s.len];
+                    // A parameter without a gradient contributes zeros.
+                    params[s.param].with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
+                    finite &= all_finite(run);
+                    run.iter_mut().for_each(|v| *v *= weight);
+                    offset += s.len;
+                }
             }
             let last = index + 1 == buckets.len();
+            let extras = step_extras::<E>(self.local_loss.get(), !finite);
             if last {
-                buf.extend(step_extras(self.local_loss.get(), !finite));
+                buf.extend(extras);
             }
-            let view = <E as tl_collective::Element>::view_mut(&mut buf);
+            let view = buf.view_mut();
             self.link
                 .borrow_mut()
                 .call(|comm| comm.all_reduce_sum(view))?;
             let mut offset = 0;
             for s in bucket {
-                let run = &buf[offset..offset + s.len];
                 ensure_grad(&params[s.param]);
-                params[s.param].update_grad(|g| write_run(g, s.start, run));
+                if let Some(values) = buf.values() {
+                    let run = &values[offset..offset + s.len];
+                    params[s.param].update_grad(|g| write_run(g, s.start, run));
+                }
                 offset += s.len;
             }
             if last {
-                let extras = &buf[buf.len() - STEP_EXTRAS..];
-                self.summary = Some(StepSummary::of_extras(extras, self.loss_recorded));
+                // A meta run sums nothing: every rank is taken to hold what this one holds,
+                // as the phantom communicator leaves a buffer.
+                let summed = buf
+                    .values()
+                    .map_or(&extras[..], |v| &v[v.len() - STEP_EXTRAS..]);
+                self.summary = Some(StepSummary::of_extras(summed, self.loss_recorded));
             }
         }
         Some(())
@@ -394,6 +407,7 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
 
     /// Reduces the gradients (see the [type's docs](DataParallel) for a failure).
     fn gradients_ready(&mut self, params: &[Tensor<E>]) {
+        let _reduction = memory::stage_scope(Stage::Reduction);
         if let Some(shards) = self.sharded() {
             let local_loss = self.local_loss.get();
             self.summary = shards.finish(self.weight, local_loss, self.loss_recorded);
@@ -407,7 +421,9 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
             // them whether or not it has a loss scaler.
             for param in params {
                 ensure_grad(param);
-                param.update_grad(|g| g.fill(E::nan()));
+                if !param.grad_is_meta() {
+                    param.update_grad(|g| g.fill(E::nan()));
+                }
             }
         }
     }
