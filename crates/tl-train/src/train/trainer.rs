@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Instant, SystemTime};
 
 use tl_collective::{Communicator, Single};
-use tl_parallel::DataParallel;
+use tl_parallel::{DataParallel, ZeroStage};
 use tl_precision::{
     DynamicLossScaler, Fp8State, MicroBatch, Precision, StepReport, train_step_mixed,
 };
@@ -283,7 +283,8 @@ impl Trainer {
         model.set_checkpointing(config.checkpointing);
         let fp8 = fp8.map(|state| Rc::new(RefCell::new(state)));
         model.set_fp8(fp8.clone())?;
-        let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &mut ddp, &model)?;
+        let stage = ZeroStage::try_from(config.parallel.zero)?;
+        let optimizer = RunOptimizer::at_stage(optimizer, stage, &mut ddp, &model)?;
         let metrics = lock
             .is_some()
             .then(|| MetricsLog::open(run_dir, step))
