@@ -10,9 +10,9 @@ use tl_tensor::memory::{self, Kind, Tag};
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::{Element, Tensor};
 
-/// Bytes per bucket unless [`DataParallel::with_bucket_bytes`](crate::DataParallel::
-/// with_bucket_bytes) says otherwise: PyTorch DDP's default, 25 MiB. The one definition
-/// of the default: tl-train's config and plan take it from here.
+/// Bytes per bucket unless a [`DataParallel`](crate::DataParallel) is given others
+/// (`with_bucket_bytes`): PyTorch DDP's default, 25 MiB. The one definition of the default:
+/// tl-train's config takes it from here.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
 /// Scalars appended to the last bucket of a step's gradient reduction (DDP's all-reduce,
