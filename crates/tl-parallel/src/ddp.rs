@@ -114,7 +114,8 @@ impl DataParallel {
         self
     }
 
-    /// Makes the steps reduce-scatter the gradients into `core`'s shards (ZeRO-2).
+    /// Makes the steps hand their gradients to `shards` (ZeRO-2), which reduce-scatter them
+    /// instead of this observer all-reducing them.
     pub(crate) fn shard_gradients(&mut self, shards: &Rc<dyn GradientShards>) {
         self.sharded = Some(Rc::downgrade(shards));
     }
@@ -326,8 +327,8 @@ impl DataParallel {
                 }
             }
             let last = index + 1 == buckets.len();
-            let extras = step_extras::<E>(self.local_loss.get(), !finite);
-            if last {
+            let extras = last.then(|| step_extras::<E>(self.local_loss.get(), !finite));
+            if let Some(extras) = extras {
                 buf.extend(extras);
             }
             let view = buf.view_mut();
@@ -343,7 +344,7 @@ impl DataParallel {
                 }
                 offset += s.len;
             }
-            if last {
+            if let Some(extras) = extras {
                 // A meta run sums nothing: every rank is taken to hold what this one holds,
                 // as the phantom communicator leaves a buffer.
                 let summed = buf
