@@ -6,8 +6,22 @@
 //! bucket is split across two, so every bucket but the last holds exactly `capacity`
 //! elements.
 
-use tl_tensor::Tensor;
+use tl_tensor::memory::{self, Kind, Tag};
 use tl_tensor::ndarray::ArrayD;
+use tl_tensor::{Element, Tensor};
+
+/// Bytes per bucket unless a [`DataParallel`](crate::DataParallel) is given others
+/// (`with_bucket_bytes`): PyTorch DDP's default, 25 MiB. The one definition of the default:
+/// tl-train's config takes it from here.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
+/// Scalars appended to the last bucket of a step's gradient reduction (DDP's all-reduce,
+/// ZeRO-2's reduce-scatter), in this order: this rank's part of the global loss, whether
+/// its gradients held an inf or a NaN (1 or 0), and its count of gradient values the 16-bit
+/// casts flushed to zero. Summed over the ranks they give the global loss, the number of
+/// ranks that overflowed and the global underflows. (ZeRO-3, whose units have no last
+/// bucket, all-reduces the same three on their own.)
+pub const STEP_EXTRAS: usize = 3;
 
 /// A run of one parameter's elements inside a bucket.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -79,10 +93,29 @@ pub(crate) fn write_run<E: Copy>(array: &mut ArrayD<E>, start: usize, src: &[E])
 
 /// Gives `param` a zero gradient if it has none, so that the reduced sum can be written into
 /// it: a parameter this rank's micro-batches did not reach still gets the others' gradient.
-pub(crate) fn ensure_grad<E: tl_tensor::Element>(param: &Tensor<E>) {
+pub(crate) fn ensure_grad<E: Element>(param: &Tensor<E>) {
     if param.with_grad(|grad| grad.is_none()) {
-        param.set_grad(Some(ArrayD::zeros(param.shape())));
+        set_grad_with(param, || ArrayD::zeros(param.shape()));
     }
+}
+
+/// Sets `param`'s gradient to `values()`; for a [meta](tl_tensor::meta) parameter, to a
+/// meta gradient of its shape instead (`values` is not called), allocated and tagged on
+/// the meter as [`Tensor::set_grad`] allocates and tags the values.
+pub(crate) fn set_grad_with<E: Element>(param: &Tensor<E>, values: impl FnOnce() -> ArrayD<E>) {
+    if !param.is_meta() {
+        param.set_grad(Some(values()));
+        return;
+    }
+    // Made in the gradient's own tag (a leaf's gradient is owned where its storage is), so
+    // that handing it over is no retag.
+    let _gradient = memory::tag_scope(Tag {
+        kind: Kind::Gradients,
+        owner: param.memory_tag().owner,
+        label: "",
+        ..memory::current_tag()
+    });
+    param.set_grad_tensor(Some(Tensor::meta(&param.shape())));
 }
 
 #[cfg(test)]

@@ -5,9 +5,9 @@
 //! the micro-batches run. When the last backward is done, [`StepObserver::gradients_ready`]
 //! sums the ranks' gradients, each weighted by its share of the rows, in buckets of about
 //! [`DEFAULT_BUCKET_BYTES`] filled in reverse parameter order (the order backward produces
-//! the gradients). Three scalars ride in the last bucket, so they cost no collective of
-//! their own: this rank's part of the global loss, whether its gradients were all finite,
-//! and its count of flushed gradient underflows.
+//! the gradients). Three scalars ([`STEP_EXTRAS`](crate::STEP_EXTRAS)) ride in the last
+//! bucket, so they cost no collective of their own: this rank's part of the global loss,
+//! whether its gradients were all finite, and its count of flushed gradient underflows.
 //!
 //! After the reduction every rank holds the same gradients, bit for bit (the ring adds in a
 //! fixed order), so what the step computes from them is global without further talk: the
@@ -23,8 +23,7 @@
 //! interleaved with backward, so the gradients can be freed, but blocking while it runs —
 //! no collective runs concurrently with computation.
 
-use std::any::Any;
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::rc::{Rc, Weak};
 
 use tl_collective::{CommStats, Communicator};
@@ -33,21 +32,18 @@ use tl_precision::{
     underflow_count,
 };
 use tl_tensor::kernels::finite::all_finite;
+use tl_tensor::memory::{self, Stage};
 use tl_tensor::nn::Module;
 use tl_tensor::optim::Optimizer;
 use tl_tensor::{Element, Tensor};
 
-use crate::bucket::{bucket_len, ensure_grad, plan, read_run, write_run};
+use crate::bucket::{
+    DEFAULT_BUCKET_BYTES, STEP_EXTRAS, bucket_len, ensure_grad, plan, read_run, write_run,
+};
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
-use crate::metered::Metered;
-use crate::zero2::{self, Core};
-
-/// Bucket size of PyTorch DDP's default, 25 MiB.
-pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
-
-/// The scalars appended to the last bucket: loss, non-finite flag, underflows.
-pub(crate) const EXTRAS: usize = 3;
+use crate::metered::{Metered, communication, labels};
+use crate::zero2::GradientShards;
 
 /// An element type whose gradients [`DataParallel`] can reduce: `f32` or `f64`, a tensor
 /// element that is also a collective's element.
@@ -87,9 +83,9 @@ pub struct DataParallel {
     local_loss: Rc<Cell<f64>>,
     loss_recorded: bool,
     summary: Option<StepSummary>,
-    /// The ZeRO-2 optimizer whose shards receive the gradients (a `Core<E>`), if any:
-    /// while it lives, steps reduce-scatter instead of all-reducing.
-    sharded: Option<Weak<dyn Any>>,
+    /// The ZeRO-2 optimizer whose shards receive the gradients, if any: while it lives,
+    /// steps reduce-scatter instead of all-reducing.
+    sharded: Option<Weak<dyn GradientShards>>,
     /// Micro-batches of the step `train_step` is running, to arm ZeRO-2's hooks for the
     /// last backward.
     micro_batches: Option<usize>,
@@ -118,15 +114,15 @@ impl DataParallel {
         self
     }
 
-    /// Makes the steps reduce-scatter the gradients into `core`'s shards (ZeRO-2).
-    pub(crate) fn shard_gradients<E: GradElement>(&mut self, core: Rc<RefCell<Core<E>>>) {
-        let core: Rc<dyn Any> = core;
-        self.sharded = Some(Rc::downgrade(&core));
+    /// Makes the steps hand their gradients to `shards` (ZeRO-2), which reduce-scatter them
+    /// instead of this observer all-reducing them.
+    pub(crate) fn shard_gradients(&mut self, shards: &Rc<dyn GradientShards>) {
+        self.sharded = Some(Rc::downgrade(shards));
     }
 
-    /// The ZeRO-2 core of element `E`, while its optimizer lives.
-    fn sharded<E: GradElement>(&self) -> Option<Rc<RefCell<Core<E>>>> {
-        self.sharded.as_ref()?.upgrade()?.downcast().ok()
+    /// The stage that shards the gradients, while its optimizer lives.
+    fn sharded(&self) -> Option<Rc<dyn GradientShards>> {
+        self.sharded.as_ref()?.upgrade()
     }
 
     /// The communicator, for the pieces that share it.
@@ -198,30 +194,32 @@ impl DataParallel {
     /// [`ParallelError::Collective`] if a broadcast fails.
     pub fn broadcast_parameters<E: GradElement>(&mut self, params: &[Tensor<E>]) -> Result<()> {
         let numels: Vec<usize> = params.iter().map(Tensor::numel).collect();
-        let mut buf = Metered::new();
+        let meta = params.iter().any(Tensor::is_meta);
+        let mut buf = Metered::new(meta, communication(labels::BROADCAST_WEIGHTS, None));
         for bucket in plan(&numels, self.capacity::<E>()) {
             buf.reset(bucket_len(&bucket));
-            let mut offset = 0;
-            for s in &bucket {
-                read_run(
-                    &params[s.param].value(),
-                    s.start,
-                    &mut buf[offset..offset + s.len],
-                );
-                offset += s.len;
+            if let Some(values) = buf.values_mut() {
+                let mut offset = 0;
+                for s in &bucket {
+                    let run = &mut values[offset..offset + s.len];
+                    read_run(&params[s.param].value(), s.start, run);
+                    offset += s.len;
+                }
             }
-            let view = <E as tl_collective::Element>::view_mut(&mut buf);
+            let view = buf.view_mut();
             let sent = self.link.borrow_mut().call(|comm| comm.broadcast(view, 0));
             if sent.is_none() {
                 return Err(self
                     .take_error()
                     .expect("a failed broadcast keeps its error"));
             }
-            let mut offset = 0;
-            for s in &bucket {
-                let run = &buf[offset..offset + s.len];
-                params[s.param].update_value(|value| write_run(value, s.start, run));
-                offset += s.len;
+            if let Some(values) = buf.values() {
+                let mut offset = 0;
+                for s in &bucket {
+                    let run = &values[offset..offset + s.len];
+                    params[s.param].update_value(|value| write_run(value, s.start, run));
+                    offset += s.len;
+                }
             }
         }
         Ok(())
@@ -312,48 +310,72 @@ impl DataParallel {
         let numels: Vec<usize> = params.iter().map(Tensor::numel).collect();
         let buckets = plan(&numels, self.capacity::<E>());
         let weight = E::from_f64(self.weight);
+        let meta = params.iter().any(|p| p.is_meta() || p.grad_is_meta());
         let mut finite = true;
-        let mut buf: Metered<E> = Metered::new();
+        let mut buf = Metered::new(meta, communication(labels::GRADIENT_BUCKET, None));
         for (index, bucket) in buckets.iter().enumerate() {
             buf.reset(bucket_len(bucket));
-            let mut offset = 0;
-            for s in bucket {
-                let run = &mut buf[offset..offset + s.len];
-                // A parameter without a gradient contributes zeros.
-                params[s.param].with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
-                finite &= all_finite(run);
-                run.iter_mut().for_each(|v| *v *= weight);
-                offset += s.len;
+            if let Some(values) = buf.values_mut() {
+                let mut offset = 0;
+                for s in bucket {
+                    let run = &mut values[offset..offset + s.len];
+                    // A parameter without a gradient contributes zeros.
+                    params[s.param].with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
+                    finite &= all_finite(run);
+                    run.iter_mut().for_each(|v| *v *= weight);
+                    offset += s.len;
+                }
             }
             let last = index + 1 == buckets.len();
-            if last {
-                buf.extend([
-                    E::from_f64(self.local_loss.get()),
-                    if finite { E::zero() } else { E::one() },
-                    E::from_f64(underflow_count() as f64),
-                ]);
+            let extras = last.then(|| step_extras::<E>(self.local_loss.get(), !finite));
+            if let Some(extras) = extras {
+                buf.extend(extras);
             }
-            let view = <E as tl_collective::Element>::view_mut(&mut buf);
+            let view = buf.view_mut();
             self.link
                 .borrow_mut()
                 .call(|comm| comm.all_reduce_sum(view))?;
             let mut offset = 0;
             for s in bucket {
-                let run = &buf[offset..offset + s.len];
                 ensure_grad(&params[s.param]);
-                params[s.param].update_grad(|g| write_run(g, s.start, run));
+                if let Some(values) = buf.values() {
+                    let run = &values[offset..offset + s.len];
+                    params[s.param].update_grad(|g| write_run(g, s.start, run));
+                }
                 offset += s.len;
             }
-            if last {
-                let extras = &buf[buf.len() - EXTRAS..];
-                self.summary = Some(StepSummary {
-                    global_loss: self.loss_recorded.then(|| extras[0].to_f64()),
-                    nonfinite_ranks: extras[1].to_f64() as u64,
-                    underflows: extras[2].to_f64() as u64,
-                });
+            if let Some(extras) = extras {
+                // A meta run sums nothing: every rank is taken to hold what this one holds,
+                // as the phantom communicator leaves a buffer.
+                let summed = buf
+                    .values()
+                    .map_or(&extras[..], |v| &v[v.len() - STEP_EXTRAS..]);
+                self.summary = Some(StepSummary::of_extras(summed, self.loss_recorded));
             }
         }
         Some(())
+    }
+}
+
+/// This rank's [`STEP_EXTRAS`], in their order: its part of the global loss, whether its
+/// gradients held an inf or a NaN, its flushed underflows.
+pub(crate) fn step_extras<E: GradElement>(local_loss: f64, nonfinite: bool) -> [E; STEP_EXTRAS] {
+    [
+        E::from_f64(local_loss),
+        if nonfinite { E::one() } else { E::zero() },
+        E::from_f64(underflow_count() as f64),
+    ]
+}
+
+impl StepSummary {
+    /// What the [`STEP_EXTRAS`] summed over the ranks say (the loss only when it was
+    /// recorded).
+    pub(crate) fn of_extras<E: GradElement>(extras: &[E], loss_recorded: bool) -> Self {
+        StepSummary {
+            global_loss: loss_recorded.then(|| extras[0].to_f64()),
+            nonfinite_ranks: extras[1].to_f64() as u64,
+            underflows: extras[2].to_f64() as u64,
+        }
     }
 }
 
@@ -373,11 +395,11 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
         let StepPhase::Backward { micro_batch } = phase else {
             return run(self);
         };
-        match self.sharded::<E>() {
-            Some(core) if self.micro_batches == Some(micro_batch + 1) => {
-                zero2::arm(&core, self.weight);
+        match self.sharded() {
+            Some(shards) if self.micro_batches == Some(micro_batch + 1) => {
+                shards.arm(self.weight);
                 let out = run(self);
-                zero2::disarm(&core);
+                shards.disarm();
                 out
             }
             _ => run(self),
@@ -386,11 +408,12 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
 
     /// Reduces the gradients (see the [type's docs](DataParallel) for a failure).
     fn gradients_ready(&mut self, params: &[Tensor<E>]) {
-        if let Some(core) = self.sharded::<E>() {
+        let _reduction = memory::stage_scope(Stage::Reduction);
+        if let Some(shards) = self.sharded() {
             let local_loss = self.local_loss.get();
-            self.summary = zero2::finish(&core, self.weight, local_loss, self.loss_recorded);
+            self.summary = shards.finish(self.weight, local_loss, self.loss_recorded);
             if self.summary.is_none() {
-                zero2::poison(&core);
+                shards.poison();
             }
             return;
         }
@@ -399,7 +422,9 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
             // them whether or not it has a loss scaler.
             for param in params {
                 ensure_grad(param);
-                param.update_grad(|g| g.fill(E::nan()));
+                if !param.grad_is_meta() {
+                    param.update_grad(|g| g.fill(E::nan()));
+                }
             }
         }
     }
@@ -415,7 +440,7 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
     /// The reduced gradients are replicated, so this rank's sum is the global one; under
     /// ZeRO-2 each rank holds a shard, and the sums are added over the ranks.
     fn total_sum_squares(&mut self, local: f64) -> f64 {
-        if self.sharded::<E>().is_none() {
+        if self.sharded().is_none() {
             return local;
         }
         self.link

@@ -39,6 +39,12 @@ pub enum ParallelError {
         /// Rows of the global batch.
         global_rows: usize,
     },
+    /// A ZeRO stage number that is not one (see [`ZeroStage`](crate::ZeroStage)).
+    #[error("unknown ZeRO stage {index}: a stage is 0 (plain DDP), 1, 2 or 3")]
+    UnknownStage {
+        /// The number given.
+        index: usize,
+    },
     /// A global batch that cannot be shared out as asked.
     #[error(
         "cannot share a global batch of {global_rows} rows into micro-batches of {micro_batch_rows} over {world_size} ranks (rank {rank}): {reason}"

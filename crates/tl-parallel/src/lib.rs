@@ -18,6 +18,12 @@
 //!   and released after; its own [`Zero3::train_step`].
 //! - All three save and load the whole AdamW state at any world size (`full_state`,
 //!   `load_full_state`).
+//! - [`ZeroStage`] names the stages, 0 (plain DDP) to 3.
+//! - Every stage runs on [meta](tl_tensor::meta) tensors as well: its buffers are counted
+//!   on the memory meter as the real ones, with their tags, and hold no values, and its
+//!   collectives get shape-only slices. Over a [`Phantom`](tl_collective::Phantom), one
+//!   process thus takes the step of any rank of any world, allocation for allocation and
+//!   byte sent for byte sent.
 //!
 //! The same code runs on one process with [`tl_collective::Single`], or on the ranks
 //! `tinyllm launch` starts with [`tl_collective::from_env`]:
@@ -58,14 +64,18 @@ mod ddp;
 mod error;
 mod link;
 mod metered;
+mod stage;
 mod zero;
 mod zero2;
 mod zero3;
 
 pub use batch::{BatchShare, batch_share};
-pub use bucket::{Segment as BucketSegment, plan as bucket_plan};
-pub use ddp::{DEFAULT_BUCKET_BYTES, DataParallel, GradElement, StepSummary};
+pub use bucket::{
+    DEFAULT_BUCKET_BYTES, STEP_EXTRAS, Segment as BucketSegment, plan as bucket_plan,
+};
+pub use ddp::{DataParallel, GradElement, StepSummary};
 pub use error::{ParallelError, Result};
+pub use stage::ZeroStage;
 pub use zero::ShardedAdamW;
 pub use zero2::Zero2AdamW;
 pub use zero3::{UnitRunner, Zero3};

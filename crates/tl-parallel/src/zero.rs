@@ -29,15 +29,16 @@ use std::ops::Range;
 
 use tl_collective::shard_range;
 use tl_tensor::Tensor;
+use tl_tensor::memory::{self, Kind, Stage, Tag};
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::optim::{AdamW, AdamWParamState, AdamWState, Optimizer};
 use tl_tensor::{Element, TensorError};
 
-use crate::bucket::{read_run, write_run};
+use crate::bucket::{read_run, set_grad_with, write_run};
 use crate::ddp::{DataParallel, GradElement};
 use crate::error::{ParallelError, Result};
 use crate::link::SharedLink;
-use crate::metered::Metered;
+use crate::metered::{Metered, common_owner, communication, labels};
 
 /// A piece of one parameter inside this rank's shard.
 struct Piece<E: GradElement> {
@@ -67,6 +68,8 @@ pub struct ShardedAdamW<E: GradElement> {
     total: usize,
     /// Elements per rank in one round of the weights' all-gather: a bucket over the ranks.
     round: usize,
+    /// Whether the parameters are [meta](tl_tensor::meta): the buffers hold no values.
+    meta: bool,
 }
 
 impl<E: GradElement> ShardedAdamW<E> {
@@ -100,6 +103,7 @@ impl<E: GradElement> ShardedAdamW<E> {
             (link.rank(), link.world_size())
         };
         let parameters = adamw.parameters().to_vec();
+        let meta = parameters.iter().any(Tensor::is_meta);
         let total = parameters.iter().map(Tensor::numel).sum();
         let shard = shard_range(total, world_size, rank);
         let mut pieces = Vec::new();
@@ -110,7 +114,7 @@ impl<E: GradElement> ShardedAdamW<E> {
                 pieces.push(Piece {
                     param,
                     start: own.start - offset,
-                    values: Tensor::param(ArrayD::zeros(vec![own.len()])),
+                    values: master_shard(own.len(), tensor.memory_tag().owner, meta),
                 });
             }
             offset += tensor.numel();
@@ -124,6 +128,7 @@ impl<E: GradElement> ShardedAdamW<E> {
             inner,
             total,
             round: (ddp.capacity::<E>() / world_size).max(1),
+            meta,
         })
     }
 
@@ -243,13 +248,14 @@ impl<E: GradElement> ShardedAdamW<E> {
     /// Round `j` takes elements `j·round ..` of every rank's shard. Shards differ by at
     /// most one element, longer ones first, so every round's pieces have the lengths
     /// [`shard_range`] gives its total, as an all-gather requires.
-    fn gather(&self, local: &[E]) {
+    fn gather(&self, local: &Metered<E>) {
         let world_size = self.link.borrow().world_size();
         let shards: Vec<Range<usize>> = (0..world_size)
             .map(|r| shard_range(self.total, world_size, r))
             .collect();
         let rounds = shards[0].len().div_ceil(self.round);
-        let mut gathered = Metered::new();
+        let owner = common_owner(self.parameters.iter());
+        let mut gathered = Metered::new(self.meta, communication(labels::GATHERED_WEIGHTS, owner));
         for j in 0..rounds {
             let pieces: Vec<Range<usize>> = shards
                 .iter()
@@ -259,21 +265,21 @@ impl<E: GradElement> ShardedAdamW<E> {
                 })
                 .collect();
             let own = &pieces[shards.iter().position(|s| *s == self.shard).expect("mine")];
-            let mine = &local[own.start - self.shard.start..own.end - self.shard.start];
+            let mine = local.part(own.start - self.shard.start..own.end - self.shard.start);
             gathered.reset(pieces.iter().map(Range::len).sum());
-            let sent = self.link.borrow_mut().call(|comm| {
-                comm.all_gather(
-                    <E as tl_collective::Element>::view(mine),
-                    <E as tl_collective::Element>::view_mut(&mut gathered),
-                )
-            });
+            let sent = self
+                .link
+                .borrow_mut()
+                .call(|comm| comm.all_gather(mine, gathered.view_mut()));
             if sent.is_none() {
                 return;
             }
-            let mut offset = 0;
-            for piece in &pieces {
-                self.write_flat(piece.start, &gathered[offset..offset + piece.len()]);
-                offset += piece.len();
+            if let Some(values) = gathered.values() {
+                let mut offset = 0;
+                for piece in &pieces {
+                    self.write_flat(piece.start, &values[offset..offset + piece.len()]);
+                    offset += piece.len();
+                }
             }
         }
     }
@@ -305,6 +311,24 @@ pub(crate) fn adamw_like<E: Element>(
         .and_then(|o| o.with_betas(beta1, beta2))
         .and_then(|o| o.with_eps(adamw.eps()))
         .and_then(|o| o.with_weight_decay(adamw.weight_decay()))
+}
+
+/// A master copy of `len` elements of a parameter owned by the model's unit `owner`: a 1-D
+/// leaf of zeros (its shape only when `meta`) for a sharded AdamW to update, tagged on the
+/// meter as optimizer state labelled [`MASTER_SHARD`](labels::MASTER_SHARD).
+pub(crate) fn master_shard<E: Element>(len: usize, owner: Option<usize>, meta: bool) -> Tensor<E> {
+    let _tag = memory::tag_scope(Tag {
+        kind: Kind::OptimizerState,
+        owner,
+        label: labels::MASTER_SHARD,
+        ..memory::current_tag()
+    });
+    let piece = match meta {
+        true => Tensor::meta(&[len]),
+        false => Tensor::from_array(ArrayD::zeros(vec![len])),
+    };
+    piece.set_requires_grad(true);
+    piece
 }
 
 /// The whole state of `parameters` from their gathered moments and step counts (a step
@@ -433,17 +457,23 @@ impl<E: GradElement> Optimizer<E> for ShardedAdamW<E> {
                 let len = piece.values.numel();
                 // The master copy starts from the replicated weights, so they can never
                 // drift apart (a load or a broadcast between steps is picked up).
-                piece.values.update_value(|v| {
-                    read_run(&param.value(), piece.start, v.as_slice_mut().expect("1-D"));
-                });
-                let grad = param.with_grad(|grad| {
-                    grad.map(|g| {
+                if !self.meta {
+                    piece.values.update_value(|v| {
+                        read_run(&param.value(), piece.start, v.as_slice_mut().expect("1-D"));
+                    });
+                }
+                if param.with_grad(|grad| grad.is_none()) {
+                    piece.values.set_grad(None);
+                } else {
+                    set_grad_with(&piece.values, || {
                         let mut run = ArrayD::zeros(vec![len]);
-                        read_run(g, piece.start, run.as_slice_mut().expect("1-D"));
+                        param.with_grad(|grad| {
+                            let grad = grad.expect("a gradient");
+                            read_run(grad, piece.start, run.as_slice_mut().expect("1-D"));
+                        });
                         run
-                    })
-                });
-                piece.values.set_grad(grad);
+                    });
+                }
             }
             // The full gradient is consumed: dropping it as soon as its piece is taken keeps
             // a step's peak at the gradients plus this rank's shard, not both in full.
@@ -451,12 +481,20 @@ impl<E: GradElement> Optimizer<E> for ShardedAdamW<E> {
         }
         self.inner.step();
         self.inner.zero_grad();
-        let mut local = Metered::zeros(self.shard.len());
-        let mut offset = 0;
-        for piece in &self.pieces {
-            let len = piece.values.numel();
-            read_run(&piece.values.value(), 0, &mut local[offset..offset + len]);
-            offset += len;
+        let _gather = memory::stage_scope(Stage::Gather);
+        let owner = common_owner(self.parameters.iter());
+        let mut local = Metered::zeros(
+            self.shard.len(),
+            self.meta,
+            communication(labels::SHARD_TO_GATHER, owner),
+        );
+        if let Some(values) = local.values_mut() {
+            let mut offset = 0;
+            for piece in &self.pieces {
+                let len = piece.values.numel();
+                read_run(&piece.values.value(), 0, &mut values[offset..offset + len]);
+                offset += len;
+            }
         }
         self.gather(&local);
     }

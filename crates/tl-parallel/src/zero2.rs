@@ -41,23 +41,24 @@ use std::ops::Range;
 use std::rc::{Rc, Weak};
 
 use tl_collective::shard_range;
-use tl_precision::{grad_is_finite, underflow_count};
+use tl_precision::grad_is_finite;
 use tl_tensor::kernels::finite::all_finite;
+use tl_tensor::memory::{self, Stage};
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 use tl_tensor::{Element, Tensor};
 
-use crate::bucket::{Segment, bucket_len, plan, read_run, write_run};
-use crate::ddp::{DataParallel, EXTRAS, GradElement, StepSummary};
+use crate::bucket::{STEP_EXTRAS, Segment, bucket_len, plan, read_run, set_grad_with, write_run};
+use crate::ddp::{DataParallel, GradElement, StepSummary, step_extras};
 use crate::error::{ParallelError, Result};
 use crate::link::SharedLink;
-use crate::metered::Metered;
-use crate::zero::{adamw_like, load_shard, moment_elements, whole_state};
+use crate::metered::{Metered, common_owner, communication, labels};
+use crate::zero::{adamw_like, load_shard, master_shard, moment_elements, whole_state};
 
 /// One bucket: its segments, its length on the wire and this rank's chunk of it.
 struct Bucket {
     segments: Vec<Segment>,
-    /// The bucket's elements, plus [`EXTRAS`] for the last one.
+    /// The bucket's elements, plus [`STEP_EXTRAS`] for the last one.
     wire_len: usize,
     /// This rank's chunk, `shard_range(wire_len, N, r)`.
     chunk: Range<usize>,
@@ -79,6 +80,8 @@ struct Piece<E: Element> {
 
 /// What the optimizer and the gradient-ready hooks share.
 pub(crate) struct Core<E: GradElement> {
+    /// This core, for the hooks [`GradientShards::arm`] sets.
+    this: Weak<RefCell<Core<E>>>,
     link: SharedLink,
     parameters: Vec<Tensor<E>>,
     buckets: Vec<Bucket>,
@@ -95,6 +98,8 @@ pub(crate) struct Core<E: GradElement> {
     weight: E,
     /// Whether every gradient copied so far was finite.
     finite: bool,
+    /// Whether the parameters are [meta](tl_tensor::meta): the buffers hold no values.
+    meta: bool,
 }
 
 impl<E: GradElement> Core<E> {
@@ -125,6 +130,7 @@ impl<E: GradElement> Core<E> {
     /// Copies bucket `index`'s weighted gradients into a buffer, drops the gradients that
     /// are fully copied, reduce-scatters, and gives the pieces their shard.
     fn reduce(&mut self, index: usize) {
+        let _reduction = memory::stage_scope(Stage::Reduction);
         let Core {
             link,
             parameters,
@@ -133,118 +139,131 @@ impl<E: GradElement> Core<E> {
             remaining,
             weight,
             finite,
+            meta,
             ..
         } = self;
         let bucket = &buckets[index];
-        let mut buf = Metered::zeros(bucket.wire_len);
+        let owner = common_owner(bucket.segments.iter().map(|s| &parameters[s.param]));
+        let mut buf = Metered::zeros(
+            bucket.wire_len,
+            *meta,
+            communication(labels::GRADIENT_BUCKET, owner),
+        );
         let mut offset = 0;
         for s in &bucket.segments {
-            let run = &mut buf[offset..offset + s.len];
             let param = &parameters[s.param];
-            // A parameter without a gradient contributes zeros.
-            param.with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
-            *finite &= all_finite(run);
-            run.iter_mut().for_each(|v| *v *= *weight);
+            if let Some(values) = buf.values_mut() {
+                let run = &mut values[offset..offset + s.len];
+                // A parameter without a gradient contributes zeros.
+                param.with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
+                *finite &= all_finite(run);
+                run.iter_mut().for_each(|v| *v *= *weight);
+            }
             remaining[s.param] -= 1;
             if remaining[s.param] == 0 && param.with_grad(|g| g.is_some()) {
                 param.set_grad(None);
             }
             offset += s.len;
         }
-        let mut shard = Metered::zeros(bucket.chunk.len());
-        let sent = link.borrow_mut().call(|comm| {
-            comm.reduce_scatter_sum(
-                <E as tl_collective::Element>::view(&buf),
-                <E as tl_collective::Element>::view_mut(&mut shard),
-            )
-        });
+        let mut shard = Metered::zeros(
+            bucket.chunk.len(),
+            *meta,
+            communication(labels::REDUCED_SHARD, owner),
+        );
+        let sent = link
+            .borrow_mut()
+            .call(|comm| comm.reduce_scatter_sum(buf.view(), shard.view_mut()));
         drop(buf);
         for &p in &bucket.pieces {
             let piece = &pieces[p];
             let len = piece.values.numel();
-            let grad = match sent {
-                Some(()) => shard[piece.chunk_offset..piece.chunk_offset + len].to_vec(),
-                // Half-reduced gradients must not reach the optimizer.
-                None => vec![E::nan(); len],
-            };
-            piece
-                .values
-                .set_grad(Some(ArrayD::from_shape_vec(vec![len], grad).expect("1-D")));
+            set_grad_with(&piece.values, || {
+                let grad = match (sent, shard.values()) {
+                    (Some(()), Some(shard)) => {
+                        shard[piece.chunk_offset..piece.chunk_offset + len].to_vec()
+                    }
+                    // Half-reduced gradients must not reach the optimizer.
+                    _ => vec![E::nan(); len],
+                };
+                ArrayD::from_shape_vec(vec![len], grad).expect("1-D")
+            });
         }
     }
 }
 
-/// Arms the gradient-ready hooks of `core`'s parameters for one backward, with this rank's
-/// weight `n_r/B`.
-pub(crate) fn arm<E: GradElement>(core: &Rc<RefCell<Core<E>>>, weight: f64) {
-    let weak: Weak<RefCell<Core<E>>> = Rc::downgrade(core);
-    {
-        // A step that failed before its gradients were reduced may have left state behind.
-        let mut core = core.borrow_mut();
-        core.reset();
+/// What [`DataParallel`] asks of a stage that shards the gradients of its steps (ZeRO-2's
+/// [`Zero2AdamW`], through its core): the step's reduction, taken over.
+pub(crate) trait GradientShards {
+    /// Arms the gradient-ready hooks for one backward (the last micro-batch's), with this
+    /// rank's weight `n_r/B`, so that each bucket is reduce-scattered as soon as its
+    /// gradients are complete.
+    fn arm(&self, weight: f64);
+
+    /// Removes the hooks [`arm`](Self::arm) set.
+    fn disarm(&self);
+
+    /// After every backward of the step: reduces what is left, then makes the loss, the
+    /// flag and the underflows global. `None` if a collective failed.
+    fn finish(&self, weight: f64, local_loss: f64, loss_recorded: bool) -> Option<StepSummary>;
+
+    /// Sets the shards' gradients to NaN (after a failed collective).
+    fn poison(&self);
+}
+
+impl<E: GradElement> GradientShards for RefCell<Core<E>> {
+    fn arm(&self, weight: f64) {
+        {
+            // A step that failed before its gradients were reduced may have left state
+            // behind.
+            let mut core = self.borrow_mut();
+            core.reset();
+            core.weight = E::from_f64(weight);
+        }
+        let core = self.borrow();
+        for (index, param) in core.parameters.iter().enumerate() {
+            let this = Weak::clone(&core.this);
+            param.set_grad_ready_hook(Some(Rc::new(move || {
+                if let Some(core) = this.upgrade() {
+                    let mut core = core.borrow_mut();
+                    assert!(
+                        !core.ready[index],
+                        "ZeRO-2: parameter {index} got a second gradient in the last \
+                         backward, after its bucket may have been reduced (shared weights \
+                         are not supported)"
+                    );
+                    core.ready[index] = true;
+                    core.advance(false);
+                }
+            })));
+        }
+    }
+
+    fn disarm(&self) {
+        for param in &self.borrow().parameters {
+            param.set_grad_ready_hook(None);
+        }
+    }
+
+    fn finish(&self, weight: f64, local_loss: f64, loss_recorded: bool) -> Option<StepSummary> {
+        let _reduction = memory::stage_scope(Stage::Reduction);
+        let mut core = self.borrow_mut();
         core.weight = E::from_f64(weight);
+        core.advance(true);
+        let shard_finite = core.pieces.iter().all(|p| grad_is_finite(&p.values));
+        let flag = !(core.finite && shard_finite);
+        core.reset();
+        let mut extras = step_extras::<E>(local_loss, flag);
+        core.link.borrow_mut().call(|comm| {
+            comm.all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut extras))
+        })?;
+        Some(StepSummary::of_extras(&extras, loss_recorded))
     }
-    let core = core.borrow();
-    for (index, param) in core.parameters.iter().enumerate() {
-        let weak = weak.clone();
-        param.set_grad_ready_hook(Some(Rc::new(move || {
-            if let Some(core) = weak.upgrade() {
-                let mut core = core.borrow_mut();
-                assert!(
-                    !core.ready[index],
-                    "ZeRO-2: parameter {index} got a second gradient in the last backward, \
-                     after its bucket may have been reduced (shared weights are not supported)"
-                );
-                core.ready[index] = true;
-                core.advance(false);
-            }
-        })));
-    }
-}
 
-/// Removes the hooks [`arm`] set.
-pub(crate) fn disarm<E: GradElement>(core: &Rc<RefCell<Core<E>>>) {
-    for param in &core.borrow().parameters {
-        param.set_grad_ready_hook(None);
-    }
-}
-
-/// After every backward of the step: reduces what is left, then makes the loss, the flag
-/// and the underflows global. Returns `None` if a collective failed.
-pub(crate) fn finish<E: GradElement>(
-    core: &Rc<RefCell<Core<E>>>,
-    weight: f64,
-    local_loss: f64,
-    loss_recorded: bool,
-) -> Option<StepSummary> {
-    let mut core = core.borrow_mut();
-    core.weight = E::from_f64(weight);
-    core.advance(true);
-    let shard_finite = core.pieces.iter().all(|p| grad_is_finite(&p.values));
-    let flag = !(core.finite && shard_finite);
-    core.reset();
-    let mut extras = [
-        E::from_f64(local_loss),
-        if flag { E::one() } else { E::zero() },
-        E::from_f64(underflow_count() as f64),
-    ];
-    core.link
-        .borrow_mut()
-        .call(|comm| comm.all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut extras)))?;
-    Some(StepSummary {
-        global_loss: loss_recorded.then(|| extras[0].to_f64()),
-        nonfinite_ranks: extras[1].to_f64() as u64,
-        underflows: extras[2].to_f64() as u64,
-    })
-}
-
-/// Sets the pieces' gradients to NaN (after a failed collective).
-pub(crate) fn poison<E: GradElement>(core: &Rc<RefCell<Core<E>>>) {
-    for piece in &core.borrow().pieces {
-        let len = piece.values.numel();
-        piece
-            .values
-            .set_grad(Some(ArrayD::from_elem(vec![len], E::nan())));
+    fn poison(&self) {
+        for piece in &self.borrow().pieces {
+            let len = piece.values.numel();
+            set_grad_with(&piece.values, || ArrayD::from_elem(vec![len], E::nan()));
+        }
     }
 }
 
@@ -292,6 +311,7 @@ impl<E: GradElement> Zero2AdamW<E> {
             (link.rank(), link.world_size())
         };
         let parameters = adamw.parameters().to_vec();
+        let meta = parameters.iter().any(Tensor::is_meta);
         let numels: Vec<usize> = parameters.iter().map(Tensor::numel).collect();
         let planned = plan(&numels, ddp.capacity::<E>());
         let last = planned.len() - 1;
@@ -300,7 +320,7 @@ impl<E: GradElement> Zero2AdamW<E> {
         let mut buckets = Vec::new();
         for (index, segments) in planned.into_iter().enumerate() {
             let len = bucket_len(&segments);
-            let wire_len = len + if index == last { EXTRAS } else { 0 };
+            let wire_len = len + if index == last { STEP_EXTRAS } else { 0 };
             let chunk = shard_range(wire_len, world_size, rank);
             let mut bucket_pieces = Vec::new();
             let mut offset = 0;
@@ -313,7 +333,11 @@ impl<E: GradElement> Zero2AdamW<E> {
                         param: s.param,
                         start: s.start + own.start - offset,
                         chunk_offset: own.start - chunk.start,
-                        values: Tensor::param(ArrayD::zeros(vec![own.len()])),
+                        values: master_shard(
+                            own.len(),
+                            parameters[s.param].memory_tag().owner,
+                            meta,
+                        ),
                     });
                 }
                 offset += s.len;
@@ -327,19 +351,24 @@ impl<E: GradElement> Zero2AdamW<E> {
         }
         let shards: Vec<Tensor<E>> = pieces.iter().map(|p| p.values.clone()).collect();
         let inner = adamw_like(&adamw, shards.clone())?;
-        let core = Rc::new(RefCell::new(Core {
-            link,
-            ready: vec![false; parameters.len()],
-            remaining: segments_of.clone(),
-            segments_of,
-            parameters,
-            buckets,
-            pieces,
-            next: 0,
-            weight: E::zero(),
-            finite: true,
-        }));
-        ddp.shard_gradients(Rc::clone(&core));
+        let core = Rc::new_cyclic(|this| {
+            RefCell::new(Core {
+                this: Weak::clone(this),
+                link,
+                ready: vec![false; parameters.len()],
+                remaining: segments_of.clone(),
+                segments_of,
+                parameters,
+                buckets,
+                pieces,
+                next: 0,
+                weight: E::zero(),
+                finite: true,
+                meta,
+            })
+        });
+        let sharding: Rc<dyn GradientShards> = Rc::clone(&core) as _;
+        ddp.shard_gradients(&sharding);
         Ok(Self {
             core,
             shards,
@@ -390,38 +419,38 @@ impl<E: GradElement> Zero2AdamW<E> {
         };
         for bucket in &core.buckets {
             for (moment, full) in [(0, &mut exp_avg), (1, &mut exp_avg_sq)] {
-                let mut local = Metered::<E>::zeros(bucket.chunk.len());
-                for &p in &bucket.pieces {
-                    let piece = &core.pieces[p];
-                    if let Some(state) = &saved.params[p] {
-                        let values = if moment == 0 {
-                            &state.exp_avg
-                        } else {
-                            &state.exp_avg_sq
-                        };
-                        for (dst, &src) in local[piece.chunk_offset..].iter_mut().zip(values) {
-                            *dst = E::from_f64(src);
+                let tag = communication(labels::GATHERED_MOMENTS, None);
+                let mut local = Metered::<E>::zeros(bucket.chunk.len(), core.meta, tag);
+                if let Some(local) = local.values_mut() {
+                    for &p in &bucket.pieces {
+                        let piece = &core.pieces[p];
+                        if let Some(state) = &saved.params[p] {
+                            let values = if moment == 0 {
+                                &state.exp_avg
+                            } else {
+                                &state.exp_avg_sq
+                            };
+                            for (dst, &src) in local[piece.chunk_offset..].iter_mut().zip(values) {
+                                *dst = E::from_f64(src);
+                            }
                         }
                     }
                 }
-                let mut gathered = Metered::<E>::zeros(bucket.wire_len);
-                let sent = link.call(|comm| {
-                    comm.all_gather(
-                        <E as tl_collective::Element>::view(&local),
-                        <E as tl_collective::Element>::view_mut(&mut gathered),
-                    )
-                });
+                let mut gathered = Metered::<E>::zeros(bucket.wire_len, core.meta, tag);
+                let sent = link.call(|comm| comm.all_gather(local.view(), gathered.view_mut()));
                 if sent.is_none() {
                     return Err(failed(&mut link));
                 }
-                let mut offset = 0;
-                for s in &bucket.segments {
-                    let run = &gathered[offset..offset + s.len];
-                    full[s.param][s.start..s.start + s.len]
-                        .iter_mut()
-                        .zip(run)
-                        .for_each(|(d, &v)| *d = Element::to_f64(v));
-                    offset += s.len;
+                if let Some(gathered) = gathered.values() {
+                    let mut offset = 0;
+                    for s in &bucket.segments {
+                        let run = &gathered[offset..offset + s.len];
+                        full[s.param][s.start..s.start + s.len]
+                            .iter_mut()
+                            .zip(run)
+                            .for_each(|(d, &v)| *d = Element::to_f64(v));
+                        offset += s.len;
+                    }
                 }
             }
         }
@@ -461,43 +490,53 @@ impl<E: GradElement> Optimizer<E> for Zero2AdamW<E> {
     /// Updates this rank's shards with AdamW, then all-gathers the weights bucket by bucket.
     fn step(&mut self) {
         let core = self.core.borrow();
-        for piece in &core.pieces {
-            // The master copy starts from the replicated weights, as in ZeRO-1.
-            let param = &core.parameters[piece.param];
-            piece.values.update_value(|v| {
-                read_run(&param.value(), piece.start, v.as_slice_mut().expect("1-D"));
-            });
+        if !core.meta {
+            for piece in &core.pieces {
+                // The master copy starts from the replicated weights, as in ZeRO-1.
+                let param = &core.parameters[piece.param];
+                piece.values.update_value(|v| {
+                    read_run(&param.value(), piece.start, v.as_slice_mut().expect("1-D"));
+                });
+            }
         }
         self.inner.step();
         self.inner.zero_grad();
+        let _gather = memory::stage_scope(Stage::Gather);
         for bucket in &core.buckets {
-            let mut local = Metered::<E>::zeros(bucket.chunk.len());
-            for &p in &bucket.pieces {
-                let piece = &core.pieces[p];
-                let len = piece.values.numel();
-                read_run(
-                    &piece.values.value(),
-                    0,
-                    &mut local[piece.chunk_offset..piece.chunk_offset + len],
-                );
+            let owner = common_owner(bucket.segments.iter().map(|s| &core.parameters[s.param]));
+            let mut local = Metered::zeros(
+                bucket.chunk.len(),
+                core.meta,
+                communication(labels::SHARD_TO_GATHER, owner),
+            );
+            if let Some(values) = local.values_mut() {
+                for &p in &bucket.pieces {
+                    let piece = &core.pieces[p];
+                    let run = piece.chunk_offset..piece.chunk_offset + piece.values.numel();
+                    read_run(&piece.values.value(), 0, &mut values[run]);
+                }
             }
-            let mut gathered = Metered::<E>::zeros(bucket.wire_len);
-            let sent = core.link.borrow_mut().call(|comm| {
-                comm.all_gather(
-                    <E as tl_collective::Element>::view(&local),
-                    <E as tl_collective::Element>::view_mut(&mut gathered),
-                )
-            });
+            let mut gathered = Metered::zeros(
+                bucket.wire_len,
+                core.meta,
+                communication(labels::GATHERED_WEIGHTS, owner),
+            );
+            let sent = core
+                .link
+                .borrow_mut()
+                .call(|comm| comm.all_gather(local.view(), gathered.view_mut()));
             if sent.is_none() {
                 // The link keeps the error; buckets already written are updated, the rest
                 // not: the run must stop, as after any failed collective.
                 return;
             }
-            let mut offset = 0;
-            for s in &bucket.segments {
-                let run = &gathered[offset..offset + s.len];
-                core.parameters[s.param].update_value(|value| write_run(value, s.start, run));
-                offset += s.len;
+            if let Some(values) = gathered.values() {
+                let mut offset = 0;
+                for s in &bucket.segments {
+                    let run = &values[offset..offset + s.len];
+                    core.parameters[s.param].update_value(|value| write_run(value, s.start, run));
+                    offset += s.len;
+                }
             }
         }
     }

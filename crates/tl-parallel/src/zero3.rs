@@ -45,19 +45,22 @@ use std::rc::{Rc, Weak};
 use tl_collective::{Communicator, shard_range};
 use tl_precision::{
     DynamicLossScaler, MicroBatch, Precision, StepObserver, StepPhase, StepReport, grad_is_finite,
-    train_step_mixed_observed, underflow_count,
+    train_step_mixed_observed,
 };
 use tl_tensor::kernels::finite::all_finite;
+use tl_tensor::memory::{self, Kind, Stage, Tag};
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 use tl_tensor::{Element, Tensor, in_backward, is_grad_enabled};
 
-use crate::bucket::{read_run, write_run};
-use crate::ddp::{DataParallel, GradElement, StepSummary, global_report, recording_loss};
+use crate::bucket::{read_run, set_grad_with, write_run};
+use crate::ddp::{
+    DataParallel, GradElement, StepSummary, global_report, recording_loss, step_extras,
+};
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
-use crate::metered::Metered;
+use crate::metered::{Metered, common_owner, communication, labels};
 use crate::zero::{adamw_like, load_shard, whole_state};
 
 /// A run of one parameter inside this rank's shard of its unit.
@@ -97,6 +100,8 @@ struct Core<E: GradElement> {
     weight: E,
     /// Whether every local gradient reduced in this step was finite.
     finite: bool,
+    /// Whether the parameters are [meta](tl_tensor::meta): the buffers hold no values.
+    meta: bool,
 }
 
 impl<E: GradElement> Core<E> {
@@ -110,35 +115,42 @@ impl<E: GradElement> Core<E> {
         {
             return;
         }
-        let mut local = Metered::<E>::zeros(unit.shard.len());
-        for &p in &unit.pieces {
-            let piece = &self.pieces[p];
-            let len = piece.values.numel();
-            read_run(
-                &piece.values.value(),
-                0,
-                &mut local[piece.shard_offset..piece.shard_offset + len],
-            );
+        let _gather = memory::stage_scope(Stage::Gather);
+        let owner = common_owner(unit.params.iter().map(|&p| &self.parameters[p]));
+        let tag = |label| communication(label, owner);
+        let mut local = Metered::zeros(unit.shard.len(), self.meta, tag(labels::SHARD_TO_GATHER));
+        if let Some(values) = local.values_mut() {
+            for &p in &unit.pieces {
+                let piece = &self.pieces[p];
+                let run = piece.shard_offset..piece.shard_offset + piece.values.numel();
+                read_run(&piece.values.value(), 0, &mut values[run]);
+            }
         }
-        let mut gathered = Metered::<E>::zeros(unit.len);
-        let sent = self.link.borrow_mut().call(|comm| {
-            comm.all_gather(
-                <E as tl_collective::Element>::view(&local),
-                <E as tl_collective::Element>::view_mut(&mut gathered),
-            )
-        });
-        if sent.is_none() {
+        let mut gathered = Metered::zeros(unit.len, self.meta, tag(labels::GATHERED_WEIGHTS));
+        let sent = self
+            .link
+            .borrow_mut()
+            .call(|comm| comm.all_gather(local.view(), gathered.view_mut()));
+        if sent.is_none()
+            && let Some(values) = gathered.values_mut()
+        {
             // NaN values keep the shapes right and make the step refuse what follows.
-            gathered.iter_mut().for_each(|v| *v = E::nan());
+            values.iter_mut().for_each(|v| *v = E::nan());
         }
         let mut offset = 0;
         for &p in &unit.params {
             let param = &self.parameters[p];
             let len = param.numel();
-            let values = gathered[offset..offset + len].to_vec();
-            let array = ArrayD::from_shape_vec(param.shape(), values).expect("its shape");
             if param.is_released() {
-                param.restore_value(array);
+                match gathered.values() {
+                    Some(values) => {
+                        let values = values[offset..offset + len].to_vec();
+                        let array =
+                            ArrayD::from_shape_vec(param.shape(), values).expect("its shape");
+                        param.restore_value(array);
+                    }
+                    None => param.restore_meta(),
+                }
             }
             offset += len;
         }
@@ -170,6 +182,7 @@ impl<E: GradElement> Core<E> {
     /// Reduce-scatters unit `index`'s weighted gradients, adding this rank's shard into
     /// its pieces' gradients and dropping the full ones.
     fn reduce(&mut self, index: usize) {
+        let _reduction = memory::stage_scope(Stage::Reduction);
         let Core {
             link,
             parameters,
@@ -177,39 +190,47 @@ impl<E: GradElement> Core<E> {
             pieces,
             weight,
             finite,
+            meta,
         } = self;
         let unit = &units[index];
-        let mut buf = Metered::<E>::zeros(unit.len);
+        let owner = common_owner(unit.params.iter().map(|&p| &parameters[p]));
+        let tag = |label| communication(label, owner);
+        let mut buf = Metered::zeros(unit.len, *meta, tag(labels::GRADIENT_BUCKET));
         let mut offset = 0;
         for &p in &unit.params {
             let param = &parameters[p];
-            let run = &mut buf[offset..offset + param.numel()];
-            param.with_grad(|grad| grad.map(|g| read_run(g, 0, run)));
-            *finite &= all_finite(run);
-            run.iter_mut().for_each(|v| *v *= *weight);
+            let len = param.numel();
+            if let Some(values) = buf.values_mut() {
+                let run = &mut values[offset..offset + len];
+                param.with_grad(|grad| grad.map(|g| read_run(g, 0, run)));
+                *finite &= all_finite(run);
+                run.iter_mut().for_each(|v| *v *= *weight);
+            }
             param.set_grad(None);
-            offset += run.len();
+            offset += len;
         }
-        let mut shard = Metered::<E>::zeros(unit.shard.len());
-        let sent = link.borrow_mut().call(|comm| {
-            comm.reduce_scatter_sum(
-                <E as tl_collective::Element>::view(&buf),
-                <E as tl_collective::Element>::view_mut(&mut shard),
-            )
-        });
+        let mut shard = Metered::zeros(unit.shard.len(), *meta, tag(labels::REDUCED_SHARD));
+        let sent = link
+            .borrow_mut()
+            .call(|comm| comm.reduce_scatter_sum(buf.view(), shard.view_mut()));
         drop(buf);
-        if sent.is_none() {
-            shard.iter_mut().for_each(|v| *v = E::nan());
+        if sent.is_none()
+            && let Some(values) = shard.values_mut()
+        {
+            values.iter_mut().for_each(|v| *v = E::nan());
         }
         for &p in &unit.pieces {
             let piece = &pieces[p];
-            let run = &shard[piece.shard_offset..piece.shard_offset + piece.values.numel()];
+            let len = piece.values.numel();
             if piece.values.with_grad(|g| g.is_none()) {
-                piece.values.set_grad(Some(ArrayD::zeros(vec![run.len()])));
+                set_grad_with(&piece.values, || ArrayD::zeros(vec![len]));
             }
-            piece.values.update_grad(|g| {
-                g.iter_mut().zip(run).for_each(|(g, &r)| *g += r);
-            });
+            if let Some(values) = shard.values() {
+                let run = &values[piece.shard_offset..piece.shard_offset + len];
+                piece.values.update_grad(|g| {
+                    g.iter_mut().zip(run).for_each(|(g, &r)| *g += r);
+                });
+            }
         }
     }
 }
@@ -245,13 +266,58 @@ impl<E: GradElement> UnitRunner<E> {
             return output;
         }
         let weak: Weak<RefCell<Core<E>>> = Rc::downgrade(&self.core);
-        Tensor::from_op_shared(&output, &[&output], move |grad_out| {
+        // A backward over tensors, so that a meta run gathers as a real one does.
+        Tensor::from_op_tensors(&output, &[&output], move |grad_out| {
+            let held = hold(grad_out);
             if let Some(core) = weak.upgrade() {
                 core.borrow_mut().gather(unit);
             }
-            vec![Some(grad_out)]
+            vec![Some(in_flight_copy(&held))]
         })
     }
+}
+
+// The identity op's backward shows the meter what it showed when it was a backward over
+// values, which the memory plan's replica of ZeRO-3 follows event for event: tl-tensor
+// counts such a backward's incoming gradient off and on again before it runs (`hold`), and
+// its result in a buffer of its own before the incoming one goes (`in_flight_copy`, then
+// `held` dropped). A meta gradient goes the same way, with no values to copy.
+
+/// `grad`, its storage counted off the meter and on again.
+fn hold<E: GradElement>(grad: Tensor<E>) -> Tensor<E> {
+    let values = (!grad.is_meta()).then(|| grad.to_array());
+    grad.release_value();
+    match values {
+        Some(values) => grad.restore_value(values),
+        None => grad.restore_meta(),
+    }
+    grad
+}
+
+/// A copy of `grad` (its shape, when meta) tagged as a gradient a backward sweep carries.
+fn in_flight_copy<E: GradElement>(grad: &Tensor<E>) -> Tensor<E> {
+    let _in_flight = memory::tag_scope(Tag {
+        kind: Kind::GradientsInFlight,
+        label: "",
+        ..memory::current_tag()
+    });
+    match grad.is_meta() {
+        true => Tensor::meta(&grad.shape()),
+        false => Tensor::from_array(grad.to_array()),
+    }
+}
+
+/// The piece `start..start + len` of `param`'s values (its shape, for a meta parameter): a
+/// 1-D leaf for the shard's AdamW, owned by the parameter's unit. Under ZeRO-3 nothing else
+/// keeps the weights, so the meter counts it as [`Weights`](Kind::Weights).
+fn weights_shard<E: GradElement>(param: &Tensor<E>, start: usize, len: usize) -> Tensor<E> {
+    let _owner = memory::owner_scope(param.memory_tag().owner);
+    if param.is_meta() {
+        return Tensor::meta_param(&[len]);
+    }
+    let mut run = vec![E::zero(); len];
+    read_run(&param.value(), start, &mut run);
+    Tensor::param(ArrayD::from_shape_vec(vec![len], run).expect("1-D"))
 }
 
 /// ZeRO stage 3 over a communicator: the units' parameters, gradients and AdamW state
@@ -324,6 +390,7 @@ impl<E: GradElement> Zero3<E> {
             let link = link.borrow();
             (link.rank(), link.world_size())
         };
+        let meta = units.iter().flatten().any(Tensor::is_meta);
         let mut parameters = Vec::new();
         let mut planned = Vec::new();
         let mut pieces = Vec::new();
@@ -341,16 +408,12 @@ impl<E: GradElement> Zero3<E> {
             for param in unit_params {
                 let own = offset.max(shard.start)..(offset + param.numel()).min(shard.end);
                 if !own.is_empty() {
-                    let mut run = vec![E::zero(); own.len()];
-                    read_run(&param.value(), own.start - offset, &mut run);
                     unit.pieces.push(pieces.len());
                     pieces.push(Piece {
                         param: parameters.len(),
                         start: own.start - offset,
                         shard_offset: own.start - shard.start,
-                        values: Tensor::param(
-                            ArrayD::from_shape_vec(vec![run.len()], run).expect("1-D"),
-                        ),
+                        values: weights_shard(&param, own.start - offset, own.len()),
                     });
                 }
                 offset += param.numel();
@@ -367,6 +430,7 @@ impl<E: GradElement> Zero3<E> {
             pieces,
             weight: E::from_f64(1.0 / world_size as f64),
             finite: true,
+            meta,
         }));
         let weak = Rc::downgrade(&core);
         {
@@ -573,30 +637,31 @@ impl<E: GradElement> Zero3<E> {
         let mut link = core.link.borrow_mut();
         for unit in &core.units {
             for (moment, full) in moments.iter_mut().enumerate() {
-                let mut local = Metered::<E>::zeros(unit.shard.len());
-                for &p in &unit.pieces {
-                    if let Some(state) = &saved.params[p] {
-                        let values = [&state.exp_avg, &state.exp_avg_sq][moment];
-                        let offset = core.pieces[p].shard_offset;
-                        for (dst, &src) in local[offset..].iter_mut().zip(values) {
-                            *dst = E::from_f64(src);
+                let tag = communication(labels::GATHERED_MOMENTS, None);
+                let mut local = Metered::<E>::zeros(unit.shard.len(), core.meta, tag);
+                if let Some(local) = local.values_mut() {
+                    for &p in &unit.pieces {
+                        if let Some(state) = &saved.params[p] {
+                            let values = [&state.exp_avg, &state.exp_avg_sq][moment];
+                            let offset = core.pieces[p].shard_offset;
+                            for (dst, &src) in local[offset..].iter_mut().zip(values) {
+                                *dst = E::from_f64(src);
+                            }
                         }
                     }
                 }
-                let mut gathered = Metered::<E>::zeros(unit.len);
-                link.call(|comm| {
-                    comm.all_gather(
-                        <E as tl_collective::Element>::view(&local),
-                        <E as tl_collective::Element>::view_mut(&mut gathered),
-                    )
-                });
+                let mut gathered = Metered::<E>::zeros(unit.len, core.meta, tag);
+                link.call(|comm| comm.all_gather(local.view(), gathered.view_mut()));
                 let mut offset = 0;
                 for &p in &unit.params {
                     let len = core.parameters[p].numel();
-                    full[p] = gathered[offset..offset + len]
-                        .iter()
-                        .map(|&v| Element::to_f64(v))
-                        .collect();
+                    full[p] = match gathered.values() {
+                        Some(values) => values[offset..offset + len]
+                            .iter()
+                            .map(|&v| Element::to_f64(v))
+                            .collect(),
+                        None => vec![0.0; len],
+                    };
                     offset += len;
                 }
             }
@@ -650,7 +715,7 @@ impl<E: GradElement> Zero3<E> {
         for (param, value) in core.parameters.iter().zip(values) {
             assert_eq!(param.shape(), value.shape(), "parameter shape");
         }
-        for piece in &core.pieces {
+        for piece in core.pieces.iter().filter(|piece| !piece.values.is_meta()) {
             piece.values.update_value(|v| {
                 let mut run = vec![E::zero(); v.len()];
                 read_run(&values[piece.param], piece.start, &mut run);
@@ -702,20 +767,12 @@ impl<E: GradElement> StepObserver<E> for Observer<'_, E> {
         let core = self.core.borrow();
         let shard_finite = core.pieces.iter().all(|p| grad_is_finite(&p.values));
         let flag = !(core.finite && shard_finite);
-        let mut extras = [
-            E::from_f64(self.local_loss.get()),
-            if flag { E::one() } else { E::zero() },
-            E::from_f64(underflow_count() as f64),
-        ];
+        let mut extras = step_extras::<E>(self.local_loss.get(), flag);
         let sent = core
             .link
             .borrow_mut()
             .call(|comm| comm.all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut extras)));
-        *self.summary = sent.map(|()| StepSummary {
-            global_loss: Some(extras[0].to_f64()),
-            nonfinite_ranks: extras[1].to_f64() as u64,
-            underflows: extras[2].to_f64() as u64,
-        });
+        *self.summary = sent.map(|()| StepSummary::of_extras(&extras, true));
     }
 
     fn all_finite(&mut self, local: bool) -> bool {

@@ -168,5 +168,14 @@ impl TrainError {
     }
 }
 
+/// What a conversion that cannot fail "fails" with: lets a function take either a typed
+/// value or one to convert (a [`ZeroStage`](tl_parallel::ZeroStage) or a config's stage
+/// number, in [`RunOptimizer::at_stage`](crate::train::RunOptimizer::at_stage)).
+impl From<std::convert::Infallible> for TrainError {
+    fn from(never: std::convert::Infallible) -> Self {
+        match never {}
+    }
+}
+
 /// The result of tl-train's fallible functions.
 pub type Result<T> = std::result::Result<T, TrainError>;

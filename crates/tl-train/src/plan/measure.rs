@@ -1,11 +1,13 @@
 //! The other side of the plan: the peak that `tl_tensor::memory` measures on a real
 //! [`Trainer`] step of the same recipe.
 
+use std::cell::Cell;
 use std::path::PathBuf;
+use std::rc::Rc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
-use tl_collective::Single;
+use tl_collective::{CommStats, Communicator, Phantom, ReduceOp, Single, Slice, SliceMut};
 use tl_tensor::memory;
 
 use crate::error::{Result, TrainError};
@@ -111,4 +113,157 @@ fn scratch_dir() -> PathBuf {
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     std::env::temp_dir().join(format!("tinyllm-plan-{}-{nanos}", std::process::id()))
+}
+
+/// [`measure_steps`] on one rank of a data-parallel run: the rank's meter, and what its
+/// communicator counted during the steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankMeasurement {
+    /// The rank's meter, read as [`measure_steps`] reads it.
+    pub memory: Measurement,
+    /// Collectives called and bytes sent by this rank from its first step to its last.
+    pub comm: CommStats,
+}
+
+/// [`measure_steps`] as one rank of `comm`'s ranks ([`Trainer::new_on`], at the config's
+/// ZeRO stage and buckets): every rank calls it with the same config, at the same time.
+/// Rank 0 makes the run directory, a fresh one under the system's temporary directory,
+/// and removes it afterwards.
+///
+/// # Errors
+/// Those of [`Trainer::new_on`] and [`Trainer::train_step`], as for [`measure_steps`].
+pub fn measure_rank(config: &TrainConfig, comm: Box<dyn Communicator>) -> Result<RankMeasurement> {
+    let mut config = config.clone();
+    config.data = DataSource::Builtin {
+        seed: 0,
+        bytes: 40 * (config.model.context + 1),
+    };
+    let run_dir = scratch_dir();
+    let outcome = (|| {
+        let base = memory::live_bytes();
+        let (comm, counters) = Counted::wrap(comm);
+        let trainer = Trainer::new_on(config, &run_dir, Box::new(comm))?;
+        measure_counted(trainer, base, &counters)
+    })();
+    // Best effort, as in `measure_steps`; only rank 0 made it.
+    let _ = std::fs::remove_dir_all(&run_dir);
+    outcome
+}
+
+/// [`measure_meta_steps`] as rank `rank` of a world of `world_size`, on a
+/// [`Phantom`](tl_collective::Phantom): the steps of [`measure_rank`]'s rank, shapes only,
+/// in one process whatever the world size.
+///
+/// # Errors
+/// [`TrainError::Collective`] for a rank outside the world; those of [`Trainer::meta_on`]
+/// and [`Trainer::train_step`].
+pub fn measure_meta_steps_on(
+    config: &TrainConfig,
+    rank: usize,
+    world_size: usize,
+) -> Result<Measurement> {
+    Ok(measure_meta_rank(config, rank, world_size)?.memory)
+}
+
+/// [`measure_meta_steps_on`] with what the phantom counted: equal to [`measure_rank`] of
+/// the same rank, byte for byte and collective for collective.
+///
+/// # Errors
+/// As [`measure_meta_steps_on`].
+pub fn measure_meta_rank(
+    config: &TrainConfig,
+    rank: usize,
+    world_size: usize,
+) -> Result<RankMeasurement> {
+    let phantom = Phantom::new(rank, world_size)?;
+    let _meta = tl_tensor::meta_mode();
+    let base = memory::live_bytes();
+    let (comm, counters) = Counted::wrap(Box::new(phantom));
+    let trainer = Trainer::meta_on(config.clone(), Box::new(comm))?;
+    measure_counted(trainer, base, &counters)
+}
+
+/// Steps `trainer` as [`measure_steps`] does, with what `counters` saw meanwhile.
+fn measure_counted(
+    trainer: Trainer,
+    base: usize,
+    counters: &Rc<Cell<CommStats>>,
+) -> Result<RankMeasurement> {
+    let before = counters.get();
+    let memory = measure_trainer(trainer, base)?;
+    let after = counters.get();
+    Ok(RankMeasurement {
+        memory,
+        comm: CommStats {
+            collectives: after.collectives - before.collectives,
+            bytes_sent: after.bytes_sent - before.bytes_sent,
+        },
+    })
+}
+
+/// A communicator that copies its counters out after every call, so that they can be read
+/// while (and after) a trainer owns it.
+struct Counted {
+    inner: Box<dyn Communicator>,
+    counters: Rc<Cell<CommStats>>,
+}
+
+impl Counted {
+    fn wrap(inner: Box<dyn Communicator>) -> (Self, Rc<Cell<CommStats>>) {
+        let counters = Rc::new(Cell::new(inner.stats()));
+        let counted = Self {
+            inner,
+            counters: Rc::clone(&counters),
+        };
+        (counted, counters)
+    }
+
+    fn seen<T>(&self, done: tl_collective::Result<T>) -> tl_collective::Result<T> {
+        self.counters.set(self.inner.stats());
+        done
+    }
+}
+
+impl Communicator for Counted {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> tl_collective::Result<()> {
+        let done = self.inner.all_reduce(data, op);
+        self.seen(done)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        input: Slice<'_>,
+        output: SliceMut<'_>,
+        op: ReduceOp,
+    ) -> tl_collective::Result<()> {
+        let done = self.inner.reduce_scatter(input, output, op);
+        self.seen(done)
+    }
+
+    fn all_gather(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> tl_collective::Result<()> {
+        let done = self.inner.all_gather(input, output);
+        self.seen(done)
+    }
+
+    fn broadcast(&mut self, data: SliceMut<'_>, root: usize) -> tl_collective::Result<()> {
+        let done = self.inner.broadcast(data, root);
+        self.seen(done)
+    }
+
+    fn barrier(&mut self) -> tl_collective::Result<()> {
+        let done = self.inner.barrier();
+        self.seen(done)
+    }
+
+    fn stats(&self) -> CommStats {
+        self.inner.stats()
+    }
 }

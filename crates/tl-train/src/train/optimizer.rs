@@ -5,12 +5,12 @@
 
 use std::rc::Rc;
 
-use tl_parallel::{DataParallel, ShardedAdamW, Zero2AdamW, Zero3};
+use tl_parallel::{DataParallel, ShardedAdamW, Zero2AdamW, Zero3, ZeroStage};
 use tl_precision::{DynamicLossScaler, MicroBatch, Precision, StepReport, train_step_mixed};
 use tl_tensor::Tensor;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 
-use crate::error::Result;
+use crate::error::{Result, TrainError};
 use crate::model::Llama;
 
 /// AdamW as the run's ZeRO stage keeps it.
@@ -30,43 +30,51 @@ pub enum RunOptimizer {
 
 impl RunOptimizer {
     /// `adamw` (fresh, or holding a checkpoint's whole state) on `model`'s parameters at
-    /// ZeRO stage `zero` over `ddp`'s ranks. At stage 3 the model's whole values are
+    /// ZeRO stage `stage` over `ddp`'s ranks. At stage 3 the model's whole values are
     /// released and its unit hook set: from then on they exist only while a unit runs, or
     /// while [`named_weights`](Self::named_weights) copies them out.
     ///
+    /// `stage` is a [`ZeroStage`], or a stage's number as a config holds it (`u8`),
+    /// converted here.
+    ///
     /// # Errors
-    /// [`TrainError::Parallel`](crate::TrainError::Parallel) if the state does not fit.
-    pub fn at_stage(
+    /// [`TrainError::Parallel`](crate::TrainError::Parallel) if the state does not fit, or
+    /// for a stage number past 3 ([`UnknownStage`](tl_parallel::ParallelError::UnknownStage)).
+    pub fn at_stage<S>(
         adamw: AdamW<f32>,
-        zero: u8,
+        stage: S,
         ddp: &mut DataParallel,
         model: &Llama<f32>,
-    ) -> Result<Self> {
-        if zero == 0 {
-            return Ok(Self::Whole(adamw));
-        }
-        let state = adamw.state_dict();
-        let fresh = AdamW::new(adamw.parameters().to_vec(), adamw.learning_rate())?
-            .with_betas(adamw.betas().0, adamw.betas().1)?
-            .with_eps(adamw.eps())?
-            .with_weight_decay(adamw.weight_decay())?;
-        if zero == 1 {
-            let mut sharded = ShardedAdamW::new(ddp, fresh)?;
-            sharded.load_full_state(&state)?;
-            return Ok(Self::Sharded(sharded));
-        }
-        if zero == 2 {
-            let mut sharded = Zero2AdamW::new(ddp, fresh)?;
-            sharded.load_full_state(&state)?;
-            return Ok(Self::Zero2(sharded));
-        }
-        let mut zero3 = Zero3::on(ddp, model.units(), &fresh)?;
-        zero3.load_full_state(&state)?;
-        let runner = zero3.runner();
-        model.set_unit_hook(Some(Rc::new(move |unit, forward| {
-            runner.run_unit(unit, forward)
-        })));
-        Ok(Self::Zero3(zero3))
+    ) -> Result<Self>
+    where
+        S: TryInto<ZeroStage>,
+        TrainError: From<S::Error>,
+    {
+        Ok(match stage.try_into()? {
+            ZeroStage::Ddp => Self::Whole(adamw),
+            ZeroStage::Optimizer => {
+                let (state, fresh) = state_and_fresh(&adamw)?;
+                let mut sharded = ShardedAdamW::new(ddp, fresh)?;
+                sharded.load_full_state(&state)?;
+                Self::Sharded(sharded)
+            }
+            ZeroStage::Gradients => {
+                let (state, fresh) = state_and_fresh(&adamw)?;
+                let mut sharded = Zero2AdamW::new(ddp, fresh)?;
+                sharded.load_full_state(&state)?;
+                Self::Zero2(sharded)
+            }
+            ZeroStage::Parameters => {
+                let (state, fresh) = state_and_fresh(&adamw)?;
+                let mut zero3 = Zero3::on(ddp, model.units(), &fresh)?;
+                zero3.load_full_state(&state)?;
+                let runner = zero3.runner();
+                model.set_unit_hook(Some(Rc::new(move |unit, forward| {
+                    runner.run_unit(unit, forward)
+                })));
+                Self::Zero3(zero3)
+            }
+        })
     }
 
     /// One training step of `model` on this rank's `micro_batches` (of a global batch of
@@ -171,6 +179,16 @@ impl RunOptimizer {
     }
 }
 
+/// `adamw`'s whole state, and a fresh AdamW with its parameters and hyperparameters for a
+/// sharded optimizer to start from (the state is loaded into the shards after).
+fn state_and_fresh(adamw: &AdamW<f32>) -> Result<(AdamWState, AdamW<f32>)> {
+    let fresh = AdamW::new(adamw.parameters().to_vec(), adamw.learning_rate())?
+        .with_betas(adamw.betas().0, adamw.betas().1)?
+        .with_eps(adamw.eps())?
+        .with_weight_decay(adamw.weight_decay())?;
+    Ok((adamw.state_dict(), fresh))
+}
+
 impl Optimizer<f32> for RunOptimizer {
     fn step(&mut self) {
         match self {
@@ -215,5 +233,36 @@ impl Optimizer<f32> for RunOptimizer {
             Self::Zero2(sharded) => sharded.set_learning_rate(lr),
             Self::Zero3(zero3) => zero3.set_learning_rate(lr),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Preset;
+    use crate::train::TrainConfig;
+    use tl_collective::Single;
+    use tl_tensor::nn::Module;
+
+    #[test]
+    fn a_stage_is_typed_or_a_config_number_checked_at_the_boundary() {
+        let config = TrainConfig::for_preset(Preset::Tiny);
+        let model = Llama::<f32>::new(&config.model, 0).unwrap();
+        let mut ddp = DataParallel::new(Box::new(Single::new()));
+        let adamw = || AdamW::new(model.parameters(), 1e-3).unwrap();
+        let zero2 = RunOptimizer::at_stage(adamw(), ZeroStage::Gradients, &mut ddp, &model);
+        assert!(matches!(zero2, Ok(RunOptimizer::Zero2(_))));
+        let zero1 = RunOptimizer::at_stage(adamw(), 1u8, &mut ddp, &model);
+        assert!(matches!(zero1, Ok(RunOptimizer::Sharded(_))));
+        let error = RunOptimizer::at_stage(adamw(), 4u8, &mut ddp, &model).err();
+        assert!(
+            matches!(
+                error,
+                Some(TrainError::Parallel(
+                    tl_parallel::ParallelError::UnknownStage { index: 4 }
+                ))
+            ),
+            "{error:?}"
+        );
     }
 }

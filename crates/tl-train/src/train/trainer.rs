@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Instant, SystemTime};
 
 use tl_collective::{Communicator, Single};
-use tl_parallel::DataParallel;
+use tl_parallel::{DataParallel, ZeroStage};
 use tl_precision::{
     DynamicLossScaler, Fp8State, MicroBatch, Precision, StepReport, train_step_mixed,
 };
@@ -246,7 +246,11 @@ impl Trainer {
     /// as rank `comm.rank()` of `comm`'s ranks: what `tinyllm plan` and the pre-flight memory
     /// check run, under [`tl_tensor::meta_mode`], with a phantom communicator for a world of
     /// many ranks. Its [`train_step`](Self::train_step) is the real step, allocating and
-    /// freeing what a real one does, with no arithmetic. Nothing is read or written on disk
+    /// freeing what a real one does, with no arithmetic, at any ZeRO stage: tl-parallel's
+    /// buffers are counted and its collectives called on shapes, so a
+    /// [`Phantom`](tl_collective::Phantom) counts what rank `r` of a ring would send. The
+    /// weights are broadcast as on a real rank; the ranks' agreement on the config is not
+    /// made (a phantom has no other ranks to agree with). Nothing is read or written on disk
     /// (no run directory, no metrics), the data is a stand-in of the right length, and the
     /// memory check is not made (this is what it runs).
     ///
@@ -255,11 +259,15 @@ impl Trainer {
     /// [`Trainer::new_on`] reports of the parallel setup.
     pub fn meta_on(mut config: TrainConfig, comm: Box<dyn Communicator>) -> Result<Self> {
         let _meta = tl_tensor::meta_mode();
-        let ddp = DataParallel::new(comm);
+        let mut ddp = DataParallel::new(comm);
         config.parallel.ranks = ddp.world_size();
         config.validate()?;
         let corpus = Corpus::stand_in(config.model.context);
         let model = Llama::new(&config.model, config.seed)?;
+        if ddp.world_size() > 1 {
+            // As a real rank takes rank 0's weights: the same buffers, the same collectives.
+            ddp.broadcast_parameters(&model.parameters())?;
+        }
         let optimizer = new_optimizer(&model, &config)?;
         let parts = RunParts::fresh(config, None, corpus, model, optimizer);
         Self::assemble(Path::new(""), parts, ddp)
@@ -283,7 +291,8 @@ impl Trainer {
         model.set_checkpointing(config.checkpointing);
         let fp8 = fp8.map(|state| Rc::new(RefCell::new(state)));
         model.set_fp8(fp8.clone())?;
-        let optimizer = RunOptimizer::at_stage(optimizer, config.parallel.zero, &mut ddp, &model)?;
+        let stage = ZeroStage::try_from(config.parallel.zero)?;
+        let optimizer = RunOptimizer::at_stage(optimizer, stage, &mut ddp, &model)?;
         let metrics = lock
             .is_some()
             .then(|| MetricsLog::open(run_dir, step))
