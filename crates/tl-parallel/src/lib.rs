@@ -75,6 +75,7 @@ pub use bucket::{
 };
 pub use ddp::{DataParallel, GradElement, StepSummary};
 pub use error::{ParallelError, Result};
+pub use metered::labels;
 pub use stage::ZeroStage;
 pub use zero::ShardedAdamW;
 pub use zero2::Zero2AdamW;

@@ -17,23 +17,23 @@ use tl_tensor::memory::{self, Kind, Tag};
 use crate::ddp::GradElement;
 
 /// The labels of tl-parallel's buffers and shards on the meter.
-pub(crate) mod labels {
+pub mod labels {
     /// Weighted gradients on their way into a reduction (DDP's all-reduce, a ZeRO
     /// reduce-scatter's input).
-    pub(crate) const GRADIENT_BUCKET: &str = "gradient bucket";
+    pub const GRADIENT_BUCKET: &str = "gradient bucket";
     /// A rank's shard of a reduce-scatter's result.
-    pub(crate) const REDUCED_SHARD: &str = "reduced shard";
+    pub const REDUCED_SHARD: &str = "reduced shard";
     /// A rank's shard of the weights on its way into an all-gather.
-    pub(crate) const SHARD_TO_GATHER: &str = "shard to gather";
+    pub const SHARD_TO_GATHER: &str = "shard to gather";
     /// Weights all-gathered from every rank's shard.
-    pub(crate) const GATHERED_WEIGHTS: &str = "gathered weights";
+    pub const GATHERED_WEIGHTS: &str = "gathered weights";
     /// Rank 0's weights on their way to every rank.
-    pub(crate) const BROADCAST_WEIGHTS: &str = "broadcast weights";
+    pub const BROADCAST_WEIGHTS: &str = "broadcast weights";
     /// Optimizer moments gathered from every rank's shard, to save them whole.
-    pub(crate) const GATHERED_MOMENTS: &str = "gathered moments";
+    pub const GATHERED_MOMENTS: &str = "gathered moments";
     /// ZeRO-1 and ZeRO-2's 1-D copy of a piece of a parameter in the rank's shard, which
     /// the shard's AdamW updates.
-    pub(crate) const MASTER_SHARD: &str = "master shard";
+    pub const MASTER_SHARD: &str = "master shard";
 }
 
 /// The tag of a communication buffer labelled `label`, owned by the model's unit `owner`

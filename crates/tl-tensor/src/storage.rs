@@ -141,6 +141,7 @@ impl<E: Element> Buffer<E> {
             "restore: the values must have the released shape"
         );
         self.bytes = array.len() * std::mem::size_of::<E>();
+        self.tag = now(self.tag);
         memory::on_alloc_tagged(self.bytes, self.tag);
         self.array = array;
         self.version += 1;
@@ -158,6 +159,7 @@ impl<E: Element> Buffer<E> {
             .take()
             .expect("restore_meta: the value is not released");
         self.bytes = shape.iter().product::<usize>() * std::mem::size_of::<E>();
+        self.tag = now(self.tag);
         memory::on_alloc_tagged(self.bytes, self.tag);
         self.version += 1;
     }
@@ -195,6 +197,17 @@ impl<E: Element> Buffer<E> {
             "an in-place update must not change the number of elements"
         );
         out
+    }
+}
+
+/// `tag` with the stage and micro-batch of now: what storage allocated again (restored
+/// after a release) is tagged with — the same storage, made at another moment.
+fn now(tag: Tag) -> Tag {
+    let current = memory::current_tag();
+    Tag {
+        stage: current.stage,
+        micro_batch: current.micro_batch,
+        ..tag
     }
 }
 

@@ -13,11 +13,12 @@ use tl_precision::{COPY_LABEL, LOSS_LABEL, WEIGHT_COPY_LABEL};
 use tl_tensor::memory::{self, Event, EventKind, Kind, Stage as MeterStage, Tag};
 use tl_tensor::nn::DROPOUT_MASK_LABEL;
 
-use tl_collective::{Communicator, Single};
+use tl_collective::{Communicator, Phantom, Single};
+use tl_parallel::labels;
 
 use super::kind::{Layer, Phase, Stage, TensorKind};
 use super::recipe::Recipe;
-use super::recorder::Calls;
+use super::recorder::{Call, Calls, Recorder};
 use super::step::{SavedBytes, StepPrediction};
 use crate::error::Result;
 use crate::model::causal_attention::ATTENTION;
@@ -32,7 +33,7 @@ impl TensorKind {
             Kind::Weights => TensorKind::Weights,
             Kind::Gradients => TensorKind::Gradients,
             Kind::GradientsInFlight => TensorKind::GradientsInFlight,
-            Kind::OptimizerState if tag.label == MASTER_SHARD_LABEL => TensorKind::MasterShard,
+            Kind::OptimizerState if tag.label == labels::MASTER_SHARD => TensorKind::MasterShard,
             Kind::OptimizerState => TensorKind::AdamMoments,
             Kind::Communication => TensorKind::CommBuffers,
             Kind::Activations | Kind::Temporaries => match tag.label {
@@ -53,9 +54,6 @@ impl TensorKind {
         })
     }
 }
-
-/// The label tl-parallel gives the f32 master copy of a ZeRO rank's parameter shard.
-pub const MASTER_SHARD_LABEL: &str = "master shard";
 
 impl Layer {
     /// The layer storage tagged `tag` is counted with: its owner's, except that a unit's
@@ -245,15 +243,41 @@ fn phase_of(tag: Tag, step: u32, accum: usize, n_layers: usize) -> Phase {
 /// # Errors
 /// Those of [`Trainer::meta_on`] (an invalid config) and [`Trainer::train_step`].
 pub fn predict_step(recipe: &Recipe) -> Result<StepPrediction> {
-    predict_rank(recipe.config(), Box::new(Single::new()), &Calls::default())
+    Ok(predict_rank(recipe.config(), 0, 1)?.0)
 }
 
-/// [`predict_step`] of rank `comm.rank()` of `comm`'s world (a [`Recorder`] around a
-/// phantom, for a plan), with the config's ZeRO stage and buckets; `calls` is where the
-/// recorder notes its collectives, left holding the steady-state step's.
+/// [`predict_step`] of rank `rank` of a world of `world_size` ranks (the config's ZeRO
+/// stage and buckets; a phantom communicator beyond one rank), with the collectives the rank
+/// called during the steady-state step.
 ///
-/// [`Recorder`]: super::recorder::Recorder
+/// The meta run has a thread of its own, so its meter, its tags and its modes are its own:
+/// the caller's meter (a real run checking its memory before it starts, a profile) sees
+/// none of its allocations, nor its peak.
 pub(crate) fn predict_rank(
+    config: &TrainConfig,
+    rank: usize,
+    world_size: usize,
+) -> Result<(StepPrediction, Vec<Call>)> {
+    std::thread::scope(|scope| {
+        let run = scope.spawn(|| {
+            let comm: Box<dyn Communicator> = if world_size == 1 {
+                Box::new(Single::new())
+            } else {
+                Box::new(Phantom::new(rank, world_size)?)
+            };
+            let (recorder, calls) = Recorder::new(comm);
+            let prediction = predict_here(config, Box::new(recorder), &calls)?;
+            let calls = calls.borrow().clone();
+            Ok((prediction, calls))
+        });
+        run.join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
+/// [`predict_rank`] on this thread, on `comm`; `calls` is where a recorder around it notes
+/// its collectives, left holding the steady-state step's.
+fn predict_here(
     config: &TrainConfig,
     comm: Box<dyn Communicator>,
     calls: &Calls,

@@ -102,7 +102,7 @@ mod zero;
 
 pub use collectives::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
 pub use kind::{Layer, Phase, Stage, TensorKind};
-pub use ledger::{MASTER_SHARD_LABEL, predict_step};
+pub use ledger::predict_step;
 pub use measure::{
     Measurement, RankMeasurement, measure_meta_rank, measure_meta_steps, measure_meta_steps_on,
     measure_rank, measure_steps, relative_error,

@@ -42,13 +42,12 @@
 //! are checked against the dry run by its unit tests.
 
 use serde::Serialize;
-use tl_collective::Phantom;
 
 use super::collectives::ring_bytes_sent;
 use super::kind::{Stage, TensorKind};
 use super::ledger::predict_rank;
 use super::recipe::Recipe;
-use super::recorder::{Recorder, by_purpose};
+use super::recorder::by_purpose;
 use super::step::{OptimizerShard, StepPrediction, predict_step_sharded};
 use super::zero::{
     BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, StageTerms, ZeroStage,
@@ -226,30 +225,7 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
     let ranks = (0..listed)
         .map(|rank| {
             let terms = stage_terms(stage, &sizes, world_size, rank, recipe.accum, bucket_bytes);
-            let shard = OptimizerShard {
-                stage,
-                world_size,
-                rank,
-                bucket_bytes: bucket_bytes as usize,
-            };
-            let prediction = predict_step_sharded(recipe, Some(shard))?;
-            let sent: Vec<SentBytes> = prediction
-                .collectives
-                .iter()
-                .map(|&calls| SentBytes {
-                    calls,
-                    bytes: calls.calls
-                        * ring_bytes_sent(
-                            calls.collective,
-                            calls.elements,
-                            calls.element_bytes,
-                            world_size,
-                            rank,
-                        ),
-                })
-                .collect();
-            let memory = from_dry_run(&prediction);
-            Ok(memory.into_rank_plan(rank, terms, sent))
+            plan_rank(recipe, parallelism, rank, terms)
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(ParallelPlan {
@@ -263,7 +239,6 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
 
 /// Rank `rank` of `parallelism`, planned by running the trainer's own data-parallel step on
 /// meta tensors, as that rank of a phantom world (see the [module docs](self)).
-#[allow(dead_code)] // Replaces the replica's rank plan once tl-parallel runs on meta tensors.
 fn plan_rank(
     recipe: &Recipe,
     parallelism: &DataParallelism,
@@ -273,10 +248,8 @@ fn plan_rank(
     let mut config = recipe.config().clone();
     config.parallel.zero = parallelism.stage.index() as u8;
     config.parallel.bucket_bytes = parallelism.bucket_bytes as usize;
-    let phantom = Phantom::new(rank, parallelism.ranks)?;
-    let (recorder, calls) = Recorder::new(phantom);
-    let prediction = predict_rank(&config, Box::new(recorder), &calls)?;
-    let sent = by_purpose(&calls.borrow(), parallelism.stage, config.model.n_layers)
+    let (prediction, calls) = predict_rank(&config, rank, parallelism.ranks)?;
+    let sent = by_purpose(&calls, parallelism.stage, config.model.n_layers)
         .into_iter()
         .map(|(calls, bytes)| SentBytes { calls, bytes })
         .collect();
@@ -402,8 +375,13 @@ fn from_dry_run(prediction: &StepPrediction) -> Memory {
     let buffers = at_peak(prediction, &[TensorKind::CommBuffers]);
     let peak = prediction.peak_bytes;
     let metered = Moment {
+        // A gather or a reduction inside a micro-batch (ZeRO-3's units, ZeRO-2's buckets)
+        // is part of its forward or backward pass.
         phase: match prediction.peak_at.stage {
             Stage::Forward | Stage::Backward | Stage::Recompute => PeakPhase::Backward,
+            Stage::Reduction | Stage::Gather if prediction.peak_at.micro_batch > 0 => {
+                PeakPhase::Backward
+            }
             Stage::Reduction => PeakPhase::Reduction,
             Stage::StepStart | Stage::Optimizer => PeakPhase::Update,
             Stage::Gather => PeakPhase::Gather,

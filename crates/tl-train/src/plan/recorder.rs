@@ -24,6 +24,8 @@ pub(crate) struct Call {
     pub bytes_sent: u64,
     /// The memory meter's tag scope when it was called.
     pub scope: Tag,
+    /// Whether it was called during a backward sweep (a checkpoint's rerun included).
+    pub in_backward: bool,
 }
 
 /// The calls a [`Recorder`] noted, shared with whoever reads them.
@@ -31,14 +33,14 @@ pub(crate) type Calls = Rc<RefCell<Vec<Call>>>;
 
 /// Passes every collective on to `inner` and notes it in `calls` (broadcasts and barriers
 /// too are passed on, and not noted: the training step makes none).
-pub(crate) struct Recorder<C: Communicator> {
-    inner: C,
+pub(crate) struct Recorder {
     calls: Calls,
+    inner: Box<dyn Communicator>,
 }
 
-impl<C: Communicator> Recorder<C> {
+impl Recorder {
     /// A recorder around `inner`, and the handle its calls can be read from.
-    pub(crate) fn new(inner: C) -> (Self, Calls) {
+    pub(crate) fn new(inner: Box<dyn Communicator>) -> (Self, Calls) {
         let calls = Calls::default();
         let recorder = Self {
             inner,
@@ -52,22 +54,23 @@ impl<C: Communicator> Recorder<C> {
         &mut self,
         collective: Collective,
         (elements, element_bytes): (usize, usize),
-        call: impl FnOnce(&mut C) -> Result<T>,
+        call: impl FnOnce(&mut dyn Communicator) -> Result<T>,
     ) -> Result<T> {
         let before = self.inner.stats().bytes_sent;
-        let out = call(&mut self.inner)?;
+        let out = call(self.inner.as_mut())?;
         self.calls.borrow_mut().push(Call {
             collective,
             elements: elements as u64,
             element_bytes: element_bytes as u64,
             bytes_sent: self.inner.stats().bytes_sent - before,
             scope: memory::current_tag(),
+            in_backward: tl_tensor::in_backward(),
         });
         Ok(out)
     }
 }
 
-impl<C: Communicator> Communicator for Recorder<C> {
+impl Communicator for Recorder {
     fn rank(&self) -> usize {
         self.inner.rank()
     }
@@ -125,7 +128,6 @@ pub(crate) fn by_purpose(
     n_layers: usize,
 ) -> Vec<(super::zero::CollectiveCalls, u64)> {
     use super::zero::{CollectiveCalls, STEP_EXTRAS, ZeroStage};
-    use tl_tensor::memory::Stage;
     // The last call of the gradient reduction carries what ends the step (DDP: the loss,
     // the overflow flag and the underflows ride on the last bucket).
     let buckets = |call: &Call| match stage {
@@ -144,21 +146,29 @@ pub(crate) fn by_purpose(
     let mut merged: Vec<(CollectiveCalls, u64)> = Vec::new();
     for (index, call) in calls.iter().enumerate() {
         let purpose = match call.collective {
-            Collective::AllReduce if call.element_bytes == 8 => "gradient norm",
-            Collective::AllReduce if stage == ZeroStage::Parameters => {
+            // The clip norm's sum of squares is added over the ranks during the update; the
+            // trainer's check for a non-finite weight in any rank's shard comes after it.
+            Collective::AllReduce if call.element_bytes == 8 => match call.scope.stage {
+                tl_tensor::memory::Stage::Update => "gradient norm",
+                _ => "non-finite weight check",
+            },
+            // ZeRO-2 and 3 add up what ends the step in a call of its own.
+            Collective::AllReduce
+                if matches!(stage, ZeroStage::Gradients | ZeroStage::Parameters) =>
+            {
                 debug_assert_eq!(call.elements, STEP_EXTRAS);
                 "loss, overflow flag, underflows"
             }
             _ if Some(index) == last_bucket => "last gradient bucket",
             _ if buckets(call) => "gradient buckets",
             Collective::AllGather if stage != ZeroStage::Parameters => "updated weights",
-            Collective::AllGather => match (unit(call), call.scope.stage) {
-                ("embedding", Stage::Forward) => "embedding weights, forward",
-                ("embedding", _) => "embedding weights, backward",
-                ("block", Stage::Forward) => "block weights, forward",
-                ("block", _) => "block weights, backward",
-                (_, Stage::Forward) => "norm + head weights, forward",
-                _ => "norm + head weights, backward",
+            Collective::AllGather => match (unit(call), call.in_backward) {
+                ("embedding", false) => "embedding weights, forward",
+                ("embedding", true) => "embedding weights, backward",
+                ("block", false) => "block weights, forward",
+                ("block", true) => "block weights, backward",
+                (_, false) => "norm + head weights, forward",
+                (_, true) => "norm + head weights, backward",
             },
             _ => match unit(call) {
                 "embedding" => "embedding gradients",
