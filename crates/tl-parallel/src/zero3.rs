@@ -278,7 +278,8 @@ impl<E: GradElement> UnitRunner<E> {
 }
 
 // The identity op's backward shows the meter what it showed when it was a backward over
-// values, which the memory plan's replica of ZeRO-3 follows event for event: tl-tensor
+// values, so real runs keep the figures they had (it could pass the gradient on without
+// the copy, a little less memory, at the price of changing them): tl-tensor
 // counts such a backward's incoming gradient off and on again before it runs (`hold`), and
 // its result in a buffer of its own before the incoming one goes (`in_flight_copy`, then
 // `held` dropped). A meta gradient goes the same way, with no values to copy.

@@ -136,7 +136,7 @@ impl<E: Element> Drop for GradNode<E> {
 }
 
 /// Nodes reachable from `root`, each before all nodes it consumes (root first), in the
-/// one order every sweep of this engine — and the memory plan's replica of it — uses.
+/// one order every sweep of this engine uses.
 fn topological_order<E: Element>(root: &Rc<GradNode<E>>) -> Vec<Rc<GradNode<E>>> {
     crate::order::topological_order(Rc::clone(root), GradNode::key, |node| match &node.kind {
         NodeKind::Leaf { .. } => Vec::new(),

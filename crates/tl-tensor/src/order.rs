@@ -1,6 +1,5 @@
-//! [`topological_order`]: the order in which `backward` runs a graph's nodes, written once for
-//! any graph, so that a replica of the engine (tinyllm's memory plan) sweeps its own nodes in
-//! exactly the engine's order instead of keeping a copy of this walk.
+//! [`topological_order`]: the order in which `backward` runs a graph's nodes, written for any
+//! graph of keyed nodes.
 
 use std::collections::HashSet;
 use std::hash::Hash;

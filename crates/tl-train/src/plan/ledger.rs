@@ -9,6 +9,8 @@
 
 use std::collections::BTreeMap;
 
+use serde::Serialize;
+
 use tl_precision::{COPY_LABEL, LOSS_LABEL, WEIGHT_COPY_LABEL};
 use tl_tensor::memory::{self, Event, EventKind, Kind, Stage as MeterStage, Tag};
 use tl_tensor::nn::DROPOUT_MASK_LABEL;
@@ -19,11 +21,60 @@ use tl_parallel::labels;
 use super::kind::{Layer, Phase, Stage, TensorKind};
 use super::recipe::Recipe;
 use super::recorder::{Call, Calls, Recorder};
-use super::step::{SavedBytes, StepPrediction};
+use super::zero::CollectiveCalls;
 use crate::error::Result;
+use crate::model::Checkpointing;
 use crate::model::causal_attention::ATTENTION;
 use crate::model::roles;
 use crate::train::{TrainConfig, Trainer};
+
+/// The plan's account of one recipe's step: peaks, where they fall, what they hold, and what
+/// the forward pass of one micro-batch leaves saved for backward.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StepPrediction {
+    /// How the blocks kept their activations.
+    pub checkpointing: Checkpointing,
+    /// Peak live bytes of a steady-state step (step 2 on: AdamW's moments exist), counted
+    /// like `tl_tensor::memory::peak_bytes` after a `reset_peak` between steps.
+    pub peak_bytes: u64,
+    /// When that peak is reached.
+    pub peak_at: Phase,
+    /// What is alive at that peak, by kind (kinds with no bytes left out).
+    pub peak_by_kind: Vec<(TensorKind, u64)>,
+    /// Peak live bytes of the very first step of a fresh model (no moments before its
+    /// update; they are allocated at its end).
+    pub first_step_peak_bytes: u64,
+    /// Live bytes between steps: weights and moments (the trainer drops the gradients after
+    /// each update).
+    pub between_steps_bytes: u64,
+    /// What the steady-state update allocates above the live bytes it starts from (weights,
+    /// gradients, moments): AdamW's temporaries, or ZeRO's copies and gather buffers.
+    pub update_extra_bytes: u64,
+    /// Bytes saved for backward at the end of one micro-batch's forward pass, by layer and
+    /// kind (the model state left out).
+    pub saved: Vec<SavedBytes>,
+    /// The collectives of the steady-state step, in the order of their first call (none
+    /// without data parallelism).
+    pub collectives: Vec<CollectiveCalls>,
+}
+
+/// Bytes of one kind that one layer holds for backward at the end of the forward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SavedBytes {
+    /// The layer that saved them.
+    pub layer: Layer,
+    /// What they are.
+    pub kind: TensorKind,
+    /// How many.
+    pub bytes: u64,
+}
+
+impl StepPrediction {
+    /// All bytes saved for backward by one micro-batch's forward pass.
+    pub fn saved_total(&self) -> u64 {
+        self.saved.iter().map(|s| s.bytes).sum()
+    }
+}
 
 impl TensorKind {
     /// The plan's term for storage tagged `tag`; `None` for an activation whose label the

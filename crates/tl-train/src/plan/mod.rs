@@ -84,25 +84,21 @@
 //! ```
 
 mod collectives;
-mod dry_run;
 mod kind;
 mod ledger;
 mod measure;
-mod model;
-mod ops;
 mod parallel;
 mod parallel_table;
 mod recipe;
 mod recorder;
 mod report;
 mod shapes;
-mod step;
 mod table;
 mod zero;
 
 pub use collectives::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
 pub use kind::{Layer, Phase, Stage, TensorKind};
-pub use ledger::predict_step;
+pub use ledger::{SavedBytes, StepPrediction, predict_step};
 pub use measure::{
     Measurement, RankMeasurement, measure_meta_rank, measure_meta_steps, measure_meta_steps_on,
     measure_rank, measure_steps, relative_error,
@@ -114,11 +110,10 @@ pub use parallel_table::{render_parallel, render_sweep};
 pub use recipe::Recipe;
 pub use report::{FLOOR_BYTES_PER_PARAMETER, KindBytes, LayerBytes, MemoryPlan, PolicyPlan};
 pub use shapes::PlanShape;
-pub use step::{SavedBytes, StepPrediction};
 pub use table::{render, render_measurement, schedule_label, thousands};
 pub use zero::{
-    BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, STEP_EXTRAS, StageTerms,
-    ZeroStage, paper_figures, stage_collectives, stage_terms,
+    BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, STEP_EXTRAS, ZeroStage,
+    paper_figures,
 };
 
 #[cfg(test)]

@@ -3,55 +3,39 @@
 //!
 //! # How each figure is made
 //!
-//! - **The metered peak** is the dry run's, run as one rank of tl-parallel runs the step:
-//!   the recipe's micro-batches, with what each stage adds on the rank's meter replicated
-//!   allocation for allocation (see `dry_run/zero.rs` and `step.rs`):
-//!   - stage 0: DDP's reduction buffer, reset to each bucket in turn after backward;
-//!   - stage 1: the same, and `ShardedAdamW`'s master shard, moments, copies of the
-//!     shard's gradients and the buffers of its gather, round by round;
-//!   - stage 2: `Zero2AdamW`'s pieces of every bucket's chunk with their gradients and
-//!     moments, and its gradient-ready hooks, armed for the last micro-batch's backward,
-//!     that reduce-scatter each bucket as soon as its gradients are in (a bucket buffer
-//!     and a chunk buffer) and drop the full gradients;
-//!   - stage 3: `Zero3`'s pieces of every unit's shard, the units' values released between
-//!     uses and restored by each gather (a shard buffer and a unit buffer), before a unit's
-//!     forward, in the VJP of the identity op on its output, and in a checkpointed unit's
-//!     rerun, which keeps them for its backward; the hooks reduce-scatter a unit once all
-//!     its gradients are in, every micro-batch, and release it.
-//!
-//!   With hooks armed the sweep finishes a hooked leaf as soon as the last op consuming it
-//!   has run, as tl-tensor's backward does. So the peak is exact, rank by rank, at every
-//!   stage, for the first step and a steady one; tests check it against ranks training
-//!   for real and, in a world of one, event for event against the meter.
-//! - **The terms** split that peak by kind: weights, gradients, optimizer (moments and
-//!   master shards), communication buffers (tl-parallel's, which it counts on the meter),
-//!   and activations (everything else: saved activations, their gradients in flight,
+//! - **The metered peak** is the trainer's own step, run on meta tensors as rank `r` of a
+//!   phantom world of `N` (tl-collective's `Phantom`): the recipe's micro-batches through
+//!   tl-parallel's real DDP, `ShardedAdamW`, `Zero2AdamW` or `Zero3` — their buckets,
+//!   shards, gathers, hooks and copies — counted by the memory meter as a real rank counts
+//!   them. So the peak is exact, rank by rank, at every stage, for the first step and a
+//!   steady one; tests check it against ranks training for real over the ring, event for
+//!   event.
+//! - **The terms** split that peak by the tags of what is live at it: weights, gradients,
+//!   optimizer (moments and master shards), communication buffers (tl-parallel's), and
+//!   activations (everything else: saved activations, their gradients in flight,
 //!   autocast's copies). The ring's scratch vector (a shard of a bucket) and its headers are
-//!   the only buffers the meter does not see; they are left out. [`stage_terms`] keeps the
-//!   closed-form terms of each stage beside the plan.
-//! - **Bytes sent** are the collectives the dry run calls, each priced by
-//!   [`ring_bytes_sent`], which follows the ring to the byte, headers included; the clip
-//!   norm's all-reduce under stages 2 and 3 is of one f64.
+//!   the only buffers the meter does not see; they are left out.
+//! - **Bytes sent** are what the phantom counted for the collectives the step called, which
+//!   follow the ring to the byte, headers included ([`ring_bytes_sent`]), named by what the
+//!   meter's tags said when each was called (a bucket of gradients, a unit's weights
+//!   before its forward or backward pass, the clip norm's f64 sum).
 //!
-//! # Why the dry run, even at 7B
+//! A 7B shape at context 4096 plans in milliseconds and a few megabytes: the meta run makes
+//! every allocation of the step and no arithmetic. Rajbhandari et al.'s closed forms are
+//! printed beside the figures ([`paper_figures`]).
 //!
-//! The dry run replays the step's ops with sizes only: a few hundred events per block, no
-//! arithmetic and no storage, so a 7B shape at context 4096 plans in a few milliseconds
-//! (`tinyllm plan --shape 7b`, twelve plans, runs in about 30 ms) and in a few kilobytes;
-//! no separate closed form of the activations is needed, and the closed forms of `mod.rs`
-//! are checked against the dry run by its unit tests.
+//! [`ring_bytes_sent`]: super::ring_bytes_sent
+//! [`paper_figures`]: super::paper_figures
 
 use serde::Serialize;
 
-use super::collectives::ring_bytes_sent;
 use super::kind::{Stage, TensorKind};
+use super::ledger::StepPrediction;
 use super::ledger::predict_rank;
 use super::recipe::Recipe;
 use super::recorder::by_purpose;
-use super::step::{OptimizerShard, StepPrediction, predict_step_sharded};
 use super::zero::{
-    BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, StageTerms, ZeroStage,
-    paper_figures, stage_terms,
+    BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, ZeroStage, paper_figures,
 };
 use crate::error::{Result, TrainError};
 
@@ -64,10 +48,19 @@ pub const LISTED_RANKS: usize = 16;
 pub struct DataParallelism {
     /// Number of ranks, `N`.
     pub ranks: usize,
-    /// ZeRO stage, 0 for plain DDP.
+    /// ZeRO stage, 0 for plain DDP (its number in JSON).
+    #[serde(serialize_with = "stage_number")]
     pub stage: ZeroStage,
     /// Bytes per gradient bucket.
     pub bucket_bytes: u64,
+}
+
+/// A ZeRO stage as its number.
+fn stage_number<S: serde::Serializer>(
+    stage: &ZeroStage,
+    serializer: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    serializer.serialize_u64(stage.index() as u64)
 }
 
 impl DataParallelism {
@@ -86,7 +79,11 @@ impl DataParallelism {
         }
         Ok(Self {
             ranks,
-            stage: ZeroStage::from_index(stage)?,
+            stage: ZeroStage::from_index(stage).map_err(|_| TrainError::InvalidArgument {
+                name: "zero",
+                value: stage.to_string(),
+                reason: "a ZeRO stage is 0 (plain DDP), 1, 2 or 3".into(),
+            })?,
             bucket_bytes: BUCKET_BYTES,
         })
     }
@@ -163,8 +160,6 @@ pub struct RankPlan {
     pub sent: Vec<SentBytes>,
     /// Bytes sent per step in all.
     pub sent_bytes: u64,
-    /// The terms the figures come from.
-    pub terms: StageTerms,
 }
 
 /// Everything `tinyllm plan --ranks N --zero S` reports.
@@ -215,7 +210,7 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
     let DataParallelism {
         ranks: world_size,
         stage,
-        bucket_bytes,
+        ..
     } = *parallelism;
     let listed = if world_size <= LISTED_RANKS {
         world_size
@@ -223,10 +218,7 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
         1
     };
     let ranks = (0..listed)
-        .map(|rank| {
-            let terms = stage_terms(stage, &sizes, world_size, rank, recipe.accum, bucket_bytes);
-            plan_rank(recipe, parallelism, rank, terms)
-        })
+        .map(|rank| plan_rank(recipe, parallelism, rank))
         .collect::<Result<Vec<_>>>()?;
     Ok(ParallelPlan {
         recipe: recipe.clone(),
@@ -239,12 +231,7 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
 
 /// Rank `rank` of `parallelism`, planned by running the trainer's own data-parallel step on
 /// meta tensors, as that rank of a phantom world (see the [module docs](self)).
-fn plan_rank(
-    recipe: &Recipe,
-    parallelism: &DataParallelism,
-    rank: usize,
-    terms: StageTerms,
-) -> Result<RankPlan> {
+fn plan_rank(recipe: &Recipe, parallelism: &DataParallelism, rank: usize) -> Result<RankPlan> {
     let mut config = recipe.config().clone();
     config.parallel.zero = parallelism.stage.index() as u8;
     config.parallel.bucket_bytes = parallelism.bucket_bytes as usize;
@@ -253,7 +240,7 @@ fn plan_rank(
         .into_iter()
         .map(|(calls, bytes)| SentBytes { calls, bytes })
         .collect();
-    Ok(from_dry_run(&prediction).into_rank_plan(rank, terms, sent))
+    Ok(from_prediction(&prediction).into_rank_plan(rank, sent))
 }
 
 /// When a rank's metered bytes are highest.
@@ -317,7 +304,7 @@ impl Memory {
         }
     }
 
-    fn into_rank_plan(self, rank: usize, terms: StageTerms, sent: Vec<SentBytes>) -> RankPlan {
+    fn into_rank_plan(self, rank: usize, sent: Vec<SentBytes>) -> RankPlan {
         let w = self.worst;
         let candidates = [
             (Term::Weights, w.weights),
@@ -347,12 +334,11 @@ impl Memory {
             first_step_peak_bytes: self.first_step_peak,
             sent_bytes: sent.iter().map(|s| s.bytes).sum(),
             sent,
-            terms,
         }
     }
 }
 
-/// Bytes of `kind` alive at the dry run's peak.
+/// Bytes of `kind` alive at the step's peak.
 fn at_peak(prediction: &StepPrediction, kinds: &[TensorKind]) -> u64 {
     prediction
         .peak_by_kind
@@ -362,10 +348,10 @@ fn at_peak(prediction: &StepPrediction, kinds: &[TensorKind]) -> u64 {
         .sum()
 }
 
-/// The dry run's peak, split by kind: the communication buffers tl-parallel puts on the
+/// The step's peak, split by kind: the communication buffers tl-parallel puts on the
 /// meter are the buffer term, and everything outside the model state and the buffers the
 /// activation term.
-fn from_dry_run(prediction: &StepPrediction) -> Memory {
+fn from_prediction(prediction: &StepPrediction) -> Memory {
     let weights = at_peak(prediction, &[TensorKind::Weights]);
     let gradients = at_peak(prediction, &[TensorKind::Gradients]);
     let optimizer = at_peak(

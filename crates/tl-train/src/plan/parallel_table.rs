@@ -49,7 +49,7 @@ pub fn render_parallel(plan: &ParallelPlan) -> String {
     let p = &plan.parallelism;
     let _ = writeln!(
         out,
-        "{} ranks, ZeRO stage {} (the metered peak is the dry run's, exact)\n",
+        "{} ranks, ZeRO stage {} (the metered peak is the trainer's step on meta tensors, exact)\n",
         p.ranks, p.stage,
     );
     let _ = writeln!(

@@ -131,7 +131,7 @@ pub(crate) fn by_purpose(
     // The last call of the gradient reduction carries what ends the step (DDP: the loss,
     // the overflow flag and the underflows ride on the last bucket).
     let buckets = |call: &Call| match stage {
-        ZeroStage::Ddp | ZeroStage::OptimizerStates => {
+        ZeroStage::Ddp | ZeroStage::Optimizer => {
             call.collective == Collective::AllReduce && call.element_bytes == 4
         }
         ZeroStage::Gradients => call.collective == Collective::ReduceScatter,

@@ -4,9 +4,9 @@
 use serde::Serialize;
 
 use super::kind::{Layer, TensorKind};
+use super::ledger::StepPrediction;
 use super::ledger::predict_step;
 use super::recipe::Recipe;
-use super::step::StepPrediction;
 use crate::error::Result;
 use crate::model::Checkpointing;
 use crate::model::causal_attention::ATTENTION;

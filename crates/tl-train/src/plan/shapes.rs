@@ -1,6 +1,6 @@
 //! Model shapes far beyond this machine, for `tinyllm plan --shape` only.
 //!
-//! They are [`ModelConfig`]s like any other, so the plan runs the same dry run on them, but
+//! They are [`ModelConfig`]s like any other, so the plan runs the same meta step on them, but
 //! they are not [`Preset`](crate::model::Preset)s: `tinyllm train` cannot name them (it has
 //! no `--shape` flag and `--preset 7b` is an unknown preset), and a config built from one by
 //! hand is refused by the trainer's memory check long before anything is allocated.

@@ -3,9 +3,9 @@
 use std::fmt::Write;
 
 use super::kind::TensorKind;
+use super::ledger::StepPrediction;
 use super::measure::{Measurement, relative_error};
 use super::report::{FLOOR_BYTES_PER_PARAMETER, MemoryPlan};
-use super::step::StepPrediction;
 use crate::model::Checkpointing;
 
 const MIB: f64 = 1024.0 * 1024.0;

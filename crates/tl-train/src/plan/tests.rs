@@ -1,11 +1,9 @@
-//! The plan against closed forms worked by hand; the meta run it makes against the real
-//! step's meter, event for event; and the ranks' replica (until data parallelism runs on
-//! meta tensors too) against the meter.
+//! The plan against closed forms worked by hand, and the meta run it makes against the real
+//! step's meter, event for event.
 
 use tl_precision::Precision;
 use tl_tensor::memory::{self, Event};
 
-use super::step::second_step_events as replica_second_step_events;
 use super::*;
 use crate::model::{Checkpointing, ModelConfig, Preset};
 use crate::train::{DataSource, TrainConfig, Trainer};
@@ -130,14 +128,9 @@ fn the_meta_run_holds_for_every_keep_policy_under_autocast_and_dropout() {
 fn plain_adamw_updates_in_place_and_zero_one_copies_and_gathers() {
     let config = micro_config(Precision::Fp32, Checkpointing::Off, 0.0);
     assert_eq!(predict(&config).update_extra_bytes, 0);
-    let recipe = Recipe::from(&config);
-    let shard = super::step::OptimizerShard {
-        stage: ZeroStage::OptimizerStates,
-        world_size: 1,
-        rank: 0,
-        bucket_bytes: BUCKET_BYTES as usize,
-    };
-    let zero1 = super::step::predict_step_sharded(&recipe, Some(shard)).unwrap();
+    let mut zero1 = config.clone();
+    zero1.parallel.zero = 1;
+    let (zero1, _) = super::ledger::predict_rank(&zero1, 0, 1).unwrap();
     // ZeRO-1 copies the gradients into its pieces and gathers the updated weights.
     assert!(zero1.update_extra_bytes > 0);
 }
@@ -218,135 +211,8 @@ fn the_meta_run_holds_under_autocast_dropout_and_a_checkpoint_budget() {
     assert_same_timeline(&micro_config(Precision::Fp16, Checkpointing::PerBlock, 0.0));
 }
 
-/// The allocations and frees of a rank's second step at ZeRO stage `stage` in a world of
-/// one (tl-collective's `Single`), buckets of `bucket_bytes`, driven as `tinyllm train`
-/// drives it: `RunOptimizer::at_stage`, then `DataParallel::train_step`, or
-/// `Zero3::train_step` at stage 3.
-fn measured_rank_events(
-    config: &TrainConfig,
-    stage: u8,
-    bucket_bytes: usize,
-) -> Vec<(memory::EventKind, usize)> {
-    use crate::data::{Corpus, sample_batch};
-    use crate::model::Llama;
-    use crate::train::{RunOptimizer, batch_loss};
-    use tl_parallel::DataParallel;
-    use tl_tensor::Generator;
-    use tl_tensor::nn::Module;
-    use tl_tensor::optim::{AdamW, Optimizer};
-
-    let model = Llama::<f32>::new(&config.model, 0).unwrap();
-    model.set_checkpointing(config.checkpointing);
-    let mut ddp =
-        DataParallel::new(Box::new(tl_collective::Single::new())).with_bucket_bytes(bucket_bytes);
-    let adamw = AdamW::new(model.parameters(), 1e-3).unwrap();
-    let mut opt = RunOptimizer::at_stage(adamw, stage, &mut ddp, &model).unwrap();
-    let corpus = Corpus::builtin(0, 4_000);
-    let rng = Generator::new(0);
-    let rows = config.micro_batch * config.accum;
-    let mut step = || {
-        let batches: Vec<_> = (0..config.accum)
-            .map(|_| {
-                sample_batch(
-                    &corpus.train,
-                    config.micro_batch,
-                    config.model.context,
-                    &rng,
-                )
-            })
-            .collect();
-        let precision = config.precision;
-        let report = match &mut opt {
-            RunOptimizer::Zero3(zero3) => zero3.train_step(
-                &model,
-                &batches,
-                rows,
-                batch_loss,
-                precision,
-                None,
-                config.clip,
-            ),
-            opt => ddp.train_step(
-                &model,
-                &batches,
-                rows,
-                batch_loss,
-                opt,
-                precision,
-                None,
-                config.clip,
-            ),
-        }
-        .unwrap();
-        assert!(!report.skipped);
-        // As the trainer ends its step.
-        opt.zero_grad();
-    };
-    step();
-    let ((), events) = memory::record(&mut step);
-    events
-        .into_iter()
-        .filter(|e| e.kind != memory::EventKind::Retag)
-        .map(|e| (e.kind, e.bytes))
-        .collect()
-}
-
-fn assert_same_rank_timeline(config: &TrainConfig, stage: ZeroStage, bucket_bytes: usize) {
-    let measured = measured_rank_events(config, stage.index() as u8, bucket_bytes);
-    let shard = super::step::OptimizerShard {
-        stage,
-        world_size: 1,
-        rank: 0,
-        bucket_bytes,
-    };
-    let predicted = replica_second_step_events(&Recipe::from(config), Some(shard));
-    let first_difference = predicted.iter().zip(&measured).position(|(p, m)| p != m);
-    if let Some(i) = first_difference {
-        let lo = i.saturating_sub(6);
-        eprintln!("DEBUG stage {stage} bucket {bucket_bytes} at {i}");
-        eprintln!(
-            "predicted {:?}",
-            &predicted[lo..(i + 8).min(predicted.len())]
-        );
-        eprintln!("measured  {:?}", &measured[lo..(i + 8).min(measured.len())]);
-    }
-    assert_eq!(
-        (first_difference, predicted.len()),
-        (None, measured.len()),
-        "stage {stage}: first differing event, then the event counts"
-    );
-}
-
 #[test]
-fn a_ranks_replica_replays_every_zero_stage_event_for_event() {
-    // A world of one: the rank's shard is every parameter, so every piece's allocations
-    // are checked, in order. Buckets of 16 KiB cut the model (17,040 floats) into five, so
-    // ZeRO-2 reduces during backward, bucket by bucket.
-    let config = micro_config(Precision::Fp32, Checkpointing::Off, 0.0);
-    for stage in ZeroStage::ALL {
-        assert_same_rank_timeline(&config, stage, tl_parallel::DEFAULT_BUCKET_BYTES);
-        assert_same_rank_timeline(&config, stage, 16 << 10);
-    }
-}
-
-#[test]
-fn a_ranks_replica_holds_with_checkpoints_autocast_and_dropout() {
-    // Checkpointed blocks go through ZeRO-3's gathers in the forward pass and again in
-    // their rerun.
-    let per_block = micro_config(Precision::Fp32, Checkpointing::PerBlock, 0.0);
-    let budget = micro_config(Precision::Bf16, Checkpointing::Budget(3), 0.1);
-    // ZeRO-3 × a keep policy: a kept product is taken back while the rerun's unit is
-    // gathered again.
-    let matmuls = micro_config(Precision::Bf16, Checkpointing::Matmuls, 0.0);
-    for stage in [ZeroStage::Gradients, ZeroStage::Parameters] {
-        assert_same_rank_timeline(&per_block, stage, 16 << 10);
-        assert_same_rank_timeline(&budget, stage, 16 << 10);
-        assert_same_rank_timeline(&matmuls, stage, 16 << 10);
-    }
-}
-
-#[test]
-fn the_parallel_plan_of_stages_0_and_1_is_the_dry_runs_split_by_term() {
+fn the_parallel_plan_of_stages_0_and_1_is_the_single_step_split_by_term() {
     let config = micro_config(Precision::Fp32, Checkpointing::Off, 0.0);
     let recipe = Recipe::from(&config);
     let p = config.model.num_parameters() as u64;
@@ -365,7 +231,7 @@ fn the_parallel_plan_of_stages_0_and_1_is_the_dry_runs_split_by_term() {
         // The moments 8P are replaced by 12 bytes per element of the rank's shard.
         let shard = tl_collective::shard_range(p as usize, 3, rank.rank).len() as u64;
         assert_eq!(rank.peak_bytes, single.peak_bytes - 8 * p + 12 * shard);
-        assert_eq!(rank.terms.optimizer, 12 * shard);
+        assert_eq!(rank.optimizer_bytes, 12 * shard);
     }
     // On one rank, nothing is sent.
     let alone = plan_ranks(&recipe, &DataParallelism::new(1, 1).unwrap()).unwrap();
@@ -389,38 +255,32 @@ fn a_7b_shape_plans_fast_with_its_real_vocabulary() {
 }
 
 #[test]
-fn the_closed_form_collectives_send_what_the_dry_run_calls() {
-    // Stage 1's gather is written as one call in closed form; its rounds are the dry run's.
+fn every_call_a_rank_makes_sends_what_the_ring_sends() {
+    // The plan's bytes are what the phantom counted, call by call: the ring's arithmetic.
     for checkpointing in [Checkpointing::Off, Checkpointing::PerBlock] {
         let recipe = Recipe::from(&micro_config(Precision::Fp32, checkpointing, 0.0));
-        let sizes = ModelSizes::of(&recipe.model);
-        for stage in [ZeroStage::Ddp, ZeroStage::Gradients, ZeroStage::Parameters] {
+        for stage in ZeroStage::ALL {
             for bucket_bytes in [BUCKET_BYTES, 16 << 10] {
                 let parallelism = DataParallelism {
                     bucket_bytes,
                     ..DataParallelism::new(3, stage.index()).unwrap()
                 };
                 let plan = plan_ranks(&recipe, &parallelism).unwrap();
-                let calls = stage_collectives(stage, &sizes, recipe.accum, bucket_bytes, true);
                 for rank in &plan.ranks {
-                    let bytes: u64 = calls
-                        .iter()
-                        .map(|c| {
-                            c.calls
-                                * ring_bytes_sent(
-                                    c.collective,
-                                    c.elements,
-                                    c.element_bytes,
-                                    3,
-                                    rank.rank,
-                                )
-                        })
-                        .sum();
-                    assert_eq!(
-                        bytes, rank.sent_bytes,
-                        "stage {stage}, buckets of {bucket_bytes}, rank {}",
-                        rank.rank
-                    );
+                    for sent in &rank.sent {
+                        let c = sent.calls;
+                        let one = ring_bytes_sent(
+                            c.collective,
+                            c.elements,
+                            c.element_bytes,
+                            3,
+                            rank.rank,
+                        );
+                        assert_eq!(sent.bytes, c.calls * one, "stage {stage}: {}", c.purpose);
+                    }
+                    let total: u64 = rank.sent.iter().map(|s| s.bytes).sum();
+                    assert_eq!(total, rank.sent_bytes);
+                    assert!(stage == ZeroStage::Ddp || total > 0 || plan.ranks.len() == 1);
                 }
             }
         }

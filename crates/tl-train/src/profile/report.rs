@@ -135,8 +135,8 @@ fn column(profile: &Profile, cell: impl Fn(&Timeline) -> String) -> Vec<String> 
 }
 
 /// `tinyllm profile --policies`: for each recorded run, what its first forward pass held for
-/// backward and its steady-state peak, measured beside the plan's prediction (to the byte
-/// when the replica is right), its median step time, and what its updates allocated beyond
+/// backward and its steady-state peak, measured beside the plan's prediction (to the byte:
+/// the plan runs the same step on meta tensors), its median step time, and what its updates allocated beyond
 /// the gradients, in units of 4P.
 pub fn policy_table(profile: &Profile, plan: &MemoryPlan) -> String {
     let four_p = 4 * plan.parameters;
