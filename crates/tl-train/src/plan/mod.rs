@@ -98,6 +98,7 @@ mod zero;
 
 pub use collectives::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
 pub use kind::{Layer, Phase, Stage, TensorKind};
+pub(crate) use ledger::predict_rank;
 pub use ledger::{SavedBytes, StepPrediction, predict_step};
 pub use measure::{
     Measurement, RankMeasurement, measure_meta_rank, measure_meta_steps, measure_meta_steps_on,

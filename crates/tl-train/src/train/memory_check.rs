@@ -13,6 +13,7 @@
 
 use super::config::{DataSource, TrainConfig, limits};
 use crate::error::{Result, TrainError};
+use tl_parallel::ZeroStage;
 
 /// What a process outside its tensors holds at least: the program's code and data, its
 /// threads' stacks, the GEMM's packing buffers, the allocator's small blocks. Measured at
@@ -26,8 +27,9 @@ pub const MARGIN_PERCENT: u64 = 10;
 /// The memory a training process of a config will hold at its peak, by kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProcessMemory {
-    /// Live tensors at a step's peak, as the plan predicts them (at least the weights,
-    /// gradients and AdamW's moments: 16 bytes a parameter).
+    /// Live tensors at the rank's step peak, as the plan predicts them: the trainer's own
+    /// step on meta tensors (so every recipe `train` accepts is counted as it runs, and a
+    /// ZeRO rank's shards as that rank holds them).
     pub tensors: u64,
     /// The training and validation text, held as bytes.
     pub corpus: u64,
@@ -41,16 +43,25 @@ pub struct ProcessMemory {
 }
 
 impl ProcessMemory {
-    /// The prediction for `config` (its `parallel.zero` stage included).
+    /// The prediction for rank 0 of `config`'s ranks (its `parallel.zero` stage included).
     ///
     /// # Errors
     /// Those of the memory plan for a recipe it cannot plan.
     pub fn of(config: &TrainConfig) -> Result<Self> {
+        Self::of_rank(config, 0)
+    }
+
+    /// The prediction for rank `rank` of `config`'s `parallel.ranks`: the trainer's own
+    /// step on meta tensors, as that rank of a phantom world, at the config's ZeRO stage.
+    ///
+    /// # Errors
+    /// Those of the memory plan for a recipe it cannot plan.
+    pub fn of_rank(config: &TrainConfig, rank: usize) -> Result<Self> {
         let parameters = config.model.num_parameters() as u64;
-        let recipe = crate::plan::Recipe::from(config);
-        let tensors = crate::plan::predict_step(&recipe)?
-            .peak_bytes
-            .max(parameters.saturating_mul(16));
+        let ranks = config.parallel.ranks.max(1);
+        let tensors = crate::plan::predict_rank(config, rank.min(ranks - 1), ranks)?
+            .0
+            .peak_bytes;
         let corpus = match &config.data {
             DataSource::Builtin { bytes, .. } => *bytes as u64,
             // A file that cannot be read is refused when it loads; so is one past the limit.
@@ -62,15 +73,15 @@ impl ProcessMemory {
         // parameter of the shard), the gathered moments as `f32` and as `f64` (24 bytes a
         // parameter); a resume holds the whole moments once more before it shards them
         // (8 bytes); at stage 3 the weights are gathered for the file too (4 bytes).
-        let ranks = config.parallel.ranks.max(1) as u64;
+        let ranks = ranks as u64;
         let gathered = parameters.saturating_mul(24);
         let resumed = parameters.saturating_mul(8);
-        let checkpoint = match config.parallel.zero {
-            0 => 0,
-            1 | 2 => gathered
+        let checkpoint = match ZeroStage::try_from(config.parallel.zero)? {
+            ZeroStage::Ddp => 0,
+            ZeroStage::Optimizer | ZeroStage::Gradients => gathered
                 .saturating_add(gathered / ranks)
                 .saturating_add(resumed),
-            _ => gathered
+            ZeroStage::Parameters => gathered
                 .saturating_add(gathered / ranks)
                 .saturating_add(resumed)
                 .saturating_add(parameters.saturating_mul(4)),
@@ -101,11 +112,11 @@ impl ProcessMemory {
 /// # Errors
 /// [`TrainError::InvalidArgument`] on `micro-batch`, with the prediction by term and the
 /// bound that is short.
-pub fn check_memory(config: &TrainConfig) -> Result<()> {
+pub fn check_memory(config: &TrainConfig, rank: usize) -> Result<()> {
     let Some(bound) = crate::process_memory::memory_bound() else {
         return Ok(());
     };
-    let needed = ProcessMemory::of(config)?;
+    let needed = ProcessMemory::of_rank(config, rank)?;
     if needed.total() <= bound.bytes {
         return Ok(());
     }

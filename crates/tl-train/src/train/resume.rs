@@ -172,14 +172,15 @@ fn config_at_world(
     Ok(config)
 }
 
-/// Everything a rank needs to continue the run in `run_dir` at `world` ranks. Only the
+/// Everything rank `rank` needs to continue the run in `run_dir` at `world` ranks. Only the
 /// leader (rank 0) locks, cleans or writes the directory.
 pub(super) fn resume_state(
     run_dir: &Path,
     options: ResumeOptions,
-    leader: bool,
+    rank: usize,
     world: usize,
 ) -> Result<RunParts> {
+    let leader = rank == 0;
     if !run_dir.is_dir() {
         return Err(TrainError::checkpoint(run_dir, "is not a run directory"));
     }
@@ -201,7 +202,7 @@ pub(super) fn resume_state(
     }
     let run_config = config_at_world(run_dir, &run_config, world, leader, options)?;
     // Before the checkpoint is read: the snapshot's config is this one (checked below).
-    check_memory(&run_config)?;
+    check_memory(&run_config, rank)?;
     if snapshot::latest_step(run_dir)?.is_none() {
         let mut config = run_config;
         let corpus = load_corpus(&config)?;

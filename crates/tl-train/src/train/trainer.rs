@@ -211,7 +211,7 @@ impl Trainer {
         let leader = ddp.rank() == 0;
         let prepared = (|| {
             config.validate()?;
-            check_memory(&config)?;
+            check_memory(&config, ddp.rank())?;
             let corpus = load_corpus(&config)?;
             config.data_file = data_fingerprint(&config, &corpus);
             if !leader {
@@ -351,7 +351,7 @@ impl Trainer {
         comm: Box<dyn Communicator>,
     ) -> Result<Self> {
         let mut ddp = DataParallel::new(comm);
-        let prepared = resume_state(run_dir, options, ddp.rank() == 0, ddp.world_size());
+        let prepared = resume_state(run_dir, options, ddp.rank(), ddp.world_size());
         let fingerprint = prepared.as_ref().ok().map(|r| (r.config.clone(), r.step));
         let fingerprint = fingerprint.as_ref().map(|(config, step)| (config, *step));
         let parts = ranks::agree(&mut ddp, prepared, fingerprint, "resume the run")?;
