@@ -1,15 +1,14 @@
 //! The other side of the plan: the peak that `tl_tensor::memory` measures on a real
 //! [`Trainer`] step of the same recipe.
 
-use std::cell::Cell;
 use std::path::PathBuf;
-use std::rc::Rc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
-use tl_collective::{CommStats, Communicator, Phantom, ReduceOp, Single, Slice, SliceMut};
+use tl_collective::{CommStats, Communicator, Phantom, Single};
 use tl_tensor::memory;
 
+use super::recorder::{Calls, Recorder};
 use crate::error::{Result, TrainError};
 use crate::train::{DataSource, Record, TrainConfig, Trainer};
 
@@ -141,9 +140,9 @@ pub fn measure_rank(config: &TrainConfig, comm: Box<dyn Communicator>) -> Result
     let run_dir = scratch_dir();
     let outcome = (|| {
         let base = memory::live_bytes();
-        let (comm, counters) = Counted::wrap(comm);
+        let (comm, calls) = Recorder::new(comm);
         let trainer = Trainer::new_on(config, &run_dir, Box::new(comm))?;
-        measure_counted(trainer, base, &counters)
+        measure_recorded(trainer, base, &calls)
     })();
     // Best effort, as in `measure_steps`; only rank 0 made it.
     let _ = std::fs::remove_dir_all(&run_dir);
@@ -178,92 +177,23 @@ pub fn measure_meta_rank(
     let phantom = Phantom::new(rank, world_size)?;
     let _meta = tl_tensor::meta_mode();
     let base = memory::live_bytes();
-    let (comm, counters) = Counted::wrap(Box::new(phantom));
+    let (comm, calls) = Recorder::new(Box::new(phantom));
     let trainer = Trainer::meta_on(config.clone(), Box::new(comm))?;
-    measure_counted(trainer, base, &counters)
+    measure_recorded(trainer, base, &calls)
 }
 
-/// Steps `trainer` as [`measure_steps`] does, with what `counters` saw meanwhile.
-fn measure_counted(
-    trainer: Trainer,
-    base: usize,
-    counters: &Rc<Cell<CommStats>>,
-) -> Result<RankMeasurement> {
-    let before = counters.get();
+/// Steps `trainer` as [`measure_steps`] does, with what its communicator's recorder saw
+/// meanwhile.
+fn measure_recorded(trainer: Trainer, base: usize, calls: &Calls) -> Result<RankMeasurement> {
+    let before = calls.borrow().len();
     let memory = measure_trainer(trainer, base)?;
-    let after = counters.get();
+    let calls = calls.borrow();
+    let stepped = &calls[before..];
     Ok(RankMeasurement {
         memory,
         comm: CommStats {
-            collectives: after.collectives - before.collectives,
-            bytes_sent: after.bytes_sent - before.bytes_sent,
+            collectives: stepped.len() as u64,
+            bytes_sent: stepped.iter().map(|call| call.bytes_sent).sum(),
         },
     })
-}
-
-/// A communicator that copies its counters out after every call, so that they can be read
-/// while (and after) a trainer owns it.
-struct Counted {
-    inner: Box<dyn Communicator>,
-    counters: Rc<Cell<CommStats>>,
-}
-
-impl Counted {
-    fn wrap(inner: Box<dyn Communicator>) -> (Self, Rc<Cell<CommStats>>) {
-        let counters = Rc::new(Cell::new(inner.stats()));
-        let counted = Self {
-            inner,
-            counters: Rc::clone(&counters),
-        };
-        (counted, counters)
-    }
-
-    fn seen<T>(&self, done: tl_collective::Result<T>) -> tl_collective::Result<T> {
-        self.counters.set(self.inner.stats());
-        done
-    }
-}
-
-impl Communicator for Counted {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-
-    fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> tl_collective::Result<()> {
-        let done = self.inner.all_reduce(data, op);
-        self.seen(done)
-    }
-
-    fn reduce_scatter(
-        &mut self,
-        input: Slice<'_>,
-        output: SliceMut<'_>,
-        op: ReduceOp,
-    ) -> tl_collective::Result<()> {
-        let done = self.inner.reduce_scatter(input, output, op);
-        self.seen(done)
-    }
-
-    fn all_gather(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> tl_collective::Result<()> {
-        let done = self.inner.all_gather(input, output);
-        self.seen(done)
-    }
-
-    fn broadcast(&mut self, data: SliceMut<'_>, root: usize) -> tl_collective::Result<()> {
-        let done = self.inner.broadcast(data, root);
-        self.seen(done)
-    }
-
-    fn barrier(&mut self) -> tl_collective::Result<()> {
-        let done = self.inner.barrier();
-        self.seen(done)
-    }
-
-    fn stats(&self) -> CommStats {
-        self.inner.stats()
-    }
 }

@@ -1,11 +1,13 @@
 //! [`Recorder`]: a communicator that passes every collective on to another and notes what
 //! it was — which collective, how many elements of which type, what the rank sent for it,
 //! and the memory meter's tag at the moment of the call (the stage of the step and the
-//! model's unit) — so the plan can list a rank's traffic by purpose.
+//! model's unit) — so the plan can list a rank's traffic by purpose, and a measurement can
+//! count what a rank sent between two moments.
 
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use tl_collective::Collective as Any;
 use tl_collective::{CommStats, Communicator, ReduceOp, Result, Slice, SliceMut};
 use tl_tensor::memory::{self, Tag};
 
@@ -15,7 +17,7 @@ use super::collectives::Collective;
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Call {
     /// Which collective.
-    pub collective: Collective,
+    pub collective: Any,
     /// Elements of the buffer (the whole buffer: the gathered output, the scattered input).
     pub elements: u64,
     /// Bytes per element.
@@ -31,8 +33,7 @@ pub(crate) struct Call {
 /// The calls a [`Recorder`] noted, shared with whoever reads them.
 pub(crate) type Calls = Rc<RefCell<Vec<Call>>>;
 
-/// Passes every collective on to `inner` and notes it in `calls` (broadcasts and barriers
-/// too are passed on, and not noted: the training step makes none).
+/// Passes every collective on to `inner` and notes it in `calls`.
 pub(crate) struct Recorder {
     calls: Calls,
     inner: Box<dyn Communicator>,
@@ -52,7 +53,7 @@ impl Recorder {
     /// Runs `call` on the inner communicator and notes it, if it succeeded.
     fn note<T>(
         &mut self,
-        collective: Collective,
+        collective: Any,
         (elements, element_bytes): (usize, usize),
         call: impl FnOnce(&mut dyn Communicator) -> Result<T>,
     ) -> Result<T> {
@@ -81,9 +82,7 @@ impl Communicator for Recorder {
 
     fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> Result<()> {
         let size = (data.len(), data.element_type().bytes());
-        self.note(Collective::AllReduce, size, |inner| {
-            inner.all_reduce(data, op)
-        })
+        self.note(Any::AllReduce, size, |inner| inner.all_reduce(data, op))
     }
 
     fn reduce_scatter(
@@ -93,24 +92,27 @@ impl Communicator for Recorder {
         op: ReduceOp,
     ) -> Result<()> {
         let size = (input.len(), input.element_type().bytes());
-        self.note(Collective::ReduceScatter, size, |inner| {
+        self.note(Any::ReduceScatter, size, |inner| {
             inner.reduce_scatter(input, output, op)
         })
     }
 
     fn all_gather(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> Result<()> {
         let size = (output.len(), output.element_type().bytes());
-        self.note(Collective::AllGather, size, |inner| {
+        self.note(Any::AllGather, size, |inner| {
             inner.all_gather(input, output)
         })
     }
 
     fn broadcast(&mut self, data: SliceMut<'_>, root: usize) -> Result<()> {
-        self.inner.broadcast(data, root)
+        let size = (data.len(), data.element_type().bytes());
+        self.note(Any::Broadcast { root }, size, |inner| {
+            inner.broadcast(data, root)
+        })
     }
 
     fn barrier(&mut self) -> Result<()> {
-        self.inner.barrier()
+        self.note(Any::Barrier, (0, 0), |inner| inner.barrier())
     }
 
     fn stats(&self) -> CommStats {
@@ -132,9 +134,9 @@ pub(crate) fn by_purpose(
     // the overflow flag and the underflows ride on the last bucket).
     let buckets = |call: &Call| match stage {
         ZeroStage::Ddp | ZeroStage::Optimizer => {
-            call.collective == Collective::AllReduce && call.element_bytes == 4
+            call.collective == Any::AllReduce && call.element_bytes == 4
         }
-        ZeroStage::Gradients => call.collective == Collective::ReduceScatter,
+        ZeroStage::Gradients => call.collective == Any::ReduceScatter,
         ZeroStage::Parameters => false,
     };
     let last_bucket = calls.iter().rposition(buckets);
@@ -145,7 +147,14 @@ pub(crate) fn by_purpose(
     };
     let mut merged: Vec<(CollectiveCalls, u64)> = Vec::new();
     for (index, call) in calls.iter().enumerate() {
-        let purpose = match call.collective {
+        // A step broadcasts nothing and waits at no barrier; a trainer's start does.
+        let collective = match call.collective {
+            Any::AllReduce => Collective::AllReduce,
+            Any::ReduceScatter => Collective::ReduceScatter,
+            Any::AllGather => Collective::AllGather,
+            Any::Broadcast { .. } | Any::Barrier => continue,
+        };
+        let purpose = match collective {
             // The clip norm's sum of squares is added over the ranks during the update; the
             // trainer's check for a non-finite weight in any rank's shard comes after it.
             Collective::AllReduce if call.element_bytes == 8 => match call.scope.stage {
@@ -178,7 +187,7 @@ pub(crate) fn by_purpose(
         };
         let calls = CollectiveCalls {
             purpose,
-            collective: call.collective,
+            collective,
             elements: call.elements,
             element_bytes: call.element_bytes,
             calls: 1,
