@@ -232,8 +232,8 @@ pub(crate) const PITFALLS: &[Pitfall] = &[
         package: RECOMPUTE,
         file: "crates/tl-recompute/src/checkpoint.rs",
         function: "checkpoint_with",
-        pattern: "let mut grads: Vec<Option<ArrayD<E>>> = leaves.iter().map(Tensor::grad).collect();",
-        replacement: "let mut grads: Vec<Option<ArrayD<E>>> = inputs.iter().map(|input| inputs.iter().zip(&leaves).filter(|(other, _)| other.same(input)).filter_map(|(_, leaf)| leaf.grad()).reduce(|sum, grad| sum + grad)).collect();",
+        pattern: "let mut grads: Vec<Option<Tensor<E>>> = leaves.iter().map(Tensor::take_grad).collect();",
+        replacement: "let mut grads: Vec<Option<Tensor<E>>> = inputs.iter().map(|input| inputs.iter().zip(&leaves).filter(|(other, _)| other.same(input)).filter_map(|(_, leaf)| leaf.grad()).reduce(|sum, grad| sum + grad).map(Tensor::from_array)).collect();",
         course_test: "test_checkpoint_function_and_no_grad",
     },
     Pitfall {
