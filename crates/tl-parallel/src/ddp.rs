@@ -422,9 +422,7 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
             // them whether or not it has a loss scaler.
             for param in params {
                 ensure_grad(param);
-                if !param.grad_is_meta() {
-                    param.update_grad(|g| g.fill(E::nan()));
-                }
+                param.update_grad(|g| g.fill(E::nan()));
             }
         }
     }

@@ -314,9 +314,6 @@ fn total_norm<E: Element>(params: &[Tensor<E>], observer: &mut impl StepObserver
 fn multiply_grads<E: Element>(params: &[Tensor<E>], factor: f64) {
     let factor = E::from_f64(factor);
     for param in params {
-        // A meta gradient has no values to scale.
-        if !param.grad_is_meta() {
-            param.update_grad(|grad| grad.mapv_inplace(|v| v * factor));
-        }
+        param.update_grad(|grad| grad.mapv_inplace(|v| v * factor));
     }
 }

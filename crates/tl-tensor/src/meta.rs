@@ -46,9 +46,10 @@
 //! | [`optim::clip_grad_norm`](crate::optim::clip_grad_norm), [`optim::grad_sum_squares`](crate::optim::grad_sum_squares) | a norm of 0: nothing is clipped |
 //! | an optimizer step | allocates its state as the real step would, updates nothing |
 //!
-//! An in-place update of a meta tensor's values ([`Tensor::update_value`],
-//! [`Tensor::update_grad`]) panics: code that updates values checks [`Tensor::is_meta`]
-//! and skips the update, as the optimizers here do.
+//! [`Tensor::update_grad`] leaves a meta gradient as it is (scaling and clipping have
+//! nothing to scale). [`Tensor::update_value`], which returns what its closure computes,
+//! panics on a meta tensor: code that updates values checks [`Tensor::is_meta`] and skips
+//! the update, as the optimizers here do.
 //!
 //! ```
 //! use tl_tensor::{Tensor, memory, meta_mode};

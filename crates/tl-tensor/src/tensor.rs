@@ -603,13 +603,15 @@ impl<E: Element> Tensor<E> {
         }
     }
 
-    /// Updates the accumulated gradient in place (unscaling, clipping); no-op without one.
+    /// Updates the accumulated gradient in place (unscaling, clipping); no-op without one,
+    /// and for a [meta](crate::meta) gradient, which has no values to update.
     pub fn update_grad(&self, f: impl FnOnce(&mut ArrayD<E>)) {
         if let Some(GradNode {
             kind: NodeKind::Leaf { grad, .. },
             ..
         }) = self.inner.node.borrow().as_deref()
             && let Some(buffer) = grad.borrow_mut().as_mut()
+            && !buffer.is_meta()
         {
             buffer.update(f);
         }

@@ -70,9 +70,7 @@ pub fn clip_grad_norm_reduced<E: Element>(
     let coefficient = max_norm / (norm + 1e-6);
     if coefficient < 1.0 {
         let coefficient = E::from_f64(coefficient);
-        // A meta gradient has no values to scale (its norm reads 0, but a tiny
-        // `max_norm` still asks for scaling).
-        for parameter in parameters.iter().filter(|p| !p.grad_is_meta()) {
+        for parameter in parameters {
             parameter.update_grad(|grad| grad.mapv_inplace(|g| g * coefficient));
         }
     }

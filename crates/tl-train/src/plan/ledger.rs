@@ -15,7 +15,7 @@ use tl_precision::{COPY_LABEL, LOSS_LABEL, WEIGHT_COPY_LABEL};
 use tl_tensor::memory::{self, Event, EventKind, Kind, Stage as MeterStage, Tag};
 use tl_tensor::nn::DROPOUT_MASK_LABEL;
 
-use tl_collective::{Communicator, Phantom, Single};
+use tl_collective::{Communicator, Phantom};
 use tl_parallel::labels;
 
 use super::kind::{Layer, Phase, Stage, TensorKind};
@@ -298,7 +298,7 @@ pub fn predict_step(recipe: &Recipe) -> Result<StepPrediction> {
 }
 
 /// [`predict_step`] of rank `rank` of a world of `world_size` ranks (the config's ZeRO
-/// stage and buckets; a phantom communicator beyond one rank), with the collectives the rank
+/// stage and buckets, on a phantom communicator), with the collectives the rank
 /// called during the steady-state step.
 ///
 /// The meta run has a thread of its own, so its meter, its tags and its modes are its own:
@@ -311,12 +311,7 @@ pub(crate) fn predict_rank(
 ) -> Result<(StepPrediction, Vec<Call>)> {
     std::thread::scope(|scope| {
         let run = scope.spawn(|| {
-            let comm: Box<dyn Communicator> = if world_size == 1 {
-                Box::new(Single::new())
-            } else {
-                Box::new(Phantom::new(rank, world_size)?)
-            };
-            let (recorder, calls) = Recorder::new(comm);
+            let (recorder, calls) = Recorder::new(Box::new(Phantom::new(rank, world_size)?));
             let prediction = predict_here(config, Box::new(recorder), &calls)?;
             let calls = calls.borrow().clone();
             Ok((prediction, calls))

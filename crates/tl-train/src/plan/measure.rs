@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
-use tl_collective::{CommStats, Communicator, Phantom, Single};
+use tl_collective::{CommStats, Communicator, Phantom};
 use tl_tensor::memory;
 
 use super::recorder::{Calls, Recorder};
@@ -63,10 +63,7 @@ pub fn measure_steps(config: &TrainConfig) -> Result<Measurement> {
 /// # Errors
 /// Those of [`Trainer::meta_on`] and [`Trainer::train_step`].
 pub fn measure_meta_steps(config: &TrainConfig) -> Result<Measurement> {
-    let _meta = tl_tensor::meta_mode();
-    let base = memory::live_bytes();
-    let trainer = Trainer::meta_on(config.clone(), Box::new(Single::new()))?;
-    measure_trainer(trainer, base)
+    measure_meta_steps_on(config, 0, 1)
 }
 
 fn measure_in(config: &TrainConfig, run_dir: &std::path::Path) -> Result<Measurement> {
