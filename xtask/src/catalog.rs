@@ -201,7 +201,7 @@ pub(crate) const L11_1: &[CourseTest] = &[
         "test_checkpoint_grads_bitwise_equal",
         R,
         Kind::Differential,
-        "7 layers, three budgets, f64 and f32: every gradient equal to the plain run's, bit for bit",
+        "7 layers, three budgets, a residual around a segment, f64 and f32: every gradient equal to the plain run's, bit for bit",
         "checkpointing never changes training",
     ),
     test(
