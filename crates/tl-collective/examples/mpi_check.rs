@@ -9,8 +9,8 @@
 //! ```
 
 use tl_collective::{
-    CollectiveError, Communicator, Element, MpiComm, MpiMode, ReduceOp, reference_all_reduce,
-    shard_range,
+    Axis, CollectiveError, Communicator, Element, Mesh, MpiComm, MpiMode, ReduceOp,
+    reference_all_reduce, shard_range,
 };
 
 fn values(seed: u64, len: usize) -> Vec<f64> {
@@ -133,11 +133,43 @@ fn check<T: Value>(comm: &mut MpiComm, len: usize) {
     assert_eq!(bits(&buf), bits(&inputs[root]), "{what}: broadcast");
 }
 
+/// Groups of a mesh (tensor-parallel pairs when the world is even): each group's
+/// all-reduce sums over its members only, in both modes, and the world goes on after.
+fn check_groups(comm: &mut MpiComm) {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let tp = if n.is_multiple_of(2) { 2 } else { 1 };
+    let mesh = Mesh::for_world(n, tp, 1).unwrap();
+    let mut groups = mesh.split(comm).unwrap();
+    for (axis, group) in [(Axis::Tensor, &mut groups.tp), (Axis::Data, &mut groups.dp)] {
+        let members = mesh.members(axis, rank);
+        assert_eq!(group.world_size(), members.len(), "{axis}");
+        assert_eq!(group.rank(), mesh.coords(rank).on(axis), "{axis}");
+        let mut buf: Vec<f64> = (0..9).map(|i| (rank * 16 + i) as f64).collect();
+        group.all_reduce_sum((&mut buf).into()).unwrap();
+        let want: Vec<f64> = (0..9)
+            .map(|i| members.iter().map(|&m| (m * 16 + i) as f64).sum())
+            .collect();
+        assert_eq!(buf, want, "rank {rank}: the {axis} group's sum");
+    }
+    // Ranks that disagree on their group: the same typed error everywhere.
+    let members: Vec<usize> = if rank == 0 { vec![0] } else { (0..n).collect() };
+    match comm.split(&members) {
+        Err(CollectiveError::BadGroup { .. }) if n > 1 => {}
+        Ok(_) if n == 1 => {}
+        other => panic!(
+            "rank {rank}: expected BadGroup, got {:?}",
+            other.map(|_| ())
+        ),
+    }
+    comm.barrier().unwrap();
+}
+
 fn main() {
     let mut comm = MpiComm::init(MpiMode::Ring).expect("MPI");
     let n = comm.world_size();
     for mode in [MpiMode::Ring, MpiMode::Native] {
         comm.set_mode(mode);
+        check_groups(&mut comm);
         for len in [
             0,
             1,

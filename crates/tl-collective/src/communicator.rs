@@ -91,6 +91,39 @@ pub trait Communicator {
     /// The counters so far.
     fn stats(&self) -> CommStats;
 
+    /// This rank's group of a split of the world into groups, as `MPI_Comm_split` makes
+    /// them: a communicator over `members` (ranks of this communicator; the order gives
+    /// their ranks in the group) whose collectives involve only them.
+    ///
+    /// A collective of the whole communicator: every rank calls it at the same point, each
+    /// with the members of its own group, and the groups must partition the world (each
+    /// rank in exactly one). The ranks first all-gather what each says of its group and
+    /// check that the members of every group agree; then each group forms on its own — its
+    /// own ring (sockets in a fresh private directory, the run's secret), its own MPI
+    /// communicator, a [`Single`](crate::Single) for a group of one, a
+    /// [`Phantom`](crate::Phantom) of the group's size for a phantom. The new communicator
+    /// counts its own [`stats`](Self::stats); the exchange counts as one all-gather here.
+    ///
+    /// ```
+    /// use tl_collective::{Communicator, Phantom, SliceMut};
+    ///
+    /// // Rank 5 of 8 in tensor-parallel pairs {0,1}, {2,3}, {4,5}, {6,7}: rank 1 of a pair.
+    /// let mut world = Phantom::new(5, 8)?;
+    /// let mut pair = world.split(&[4, 5])?;
+    /// assert_eq!((pair.rank(), pair.world_size()), (1, 2));
+    /// pair.all_reduce_sum(SliceMut::shape::<f32>(1000))?;
+    /// // One header and one of the two shards each way.
+    /// assert_eq!(pair.stats().bytes_sent, 40 + 2 * 500 * 4);
+    /// # Ok::<(), tl_collective::CollectiveError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`CollectiveError::BadGroup`] if `members` does not hold this rank, names a rank twice
+    /// or one outside the world (found alone; on a ring it closes this communicator, so the
+    /// others fail too), or if the members of a group disagree on it (found by every member
+    /// after the exchange); the errors of the exchange and of forming the group.
+    fn split(&mut self, members: &[usize]) -> Result<Box<dyn Communicator>>;
+
     /// [`all_reduce`](Self::all_reduce) with [`ReduceOp::Sum`].
     ///
     /// # Errors

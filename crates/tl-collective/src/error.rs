@@ -135,6 +135,21 @@ pub enum CollectiveError {
         /// How many other ranks failed after it.
         others: usize,
     },
+    /// A [`split`](crate::Communicator::split) whose groups do not partition the world: a
+    /// group that does not hold the calling rank, names a rank twice or one outside the
+    /// world, or ranks that disagree on who is in their group.
+    #[error("split into groups: {reason}")]
+    BadGroup {
+        /// What is wrong, naming the ranks.
+        reason: String,
+    },
+    /// A [`Mesh`](crate::Mesh) whose axes do not fit: an axis of size 0, a product that is
+    /// not the world size, a world size that a fixed axis does not divide.
+    #[error("device mesh: {reason}")]
+    BadMesh {
+        /// What is wrong, naming the sizes.
+        reason: String,
+    },
     /// The communicator was used after an earlier collective failed.
     #[error("the communicator is closed after an earlier error")]
     Closed,

@@ -7,6 +7,8 @@
 //! [`all_gather`](Communicator::all_gather) (shards as [`shard_range`] lays them out),
 //! [`broadcast`](Communicator::broadcast), [`barrier`](Communicator::barrier), and the scalar
 //! helpers a trainer needs (the max of an overflow flag, the sum of a squared norm).
+//! [`split`](Communicator::split) makes a group of some of the ranks (as `MPI_Comm_split`),
+//! and a [`Mesh`] lays the world out as `dp × tp × pp` and splits it into each axis's groups.
 //!
 //! Backends:
 //! - [`Single`]: a world of one, where every collective is a copy or nothing.
@@ -49,7 +51,9 @@ mod communicator;
 mod element;
 mod env;
 mod error;
+mod group;
 pub mod launch;
+mod mesh;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
 mod phantom;
@@ -65,6 +69,7 @@ pub use env::{
     MAX_WORLD_SIZE, RingConfig, format_secret, timeout_from_env,
 };
 pub use error::{CallHeader, CollectiveError, Result};
+pub use mesh::{Axis, Coords, Mesh, MeshGroups};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiComm, MpiMode};
 pub use phantom::Phantom;

@@ -11,16 +11,19 @@
 //! (mpirun reports it), so this backend has no timeout of its own. A shape-only buffer is
 //! refused ([`CollectiveError::ShapeOnly`]) before the call's header is gathered.
 
+use std::rc::Rc;
+
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Equivalence, PartitionMut};
 use mpi::environment::Universe;
 use mpi::point_to_point::send_receive_into;
-use mpi::topology::SimpleCommunicator;
+use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator as _, CommunicatorCollectives as _, Root as _};
 
 use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
 use crate::element::{Element, ReduceOp, Slice, SliceMut, reduce_into};
 use crate::error::{CallHeader, CollectiveError, Result};
+use crate::group;
 use crate::ring::header::{from_words, to_words};
 use crate::ring::split_pair;
 use crate::schedule::{all_gather_step, reduce_scatter_step};
@@ -37,9 +40,12 @@ pub enum MpiMode {
 
 /// A rank of an MPI job (`mpirun -np N program`).
 pub struct MpiComm {
-    // Dropping the universe finalises MPI, so it lives as long as the communicator.
-    _universe: Universe,
+    /// `MPI_COMM_WORLD`, or a group split from it. Declared before the universe: a group's
+    /// communicator is freed before MPI is finalised.
     world: SimpleCommunicator,
+    // Dropping the universe finalises MPI, so it lives as long as the last communicator
+    // (the world's and the groups split from it share it).
+    _universe: Rc<Universe>,
     mode: MpiMode,
     rank: usize,
     world_size: usize,
@@ -67,7 +73,7 @@ impl MpiComm {
         let world = universe.world();
         let (rank, world_size) = (world.rank() as usize, world.size() as usize);
         Ok(MpiComm {
-            _universe: universe,
+            _universe: Rc::new(universe),
             world,
             mode,
             rank,
@@ -372,5 +378,30 @@ impl Communicator for MpiComm {
 
     fn stats(&self) -> CommStats {
         self.stats
+    }
+
+    /// `MPI_Comm_split` with the group's first member as its colour and the place in the
+    /// group as the key, after the exchange that checks the ranks agree.
+    fn split(&mut self, members: &[usize]) -> Result<Box<dyn Communicator>> {
+        let position = group::check_members(members, self.rank, self.world_size)?;
+        group::exchange(
+            self,
+            members,
+            &group::record(members, position, Vec::new())?,
+        )?;
+        let color = Color::with_value(members[0] as i32);
+        let group = self
+            .world
+            .split_by_color_with_key(color, position as i32)
+            .ok_or_else(|| CollectiveError::Mpi("MPI_Comm_split gave no communicator".into()))?;
+        let (rank, world_size) = (group.rank() as usize, group.size() as usize);
+        Ok(Box::new(MpiComm {
+            world: group,
+            _universe: Rc::clone(&self._universe),
+            mode: self.mode,
+            rank,
+            world_size,
+            stats: CommStats::default(),
+        }))
     }
 }

@@ -39,6 +39,7 @@ use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
 use crate::element::{ElementType, ReduceOp, Slice, SliceMut, copy_values};
 use crate::env::check_world;
 use crate::error::{CollectiveError, Result};
+use crate::group;
 use crate::ring::{Collective, reduce_name, ring_bytes_sent};
 use crate::shard::shard_range;
 
@@ -167,6 +168,18 @@ impl Communicator for Phantom {
 
     fn stats(&self) -> CommStats {
         self.stats
+    }
+
+    /// A phantom of the group: rank `position` of `members.len()`, counting what that rank
+    /// of the group's ring would send. The split's own exchange is counted here as the
+    /// all-gather it is; the members' agreement cannot be checked, as no other rank is here.
+    fn split(&mut self, members: &[usize]) -> Result<Box<dyn Communicator>> {
+        let checked = group::check_members(members, self.rank, self.world_size);
+        // A local misuse closes the phantom, as it closes a ring rank.
+        self.closed |= checked.is_err();
+        let position = checked?;
+        group::exchange_shape(self)?;
+        Ok(Box::new(Phantom::new(position, members.len())?))
     }
 }
 

@@ -3,6 +3,7 @@
 use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
 use crate::element::{ReduceOp, Slice, SliceMut, copy_values};
 use crate::error::Result;
+use crate::group;
 
 /// A world of one: every collective is a copy or nothing at all. What a run without a
 /// launcher uses, so that the same training code runs on one process and on many.
@@ -86,6 +87,16 @@ impl Communicator for Single {
 
     fn stats(&self) -> CommStats {
         self.stats
+    }
+
+    fn split(&mut self, members: &[usize]) -> Result<Box<dyn Communicator>> {
+        let position = group::check_members(members, 0, 1)?;
+        group::exchange(
+            self,
+            members,
+            &group::record(members, position, Vec::new())?,
+        )?;
+        Ok(Box::new(Single::new()))
     }
 }
 

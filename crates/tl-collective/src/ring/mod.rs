@@ -20,6 +20,7 @@ use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
 use crate::element::{Element, ReduceOp, Slice, SliceMut, reduce_into};
 use crate::env::RingConfig;
 use crate::error::{CallHeader, CollectiveError, Result};
+use crate::group;
 use crate::schedule::{all_gather_step, reduce_scatter_step};
 use crate::shard::shard_range;
 pub use cost::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
@@ -47,6 +48,9 @@ pub struct RingComm {
     refused: Vec<String>,
     /// The rendezvous directory, for rank 0 to remove after the first collective.
     rendezvous: Option<std::path::PathBuf>,
+    /// The run's secret and timeout, for the rings of groups split from this one.
+    secret: [u8; 32],
+    timeout: std::time::Duration,
 }
 
 impl RingComm {
@@ -72,6 +76,8 @@ impl RingComm {
             closed: false,
             refused,
             rendezvous: (config.rank == 0).then(|| config.rendezvous.clone()),
+            secret: config.secret,
+            timeout: config.timeout,
         })
     }
 
@@ -128,12 +134,59 @@ impl RingComm {
     /// not come.
     fn local_check(&mut self, check: Result<()>) -> Result<()> {
         if check.is_err() {
-            self.closed = true;
-            if let Some(link) = &self.link {
-                link.shutdown();
-            }
+            self.close();
         }
         check
+    }
+
+    /// Closes the communicator and its sockets.
+    fn close(&mut self) {
+        self.closed = true;
+        if let Some(link) = &self.link {
+            link.shutdown();
+        }
+    }
+
+    /// [`Communicator::split`] on the ring: the group's first member makes a fresh private
+    /// directory (as `tinyllm launch` makes the run's), the exchange tells the others where
+    /// it is, and the group forms its own ring there, with a secret bound to its members.
+    fn split_ring(&mut self, members: &[usize]) -> Result<RingComm> {
+        if self.closed {
+            return Err(CollectiveError::Closed);
+        }
+        let position = group::check_members(members, self.rank, self.world_size)
+            .inspect_err(|_| self.close())?;
+        let meeting = if position == 0 && members.len() > 1 {
+            let dir = tempfile::Builder::new()
+                .prefix(rendezvous::LAUNCHER_PREFIX)
+                .tempdir()
+                .map_err(|e| CollectiveError::io("make a group's rendezvous directory", e));
+            Some(dir.inspect_err(|_| self.close())?)
+        } else {
+            None
+        };
+        let path = meeting.as_ref().map_or_else(Vec::new, |dir| {
+            dir.path().as_os_str().as_encoded_bytes().to_vec()
+        });
+        let own = group::record(members, position, path).inspect_err(|_| self.close())?;
+        let first = group::exchange(self, members, &own)?;
+        // The first member's path, as its bytes on this machine.
+        let dir = std::path::PathBuf::from(
+            <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&first.path),
+        );
+        let config = RingConfig {
+            rank: position,
+            world_size: members.len(),
+            rendezvous: dir,
+            secret: group::group_secret(&self.secret, members),
+            timeout: self.timeout,
+        };
+        let ring = RingComm::connect(config)?;
+        // Formed: the directory is the group's rank 0's to remove, as a launcher's is.
+        if let Some(dir) = meeting {
+            let _ = dir.keep();
+        }
+        Ok(ring)
     }
 
     /// Refuses a shape-only buffer: it has no values to send. A local misuse like any other,
@@ -364,6 +417,20 @@ impl Communicator for RingComm {
         CommStats {
             collectives: self.seq,
             bytes_sent: self.link.as_ref().map_or(0, |link| link.bytes_sent),
+        }
+    }
+
+    fn split(&mut self, members: &[usize]) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(self.split_ring(members)?))
+    }
+}
+
+impl Drop for RingComm {
+    /// Rank 0 removes a launcher's (or a split's) rendezvous directory if no collective did:
+    /// a group that never communicated leaves nothing behind.
+    fn drop(&mut self) {
+        if let Some(dir) = self.rendezvous.take() {
+            rendezvous::remove_if_launchers(&dir);
         }
     }
 }

@@ -182,6 +182,10 @@ impl Communicator for Spy {
     fn stats(&self) -> CommStats {
         self.inner.stats()
     }
+    fn split(&mut self, members: &[usize]) -> tl_collective::Result<Box<dyn Communicator>> {
+        let r = self.inner.split(members);
+        self.seen(r)
+    }
 }
 
 pub fn result(line: std::fmt::Arguments<'_>) {

@@ -118,6 +118,16 @@ impl Communicator for Recorder {
     fn stats(&self) -> CommStats {
         self.inner.stats()
     }
+
+    /// The group, recorded into the same calls (the split's own exchange is set-up, not a
+    /// step's traffic, and is not noted).
+    fn split(&mut self, members: &[usize]) -> Result<Box<dyn Communicator>> {
+        let inner = self.inner.split(members)?;
+        Ok(Box::new(Recorder {
+            calls: Rc::clone(&self.calls),
+            inner,
+        }))
+    }
 }
 
 /// What each of a rank's `calls` of one step was for, at `stage`, as the plan's tables name
