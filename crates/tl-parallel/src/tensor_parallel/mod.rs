@@ -1,0 +1,17 @@
+//! Megatron-style tensor parallelism: each layer's weights split over the ranks of a
+//! tensor-parallel group, which run the same batch and exchange activations inside every
+//! layer.
+//!
+//! - [`group`]: [`TensorParallel`], the group's communicator and its kept errors.
+//! - [`mappings`]: the conjugate autograd ops every parallel layer is made of — copy-to and
+//!   reduce-from, the sequence-parallel gather and reduce-scatter, the output gather.
+//!
+//! Every op runs on [meta](tl_tensor::meta) tensors too, passing shape-only buffers to the
+//! communicator: over a [`Phantom`](tl_collective::Phantom), a rank's step is planned to
+//! the byte, on the meter and on the wire.
+
+pub mod group;
+pub mod mappings;
+mod views;
+
+pub use group::TensorParallel;
