@@ -5,13 +5,17 @@
 //! - [`group`]: [`TensorParallel`], the group's communicator and its kept errors.
 //! - [`mappings`]: the conjugate autograd ops every parallel layer is made of — copy-to and
 //!   reduce-from, the sequence-parallel gather and reduce-scatter, the output gather.
+//! - [`linear`]: [`ColumnParallelLinear`] and [`RowParallelLinear`], built from the whole
+//!   layer's weights.
 //!
 //! Every op runs on [meta](tl_tensor::meta) tensors too, passing shape-only buffers to the
 //! communicator: over a [`Phantom`](tl_collective::Phantom), a rank's step is planned to
 //! the byte, on the meter and on the wire.
 
 pub mod group;
+pub mod linear;
 pub mod mappings;
 mod views;
 
 pub use group::TensorParallel;
+pub use linear::{ColumnParallelLinear, RowParallelLinear};
