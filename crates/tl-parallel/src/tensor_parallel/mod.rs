@@ -7,15 +7,21 @@
 //!   reduce-from, the sequence-parallel gather and reduce-scatter, the output gather.
 //! - [`linear`]: [`ColumnParallelLinear`] and [`RowParallelLinear`], built from the whole
 //!   layer's weights.
+//! - [`embedding`]: [`VocabParallelEmbedding`], the table split over the vocabulary.
+//! - [`cross_entropy`]: [`TensorParallel::vocab_parallel_cross_entropy`], the loss of
+//!   logits split over the vocabulary.
 //!
 //! Every op runs on [meta](tl_tensor::meta) tensors too, passing shape-only buffers to the
 //! communicator: over a [`Phantom`](tl_collective::Phantom), a rank's step is planned to
 //! the byte, on the meter and on the wire.
 
+pub mod cross_entropy;
+pub mod embedding;
 pub mod group;
 pub mod linear;
 pub mod mappings;
 mod views;
 
+pub use embedding::VocabParallelEmbedding;
 pub use group::TensorParallel;
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
