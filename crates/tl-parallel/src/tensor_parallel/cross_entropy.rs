@@ -177,3 +177,55 @@ impl TensorParallel {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tl_collective::{Collective, CommStats, Phantom, Single, ring_bytes_sent};
+    use tl_tensor::Generator;
+    use tl_tensor::losses::cross_entropy;
+    use tl_tensor::ndarray::Array;
+
+    #[test]
+    fn on_a_world_of_one_it_is_tl_tensors_loss_bit_for_bit() {
+        // One rank adds a row's exponentials in the full loss's order: nothing may differ.
+        let rng = Generator::new(2);
+        let values = Array::from_shape_fn((5, 7), |_| (rng.next_f64() * 2.0 - 1.0) as f32 * 20.0);
+        let targets = [6, 0, 3, 3, 1];
+        let tp = TensorParallel::new(Box::new(Single::new()));
+        let ours = Tensor::param(values.clone().into_dyn());
+        let theirs = Tensor::param(values.into_dyn());
+        let loss = tp.vocab_parallel_cross_entropy(&ours, &targets).unwrap();
+        let full = cross_entropy(&theirs, &targets);
+        assert_eq!(loss.item().to_bits(), full.item().to_bits());
+        loss.mul_scalar(0.5).backward();
+        full.mul_scalar(0.5).backward();
+        assert_eq!(ours.grad(), theirs.grad());
+    }
+
+    #[test]
+    fn on_meta_logits_it_makes_two_all_reduces_and_a_meta_gradient() {
+        let tp = TensorParallel::new(Box::new(Phantom::new(2, 4).unwrap()));
+        let logits = Tensor::<f32>::meta_param(&[6, 5]);
+        let loss = tp
+            .vocab_parallel_cross_entropy(&logits, &[0, 19, 7, 8, 9, 10])
+            .unwrap();
+        let forward = tp.stats();
+        loss.backward();
+        assert!(loss.is_meta() && logits.grad_is_meta());
+        // The maxima (6 floats), then the sums and the targets' logits (12): nothing back.
+        let sent = |elements| ring_bytes_sent(Collective::AllReduce, elements, 4, 4, 2);
+        let expected = CommStats {
+            collectives: 2,
+            bytes_sent: sent(6) + sent(12),
+        };
+        assert_eq!((forward, tp.stats()), (expected, expected));
+    }
+
+    #[test]
+    #[should_panic(expected = "target 20 (row 1) is not below the 20 classes")]
+    fn a_target_outside_the_whole_vocabulary_is_named() {
+        let tp = TensorParallel::new(Box::new(Phantom::new(0, 4).unwrap()));
+        let _ = tp.vocab_parallel_cross_entropy(&Tensor::<f32>::zeros(&[2, 5]), &[0, 20]);
+    }
+}

@@ -169,3 +169,58 @@ impl<E: GradElement> VocabParallelEmbedding<E> {
         vec![self.weight.clone()]
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tl_collective::{Phantom, Single};
+    use tl_tensor::Generator;
+    use tl_tensor::ndarray::arr2;
+    use tl_tensor::nn::Embedding;
+
+    #[test]
+    fn on_a_world_of_one_it_is_the_embedding() {
+        let tp = TensorParallel::new(Box::new(Single::new()));
+        let full = Embedding::<f64>::new(6, 3, &Generator::new(1));
+        let embedding = VocabParallelEmbedding::from_full(full.weight(), &tp).unwrap();
+        let ids = [5, 0, 5, 2];
+        let (ours, theirs) = (
+            embedding.forward_ids(&ids, &[2, 2]).unwrap(),
+            full.forward_ids(&ids, &[2, 2]),
+        );
+        assert_eq!(
+            (ours.shape(), ours.to_vec()),
+            (theirs.shape(), theirs.to_vec())
+        );
+        ours.mul_scalar(3.0).sum_all().backward();
+        theirs.mul_scalar(3.0).sum_all().backward();
+        assert_eq!(embedding.weight().grad(), full.weight().grad());
+    }
+
+    #[test]
+    fn a_rank_looks_up_its_own_rows_and_writes_zeros_for_the_others() {
+        // Rank 1 of 2 holds ids 2 and 3; the Phantom's all-reduce leaves the lookup as it is.
+        let tp = TensorParallel::new(Box::new(Phantom::new(1, 2).unwrap()));
+        let table = Tensor::<f64>::param(
+            arr2(&[[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [4.0, 4.0]]).into_dyn(),
+        );
+        let embedding = VocabParallelEmbedding::from_full(&table, &tp).unwrap();
+        assert_eq!(embedding.vocabulary(), 2..4);
+        let x = embedding.forward_ids(&[0, 3, 2, 3], &[4]).unwrap();
+        assert_eq!(x.to_vec(), [0.0, 0.0, 4.0, 4.0, 3.0, 3.0, 4.0, 4.0]);
+        x.sum_all().backward();
+        // Id 2 once, id 3 twice; ids 0 and 1 are another rank's.
+        let grad = arr2(&[[1.0, 1.0], [2.0, 2.0]]).into_dyn();
+        assert_eq!(embedding.weight().grad().unwrap(), grad);
+    }
+
+    #[test]
+    #[should_panic(expected = "VocabParallelEmbedding: id 8 out of range for a vocabulary of 8")]
+    fn an_id_outside_the_whole_vocabulary_is_named() {
+        let tp = TensorParallel::new(Box::new(Phantom::new(0, 2).unwrap()));
+        let table = Tensor::<f32>::zeros(&[8, 2]);
+        let _ = VocabParallelEmbedding::from_full(&table, &tp)
+            .unwrap()
+            .forward_ids(&[1, 8], &[2]);
+    }
+}

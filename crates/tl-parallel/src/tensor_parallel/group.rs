@@ -145,13 +145,20 @@ impl TensorParallel {
                     let run = &values[offset..offset + len];
                     param.update_grad(|grad| grad.iter_mut().zip(run).for_each(|(g, &v)| *g = v));
                 }
-                (Some(values), false) => {
-                    let run = values[offset..offset + len].to_vec();
-                    let array = ArrayD::from_shape_vec(param.shape(), run).expect("its count");
-                    param.set_grad(Some(array));
+                // A parameter without a gradient receives a new one, the same way in both
+                // modes, so that a meta run sees what a real one does.
+                (values, false) => {
+                    let gradient = match values {
+                        Some(values) => {
+                            let run = values[offset..offset + len].to_vec();
+                            let array = ArrayD::from_shape_vec(param.shape(), run);
+                            Tensor::from_array(array.expect("the parameter's count"))
+                        }
+                        None => Tensor::meta(&param.shape()),
+                    };
+                    param.set_grad_tensor(Some(gradient));
                 }
                 (None, true) => {}
-                (None, false) => param.set_grad_tensor(Some(Tensor::meta(&param.shape()))),
             }
             offset += len;
         }
@@ -212,4 +219,85 @@ pub(super) fn between<E: GradElement>(
     with_view(input, |input| {
         with_view_mut(output, |output| collective(input, output))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tl_collective::{Collective, Phantom, Single, ring_bytes_sent};
+    use tl_tensor::memory::{self, EventKind};
+    use tl_tensor::meta_mode;
+    use tl_tensor::ndarray::arr1;
+
+    fn rank_of(rank: usize, world_size: usize) -> TensorParallel {
+        TensorParallel::new(Box::new(Phantom::new(rank, world_size).unwrap()))
+    }
+
+    #[test]
+    fn the_ranks_shares_tile_the_size_in_rank_order() {
+        let shares: Vec<_> = (0..4)
+            .map(|rank| rank_of(rank, 4).split("vocabulary", 12).unwrap())
+            .collect();
+        assert_eq!(shares, [0..3, 3..6, 6..9, 9..12]);
+        let alone = TensorParallel::new(Box::new(Single::new()));
+        assert_eq!(alone.split("heads", 7).unwrap(), 0..7);
+    }
+
+    #[test]
+    fn a_size_the_group_does_not_divide_is_named_with_the_group_size() {
+        let error = rank_of(0, 3).split("heads", 10).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "heads of 10 does not split evenly over 3 tensor-parallel ranks"
+        );
+    }
+
+    /// Rank 0 of 2 (whose all-reduce leaves the values as they are) sums the gradients of
+    /// `[3]` with one and `[2]` without one: the meter's events, the counters, both
+    /// gradients.
+    #[allow(clippy::type_complexity)]
+    fn sum_two_gradients(
+        meta: bool,
+    ) -> (
+        Vec<(EventKind, usize)>,
+        CommStats,
+        Option<ArrayD<f32>>,
+        Option<ArrayD<f32>>,
+    ) {
+        let _meta = meta.then(meta_mode);
+        let tp = rank_of(0, 2);
+        let with = Tensor::<f32>::param(arr1(&[1.0, 2.0, 3.0]).into_dyn());
+        let without = Tensor::<f32>::param(arr1(&[5.0, 6.0]).into_dyn());
+        with.mul_scalar(2.0).sum_all().backward();
+        let params = [with.clone(), without.clone()];
+        let ((), events) = memory::record(|| tp.all_reduce_gradients(&params).unwrap());
+        assert_eq!(without.grad_is_meta(), meta);
+        let events = events.iter().map(|e| (e.kind, e.bytes)).collect();
+        (events, tp.stats(), with.grad(), without.grad())
+    }
+
+    #[test]
+    fn gradients_are_summed_in_one_all_reduce_and_written_back_in_place() {
+        let (events, stats, with, without) = sum_two_gradients(false);
+        assert_eq!(with.unwrap().as_slice().unwrap(), [2.0, 2.0, 2.0]);
+        assert_eq!(
+            without.unwrap().as_slice().unwrap(),
+            [0.0, 0.0],
+            "zeros summed"
+        );
+        let bytes_sent = ring_bytes_sent(Collective::AllReduce, 5, 4, 2, 0);
+        assert_eq!(
+            stats,
+            CommStats {
+                collectives: 1,
+                bytes_sent
+            }
+        );
+        // The buffer of 5 floats, the missing gradient made and landed in its leaf, the
+        // buffer freed: the existing gradient is written in place.
+        use EventKind::{Alloc, Free, Retag};
+        assert_eq!(events, [(Alloc, 20), (Alloc, 8), (Retag, 8), (Free, 20)]);
+        let (meta_events, meta_stats, ..) = sum_two_gradients(true);
+        assert_eq!((meta_events, meta_stats), (events, stats));
+    }
 }

@@ -171,3 +171,132 @@ impl TensorParallel {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tl_collective::{Collective, CommStats, Phantom, Single, ring_bytes_sent};
+    use tl_tensor::ndarray::arr2;
+
+    type Op = fn(&TensorParallel, &Tensor<f64>) -> Tensor<f64>;
+
+    const OPS: [(&str, Op); 5] = [
+        ("copy_to", |tp, x| tp.copy_to(x)),
+        ("reduce_from", |tp, x| tp.reduce_from(x).unwrap()),
+        ("gather_sequence", |tp, x| tp.gather_sequence(x).unwrap()),
+        ("scatter_sequence", |tp, x| tp.scatter_sequence(x).unwrap()),
+        ("gather_last", |tp, x| tp.gather_last(x).unwrap()),
+    ];
+
+    #[test]
+    fn on_a_world_of_one_every_op_is_the_identity_both_ways() {
+        let tp = TensorParallel::new(Box::new(Single::new()));
+        for (name, op) in OPS {
+            let x = Tensor::param(arr2(&[[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]).into_dyn());
+            let y = op(&tp, &x);
+            assert_eq!((y.shape(), y.to_vec()), (x.shape(), x.to_vec()), "{name}");
+            let weights =
+                Tensor::from_array(arr2(&[[1.0, -2.0, 3.0], [0.5, 7.0, -1.0]]).into_dyn());
+            (&y * &weights).sum_all().backward();
+            assert_eq!(x.grad().unwrap(), weights.to_array(), "{name}");
+        }
+        assert!(tp.take_error().is_none());
+    }
+
+    /// Rank 1 of 4 runs `op` forward and backward on a meta `[rows, 3]` input: the output's
+    /// shape, and what the forward and the backward cost.
+    fn on_meta(op: Op, rows: usize) -> (Vec<usize>, [CommStats; 2]) {
+        let tp = TensorParallel::new(Box::new(Phantom::new(1, 4).unwrap()));
+        let x = Tensor::<f64>::meta_param(&[rows, 3]);
+        let y = op(&tp, &x);
+        let forward = tp.stats();
+        y.sum_all().backward();
+        assert!(y.is_meta() && x.grad_is_meta());
+        let backward = tp.stats();
+        let backward = CommStats {
+            collectives: backward.collectives - forward.collectives,
+            bytes_sent: backward.bytes_sent - forward.bytes_sent,
+        };
+        (y.shape(), [forward, backward])
+    }
+
+    #[test]
+    fn on_meta_tensors_every_op_states_its_shape_and_costs_its_collectives() {
+        let cost = |calls: &[(Collective, u64)]| CommStats {
+            collectives: calls.len() as u64,
+            bytes_sent: calls
+                .iter()
+                .map(|&(c, n)| ring_bytes_sent(c, n, 8, 4, 1))
+                .sum(),
+        };
+        use Collective::{AllGather, AllReduce, ReduceScatter};
+        let expected: [(&str, usize, Vec<usize>, [CommStats; 2]); 5] = [
+            (
+                "copy_to",
+                2,
+                vec![2, 3],
+                [cost(&[]), cost(&[(AllReduce, 6)])],
+            ),
+            (
+                "reduce_from",
+                2,
+                vec![2, 3],
+                [cost(&[(AllReduce, 6)]), cost(&[])],
+            ),
+            (
+                "gather_sequence",
+                2,
+                vec![8, 3],
+                [cost(&[(AllGather, 24)]), cost(&[(ReduceScatter, 24)])],
+            ),
+            (
+                "scatter_sequence",
+                8,
+                vec![2, 3],
+                [cost(&[(ReduceScatter, 24)]), cost(&[(AllGather, 24)])],
+            ),
+            (
+                "gather_last",
+                2,
+                vec![2, 12],
+                [cost(&[(AllGather, 24)]), cost(&[])],
+            ),
+        ];
+        for ((name, op), (expected_name, rows, shape, stats)) in OPS.into_iter().zip(expected) {
+            assert_eq!(name, expected_name);
+            assert_eq!(on_meta(op, rows), (shape, stats), "{name}");
+        }
+    }
+
+    #[test]
+    fn gather_last_puts_each_ranks_columns_in_its_place() {
+        // Rank 1 of 2 over a Phantom, whose all-gather writes this rank's shard and leaves
+        // the other as it was (zeros): rank 1's columns are columns 3..6 of every row.
+        let tp = TensorParallel::new(Box::new(Phantom::new(1, 2).unwrap()));
+        let x = Tensor::param(arr2(&[[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]).into_dyn());
+        let y = tp.gather_last(&x).unwrap();
+        let whole = arr2(&[
+            [0.0, 0.0, 0.0, 1.0, 2.0, 3.0],
+            [0.0, 0.0, 0.0, 4.0, 5.0, 6.0],
+        ]);
+        assert_eq!(y.to_array(), whole.into_dyn());
+        let weights = Tensor::from_array(
+            arr2(&[
+                [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+                [7.0, 8.0, 9.0, 10.0, 11.0, 12.0],
+            ])
+            .into_dyn(),
+        );
+        (&y * &weights).sum_all().backward();
+        // Backward keeps this rank's columns of the gradient.
+        let own = arr2(&[[4.0, 5.0, 6.0], [10.0, 11.0, 12.0]]).into_dyn();
+        assert_eq!(x.grad().unwrap(), own);
+    }
+
+    #[test]
+    #[should_panic(expected = "gather_sequence: a 0-dimensional tensor has no sequence axis")]
+    fn a_scalar_has_no_sequence_to_gather() {
+        let tp = TensorParallel::new(Box::new(Single::new()));
+        let _ = tp.gather_sequence(&Tensor::<f32>::scalar(1.0));
+    }
+}

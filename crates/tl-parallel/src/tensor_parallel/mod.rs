@@ -5,8 +5,9 @@
 //! - [`group`]: [`TensorParallel`], the group's communicator and its kept errors.
 //! - [`mappings`]: the conjugate autograd ops every parallel layer is made of — copy-to and
 //!   reduce-from, the sequence-parallel gather and reduce-scatter, the output gather.
-//! - [`linear`]: [`ColumnParallelLinear`] and [`RowParallelLinear`], built from the whole
-//!   layer's weights.
+//! - [`column`](mod@column) and [`row`]: [`ColumnParallelLinear`] and [`RowParallelLinear`], built
+//!   from the whole layer's weights: of tl-tensor's `[in, out]` weight, rank `r` keeps
+//!   columns `r·out/t..(r + 1)·out/t` or rows `r·in/t..(r + 1)·in/t`.
 //! - [`embedding`]: [`VocabParallelEmbedding`], the table split over the vocabulary.
 //! - [`cross_entropy`]: [`TensorParallel::vocab_parallel_cross_entropy`], the loss of
 //!   logits split over the vocabulary.
@@ -15,13 +16,16 @@
 //! communicator: over a [`Phantom`](tl_collective::Phantom), a rank's step is planned to
 //! the byte, on the meter and on the wire.
 
+pub mod column;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod group;
-pub mod linear;
 pub mod mappings;
+pub mod row;
+mod slices;
 mod views;
 
+pub use column::ColumnParallelLinear;
 pub use embedding::VocabParallelEmbedding;
 pub use group::TensorParallel;
-pub use linear::{ColumnParallelLinear, RowParallelLinear};
+pub use row::RowParallelLinear;

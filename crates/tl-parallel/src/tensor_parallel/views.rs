@@ -68,3 +68,47 @@ pub(super) fn copy_of<E: GradElement>(tensor: &Tensor<E>, label: &'static str) -
 pub(super) fn is_meta<E: GradElement>(inputs: &[&Tensor<E>]) -> bool {
     !meta::computes(inputs)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tl_tensor::ndarray::arr2;
+
+    #[test]
+    fn a_tensor_of_another_layout_is_seen_and_written_in_row_major_order() {
+        // The transpose of [[1, 2, 3], [4, 5, 6]], stored column-major.
+        let transposed = arr2(&[[1.0f64, 2.0, 3.0], [4.0, 5.0, 6.0]])
+            .reversed_axes()
+            .into_dyn();
+        assert!(transposed.as_slice().is_none());
+        let tensor = Tensor::from_array(transposed);
+        let seen = with_view(&tensor, |view| match view {
+            Slice::F64(values) => values.to_vec(),
+            _ => unreachable!("f64 values"),
+        });
+        assert_eq!(seen, [1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+        let before = memory::live_bytes();
+        with_view_mut(&tensor, |view| match view {
+            SliceMut::F64(values) => values
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| *v = i as f64),
+            _ => unreachable!("f64 values"),
+        });
+        assert_eq!(tensor.to_vec(), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(
+            memory::live_bytes(),
+            before,
+            "the same elements, rearranged"
+        );
+    }
+
+    #[test]
+    fn a_meta_tensor_is_a_shape_only_buffer_of_its_length() {
+        let tensor = Tensor::<f32>::meta(&[4, 5]);
+        assert!(with_view(&tensor, |view| view.is_shape() && view.len() == 20));
+        assert!(with_view_mut(&tensor, |view| view.len() == 20));
+        assert!(fresh::<f32>(&[2, 3], true, "").is_meta());
+        assert_eq!(copy_of(&tensor, "").shape(), [4, 5]);
+    }
+}
