@@ -5,6 +5,7 @@ use std::ops::Range;
 use std::rc::Rc;
 
 use tl_collective::{CommStats, Communicator, shard_range};
+use tl_tensor::memory::{self, Stage};
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::{Tensor, meta};
 
@@ -119,6 +120,7 @@ impl TensorParallel {
             .iter()
             .any(|p| !meta::computes(&[p]) || p.grad_is_meta());
         let len = params.iter().map(Tensor::numel).sum();
+        let _reduction = memory::stage_scope(Stage::Reduction);
         let tag = communication(labels::SEQUENCE_PARALLEL_GRADIENTS, None);
         let mut sums = Metered::<E>::zeros(len, meta, tag);
         if let Some(values) = sums.values_mut() {

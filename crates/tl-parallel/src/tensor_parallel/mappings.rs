@@ -24,7 +24,7 @@ use crate::error::Result;
 use crate::metered::{Metered, communication, labels};
 
 use super::group::{TensorParallel, all_reduce_in_backward, between, call_in_backward};
-use super::views::{copy_of, fresh, is_meta};
+use super::views::{copy_of, fresh, is_meta, with_view, with_view_mut};
 
 impl TensorParallel {
     /// Megatron's "copy to the tensor-parallel region" (`f` in the paper): the identity
@@ -52,7 +52,7 @@ impl TensorParallel {
     /// fails (or an earlier collective of the group did).
     pub fn reduce_from<E: GradElement>(&self, x: &Tensor<E>) -> Result<Tensor<E>> {
         let sum = copy_of(x, labels::TENSOR_PARALLEL_SUM);
-        self.call(|comm| super::views::with_view_mut(&sum, |values| comm.all_reduce_sum(values)))?;
+        self.call(|comm| with_view_mut(&sum, |values| comm.all_reduce_sum(values)))?;
         Ok(Tensor::from_op_tensors(&sum, &[x], |grad| vec![Some(grad)]))
     }
 
@@ -147,7 +147,7 @@ impl TensorParallel {
             meta,
             communication(labels::OUTPUT_GATHERED, None),
         );
-        self.call(|comm| super::views::with_view(x, |x| comm.all_gather(x, buffer.view_mut())))?;
+        self.call(|comm| with_view(x, |x| comm.all_gather(x, buffer.view_mut())))?;
         let mut shape = local_shape.clone();
         *shape.last_mut().expect("an axis") = t * columns;
         // The buffer holds [t, rows, c]: rank q's block lands in columns q·c..(q + 1)·c.
