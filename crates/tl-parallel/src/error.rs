@@ -61,6 +61,17 @@ pub enum ParallelError {
         /// What is wrong.
         reason: &'static str,
     },
+    /// A size that tensor parallelism splits evenly over the group's ranks (a layer's
+    /// features, the vocabulary, the sequence) and that the group's size does not divide.
+    #[error("{what} of {size} does not split evenly over {tensor_parallel} tensor-parallel ranks")]
+    Indivisible {
+        /// What was to be split (`"output features"`, `"sequence length"`, …).
+        what: &'static str,
+        /// Its size.
+        size: usize,
+        /// Ranks of the tensor-parallel group.
+        tensor_parallel: usize,
+    },
 }
 
 /// `Result` with a [`ParallelError`].

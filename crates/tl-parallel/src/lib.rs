@@ -19,6 +19,10 @@
 //! - All three save and load the whole AdamW state at any world size (`full_state`,
 //!   `load_full_state`).
 //! - [`ZeroStage`] names the stages, 0 (plain DDP) to 3.
+//! - [`tensor_parallel`]: Megatron's tensor parallelism — [`TensorParallel`] (a group and
+//!   its conjugate ops), [`ColumnParallelLinear`], [`RowParallelLinear`],
+//!   [`VocabParallelEmbedding`] and a vocabulary-parallel cross-entropy — each layer's
+//!   weights split over the ranks of a group that trains on the same batch.
 //! - Every stage runs on [meta](tl_tensor::meta) tensors as well: its buffers are counted
 //!   on the memory meter as the real ones, with their tags, and hold no values, and its
 //!   collectives get shape-only slices. Over a [`Phantom`](tl_collective::Phantom), one
@@ -65,6 +69,7 @@ mod error;
 mod link;
 mod metered;
 mod stage;
+pub mod tensor_parallel;
 mod zero;
 mod zero2;
 mod zero3;
@@ -77,6 +82,9 @@ pub use ddp::{DataParallel, GradElement, StepSummary};
 pub use error::{ParallelError, Result};
 pub use metered::labels;
 pub use stage::ZeroStage;
+pub use tensor_parallel::{
+    ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
+};
 pub use zero::ShardedAdamW;
 pub use zero2::Zero2AdamW;
 pub use zero3::{UnitRunner, Zero3};

@@ -34,6 +34,24 @@ pub mod labels {
     /// ZeRO-1 and ZeRO-2's 1-D copy of a piece of a parameter in the rank's shard, which
     /// the shard's AdamW updates.
     pub const MASTER_SHARD: &str = "master shard";
+    /// Tensor parallelism: the sum over the group of every rank's partial result (a
+    /// row-parallel layer's output, reduced in place of a copy).
+    pub const TENSOR_PARALLEL_SUM: &str = "tensor-parallel sum";
+    /// Sequence parallelism: the whole sequence all-gathered from every rank's rows (before
+    /// a column-parallel layer; a gradient in backward).
+    pub const SEQUENCE_GATHERED: &str = "sequence gathered";
+    /// Sequence parallelism: a rank's rows of a reduce-scattered sum (after a row-parallel
+    /// layer; a gradient in backward).
+    pub const SEQUENCE_SCATTERED: &str = "sequence scattered";
+    /// Tensor parallelism: every rank's columns of a column-parallel output, gathered
+    /// before they are interleaved into the whole output.
+    pub const OUTPUT_GATHERED: &str = "output gathered";
+    /// Sequence parallelism: the gradients of the parameters every rank holds whole,
+    /// summed over the group.
+    pub const SEQUENCE_PARALLEL_GRADIENTS: &str = "sequence-parallel gradients";
+    /// The vocabulary-parallel cross-entropy's per-row statistics (the maximum logit, the
+    /// sum of exponentials and the target's logit) on their way through an all-reduce.
+    pub const VOCABULARY_STATISTICS: &str = "vocabulary statistics";
 }
 
 /// The tag of a communication buffer labelled `label`, owned by the model's unit `owner`

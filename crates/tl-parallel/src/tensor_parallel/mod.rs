@@ -1,0 +1,31 @@
+//! Megatron-style tensor parallelism: each layer's weights split over the ranks of a
+//! tensor-parallel group, which run the same batch and exchange activations inside every
+//! layer.
+//!
+//! - [`group`]: [`TensorParallel`], the group's communicator and its kept errors.
+//! - [`mappings`]: the conjugate autograd ops every parallel layer is made of — copy-to and
+//!   reduce-from, the sequence-parallel gather and reduce-scatter, the output gather.
+//! - [`column`](mod@column) and [`row`]: [`ColumnParallelLinear`] and [`RowParallelLinear`], built
+//!   from the whole layer's weights: of tl-tensor's `[in, out]` weight, rank `r` keeps
+//!   columns `r·out/t..(r + 1)·out/t` or rows `r·in/t..(r + 1)·in/t`.
+//! - [`embedding`]: [`VocabParallelEmbedding`], the table split over the vocabulary.
+//! - [`cross_entropy`]: [`TensorParallel::vocab_parallel_cross_entropy`], the loss of
+//!   logits split over the vocabulary.
+//!
+//! Every op runs on [meta](tl_tensor::meta) tensors too, passing shape-only buffers to the
+//! communicator: over a [`Phantom`](tl_collective::Phantom), a rank's step is planned to
+//! the byte, on the meter and on the wire.
+
+pub mod column;
+pub mod cross_entropy;
+pub mod embedding;
+pub mod group;
+pub mod mappings;
+pub mod row;
+mod slices;
+mod views;
+
+pub use column::ColumnParallelLinear;
+pub use embedding::VocabParallelEmbedding;
+pub use group::TensorParallel;
+pub use row::RowParallelLinear;
