@@ -87,6 +87,9 @@ impl Communicator for Broken {
     fn stats(&self) -> CommStats {
         CommStats::default()
     }
+    fn split(&mut self, _: &[usize]) -> tl_collective::Result<Box<dyn Communicator>> {
+        Err(tl_collective::CollectiveError::Closed)
+    }
 }
 
 #[test]

@@ -76,4 +76,7 @@ impl Communicator for Recorder {
     fn stats(&self) -> CommStats {
         self.inner.stats()
     }
+    fn split(&mut self, members: &[usize]) -> tl_collective::Result<Box<dyn Communicator>> {
+        self.inner.split(members)
+    }
 }
