@@ -51,6 +51,24 @@ impl<E: Element> RmsNorm<E> {
         }
     }
 
+    /// A normalisation with the given gain `[dim]`, used as it is (pass a parameter to
+    /// train it; two norms made from one parameter share it).
+    ///
+    /// # Panics
+    /// If `gain` is not 1-dimensional and non-empty, or `eps` is negative or not finite.
+    pub fn from_weight(gain: Tensor<E>, eps: f64) -> Self {
+        let shape = gain.shape();
+        assert!(
+            shape.len() == 1 && shape[0] > 0,
+            "RmsNorm::from_weight: the gain must be [dim], got {shape:?}"
+        );
+        assert!(
+            eps.is_finite() && eps >= 0.0,
+            "RmsNorm::from_weight: eps must be finite and non-negative, got {eps}"
+        );
+        Self { gain, eps }
+    }
+
     /// The learnable gain `g`, `[dim]`.
     pub fn weight(&self) -> &Tensor<E> {
         &self.gain

@@ -2,13 +2,16 @@
 
 use std::rc::Rc;
 
+use tl_parallel::GradElement;
 use tl_tensor::nn::{Linear, Module};
-use tl_tensor::{Element, Generator, Tensor, memory};
+use tl_tensor::{Generator, Tensor, memory};
 
 use super::causal_attention::causal_attention;
 use super::fp8::Fp8Slot;
+use super::parallel::{TensorSplit, placement};
 use super::roles;
 use super::rope::Rope;
+use crate::error::Result;
 
 /// Multi-head attention where position `t` attends to positions `0..=t`, as in a decoder.
 ///
@@ -24,18 +27,25 @@ use super::rope::Rope;
 /// The projections go through [`Tensor::matmul`]; the middle two lines are one fused op,
 /// [`causal_attention`], which rounds its two products under autocast exactly where the
 /// separate ops would (torch's autocast rounds `bmm` too).
-pub struct CausalSelfAttention<E: Element> {
+///
+/// Split over a tensor-parallel group ([`split`](Self::split)), rank `r` of `t` holds heads
+/// `r·H/t .. (r+1)·H/t`: the columns of `Wq`, `Wk`, `Wv` and the rows of `Wo` that belong to
+/// them. Its input enters through a copy-to (one all-reduce backward), its output leaves
+/// through a reduce-from (one all-reduce forward).
+pub struct CausalSelfAttention<E: GradElement> {
     wq: Linear<E>,
     wk: Linear<E>,
     wv: Linear<E>,
     wo: Linear<E>,
     rope: Rc<Rope<E>>,
+    /// Heads this rank computes: all of them, or its share under tensor parallelism.
     n_heads: usize,
+    split: Option<Rc<TensorSplit>>,
     /// The projections' fp8 scales, when the model trains in fp8.
     pub(crate) fp8: Fp8Slot,
 }
 
-impl<E: Element> CausalSelfAttention<E> {
+impl<E: GradElement> CausalSelfAttention<E> {
     /// Four bias-free `d × d` projections drawn from `rng` in the order q, k, v, o.
     pub fn new(d_model: usize, n_heads: usize, rope: Rc<Rope<E>>, rng: &Generator) -> Self {
         let projection = || Linear::new(d_model, d_model, false, rng);
@@ -46,22 +56,58 @@ impl<E: Element> CausalSelfAttention<E> {
             wo: projection(),
             rope,
             n_heads,
+            split: None,
             fp8: Fp8Slot::new(0),
         }
     }
+
+    /// This rank's heads of the whole attention `self` over `split`'s group.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidConfig`](crate::TrainError::InvalidConfig) when `t` does not
+    /// divide the number of heads.
+    pub(crate) fn split(&self, split: &Rc<TensorSplit>) -> Result<Self> {
+        let heads = split.part("n_heads", self.n_heads)?;
+        let cut = |linear: &Linear<E>, name: &str| -> Result<Linear<E>> {
+            let weight = split.slice("d_model", linear.weight(), placement(name))?;
+            Ok(Linear::from_parts(weight, None))
+        };
+        Ok(Self {
+            wq: cut(&self.wq, "wq.weight")?,
+            wk: cut(&self.wk, "wk.weight")?,
+            wv: cut(&self.wv, "wv.weight")?,
+            wo: cut(&self.wo, "wo.weight")?,
+            rope: Rc::clone(&self.rope),
+            n_heads: heads.len(),
+            split: Some(Rc::clone(split)),
+            fp8: Fp8Slot::new(0),
+        })
+    }
 }
 
-impl<E: Element> Module<E> for CausalSelfAttention<E> {
+impl<E: GradElement> Module<E> for CausalSelfAttention<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
         let rotated = |projected: Tensor<E>| {
             let _label = memory::label_scope(roles::ROPE);
             self.rope.apply(&projected)
         };
+        let entered;
+        let x = match &self.split {
+            Some(split) => {
+                entered = split.enter(x);
+                &entered
+            }
+            None => x,
+        };
         let q = rotated(self.fp8.project(0, &self.wq, x));
         let k = rotated(self.fp8.project(1, &self.wk, x));
         let v = self.fp8.project(2, &self.wv, x);
         let mixed = causal_attention(&q, &k, &v, self.n_heads);
-        self.fp8.project(3, &self.wo, &mixed)
+        let output = self.fp8.project(3, &self.wo, &mixed);
+        match &self.split {
+            Some(split) => split.leave(&output),
+            None => output,
+        }
     }
 
     fn parameters(&self) -> Vec<Tensor<E>> {

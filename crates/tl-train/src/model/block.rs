@@ -2,26 +2,35 @@
 
 use std::rc::Rc;
 
+use tl_parallel::GradElement;
 use tl_precision::round_for_products;
 use tl_tensor::nn::{Dropout, Linear, Module, RmsNorm};
-use tl_tensor::{Element, Generator, Tensor, memory};
+use tl_tensor::{Generator, Tensor, memory};
 
 use super::attention::CausalSelfAttention;
 use super::config::ModelConfig;
 use super::fp8::Fp8Slot;
+use super::parallel::{TensorSplit, placement};
 use super::roles;
 use super::rope::Rope;
+use crate::error::Result;
 
 /// The MLP of Llama: `y = (silu(x·W1) ⊙ x·W3)·W2`, no biases.
-pub struct SwiGlu<E: Element> {
+///
+/// Split over a tensor-parallel group, rank `r` of `t` holds hidden units
+/// `r·h/t .. (r+1)·h/t`: those columns of `W1` and `W3` and those rows of `W2` (the gate is
+/// elementwise, so each rank's units need nothing from the others), between a copy-to and a
+/// reduce-from.
+pub struct SwiGlu<E: GradElement> {
     w1: Linear<E>,
     w3: Linear<E>,
     w2: Linear<E>,
+    split: Option<Rc<TensorSplit>>,
     /// The projections' fp8 scales, when the model trains in fp8.
     pub(crate) fp8: Fp8Slot,
 }
 
-impl<E: Element> SwiGlu<E> {
+impl<E: GradElement> SwiGlu<E> {
     /// Projections `d → hidden` (gate W1, value W3) and `hidden → d` (W2), drawn from `rng`
     /// in the order W1, W3, W2.
     pub fn new(d_model: usize, hidden: usize, rng: &Generator) -> Self {
@@ -29,13 +38,41 @@ impl<E: Element> SwiGlu<E> {
             w1: Linear::new(d_model, hidden, false, rng),
             w3: Linear::new(d_model, hidden, false, rng),
             w2: Linear::new(hidden, d_model, false, rng),
+            split: None,
             fp8: Fp8Slot::new(4),
         }
     }
+
+    /// This rank's hidden units of the whole MLP `self` over `split`'s group.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidConfig`](crate::TrainError::InvalidConfig) when `t` does not
+    /// divide the hidden size.
+    pub(crate) fn split(&self, split: &Rc<TensorSplit>) -> Result<Self> {
+        let cut = |linear: &Linear<E>, name: &str| -> Result<Linear<E>> {
+            let weight = split.slice("hidden", linear.weight(), placement(name))?;
+            Ok(Linear::from_parts(weight, None))
+        };
+        Ok(Self {
+            w1: cut(&self.w1, "w1.weight")?,
+            w3: cut(&self.w3, "w3.weight")?,
+            w2: cut(&self.w2, "w2.weight")?,
+            split: Some(Rc::clone(split)),
+            fp8: Fp8Slot::new(4),
+        })
+    }
 }
 
-impl<E: Element> Module<E> for SwiGlu<E> {
+impl<E: GradElement> Module<E> for SwiGlu<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
+        let entered;
+        let x = match &self.split {
+            Some(split) => {
+                entered = split.enter(x);
+                &entered
+            }
+            None => x,
+        };
         // The gate's only reader is W2: under autocast, it is rounded as it is written.
         let gated = round_for_products(|finish| {
             let gate = self.fp8.project(0, &self.w1, x);
@@ -43,7 +80,11 @@ impl<E: Element> Module<E> for SwiGlu<E> {
             let _label = memory::label_scope(roles::SWIGLU);
             gate.swiglu_then(&up, finish)
         });
-        self.fp8.project(2, &self.w2, &gated)
+        let output = self.fp8.project(2, &self.w2, &gated);
+        match &self.split {
+            Some(split) => split.leave(&output),
+            None => output,
+        }
     }
 
     fn parameters(&self) -> Vec<Tensor<E>> {
@@ -59,7 +100,7 @@ impl<E: Element> Module<E> for SwiGlu<E> {
 ///
 /// A block is a [`Module`] from `[B, T, d]` to `[B, T, d]`, so a stack of them can be run
 /// through `tl_recompute::checkpoint_sequential` (as `Rc<Block>`, which is `Clone`).
-pub struct Block<E: Element> {
+pub struct Block<E: GradElement> {
     norm1: RmsNorm<E>,
     attention: CausalSelfAttention<E>,
     norm2: RmsNorm<E>,
@@ -67,7 +108,7 @@ pub struct Block<E: Element> {
     dropout: Option<Dropout>,
 }
 
-impl<E: Element> Block<E> {
+impl<E: GradElement> Block<E> {
     /// A block of `config`'s sizes, weights drawn from `rng` (attention first, then the
     /// MLP); `dropout` is the model's shared dropout stream, used when `config.dropout > 0`.
     pub fn new(
@@ -86,6 +127,25 @@ impl<E: Element> Block<E> {
                 Dropout::new(config.dropout, dropout.clone()).expect("validated probability")
             }),
         }
+    }
+
+    /// This rank's part of the whole block `self` over `split`'s group: the attention's
+    /// heads and the MLP's hidden units split, the norms whole (sharing the whole block's
+    /// gains: every rank computes them on the whole activations), the same dropout stream.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidConfig`](crate::TrainError::InvalidConfig) when `t` does not
+    /// divide the heads or the hidden size.
+    pub(crate) fn split(&self, split: &Rc<TensorSplit>) -> Result<Self> {
+        Ok(Self {
+            norm1: RmsNorm::from_weight(self.norm1.weight().clone(), self.norm1.eps()),
+            attention: self.attention.split(split)?,
+            norm2: RmsNorm::from_weight(self.norm2.weight().clone(), self.norm2.eps()),
+            mlp: self.mlp.split(split)?,
+            dropout: self.dropout.as_ref().map(|dropout| {
+                Dropout::new(dropout.p(), dropout.generator().clone()).expect("a valid p")
+            }),
+        })
     }
 
     /// The named parameters of the block, in [`Module::parameters`] order, named as in
@@ -138,7 +198,7 @@ impl<E: Element> Block<E> {
     }
 }
 
-impl<E: Element> Module<E> for Block<E> {
+impl<E: GradElement> Module<E> for Block<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
         // Each norm's output feeds only projections: under autocast, it is rounded as it is
         // written rather than copied by them (see `round_for_products`).

@@ -3,6 +3,7 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
+use tl_parallel::{GradElement, TensorParallel, VocabParallelEmbedding};
 use tl_precision::round_for_products;
 use tl_recompute::{KeepPolicy, checkpoint_schedule, checkpoint_sequential_with, keeping};
 use tl_tensor::losses::cross_entropy;
@@ -13,6 +14,7 @@ use super::block::Block;
 use super::causal_attention::ATTENTION;
 use super::config::ModelConfig;
 use super::fp8::LAYER_NAMES;
+use super::parallel::{TensorSplit, placement};
 use super::roles;
 use super::rope::Rope;
 use crate::error::Result;
@@ -148,27 +150,45 @@ pub type UnitHook<E> = Rc<dyn Fn(usize, &dyn Fn() -> Tensor<E>) -> Tensor<E>>;
 /// assert_eq!(logits.shape(), vec![1, 2, 256]);
 /// # Ok::<(), tl_train::TrainError>(())
 /// ```
-pub struct Llama<E: Element = f32> {
+pub struct Llama<E: GradElement = f32> {
     config: ModelConfig,
-    embedding: Embedding<E>,
+    embedding: TokenEmbedding<E>,
     blocks: Vec<Rc<Block<E>>>,
     norm: RmsNorm<E>,
+    /// `[d, V]`, or this rank's `[d, V/t]` columns under tensor parallelism.
     head: Linear<E>,
+    /// The tensor-parallel group the layers are split over, if any.
+    split: Option<Rc<TensorSplit>>,
     dropout_rng: Generator,
     checkpointing: Cell<Checkpointing>,
     unit_hook: RefCell<Option<UnitHook<E>>>,
 }
 
+/// The token embedding: the whole table, or this rank's rows of it.
+enum TokenEmbedding<E: GradElement> {
+    Whole(Embedding<E>),
+    Split(VocabParallelEmbedding<E>),
+}
+
+impl<E: GradElement> TokenEmbedding<E> {
+    fn weight(&self) -> &Tensor<E> {
+        match self {
+            TokenEmbedding::Whole(embedding) => embedding.weight(),
+            TokenEmbedding::Split(embedding) => embedding.weight(),
+        }
+    }
+}
+
 /// A block as one unit of the model: its forward goes through the unit hook, if any.
 /// The blocks are checkpointed in this form, so a checkpointed block's rerun goes through
 /// the hook too.
-struct UnitBlock<E: Element> {
+struct UnitBlock<E: GradElement> {
     unit: usize,
     block: Rc<Block<E>>,
     hook: Option<UnitHook<E>>,
 }
 
-impl<E: Element> Clone for UnitBlock<E> {
+impl<E: GradElement> Clone for UnitBlock<E> {
     fn clone(&self) -> Self {
         Self {
             unit: self.unit,
@@ -178,7 +198,7 @@ impl<E: Element> Clone for UnitBlock<E> {
     }
 }
 
-impl<E: Element> Module<E> for UnitBlock<E> {
+impl<E: GradElement> Module<E> for UnitBlock<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
         run_unit(self.hook.as_ref(), self.unit, &|| self.block.forward(x))
     }
@@ -206,7 +226,7 @@ fn run_unit<E: Element>(
     }
 }
 
-impl<E: Element> Llama<E> {
+impl<E: GradElement> Llama<E> {
     /// A freshly initialised model.
     ///
     /// # Errors
@@ -225,7 +245,7 @@ impl<E: Element> Llama<E> {
         // Each unit's parameters are owned by it on the memory meter (see `units`).
         let embedding = {
             let _owner = memory::owner_scope(Some(0));
-            Embedding::new(config.vocab, config.d_model, &rng)
+            TokenEmbedding::Whole(Embedding::new(config.vocab, config.d_model, &rng))
         };
         let blocks = (0..config.n_layers)
             .map(|i| {
@@ -240,10 +260,55 @@ impl<E: Element> Llama<E> {
             blocks,
             norm: RmsNorm::new(config.d_model, config.norm_eps),
             head: Linear::new(config.d_model, config.vocab, false, &rng),
+            split: None,
             dropout_rng,
             checkpointing: Cell::new(Checkpointing::Off),
             unit_hook: RefCell::new(None),
         })
+    }
+
+    /// This rank's part of the whole model `self` split over the tensor-parallel group
+    /// `tp` (Megatron's layout, see [`parallel`](super::parallel)): each block's heads and
+    /// hidden units, the embedding's rows and the head's columns of the vocabulary; the
+    /// norms whole. Every rank of the group cuts its part from the same whole model (the
+    /// same seed), so the parts are the whole model's weights, and the group computes what
+    /// the whole model computes. Checkpointing, the unit hook and fp8 are set on the part as
+    /// on a whole model; dropout draws from the whole model's stream.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidConfig`](crate::TrainError::InvalidConfig) naming the size and
+    /// `t` when `t` does not divide the heads, the hidden size or the vocabulary.
+    pub fn tensor_parallel(&self, tp: TensorParallel) -> Result<Self> {
+        assert!(
+            self.split.is_none(),
+            "Llama::tensor_parallel: already split"
+        );
+        let split = Rc::new(TensorSplit::new(tp));
+        let config = &self.config;
+        split.part("n_heads", config.n_heads)?;
+        split.part("hidden", config.hidden)?;
+        split.part("vocab", config.vocab)?;
+        let embedding = VocabParallelEmbedding::from_full(self.embedding.weight(), split.group())?;
+        let blocks = (self.blocks.iter())
+            .map(|block| block.split(&split).map(Rc::new))
+            .collect::<Result<_>>()?;
+        let head = split.slice("vocab", self.head.weight(), placement("head.weight"))?;
+        Ok(Self {
+            config: config.clone(),
+            embedding: TokenEmbedding::Split(embedding),
+            blocks,
+            norm: RmsNorm::from_weight(self.norm.weight().clone(), self.norm.eps()),
+            head: Linear::from_parts(head, None),
+            split: Some(split),
+            dropout_rng: self.dropout_rng.clone(),
+            checkpointing: Cell::new(self.checkpointing.get()),
+            unit_hook: RefCell::new(None),
+        })
+    }
+
+    /// The tensor-parallel group the model is split over, if it is.
+    pub fn tensor_split(&self) -> Option<&TensorSplit> {
+        self.split.as_deref()
     }
 
     /// The sizes of this model.
@@ -319,6 +384,16 @@ impl<E: Element> Llama<E> {
     /// If `ids.len() != rows · time`, `time` exceeds the context, or an id is not below the
     /// vocabulary size.
     pub fn forward_ids(&self, ids: &[usize], rows: usize, time: usize) -> Result<Tensor<E>> {
+        let logits = self.local_logits(ids, rows, time)?;
+        Ok(match &self.split {
+            Some(split) => split.gather_columns(&logits),
+            None => logits,
+        })
+    }
+
+    /// The logits this rank computes: all of them, or its columns of the vocabulary under
+    /// tensor parallelism.
+    fn local_logits(&self, ids: &[usize], rows: usize, time: usize) -> Result<Tensor<E>> {
         assert!(
             time <= self.config.context,
             "Llama: {time} positions exceed the context of {}",
@@ -328,7 +403,14 @@ impl<E: Element> Llama<E> {
         let hook = hook.as_ref();
         let x = run_unit(hook, 0, &|| {
             let _label = memory::label_scope(roles::EMBEDDING);
-            self.embedding.forward_ids(ids, &[rows, time])
+            match (&self.embedding, &self.split) {
+                (TokenEmbedding::Whole(embedding), _) => embedding.forward_ids(ids, &[rows, time]),
+                (TokenEmbedding::Split(embedding), Some(split)) => {
+                    let shape = [rows, time, self.config.d_model];
+                    split.kept(embedding.forward_ids(ids, &[rows, time]), &shape)
+                }
+                (TokenEmbedding::Split(_), None) => unreachable!("a split embedding has a group"),
+            }
         });
         let x = self.run_blocks(&x, hook)?;
         Ok(run_unit(hook, self.head_unit(), &|| {
@@ -336,8 +418,16 @@ impl<E: Element> Llama<E> {
                 let _label = memory::label_scope(roles::NORM);
                 round_for_products(|finish| self.norm.forward_then(&x, finish))
             };
+            let entered;
+            let normed = match &self.split {
+                Some(split) => {
+                    entered = split.enter(&normed);
+                    &entered
+                }
+                None => &normed,
+            };
             let _label = memory::label_scope(roles::LOGITS);
-            self.head.forward(&normed)
+            self.head.forward(normed)
         }))
     }
 
@@ -353,15 +443,24 @@ impl<E: Element> Llama<E> {
         rows: usize,
         time: usize,
     ) -> Result<Tensor<E>> {
-        let logits = self.forward_ids(inputs, rows, time)?;
+        let logits = self.local_logits(inputs, rows, time)?;
         // The loss belongs with the head on the memory meter, outside its unit.
         let _owner = memory::owner_scope(Some(self.head_unit()));
+        let columns = *logits.shape().last().expect("logits have a class axis");
         let flat = {
             let _label = memory::label_scope(roles::LOGITS);
-            logits.reshape(&[rows * time, self.config.vocab])
+            logits.reshape(&[rows * time, columns])
         };
         let _label = memory::label_scope(roles::LOSS);
-        Ok(cross_entropy(&flat, targets))
+        let Some(split) = &self.split else {
+            return Ok(cross_entropy(&flat, targets));
+        };
+        let loss = split.cross_entropy(&flat, targets);
+        // A collective of this forward pass that failed: its error, not a NaN loss.
+        match split.take_error() {
+            Some(error) => Err(error.into()),
+            None => Ok(loss),
+        }
     }
 
     /// The last unit's index: the final norm and the head.
@@ -486,7 +585,7 @@ fn sample_index(logits: &[f64], temperature: f64, top_k: Option<usize>, rng: &Ge
     argmax
 }
 
-impl<E: Element> Module<E> for Llama<E> {
+impl<E: GradElement> Module<E> for Llama<E> {
     /// Logits `[B, T, vocab]` for a `[B, T]` tensor whose values are token ids (whole
     /// numbers below the vocabulary size); [`Llama::forward_ids`] is the direct form.
     ///

@@ -7,6 +7,7 @@
 //! - [`block`]: the pre-norm block with its SwiGLU MLP.
 //! - [`fp8`]: the blocks' projections, named for keep policies, in fp8 with delayed scaling.
 //! - [`llama`]: the whole model, with optional activation checkpointing and sampling.
+//! - [`parallel`]: how the model splits over a tensor-parallel group.
 
 pub mod attention;
 pub mod block;
@@ -14,6 +15,7 @@ pub mod causal_attention;
 pub mod config;
 pub mod fp8;
 pub mod llama;
+pub mod parallel;
 pub mod roles;
 pub mod rope;
 

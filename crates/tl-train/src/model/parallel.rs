@@ -1,0 +1,212 @@
+//! How the Llama splits over a tensor-parallel group (Megatron-LM's layout): which
+//! parameters are split along which axis, and the group the split layers talk through.
+//!
+//! ```text
+//! block, rank r of t        [B, T, d] on every rank
+//!   norm1                   replicated
+//!   copy-to ─┬─ x·Wq[:, r]  heads r·H/t .. (r+1)·H/t     column-parallel
+//!            ├─ x·Wk[:, r]
+//!            └─ x·Wv[:, r]  attention over the rank's heads
+//!   ·Wo[r, :]  → reduce-from (all-reduce)                row-parallel
+//!   norm2                   replicated
+//!   copy-to ─┬─ x·W1[:, r]  SwiGLU over the rank's hidden units
+//!            └─ x·W3[:, r]
+//!   ·W2[r, :]  → reduce-from (all-reduce)
+//! embedding: rows r·V/t .. (r+1)·V/t of the table, lookups summed (one all-reduce)
+//! head:      copy-to, columns r·V/t .. of W; the vocabulary-parallel cross-entropy
+//! ```
+//!
+//! Forward, a block makes two all-reduces (attention's and the MLP's reduce-from) and
+//! backward two (their copy-to's); the norms see the whole activations on every rank, and
+//! their gradients are the same on every rank without a reduction. [`placement`] is the one
+//! table of which parameter splits how: the split model is cut from the whole one by it, and
+//! a checkpoint is assembled whole by it, so a run saved at any `t` resumes at any other.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use tl_parallel::{GradElement, ParallelError, TensorParallel};
+use tl_tensor::ndarray::{Axis, Slice as Span};
+use tl_tensor::{Tensor, memory, meta};
+
+use crate::error::{Result, TrainError};
+
+/// How one parameter of the Llama is laid out over a tensor-parallel group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Every rank holds it whole (the norms' gains).
+    Replicated,
+    /// Rank `r` holds the `r`-th of `t` equal slices along this axis.
+    Split {
+        /// The axis cut: 1 for a column-parallel weight (`[in, out]`, split by outputs), 0
+        /// for a row-parallel weight and the embedding's table (split by rows).
+        axis: usize,
+    },
+}
+
+/// Where the parameter named `name` (as [`Llama::named_parameters`] names it) lives.
+///
+/// [`Llama::named_parameters`]: super::Llama::named_parameters
+pub fn placement(name: &str) -> Placement {
+    let leaf = name.rsplit_once("blocks.").map_or(name, |(_, rest)| {
+        rest.split_once('.').map_or(rest, |(_, leaf)| leaf)
+    });
+    match leaf {
+        "wq.weight" | "wk.weight" | "wv.weight" | "w1.weight" | "w3.weight" | "head.weight" => {
+            Placement::Split { axis: 1 }
+        }
+        "wo.weight" | "w2.weight" | "emb.weight" => Placement::Split { axis: 0 },
+        _ => Placement::Replicated,
+    }
+}
+
+/// A model's tensor-parallel group, shared by its split layers, and the first error a
+/// forward collective met (a module's forward cannot return one: the failed op gives NaNs
+/// and the error waits here for [`Llama::loss`](super::Llama::loss) to return it).
+pub struct TensorSplit {
+    tp: TensorParallel,
+    failed: RefCell<Option<ParallelError>>,
+}
+
+impl TensorSplit {
+    /// The split over `tp`'s group.
+    pub fn new(tp: TensorParallel) -> Self {
+        Self {
+            tp,
+            failed: RefCell::new(None),
+        }
+    }
+
+    /// The group.
+    pub fn group(&self) -> &TensorParallel {
+        &self.tp
+    }
+
+    /// Ranks in the group, `t`.
+    pub fn world_size(&self) -> usize {
+        self.tp.world_size()
+    }
+
+    /// This rank's part of the `size` things that the config's `field` counts, split `t`
+    /// ways, checked to divide.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidConfig`] naming the field, its value and `t`.
+    pub fn part(&self, field: &'static str, size: usize) -> Result<Range<usize>> {
+        let t = self.world_size();
+        self.tp
+            .split(field, size)
+            .map_err(|_| TrainError::InvalidConfig {
+                field,
+                value: size.to_string(),
+                reason: format!(
+                    "tensor parallelism over {t} ranks splits it into {t} equal parts, so it \
+                     must be divisible by {t}"
+                ),
+            })
+    }
+
+    /// This rank's slice of the whole parameter `whole` placed as `placement`, as a
+    /// parameter of its own, owned on the memory meter by the whole one's unit (a meta
+    /// slice of a meta parameter).
+    ///
+    /// # Errors
+    /// As [`part`](Self::part), for the split axis.
+    pub fn slice<E: GradElement>(
+        &self,
+        what: &'static str,
+        whole: &Tensor<E>,
+        placement: Placement,
+    ) -> Result<Tensor<E>> {
+        let Placement::Split { axis } = placement else {
+            return Ok(whole.clone());
+        };
+        let mut shape = whole.shape();
+        let part = self.part(what, shape[axis])?;
+        shape[axis] = part.len();
+        let _owner = memory::owner_scope(whole.memory_tag().owner);
+        Ok(match meta::computes(&[whole]) {
+            true => Tensor::param(
+                whole
+                    .value()
+                    .slice_axis(Axis(axis), Span::from(part))
+                    .to_owned(),
+            ),
+            false => Tensor::meta_param(&shape),
+        })
+    }
+
+    /// Into a column-parallel region: the identity forward, the gradient all-reduced
+    /// backward (Megatron's copy-to).
+    pub(crate) fn enter<E: GradElement>(&self, x: &Tensor<E>) -> Tensor<E> {
+        self.tp.copy_to(x)
+    }
+
+    /// Out of a row-parallel layer: the ranks' partial sums all-reduced forward.
+    pub(crate) fn leave<E: GradElement>(&self, x: &Tensor<E>) -> Tensor<E> {
+        let shape = x.shape();
+        self.kept(self.tp.reduce_from(x), &shape)
+    }
+
+    /// The vocabulary-parallel cross-entropy of this rank's logits.
+    pub(crate) fn cross_entropy<E: GradElement>(
+        &self,
+        logits: &Tensor<E>,
+        targets: &[usize],
+    ) -> Tensor<E> {
+        self.kept(self.tp.vocab_parallel_cross_entropy(logits, targets), &[])
+    }
+
+    /// The ranks' columns of `x` side by side: whole logits from the head's slices.
+    pub(crate) fn gather_columns<E: GradElement>(&self, x: &Tensor<E>) -> Tensor<E> {
+        let mut shape = x.shape();
+        if let Some(last) = shape.last_mut() {
+            *last *= self.world_size();
+        }
+        self.kept(self.tp.gather_last(x), &shape)
+    }
+
+    /// `result`, or NaNs of `shape` with the error kept (the first one).
+    pub(crate) fn kept<E: GradElement>(
+        &self,
+        result: tl_parallel::Result<Tensor<E>>,
+        shape: &[usize],
+    ) -> Tensor<E> {
+        result.unwrap_or_else(|error| {
+            self.failed.borrow_mut().get_or_insert(error);
+            Tensor::full(shape, E::from_f64(f64::NAN))
+        })
+    }
+
+    /// The first error of a collective since the last call: a forward's, else a backward's.
+    pub fn take_error(&self) -> Option<ParallelError> {
+        let forward = self.failed.borrow_mut().take();
+        forward.or_else(|| self.tp.take_error())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_parameter_of_a_block_has_its_place() {
+        let split = |axis| Placement::Split { axis };
+        for (name, place) in [
+            ("emb.weight", split(0)),
+            ("blocks.3.n1.w", Placement::Replicated),
+            ("blocks.3.wq.weight", split(1)),
+            ("blocks.3.wk.weight", split(1)),
+            ("blocks.3.wv.weight", split(1)),
+            ("blocks.3.wo.weight", split(0)),
+            ("blocks.11.n2.w", Placement::Replicated),
+            ("blocks.11.w1.weight", split(1)),
+            ("blocks.11.w3.weight", split(1)),
+            ("blocks.11.w2.weight", split(0)),
+            ("norm.w", Placement::Replicated),
+            ("head.weight", split(1)),
+        ] {
+            assert_eq!(placement(name), place, "{name}");
+        }
+    }
+}
