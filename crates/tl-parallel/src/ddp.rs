@@ -43,6 +43,7 @@ use crate::bucket::{
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
 use crate::metered::{Metered, communication, labels};
+use crate::tensor_parallel::TensorParallel;
 use crate::zero2::GradientShards;
 
 /// An element type whose gradients [`DataParallel`] can reduce: `f32` or `f64`, a tensor
@@ -89,6 +90,21 @@ pub struct DataParallel {
     /// Micro-batches of the step `train_step` is running, to arm ZeRO-2's hooks for the
     /// last backward.
     micro_batches: Option<usize>,
+    /// The tensor-parallel group beside this data-parallel one, if the model is split.
+    tensor: Option<TensorAxis>,
+}
+
+/// The tensor-parallel group of a model split over it, seen from the data-parallel step:
+/// its ranks hold different slices of the split parameters and the same replicated ones,
+/// so a step's decisions (skip on overflow, the clip norm) must span the group too.
+struct TensorAxis {
+    tp: TensorParallel,
+    /// By the optimizer's parameter order: whether every rank of the group holds the
+    /// parameter whole (counted once in the norm) rather than a slice of it.
+    replicated: Vec<bool>,
+    /// The sums of squares of the current gradients, split and replicated, set when the
+    /// step's gradients are ready (it reads the tensors when asked: after any unscaling).
+    sums: Option<Box<dyn Fn() -> (f64, f64)>>,
 }
 
 impl DataParallel {
@@ -105,7 +121,26 @@ impl DataParallel {
             summary: None,
             sharded: None,
             micro_batches: None,
+            tensor: None,
         }
+    }
+
+    /// Makes the step's decisions span the tensor-parallel group `tp` too (a model split
+    /// over it, each rank of this data-parallel group being one slice of it): a step is
+    /// skipped on every rank of the mesh when any rank's gradients overflow, and the clip
+    /// norm is that of the whole model's gradients — the split parameters' slices summed
+    /// over `tp`, the `replicated` ones (by the optimizer's parameter order: those every
+    /// rank of `tp` holds whole, such as norms) counted once.
+    ///
+    /// The gradients are reduced over this data-parallel group alone, as before; the
+    /// tensor-parallel group's own reductions happen inside the model's ops.
+    pub fn with_tensor_parallel(mut self, tp: TensorParallel, replicated: Vec<bool>) -> Self {
+        self.tensor = Some(TensorAxis {
+            tp,
+            replicated,
+            sums: None,
+        });
+        self
     }
 
     /// The same with buckets of `bytes` (at least one element each).
@@ -123,6 +158,13 @@ impl DataParallel {
     /// The stage that shards the gradients, while its optimizer lives.
     fn sharded(&self) -> Option<Rc<dyn GradientShards>> {
         self.sharded.as_ref()?.upgrade()
+    }
+
+    /// Whether the step's decisions span a tensor-parallel group too
+    /// ([`with_tensor_parallel`](Self::with_tensor_parallel)): then even a data-parallel
+    /// group of one takes the observed step.
+    pub fn spans_tensor(&self) -> bool {
+        self.tensor.is_some()
     }
 
     /// The communicator, for the pieces that share it.
@@ -409,6 +451,9 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
     /// Reduces the gradients (see the [type's docs](DataParallel) for a failure).
     fn gradients_ready(&mut self, params: &[Tensor<E>]) {
         let _reduction = memory::stage_scope(Stage::Reduction);
+        if let Some(tensor) = &mut self.tensor {
+            tensor.sums = Some(sums_of_squares(params, &tensor.replicated));
+        }
         if let Some(shards) = self.sharded() {
             let local_loss = self.local_loss.get();
             self.summary = shards.finish(self.weight, local_loss, self.loss_recorded);
@@ -430,14 +475,40 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
     /// Finite on every rank: no rank flagged an inf or NaN, no collective failed, and the
     /// reduced gradients (`local`, the same on every rank) are finite.
     fn all_finite(&mut self, local: bool) -> bool {
-        local
+        let finite = local
             && !self.link.borrow().failed()
-            && self.summary.is_some_and(|s| s.nonfinite_ranks == 0)
+            && self.summary.is_some_and(|s| s.nonfinite_ranks == 0);
+        let Some(tensor) = &self.tensor else {
+            return finite;
+        };
+        // The slices of the other ranks of the tensor-parallel group: one overflow anywhere
+        // skips the step everywhere. (A failed collective counts as an overflow.)
+        let mut flag = [if finite { 0.0f32 } else { 1.0 }];
+        let agreed = tensor
+            .tp
+            .call(|comm| comm.all_reduce((&mut flag[..]).into(), tl_collective::ReduceOp::Max));
+        agreed.is_ok() && flag[0] == 0.0
     }
 
     /// The reduced gradients are replicated, so this rank's sum is the global one; under
-    /// ZeRO-2 each rank holds a shard, and the sums are added over the ranks.
+    /// ZeRO-2 each rank holds a shard, and the sums are added over the ranks. With a
+    /// tensor-parallel group, the slices' sums are added over it and the replicated
+    /// parameters counted once (rank 0 of the group adds them).
     fn total_sum_squares(&mut self, local: f64) -> f64 {
+        if let Some(tensor) = &self.tensor {
+            let (split, replicated) = tensor.sums.as_ref().map_or((local, 0.0), |sums| sums());
+            let own = split
+                + if tensor.tp.rank() == 0 {
+                    replicated
+                } else {
+                    0.0
+                };
+            let mut sum = [own];
+            let summed = tensor
+                .tp
+                .call(|comm| comm.all_reduce_sum((&mut sum[..]).into()));
+            return if summed.is_ok() { sum[0] } else { f64::NAN };
+        }
         if self.sharded().is_none() {
             return local;
         }
@@ -446,6 +517,38 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
             .call(|comm| comm.all_reduce_sum_f64(local))
             .unwrap_or(f64::NAN)
     }
+}
+
+/// A reader of the sums of squares of `params`' current gradients: those split over a
+/// tensor-parallel group, and those `replicated` over it.
+fn sums_of_squares<E: GradElement>(
+    params: &[Tensor<E>],
+    replicated: &[bool],
+) -> Box<dyn Fn() -> (f64, f64)> {
+    assert_eq!(
+        params.len(),
+        replicated.len(),
+        "DataParallel::with_tensor_parallel: one replicated flag per parameter"
+    );
+    let params = params.to_vec();
+    let replicated = replicated.to_vec();
+    Box::new(move || {
+        let mut sums = (0.0, 0.0);
+        for (param, &whole) in params.iter().zip(&replicated) {
+            // A meta gradient has no values: its norm is 0, as the step's own is.
+            let sum = match param.grad_is_meta() {
+                true => 0.0,
+                false => param.with_grad(|grad| {
+                    grad.map_or(0.0, |g| g.iter().map(|&v| v.to_f64() * v.to_f64()).sum())
+                }),
+            };
+            match whole {
+                true => sums.1 += sum,
+                false => sums.0 += sum,
+            }
+        }
+        sums
+    })
 }
 
 /// `loss_fn`, adding each micro-batch's loss to `local_loss` weighted by its share `n_i/B`

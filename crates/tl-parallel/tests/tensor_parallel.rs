@@ -7,7 +7,8 @@
 //! - `vocabulary`: the vocabulary-parallel embedding, head and cross-entropy;
 //! - `meta`: both on meta tensors over a `Phantom`, against the ring;
 //! - `errors`: sizes that do not split, a collective that fails in backward;
-//! - `recorder`: a communicator that logs its calls, as PyTorch's `CommDebugMode` does.
+//! - `recorder`: a communicator that logs its calls, as PyTorch's `CommDebugMode` does;
+//! - `step`: a data-parallel step beside the group: a global clip norm and overflow skip.
 
 mod common;
 #[path = "tensor_parallel/errors.rs"]
@@ -18,6 +19,8 @@ mod meta;
 mod mlp;
 #[path = "tensor_parallel/recorder.rs"]
 mod recorder;
+#[path = "tensor_parallel/step.rs"]
+mod step;
 #[path = "tensor_parallel/vocabulary.rs"]
 mod vocabulary;
 

@@ -166,7 +166,10 @@ fn a_split_llama_computes_the_whole_models_loss_and_gradients() {
         // Measured: 8.9e-16 (t = 2) and 6.2e-16 (t = 4) of each tensor's largest gradient,
         // 4 ε: the ranks' partial sums are added in another order than one product adds.
         let error = max_relative(&assemble(&ranks), &whole.grads);
-        assert!(error < 8.0 * f64::EPSILON, "t {t}: gradients differ by {error:e}");
+        assert!(
+            error < 8.0 * f64::EPSILON,
+            "t {t}: gradients differ by {error:e}"
+        );
 
         let whole32 = pass(&Llama::<f32>::new(&config, 3).unwrap(), None);
         let ranks32 = split_run::<f32>(t, &config, Checkpointing::Off);

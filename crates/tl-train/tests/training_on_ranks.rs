@@ -209,7 +209,10 @@ fn a_run_resumes_at_another_world_size() {
     let output = run_ranks(3, &resume(&run, &["--until-step", "7"]));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
-    assert!(stderr.contains("3 ranks cannot share equally"), "{stderr}");
+    assert!(
+        stderr.contains("3 data-parallel replicas cannot share equally"),
+        "{stderr}"
+    );
 }
 
 /// The process ids of `launcher`'s children with `TINYLLM_RANK=rank`.

@@ -168,7 +168,7 @@ impl TensorParallel {
     }
 
     /// Runs a forward collective: its error (or an earlier one still kept) comes back.
-    pub(super) fn call(
+    pub(crate) fn call(
         &self,
         collective: impl FnOnce(&mut dyn Communicator) -> tl_collective::Result<()>,
     ) -> Result<()> {

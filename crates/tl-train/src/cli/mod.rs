@@ -308,6 +308,12 @@ pub struct TrainArgs {
     /// [default: 25, or the run's with --resume].
     #[arg(long, value_name = "MIB")]
     pub bucket_mib: Option<f64>,
+    /// Tensor parallelism: split each layer over this many consecutive ranks (attention
+    /// heads, MLP units and the vocabulary divided among them, as Megatron-LM does); the
+    /// world's ranks form data-parallel replicas of T ranks each [default: 1, or the run's
+    /// with --resume].
+    #[arg(long, value_name = "T")]
+    pub tp: Option<usize>,
     /// How the ranks communicate: ring (under `tinyllm launch`), or mpi / mpi-ring (under
     /// mpirun, in a build with the `mpi` feature).
     #[arg(long, value_enum, default_value_t)]

@@ -31,6 +31,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
                 data_changed_ok: args.data_changed_ok,
                 zero: args.zero,
                 bucket_bytes: bucket_bytes(args)?,
+                tensor: args.tp,
             };
             let trainer = Trainer::resume_on(dir, options, comm)?;
             check_resume_flags(args, trainer.config(), dir)?;
@@ -324,6 +325,10 @@ pub(super) fn config_from_args(
     apply_fp8_flags(args, &mut config)?;
     config.parallel.zero = args.zero.unwrap_or(config.parallel.zero);
     config.parallel.bucket_bytes = bucket_bytes(args)?.unwrap_or(config.parallel.bucket_bytes);
+    config.parallel.tensor = args.tp.unwrap_or(config.parallel.tensor);
+    // The ranks are the world's, set when the run starts on them; until then, the fewest
+    // that the split needs.
+    config.parallel.ranks = config.parallel.ranks.max(config.parallel.tensor);
     config.validate()?;
     Ok(config)
 }

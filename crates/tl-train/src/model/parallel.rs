@@ -26,8 +26,9 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use tl_parallel::{GradElement, ParallelError, TensorParallel};
-use tl_tensor::ndarray::{Axis, Slice as Span};
-use tl_tensor::{Tensor, memory, meta};
+use tl_tensor::ndarray::{ArrayD, Axis, IxDyn, Slice as Span};
+use tl_tensor::optim::AdamWState;
+use tl_tensor::{Tensor, memory, meta, no_grad};
 
 use crate::error::{Result, TrainError};
 
@@ -136,6 +137,88 @@ impl TensorSplit {
         })
     }
 
+    /// This rank's slice of a whole optimizer state, parameter by parameter as `names`
+    /// (the model's [`named_parameters`](super::Llama::named_parameters)) place them: the
+    /// moments of a split parameter are split as it is.
+    ///
+    /// # Errors
+    /// As [`part`](Self::part).
+    pub fn slice_state(&self, mut state: AdamWState, names: &[String]) -> Result<AdamWState> {
+        for ((name, shape), param) in names.iter().zip(&mut state.shapes).zip(&mut state.params) {
+            let Placement::Split { axis } = placement(name) else {
+                continue;
+            };
+            let part = self.part(field_of(name), shape[axis])?;
+            let cut = |values: &mut Vec<f64>| {
+                let whole = ArrayD::from_shape_vec(IxDyn(shape), std::mem::take(values))
+                    .expect("a moment of its parameter's shape");
+                *values = whole
+                    .slice_axis(Axis(axis), Span::from(part.clone()))
+                    .iter()
+                    .copied()
+                    .collect();
+            };
+            if let Some(moments) = param {
+                cut(&mut moments.exp_avg);
+                cut(&mut moments.exp_avg_sq);
+            }
+            shape[axis] = part.len();
+        }
+        Ok(state)
+    }
+
+    /// The whole optimizer state from every rank's slices (a collective of the group:
+    /// every rank calls it, and every rank gets the whole state).
+    ///
+    /// # Errors
+    /// [`ParallelError`] if a gather fails.
+    pub fn gather_state(&self, mut state: AdamWState, names: &[String]) -> Result<AdamWState> {
+        let _whole = no_grad();
+        for ((name, shape), param) in names.iter().zip(&mut state.shapes).zip(&mut state.params) {
+            let Placement::Split { axis } = placement(name) else {
+                continue;
+            };
+            if let Some(moments) = param {
+                for values in [&mut moments.exp_avg, &mut moments.exp_avg_sq] {
+                    let local = ArrayD::from_shape_vec(IxDyn(shape), std::mem::take(values))
+                        .expect("a moment of its parameter's shape");
+                    *values = self.gather(&Tensor::from_array(local), axis)?.to_vec();
+                }
+            }
+            shape[axis] *= self.world_size();
+        }
+        Ok(state)
+    }
+
+    /// The whole parameter from every rank's slice `local`, placed as `placement` (a
+    /// collective of the group; a replicated one is copied).
+    ///
+    /// # Errors
+    /// [`ParallelError`] if the gather fails.
+    pub fn gather_whole<E: GradElement>(
+        &self,
+        local: &Tensor<E>,
+        placement: Placement,
+    ) -> Result<Tensor<E>> {
+        let _whole = no_grad();
+        Ok(match placement {
+            Placement::Replicated => Tensor::from_array(local.to_array()),
+            Placement::Split { axis } => self.gather(local, axis)?,
+        })
+    }
+
+    /// The ranks' slices of `local` along `axis` (0 or the last), in rank order.
+    fn gather<E: GradElement>(&self, local: &Tensor<E>, axis: usize) -> Result<Tensor<E>> {
+        let gathered = match axis {
+            0 => self.tp.gather_sequence(local),
+            _ => {
+                debug_assert_eq!(axis + 1, local.shape().len(), "a split along the last axis");
+                self.tp.gather_last(local)
+            }
+        };
+        Ok(gathered?)
+    }
+
     /// Into a column-parallel region: the identity forward, the gradient all-reduced
     /// backward (Megatron's copy-to).
     pub(crate) fn enter<E: GradElement>(&self, x: &Tensor<E>) -> Tensor<E> {
@@ -182,6 +265,17 @@ impl TensorSplit {
     pub fn take_error(&self) -> Option<ParallelError> {
         let forward = self.failed.borrow_mut().take();
         forward.or_else(|| self.tp.take_error())
+    }
+}
+
+/// The config's field that sizes the split axis of the parameter named `name`.
+fn field_of(name: &str) -> &'static str {
+    if name.contains("emb.") || name.contains("head.") {
+        "vocab"
+    } else if name.contains(".w1.") || name.contains(".w3.") || name.contains(".w2.") {
+        "hidden"
+    } else {
+        "d_model"
     }
 }
 

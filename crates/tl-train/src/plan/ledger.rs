@@ -96,7 +96,14 @@ impl TensorKind {
                 "wo" | "w2" | ATTENTION | roles::DROPOUT => TensorKind::LinearOutputs,
                 "w1" | "w3" | roles::SWIGLU => TensorKind::MlpHidden,
                 DROPOUT_MASK_LABEL => TensorKind::DropoutMasks,
-                roles::LOGITS => TensorKind::Logits,
+                roles::LOGITS | labels::OUTPUT_GATHERED => TensorKind::Logits,
+                // Tensor parallelism's own results: a row-parallel layer's output summed
+                // over the group (or its rows of the sum), the norm's output gathered whole.
+                labels::TENSOR_PARALLEL_SUM | labels::SEQUENCE_SCATTERED => {
+                    TensorKind::LinearOutputs
+                }
+                labels::SEQUENCE_GATHERED => TensorKind::NormOutputs,
+                labels::VOCABULARY_STATISTICS => TensorKind::Loss,
                 COPY_LABEL => TensorKind::RoundedCopies,
                 WEIGHT_COPY_LABEL => TensorKind::WeightCopies,
                 roles::LOSS | LOSS_LABEL => TensorKind::Loss,

@@ -110,10 +110,30 @@ pub struct Parallel {
     /// `bucket_cap_mb`): fewer, larger messages, or gradients freed sooner under ZeRO-2.
     #[serde(default = "default_bucket_bytes")]
     pub bucket_bytes: usize,
+    /// Ranks each layer is split over (tensor parallelism, Megatron's layout): the `ranks`
+    /// form `ranks / tensor` data-parallel replicas of `tensor` consecutive ranks each. 1
+    /// (the default, not written) splits nothing.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub tensor: usize,
 }
 
 fn default_bucket_bytes() -> usize {
     tl_parallel::DEFAULT_BUCKET_BYTES
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
+}
+
+impl Parallel {
+    /// Data-parallel replicas: `ranks / tensor`, the ranks that split the global batch.
+    pub fn data_parallel(&self) -> usize {
+        self.ranks / self.tensor.max(1)
+    }
 }
 
 impl Default for Parallel {
@@ -122,6 +142,7 @@ impl Default for Parallel {
             ranks: 1,
             zero: 0,
             bucket_bytes: default_bucket_bytes(),
+            tensor: 1,
         }
     }
 }
@@ -469,7 +490,7 @@ impl TrainConfig {
 
     /// Sequences per optimizer step, over all ranks: the global batch.
     pub fn sequences_per_step(&self) -> usize {
-        self.micro_batch * self.accum * self.parallel.ranks
+        self.micro_batch * self.accum * self.parallel.data_parallel()
     }
 
     /// Tokens per optimizer step, over all ranks.
@@ -484,21 +505,43 @@ impl TrainConfig {
     /// [`TrainError::InvalidArgument`] when the global batch's micro-batches cannot be
     /// shared equally over `ranks` (choose `--micro-batch` so they can).
     pub fn at_ranks(&self, ranks: usize) -> Result<Self> {
-        let micro_batches = self.accum * self.parallel.ranks;
-        if ranks == 0 || !micro_batches.is_multiple_of(ranks) {
+        self.at_layout(ranks, 1)
+    }
+
+    /// The same run at `ranks` ranks split into tensor-parallel groups of `tensor`: `accum`
+    /// rescaled over the `ranks / tensor` data-parallel replicas so that the global batch
+    /// stays the same.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidArgument`] when `tensor` does not divide `ranks`, or the global
+    /// batch's micro-batches cannot be shared equally over the replicas.
+    pub fn at_layout(&self, ranks: usize, tensor: usize) -> Result<Self> {
+        if tensor == 0 || ranks == 0 || !ranks.is_multiple_of(tensor) {
+            return Err(TrainError::InvalidArgument {
+                name: "tp",
+                value: tensor.to_string(),
+                reason: format!(
+                    "{ranks} ranks cannot be split into tensor-parallel groups of {tensor}"
+                ),
+            });
+        }
+        let replicas = ranks / tensor;
+        let micro_batches = self.accum * self.parallel.data_parallel();
+        if !micro_batches.is_multiple_of(replicas) {
             return Err(TrainError::InvalidArgument {
                 name: "ranks",
                 value: ranks.to_string(),
                 reason: format!(
                     "the run's global batch is {micro_batches} micro-batches of {} sequences, \
-                     which {ranks} ranks cannot share equally",
+                     which {replicas} data-parallel replicas cannot share equally",
                     self.micro_batch
                 ),
             });
         }
         let mut config = self.clone();
-        config.accum = micro_batches / ranks;
+        config.accum = micro_batches / replicas;
         config.parallel.ranks = ranks;
+        config.parallel.tensor = tensor;
         Ok(config)
     }
 
@@ -664,6 +707,44 @@ impl TrainConfig {
                     limits::MAX_BUCKET_BYTES >> 20
                 ),
             );
+        }
+        let tensor = self.parallel.tensor;
+        if tensor == 0 || !self.parallel.ranks.is_multiple_of(tensor) {
+            return invalid(
+                "tp",
+                tensor.to_string(),
+                &format!(
+                    "the {} ranks must form tensor-parallel groups of this size: it must \
+                     divide them",
+                    self.parallel.ranks
+                ),
+            );
+        }
+        if tensor > 1 {
+            for (field, size) in [
+                ("n_heads", self.model.n_heads),
+                ("hidden", self.model.hidden),
+                ("vocab", self.model.vocab),
+            ] {
+                if !size.is_multiple_of(tensor) {
+                    return Err(TrainError::InvalidConfig {
+                        field,
+                        value: size.to_string(),
+                        reason: format!(
+                            "tensor parallelism over {tensor} ranks splits it into {tensor} \
+                             equal parts, so it must be divisible by {tensor}"
+                        ),
+                    });
+                }
+            }
+            if self.parallel.zero > 1 {
+                return invalid(
+                    "zero",
+                    self.parallel.zero.to_string(),
+                    "with --tp, tinyllm runs ZeRO stages 0 and 1 (2 and 3 are not yet \
+                     composed with tensor parallelism)",
+                );
+            }
         }
         if self.parallel.zero > MAX_ZERO_STAGE {
             return invalid(

@@ -109,7 +109,7 @@ impl RunOptimizer {
                 scaler,
                 clip,
             )?,
-            Self::Whole(_) | Self::Sharded(_) if ddp.world_size() == 1 => {
+            Self::Whole(_) | Self::Sharded(_) if ddp.world_size() == 1 && !ddp.spans_tensor() => {
                 train_step_mixed(model, micro_batches, loss, self, precision, scaler, clip)?
             }
             _ => ddp.train_step(
@@ -176,6 +176,20 @@ impl RunOptimizer {
             Self::Zero2(sharded) => Some(sharded.full_state()?),
             Self::Zero3(zero3) => Some(zero3.full_state()?),
         })
+    }
+}
+
+impl RunOptimizer {
+    /// The state of an unsharded optimizer ([`RunOptimizer::Whole`]) as a copy, for what
+    /// must change it before it is saved (gathering a tensor-parallel rank's slices).
+    ///
+    /// # Panics
+    /// If the optimizer is sharded: use [`gathered_state`](Self::gathered_state).
+    pub fn whole_state(&self) -> AdamWState {
+        match self {
+            Self::Whole(adamw) => adamw.state_dict(),
+            _ => panic!("RunOptimizer::whole_state: a sharded optimizer's state is gathered"),
+        }
     }
 }
 

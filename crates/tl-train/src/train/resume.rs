@@ -148,7 +148,8 @@ fn config_at_world(
     leader: bool,
     options: ResumeOptions,
 ) -> Result<TrainConfig> {
-    let mut config = run_config.at_ranks(world)?;
+    let tensor = options.tensor.unwrap_or(run_config.parallel.tensor);
+    let mut config = run_config.at_layout(world, tensor)?;
     if let Some(zero) = options.zero {
         config.parallel.zero = zero;
     }
@@ -157,11 +158,17 @@ fn config_at_world(
     }
     config.validate()?;
     if leader && config != *run_config {
-        if world != run_config.parallel.ranks {
+        if world != run_config.parallel.ranks || tensor != run_config.parallel.tensor {
+            let split = |t: usize| match t {
+                1 => String::new(),
+                t => format!(" (layers split over {t})"),
+            };
             crate::output::warn(&format!(
-                "the run was trained on {} rank(s), resumed on {world}: accum {} -> {} keeps \
-                 its global batch of {} sequences",
+                "the run was trained on {} rank(s){}, resumed on {world}{}: accum {} -> {} \
+                 keeps its global batch of {} sequences",
                 run_config.parallel.ranks,
+                split(run_config.parallel.tensor),
+                split(tensor),
                 run_config.accum,
                 config.accum,
                 config.sequences_per_step()
@@ -213,7 +220,7 @@ pub(super) fn resume_state(
     }
     let snapshot = snapshot::open(run_dir)?;
     let state = &snapshot.state;
-    let mut config = state.config.at_ranks(world)?;
+    let mut config = state.config.at_layout(world, run_config.parallel.tensor)?;
     config.parallel.zero = run_config.parallel.zero;
     config.parallel.bucket_bytes = run_config.parallel.bucket_bytes;
     if let Some(difference) = config_difference(&config, &run_config) {

@@ -8,8 +8,8 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Instant, SystemTime};
 
-use tl_collective::{Communicator, Single};
-use tl_parallel::{DataParallel, ZeroStage};
+use tl_collective::{Axis, Communicator, Mesh, Single};
+use tl_parallel::{DataParallel, TensorParallel, ZeroStage};
 use tl_precision::{
     DynamicLossScaler, Fp8State, MicroBatch, Precision, StepReport, train_step_mixed,
 };
@@ -30,6 +30,7 @@ use super::summary::RunSummary;
 use crate::data::{Batch, Corpus, sample_batch, sequential_batches, skip_batch};
 use crate::error::{Result, TrainError};
 use crate::model::Llama;
+use crate::model::parallel::{Placement, placement};
 use crate::store::write_atomic;
 
 /// The run's config file in its directory.
@@ -83,8 +84,13 @@ pub struct Trainer {
     tokens_seen: u64,
     /// Rank 0's log of the run; `None` on the other ranks.
     metrics: Option<MetricsLog>,
-    /// The ranks of the run (a world of one for a single process).
+    /// The data-parallel ranks of the run, which share out the batch and reduce the
+    /// gradients: all of them (a world of one for a single process), or this rank's
+    /// data-parallel group when the model is split over tensor-parallel groups.
     ddp: DataParallel,
+    /// Every rank of the run, when `ddp` is only a group of them (tensor parallelism): what
+    /// the ranks agree on between steps goes through it.
+    world: Option<DataParallel>,
     /// This rank's communication in the steps taken so far.
     traffic: StepTraffic,
     /// Held by rank 0 for the trainer's life: no other run writes this directory meanwhile.
@@ -123,6 +129,9 @@ pub struct ResumeOptions {
     pub zero: Option<u8>,
     /// Continue with buckets of this many bytes.
     pub bucket_bytes: Option<usize>,
+    /// Continue with the layers split over tensor-parallel groups of this many ranks
+    /// instead of the run's (a checkpoint holds whole tensors whatever the split).
+    pub tensor: Option<usize>,
 }
 
 /// Loads the corpus a config names, and checks that the model's vocabulary holds every
@@ -273,7 +282,9 @@ impl Trainer {
         Self::assemble(Path::new(""), parts, ddp)
     }
 
-    /// The trainer of `parts` in `run_dir` (locked by rank 0), on `ddp`'s ranks.
+    /// The trainer of `parts` in `run_dir` (locked by rank 0), on `ddp`'s ranks; with
+    /// `config.parallel.tensor` > 1 their mesh is split into data- and tensor-parallel
+    /// groups, and the whole model and optimizer of `parts` into this rank's part.
     fn assemble(run_dir: &Path, parts: RunParts, ddp: DataParallel) -> Result<Self> {
         let RunParts {
             config,
@@ -287,6 +298,7 @@ impl Trainer {
             step,
             tokens_seen,
         } = parts;
+        let (ddp, world, model, optimizer) = split_mesh(ddp, model, optimizer, &config)?;
         let mut ddp = ddp.with_bucket_bytes(config.parallel.bucket_bytes);
         model.set_checkpointing(config.checkpointing);
         let fp8 = fp8.map(|state| Rc::new(RefCell::new(state)));
@@ -316,6 +328,7 @@ impl Trainer {
             optimizer,
             corpus,
             ddp,
+            world,
             traffic: StepTraffic::default(),
             _lock: lock,
         })
@@ -358,9 +371,21 @@ impl Trainer {
         Self::assemble(run_dir, parts, ddp)
     }
 
-    /// Ends the trainer (releasing the run's lock), handing back the ranks' communicator.
+    /// Ends the trainer (releasing the run's lock), handing back the ranks' communicator
+    /// (all of them: the world's, when the model was split).
     pub fn into_parallel(self) -> DataParallel {
-        self.ddp
+        self.world.unwrap_or(self.ddp)
+    }
+
+    /// Every rank of the run, for what they agree on between steps.
+    fn world(&mut self) -> &mut DataParallel {
+        self.world.as_mut().unwrap_or(&mut self.ddp)
+    }
+
+    /// Bytes this rank has sent, over every group it belongs to.
+    fn bytes_sent(&self) -> u64 {
+        let split = self.model.tensor_split();
+        self.ddp.stats().bytes_sent + split.map_or(0, |s| s.group().stats().bytes_sent)
     }
 
     /// Whether the run has done all the steps of its config.
@@ -430,8 +455,7 @@ impl Trainer {
             batch_loss(model, &micro_batch.batch)
         };
         let started = Instant::now();
-        let (sent_before, busy_before) =
-            (self.ddp.stats().bytes_sent, self.ddp.communication_time());
+        let (sent_before, busy_before) = (self.bytes_sent(), self.ddp.communication_time());
         // The run's hardware: the step turns on its precision inside and keeps the model.
         let hardware = config.autocast();
         let stepped = self.optimizer.train_step(
@@ -456,7 +480,7 @@ impl Trainer {
         // dropped now, they do not sit under the evaluation or the checkpoint's write.
         self.optimizer.zero_grad();
         let step_s = started.elapsed().as_secs_f64();
-        self.traffic.bytes_sent += self.ddp.stats().bytes_sent - sent_before;
+        self.traffic.bytes_sent += self.bytes_sent() - sent_before;
         self.traffic.comm_s += (self.ddp.communication_time() - busy_before).as_secs_f64();
         self.traffic.step_s += step_s;
         self.traffic.steps += 1;
@@ -518,12 +542,12 @@ impl Trainer {
 
     /// This process's rank in the run (0 for a single process).
     pub fn rank(&self) -> usize {
-        self.ddp.rank()
+        self.world.as_ref().unwrap_or(&self.ddp).rank()
     }
 
     /// The number of ranks training the run.
     pub fn world_size(&self) -> usize {
-        self.ddp.world_size()
+        self.world.as_ref().unwrap_or(&self.ddp).world_size()
     }
 
     /// Every rank's peak live tensor bytes, peak process memory and communication per step,
@@ -537,7 +561,7 @@ impl Trainer {
         peak_rss_bytes: Option<u64>,
     ) -> Result<Vec<RankReport>> {
         let traffic = self.traffic;
-        ranks::gather_reports(&mut self.ddp, peak_live_bytes, peak_rss_bytes, traffic)
+        ranks::gather_reports(self.world(), peak_live_bytes, peak_rss_bytes, traffic)
     }
 
     /// This rank's communication during the steps this trainer took.
@@ -685,9 +709,28 @@ impl Trainer {
     pub fn save(&mut self) -> Result<PathBuf> {
         // Whole tensors whatever the stage: sharded moments are gathered (every rank takes
         // part), and rank 0 writes them.
-        let gathered = self.optimizer.gathered_state()?;
+        let mut gathered = self.optimizer.gathered_state()?;
         let leader = self.metrics.is_some();
-        let weights = self.optimizer.named_weights(&self.model, leader)?;
+        let mut weights = self.optimizer.named_weights(&self.model, true)?;
+        if let Some(split) = self.model.tensor_split() {
+            // The slices of the tensor-parallel group assembled whole, on every rank of it:
+            // a checkpoint does not depend on the layout that wrote it.
+            let names: Vec<String> = weights.iter().map(|(name, _)| name.clone()).collect();
+            let state = match gathered.take() {
+                Some(state) => state,
+                None => self.optimizer.whole_state(),
+            };
+            gathered = Some(split.gather_state(state, &names)?);
+            weights = (weights.into_iter())
+                .map(|(name, local)| {
+                    let whole = split.gather_whole(&local, placement(&name))?;
+                    Ok((name, whole))
+                })
+                .collect::<Result<_>>()?;
+        }
+        if !leader {
+            weights.clear();
+        }
         if !leader {
             return Ok(self.run_dir.join(format!("checkpoint-{:06}", self.step)));
         }
@@ -730,7 +773,7 @@ impl Trainer {
     /// [`TrainError::Parallel`] when the collective fails.
     pub fn agree_on_until(&mut self, until: u64) -> Result<()> {
         let until = until.min(self.config.steps);
-        ranks::same_value(&mut self.ddp, until, "--until-step")
+        ranks::same_value(self.world(), until, "--until-step")
     }
 
     /// The largest of `value` over the run's ranks (`value` itself alone): a collective
@@ -740,7 +783,7 @@ impl Trainer {
     /// # Errors
     /// [`TrainError::Parallel`] when the collective fails.
     pub fn max_over_ranks(&mut self, value: u32) -> Result<u32> {
-        ranks::max(&mut self.ddp, value)
+        ranks::max(self.world(), value)
     }
 
     /// Trains until `until` steps are done (at most the config's `steps`), evaluating and
@@ -769,7 +812,7 @@ impl Trainer {
             }
             // The last step of this call is always saved, so stopping loses nothing. The
             // ranks stop together, after the same step, when any of them was asked to.
-            let interrupted = ranks::any(&mut self.ddp, stop.load(Ordering::SeqCst))?;
+            let interrupted = ranks::any(self.world(), stop.load(Ordering::SeqCst))?;
             if self.step.is_multiple_of(self.config.save_interval)
                 || self.step == until
                 || interrupted
@@ -781,15 +824,61 @@ impl Trainer {
             }
         }
         let leader = self.metrics.is_some();
-        if ranks::any(
-            &mut self.ddp,
-            leader && !self.run_dir.join("LATEST").exists(),
-        )? {
+        let unsaved = leader && !self.run_dir.join("LATEST").exists();
+        if ranks::any(self.world(), unsaved)? {
             // Asked for no steps at all: still leave a checkpoint to resume from.
             on_event(&Event::Saved(self.save()?));
         }
         Ok(Stop::Finished)
     }
+}
+
+/// A rank's share of a run laid out on a mesh: its data-parallel group, the world when
+/// that is only a group of it, its part of the model and that part's optimizer.
+type MeshShare = (DataParallel, Option<DataParallel>, Llama<f32>, AdamW<f32>);
+
+/// The ranks of `world` as a mesh of data-parallel replicas of `config.parallel.tensor`
+/// consecutive ranks each, and `model` and `optimizer` (whole, the same on every rank) cut
+/// into this rank's part. Without tensor parallelism, everything as it was.
+fn split_mesh(
+    mut world: DataParallel,
+    model: Llama<f32>,
+    optimizer: AdamW<f32>,
+    config: &TrainConfig,
+) -> Result<MeshShare> {
+    let tensor = config.parallel.tensor;
+    if tensor <= 1 {
+        return Ok((world, None, model, optimizer));
+    }
+    let mesh = Mesh::for_world(world.world_size(), tensor, 1).map_err(|source| {
+        tl_parallel::ParallelError::Collective {
+            rank: world.rank(),
+            source,
+        }
+    })?;
+    let rank = world.rank();
+    let tp = world.with_communicator(|comm| comm.split(&mesh.members(Axis::Tensor, rank)))?;
+    let dp = world.with_communicator(|comm| comm.split(&mesh.members(Axis::Data, rank)))?;
+    let tp = TensorParallel::new(tp);
+    let part = model.tensor_parallel(tp.clone())?;
+    let names: Vec<String> = model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let split = part.tensor_split().expect("a split model");
+    let state = split.slice_state(optimizer.state_dict(), &names)?;
+    let mut adamw = AdamW::new(part.parameters(), optimizer.learning_rate())?
+        .with_betas(optimizer.betas().0, optimizer.betas().1)?
+        .with_eps(optimizer.eps())?
+        .with_weight_decay(optimizer.weight_decay())?;
+    adamw.load_state_dict(state)?;
+    let replicated = names
+        .iter()
+        .map(|name| placement(name) == Placement::Replicated)
+        .collect();
+    let ddp = DataParallel::new(dp).with_tensor_parallel(tp, replicated);
+    Ok((ddp, Some(world), part, adamw))
 }
 
 /// The mean loss of `model` on one batch, with the graph recorded: the loss function of
