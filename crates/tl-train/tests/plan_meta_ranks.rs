@@ -103,6 +103,27 @@ fn check_world(world: usize) {
     }
 }
 
+/// Tensor parallelism: the split step (its all-reduces in the blocks, the embedding's sum,
+/// the vocabulary-parallel loss) on meta ranks as on real ones, at tp 2 and at dp 2 × tp 2,
+/// ZeRO 0 and 1, in fp32 and in bf16 with every block checkpointed (the rerun all-reduces
+/// again).
+#[test]
+fn tensor_parallel_meta_ranks_step_as_real_ranks() {
+    for (world, tensor) in [(2, 2), (4, 2)] {
+        for zero in 0..2 {
+            for (name, precision, checkpointing) in [
+                ("fp32", Precision::Fp32, Checkpointing::Off),
+                ("bf16, per block", Precision::Bf16, Checkpointing::PerBlock),
+            ] {
+                let mut config = tiny(precision, checkpointing, zero);
+                config.parallel.tensor = tensor;
+                let what = format!("tp {tensor} ZeRO-{zero} {name}");
+                assert_meta_ranks_are_real(&what, &config, world);
+            }
+        }
+    }
+}
+
 #[test]
 fn two_meta_ranks_step_as_two_real_ranks_at_every_stage() {
     check_world(2);

@@ -142,12 +142,12 @@ fn every_layout_trains_what_one_process_trains() {
 
 /// Under autocast each rank's partial products are rounded to 16 bits before the group
 /// sums them, where one process rounds the whole product once: the losses differ by less
-/// than one rounding of the format (2⁻⁹ for bf16, 2⁻¹¹ for fp16; measured 2.9e-5 and
-/// 6.3e-6), with checkpointing and dropout on.
+/// than one rounding of the format (u = 2⁻⁸ for bf16, 2⁻¹¹ for fp16; measured 2.9e-5 and
+/// 6.3e-6 with the f32 sums), with checkpointing and dropout on.
 #[test]
 fn sixteen_bit_runs_split_in_two_follow_one_process_to_the_formats_rounding() {
     let dir = tempfile::tempdir().unwrap();
-    for (format, bound) in [("--bf16", 2f64.powi(-9)), ("--fp16", 2f64.powi(-11))] {
+    for (format, bound) in [("--bf16", 2f64.powi(-8)), ("--fp16", 2f64.powi(-11))] {
         let recipe = [format, "--checkpoint-activations", "--dropout", "0.1"];
         let one = dir.path().join(format!("one{format}"));
         succeed(1, &tiny(&one, 2, &recipe));

@@ -57,6 +57,10 @@ pub struct PlanArgs {
     /// The blocks' linear layers in fp8 with delayed scaling, as `tinyllm train --fp8`.
     #[arg(long)]
     pub fp8: bool,
+    /// Tensor parallelism, as `tinyllm train --tp`: each layer split over this many
+    /// consecutive ranks of the `--ranks` (which must be a multiple of it) [default: 1].
+    #[arg(long, value_name = "T", default_value_t = 1)]
+    pub tp: usize,
     /// Do not clip gradients, as `tinyllm train --no-clip` (under ZeRO-2 and 3 clipping
     /// adds an all-reduce of the norm).
     #[arg(long)]
@@ -106,7 +110,7 @@ fn plan_config(args: &PlanArgs) -> Result<TrainConfig> {
 /// Runs `tinyllm plan`.
 pub(super) fn plan(args: &PlanArgs) -> Result<Exit> {
     let config = plan_config(args)?;
-    if args.shape.is_some() || !args.ranks.is_empty() || !args.zero.is_empty() {
+    if args.shape.is_some() || !args.ranks.is_empty() || !args.zero.is_empty() || args.tp > 1 {
         return plan_parallel(args, &config);
     }
     let plan = MemoryPlan::new(&Recipe::from(&config))?;
@@ -146,7 +150,10 @@ fn plan_parallel(args: &PlanArgs, config: &TrainConfig) -> Result<Exit> {
     } else {
         args.ranks.clone()
     };
-    let stages = if args.zero.is_empty() {
+    let stages = if args.zero.is_empty() && args.tp > 1 {
+        // The stages composed with tensor parallelism.
+        vec![0, 1]
+    } else if args.zero.is_empty() {
         ZeroStage::ALL.iter().map(|s| s.index()).collect()
     } else {
         args.zero.clone()
@@ -157,7 +164,8 @@ fn plan_parallel(args: &PlanArgs, config: &TrainConfig) -> Result<Exit> {
             let parallelism = DataParallelism {
                 bucket_bytes: config.parallel.bucket_bytes as u64,
                 ..DataParallelism::new(n, stage)?
-            };
+            }
+            .with_tensor(args.tp)?;
             plans.push(plan_ranks(recipe, &parallelism)?);
         }
     }

@@ -53,6 +53,14 @@ pub struct DataParallelism {
     pub stage: ZeroStage,
     /// Bytes per gradient bucket.
     pub bucket_bytes: u64,
+    /// Ranks each layer is split over (tensor parallelism); `ranks / tensor` data-parallel
+    /// replicas share the batch. 1 (not written in JSON) splits nothing.
+    #[serde(skip_serializing_if = "is_one")]
+    pub tensor: usize,
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 /// A ZeRO stage as its number.
@@ -85,7 +93,26 @@ impl DataParallelism {
                 reason: "a ZeRO stage is 0 (plain DDP), 1, 2 or 3".into(),
             })?,
             bucket_bytes: BUCKET_BYTES,
+            tensor: 1,
         })
+    }
+
+    /// The same with each layer split over tensor-parallel groups of `tensor` ranks.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidArgument`] (`tp`) when `tensor` does not divide the ranks.
+    pub fn with_tensor(self, tensor: usize) -> Result<Self> {
+        if tensor == 0 || !self.ranks.is_multiple_of(tensor) {
+            return Err(TrainError::InvalidArgument {
+                name: "tp",
+                value: tensor.to_string(),
+                reason: format!(
+                    "{} ranks cannot form tensor-parallel groups of {tensor}",
+                    self.ranks
+                ),
+            });
+        }
+        Ok(Self { tensor, ..self })
     }
 }
 
@@ -223,7 +250,14 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
     Ok(ParallelPlan {
         recipe: recipe.clone(),
         parallelism: *parallelism,
-        paper: paper_figures(stage, sizes.parameters, world_size, recipe.accum),
+        // The paper's data-parallel arithmetic on each rank's slice of the model (the
+        // replicated norms, a few thousand parameters, counted as split).
+        paper: paper_figures(
+            stage,
+            sizes.parameters / parallelism.tensor as u64,
+            world_size / parallelism.tensor,
+            recipe.accum,
+        ),
         sizes,
         ranks,
     })
@@ -235,8 +269,9 @@ fn plan_rank(recipe: &Recipe, parallelism: &DataParallelism, rank: usize) -> Res
     let mut config = recipe.config().clone();
     config.parallel.zero = parallelism.stage.index() as u8;
     config.parallel.bucket_bytes = parallelism.bucket_bytes as usize;
+    config.parallel.tensor = parallelism.tensor;
     let (prediction, calls) = predict_rank(&config, rank, parallelism.ranks)?;
-    let sent = by_purpose(&calls, parallelism.stage, config.model.n_layers)
+    let sent = by_purpose(&calls, parallelism.stage, &config)
         .into_iter()
         .map(|(calls, bytes)| SentBytes { calls, bytes })
         .collect();

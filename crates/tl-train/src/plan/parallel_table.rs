@@ -47,9 +47,14 @@ pub fn render_parallel(plan: &ParallelPlan) -> String {
     let mut out = String::new();
     recipe_line(&mut out, plan);
     let p = &plan.parallelism;
+    let split = match p.tensor {
+        1 => String::new(),
+        t => format!(" as {} data-parallel x {t} tensor-parallel", p.ranks / t),
+    };
     let _ = writeln!(
         out,
-        "{} ranks, ZeRO stage {} (the metered peak is the trainer's step on meta tensors, exact)\n",
+        "{} ranks{split}, ZeRO stage {} (the metered peak is the trainer's step on meta \
+         tensors, exact)\n",
         p.ranks, p.stage,
     );
     let _ = writeln!(

@@ -137,14 +137,31 @@ impl Communicator for Recorder {
 pub(crate) fn by_purpose(
     calls: &[Call],
     stage: super::zero::ZeroStage,
-    n_layers: usize,
+    config: &crate::train::TrainConfig,
 ) -> Vec<(super::zero::CollectiveCalls, u64)> {
     use super::zero::{CollectiveCalls, STEP_EXTRAS, ZeroStage};
+    use tl_tensor::memory::Stage;
+    let n_layers = config.model.n_layers;
+    // The model's own collectives under tensor parallelism: inside its forward pass, its
+    // backward sweep and a checkpointed block's rerun (the data-parallel reduction and the
+    // update come after; ZeRO-2 and 3, which communicate inside backward too, are not
+    // composed with tensor parallelism).
+    let split = config.parallel.tensor > 1;
+    let in_model = |call: &Call| {
+        split
+            && (call.in_backward
+                || matches!(
+                    call.scope.stage,
+                    Stage::Forward | Stage::Backward | Stage::Recompute
+                ))
+    };
     // The last call of the gradient reduction carries what ends the step (DDP: the loss,
     // the overflow flag and the underflows ride on the last bucket).
     let buckets = |call: &Call| match stage {
         ZeroStage::Ddp | ZeroStage::Optimizer => {
-            call.collective == Any::AllReduce && call.element_bytes == 4
+            call.collective == Any::AllReduce
+                && call.element_bytes == 4
+                && call.scope.stage == Stage::Reduction
         }
         ZeroStage::Gradients => call.collective == Any::ReduceScatter,
         ZeroStage::Parameters => false,
@@ -165,6 +182,15 @@ pub(crate) fn by_purpose(
             Any::Broadcast { .. } | Any::Barrier => continue,
         };
         let purpose = match collective {
+            _ if in_model(call) => match (call.in_backward, call.scope.stage) {
+                (_, Stage::Recompute) => "tensor-parallel sums, rerun",
+                (false, _) => "tensor-parallel sums, forward",
+                (true, _) => "tensor-parallel sums, backward",
+            },
+            // Over the tensor-parallel group: one rank's overflow skips the step everywhere.
+            Collective::AllReduce if split && call.elements == 1 && call.element_bytes == 4 => {
+                "overflow flag (tensor group)"
+            }
             // The clip norm's sum of squares is added over the ranks during the update; the
             // trainer's check for a non-finite weight in any rank's shard comes after it.
             Collective::AllReduce if call.element_bytes == 8 => match call.scope.stage {
