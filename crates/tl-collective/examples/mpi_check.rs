@@ -1,7 +1,8 @@
 //! The MPI backend's tests, run as the ranks of `mpirun -np N`: every collective in both
 //! modes against the sequential reference (bit for bit in the ring mode, to a tolerance in
-//! the native one, identical on every rank in both), and ranks that disagree. Exits non-zero
-//! (and so does mpirun) on the first failure.
+//! the native one, identical on every rank in both; the sums in bf16 and fp16 bit for bit in
+//! both, since they run the ring in both), and ranks that disagree. Exits non-zero (and so
+//! does mpirun) on the first failure.
 //!
 //! ```text
 //! cargo build -p tl-collective --features mpi --examples
@@ -9,9 +10,10 @@
 //! ```
 
 use tl_collective::{
-    Axis, CollectiveError, Communicator, Element, Mesh, MpiComm, MpiMode, ReduceOp,
-    reference_all_reduce, shard_range,
+    Axis, Collective, CollectiveError, Communicator, Element, Mesh, MpiComm, MpiMode, ReduceOp,
+    reference_all_reduce, ring_bytes_sent, shard_range,
 };
+use tl_numerics::{Format, Round};
 
 fn values(seed: u64, len: usize) -> Vec<f64> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -26,7 +28,7 @@ fn values(seed: u64, len: usize) -> Vec<f64> {
         .collect()
 }
 
-trait Value: Element + Into<f64> {
+trait Value: Element + Into<f64> + Round {
     fn from_f64(x: f64) -> Self;
     fn bits(self) -> u64;
 }
@@ -131,6 +133,50 @@ fn check<T: Value>(comm: &mut MpiComm, len: usize) {
     let mut buf = inputs[rank].clone();
     comm.broadcast((&mut buf).into(), root).unwrap();
     assert_eq!(bits(&buf), bits(&inputs[root]), "{what}: broadcast");
+
+    for format in Format::SIXTEEN_BIT {
+        check_sum_in(comm, &inputs, format, &what);
+    }
+}
+
+/// The sum in `format`, in either mode: the ring's bits (the reference's) and its bytes, 2
+/// an element, on inputs that are values of the format and on inputs that are not.
+fn check_sum_in<T: Value>(comm: &mut MpiComm, inputs: &[Vec<T>], format: Format, what: &str) {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let op = ReduceOp::SumIn(format);
+    let len = inputs[rank].len();
+    for rounded in [true, false] {
+        let inputs: Vec<Vec<T>> = inputs
+            .iter()
+            .map(|x| {
+                x.iter()
+                    .map(|&v| if rounded { v.round_to(format) } else { v })
+                    .collect()
+            })
+            .collect();
+        let refs: Vec<&[T]> = inputs.iter().map(Vec::as_slice).collect();
+        let expected = reference_all_reduce(&refs, op);
+
+        let mut buf = inputs[rank].clone();
+        let before = comm.stats().bytes_sent;
+        comm.all_reduce((&mut buf).into(), op).unwrap();
+        assert_eq!(bits(&buf), bits(&expected), "{what}: all_reduce {format}");
+        // The header's all-gather counts 40 bytes a peer, as the ring's does.
+        let sent = comm.stats().bytes_sent - before;
+        let wire = ring_bytes_sent(Collective::AllReduce, len as u64, 2, n, rank);
+        assert_eq!(sent, wire, "{what}: all_reduce {format}'s bytes");
+        assert_same_on_every_rank(comm, &buf, what);
+
+        let own = shard_range(len, n, rank);
+        let mut shard = vec![T::zeroed(); own.len()];
+        comm.reduce_scatter((&inputs[rank]).into(), (&mut shard).into(), op)
+            .unwrap();
+        assert_eq!(
+            bits(&shard),
+            bits(&expected[own]),
+            "{what}: reduce_scatter {format}"
+        );
+    }
 }
 
 /// Groups of a mesh (tensor-parallel pairs when the world is even): each group's
@@ -189,6 +235,32 @@ fn main() {
         assert_eq!(total, n as f64);
         comm.barrier().unwrap();
     }
+    // A sum against a sum in bf16: the same typed error on every rank.
+    let mut buf = vec![1.0f32; 6];
+    let op = match comm.rank() {
+        0 => ReduceOp::Sum,
+        _ => ReduceOp::SumIn(Format::Bf16),
+    };
+    match comm.all_reduce((&mut buf).into(), op) {
+        Err(CollectiveError::Mismatch { calls }) if n > 1 => {
+            assert_eq!(
+                (calls[0].op, calls[1].op),
+                ("all_reduce_sum", "all_reduce_sum_bf16")
+            );
+        }
+        Ok(()) if n == 1 => {}
+        other => panic!("rank {}: expected a mismatch, got {other:?}", comm.rank()),
+    }
+    // A sum in fp8, made by every rank: refused on every rank after the header, so the
+    // communicator goes on.
+    let mut buf = vec![1.0f32; 6];
+    match comm.all_reduce((&mut buf).into(), ReduceOp::SumIn(Format::E4M3)) {
+        Err(CollectiveError::UnsupportedReduction { format, .. }) => {
+            assert_eq!(format, Format::E4M3)
+        }
+        other => panic!("rank {}: expected a refusal, got {other:?}", comm.rank()),
+    }
+    comm.barrier().unwrap();
     // Lengths that disagree: the same typed error on every rank, and the communicator
     // still works afterwards (every rank stopped at the header).
     let mut buf = vec![0.0f64; if comm.rank() == 0 { 10 } else { 12 }];

@@ -13,7 +13,8 @@ pub struct CommStats {
     /// Bytes this rank wrote to its peers, headers included (0 for [`Single`](crate::Single);
     /// for MPI's own collectives, the bytes the bandwidth-optimal algorithm would send, since
     /// MPI does not say what it sent; for [`Phantom`](crate::Phantom), what the ring's rank
-    /// would have written).
+    /// would have written). A sum in a 16-bit format ([`ReduceOp::SumIn`]) sends its values
+    /// as 16-bit words, so it counts 2 bytes an element, as a GPU's bf16 all-reduce sends.
     pub bytes_sent: u64,
 }
 
@@ -50,8 +51,10 @@ pub trait Communicator {
     /// values.
     ///
     /// # Errors
-    /// [`CollectiveError::Mismatch`] if the ranks' calls disagree; a peer that exited or a
-    /// timeout; [`CollectiveError::Closed`] after an earlier failure.
+    /// [`CollectiveError::Mismatch`] if the ranks' calls disagree (a different op counts:
+    /// [`ReduceOp::Sum`] against [`ReduceOp::SumIn`], or two formats); a peer that exited or
+    /// a timeout; [`CollectiveError::Closed`] after an earlier failure;
+    /// [`CollectiveError::UnsupportedReduction`] for a sum in an fp8 format.
     fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> Result<()>;
 
     /// Reduces `input` (the full buffer, same length on every rank) elementwise over all

@@ -9,21 +9,121 @@
 use std::ops::Range;
 
 use bytemuck::Pod;
+use tl_numerics::{Format, Round};
+
+use crate::error::{CollectiveError, Result};
 
 mod sealed {
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for f64 {}
+    /// What the crate needs of an element beyond the public bounds: exact conversions to and
+    /// from f64, in which a sum in a 16-bit format is computed before it is rounded.
+    pub trait Sealed: tl_numerics::Round {
+        /// The value as an f64 (exact).
+        fn widen(self) -> f64;
+        /// An f64 as this type: exact for every value of bf16 and fp16.
+        fn narrow(wide: f64) -> Self;
+    }
+    impl Sealed for f32 {
+        #[inline]
+        fn widen(self) -> f64 {
+            f64::from(self)
+        }
+        #[inline]
+        fn narrow(wide: f64) -> Self {
+            wide as f32
+        }
+    }
+    impl Sealed for f64 {
+        #[inline]
+        fn widen(self) -> f64 {
+            self
+        }
+        #[inline]
+        fn narrow(wide: f64) -> Self {
+            wide
+        }
+    }
 }
 
 /// The reduction of a reducing collective.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// ```
+/// use tl_collective::{ReduceOp, reference_all_reduce};
+/// use tl_numerics::Format;
+///
+/// // Three ranks hold 1, 2^-8 and 2^-8, all bf16 values. The ring adds rank 2's value to
+/// // rank 1's first: 2^-7, exact; then 1 + 2^-7, a bf16 value. One rounding of the exact
+/// // sum gives the same here; see `reference_all_reduce` for where they differ.
+/// let inputs = [vec![1.0f32], vec![2f32.powi(-8)], vec![2f32.powi(-8)]];
+/// let refs: Vec<&[f32]> = inputs.iter().map(|x| x.as_slice()).collect();
+/// assert_eq!(reference_all_reduce(&refs, ReduceOp::SumIn(Format::Bf16)), [1.0078125]);
+/// assert_eq!(ReduceOp::SumIn(Format::Bf16).wire_bytes(tl_collective::ElementType::F32), 2);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     /// Elementwise sum, in the order the backend documents.
     Sum,
     /// Elementwise maximum; a NaN on any rank makes the result NaN (so an overflow check
     /// cannot miss it).
     Max,
+    /// Elementwise sum in a 16-bit format, as a GPU's ring all-reduce of a bf16 or fp16
+    /// tensor computes it: each rank's values are rounded to the format first (nothing
+    /// changes for values the format holds), and each addition of the ring — the partial
+    /// sum received and the local value — is rounded to the nearest value of the format,
+    /// ties to even. The values travel as 16 bits each, so a collective sends half the
+    /// bytes of an f32 one. Only [`Format::Bf16`] and [`Format::Fp16`]: a collective given
+    /// an fp8 format fails with [`CollectiveError::UnsupportedReduction`].
+    SumIn(Format),
+}
+
+impl ReduceOp {
+    /// Bytes each element takes on the wire when a buffer of `element` is reduced with this
+    /// op: the element's own size, or the format's for [`SumIn`](ReduceOp::SumIn) (2).
+    pub const fn wire_bytes(self, element: ElementType) -> usize {
+        match self {
+            ReduceOp::Sum | ReduceOp::Max => element.bytes(),
+            ReduceOp::SumIn(format) => {
+                ((format.exponent_bits() + format.precision_bits()) / 8) as usize
+            }
+        }
+    }
+
+    /// The 16-bit format of [`SumIn`](ReduceOp::SumIn), `None` for the others.
+    pub const fn format(self) -> Option<Format> {
+        match self {
+            ReduceOp::SumIn(format) => Some(format),
+            ReduceOp::Sum | ReduceOp::Max => None,
+        }
+    }
+}
+
+/// Refuses a [`ReduceOp::SumIn`] of an fp8 format for the collective `name`.
+pub(crate) fn check_op(op: ReduceOp, name: &'static str) -> Result<()> {
+    match op {
+        ReduceOp::SumIn(format @ (Format::E4M3 | Format::E5M2)) => {
+            Err(CollectiveError::UnsupportedReduction { op: name, format })
+        }
+        ReduceOp::Sum | ReduceOp::Max | ReduceOp::SumIn(Format::Bf16 | Format::Fp16) => Ok(()),
+    }
+}
+
+/// The name of a reducing collective (`base` is `all_reduce` or `reduce_scatter`) in
+/// headers and errors: `all_reduce_sum`, `reduce_scatter_max`, `all_reduce_sum_bf16`, ...
+pub(crate) fn reduce_name(base: &'static str, op: ReduceOp) -> &'static str {
+    let all = base == "all_reduce";
+    match (all, op) {
+        (true, ReduceOp::Sum) => "all_reduce_sum",
+        (true, ReduceOp::Max) => "all_reduce_max",
+        (true, ReduceOp::SumIn(Format::Bf16)) => "all_reduce_sum_bf16",
+        (true, ReduceOp::SumIn(Format::Fp16)) => "all_reduce_sum_fp16",
+        (true, ReduceOp::SumIn(Format::E4M3)) => "all_reduce_sum_e4m3",
+        (true, ReduceOp::SumIn(Format::E5M2)) => "all_reduce_sum_e5m2",
+        (false, ReduceOp::Sum) => "reduce_scatter_sum",
+        (false, ReduceOp::Max) => "reduce_scatter_max",
+        (false, ReduceOp::SumIn(Format::Bf16)) => "reduce_scatter_sum_bf16",
+        (false, ReduceOp::SumIn(Format::Fp16)) => "reduce_scatter_sum_fp16",
+        (false, ReduceOp::SumIn(Format::E4M3)) => "reduce_scatter_sum_e4m3",
+        (false, ReduceOp::SumIn(Format::E5M2)) => "reduce_scatter_sum_e5m2",
+    }
 }
 
 /// The element type of a buffer, named at run time: what a shape-only buffer holds instead
@@ -62,8 +162,11 @@ impl ElementType {
 }
 
 /// `f32` or `f64`: the elements a collective can move. Sealed: the wire format and the MPI
-/// datatypes are only defined for these two.
-pub trait Element: Pod + PartialOrd + std::ops::Add<Output = Self> + sealed::Sealed {
+/// datatypes are only defined for these two. Both are [`Round`]: a sum in a 16-bit format
+/// rounds them.
+pub trait Element:
+    Pod + PartialOrd + std::ops::Add<Output = Self> + Round + sealed::Sealed
+{
     /// The type's name on the wire and in errors.
     const NAME: &'static str;
 
@@ -76,11 +179,14 @@ pub trait Element: Pod + PartialOrd + std::ops::Add<Output = Self> + sealed::Sea
     /// Wraps a mutable slice in the type-erased view.
     fn view_mut(xs: &mut [Self]) -> SliceMut<'_>;
 
-    /// `op(a, b)`; for [`ReduceOp::Max`] a NaN in either wins.
+    /// `op(a, b)`; for [`ReduceOp::Max`] a NaN in either wins; for
+    /// [`ReduceOp::SumIn`] the sum rounded once to the format (computed in f64, see
+    /// [`sum_in`]).
     #[inline]
     fn reduce(op: ReduceOp, a: Self, b: Self) -> Self {
         match op {
             ReduceOp::Sum => a + b,
+            ReduceOp::SumIn(format) => sum_in(format, a, b),
             ReduceOp::Max => {
                 // `a != a` is the NaN test that needs no extra trait bound.
                 #[allow(clippy::eq_op)]
@@ -112,15 +218,47 @@ impl Element for f64 {
     }
 }
 
+/// `a + b` rounded to the nearest value of `format`, ties to even: what `__hadd` computes on
+/// two bf16 or fp16 values.
+///
+/// The sum is formed in f64 and rounded once from there. That is the correctly rounded
+/// sum: two fp16 values are multiples of `2^-24` below `2^16` in magnitude, so their sum
+/// is a multiple of `2^-24` below `2^17`, 41 bits, and f64 holds it exactly. Two bf16
+/// values can be too far apart for f64 (`2^100 + 2^-100`); then the f64 sum is rounded
+/// twice, first to 53 bits, but a first rounding to at least `2p + 2` bits never changes
+/// the second's result for a sum of two `p`-bit numbers (Figueroa, "When is double rounding
+/// innocuous?", 1995), and `53 ≥ 2·8 + 2`. The tests check it against an exact error term.
+///
+/// ```
+/// use tl_collective::sum_in;
+/// use tl_numerics::Format;
+///
+/// // 1 + 2^-8 is the tie between the bf16 neighbours 1 and 1 + 2^-7: to the even, 1.
+/// assert_eq!(sum_in(Format::Bf16, 1.0f32, 2f32.powi(-8)), 1.0);
+/// assert_eq!(sum_in(Format::Fp16, 65504.0f64, 16.0), f64::INFINITY); // at fp16's overflow
+/// ```
+#[inline]
+pub fn sum_in<T: Element>(format: Format, a: T, b: T) -> T {
+    T::narrow((a.widen() + b.widen()).round_to(format))
+}
+
 /// `op(dst[i], src[i])` into `dst`, elementwise.
 pub(crate) fn reduce_into<T: Element>(op: ReduceOp, dst: &mut [T], src: &[T]) {
     match op {
         // The plain loop for the sum lets the compiler vectorise it.
         ReduceOp::Sum => dst.iter_mut().zip(src).for_each(|(d, &s)| *d = *d + s),
-        ReduceOp::Max => dst
+        ReduceOp::Max | ReduceOp::SumIn(_) => dst
             .iter_mut()
             .zip(src)
             .for_each(|(d, &s)| *d = T::reduce(op, *d, s)),
+    }
+}
+
+/// Rounds a rank's own values to the format of a [`ReduceOp::SumIn`] before they enter the
+/// sum (the other ops take them as they are).
+pub(crate) fn prepare<T: Element>(op: ReduceOp, values: &mut [T]) {
+    if let ReduceOp::SumIn(format) = op {
+        tl_numerics::round_slice(values, format);
     }
 }
 
@@ -283,6 +421,20 @@ impl<'a> Slice<'a> {
     }
 }
 
+impl SliceMut<'_> {
+    /// The same buffer, borrowed again for a shorter time.
+    pub(crate) fn reborrow(&mut self) -> SliceMut<'_> {
+        match self {
+            SliceMut::F32(xs) => SliceMut::F32(xs),
+            SliceMut::F64(xs) => SliceMut::F64(xs),
+            SliceMut::Shape { element, len } => SliceMut::Shape {
+                element: *element,
+                len: *len,
+            },
+        }
+    }
+}
+
 impl<'a> SliceMut<'a> {
     /// The elements `range` of the buffer (of its shape, for a shape-only one).
     pub(crate) fn part(self, range: Range<usize>) -> SliceMut<'a> {
@@ -297,6 +449,15 @@ impl<'a> SliceMut<'a> {
                 }
             }
         }
+    }
+}
+
+/// [`prepare`] on a view's values (nothing for a shape-only one).
+pub(crate) fn prepare_view(op: ReduceOp, data: &mut SliceMut<'_>) {
+    match data {
+        SliceMut::F32(xs) => prepare(op, xs),
+        SliceMut::F64(xs) => prepare(op, xs),
+        SliceMut::Shape { .. } => {}
     }
 }
 
@@ -356,6 +517,84 @@ mod tests {
         assert!(f32::reduce(ReduceOp::Max, 1.0, f32::NAN).is_nan());
         assert_eq!(f64::reduce(ReduceOp::Max, 2.0, 3.0), 3.0);
         assert_eq!(f64::reduce(ReduceOp::Max, 3.0, -1.0), 3.0);
+    }
+
+    /// Knuth's TwoSum: `s = fl(a + b)` and the rounding error `e`, with `s + e = a + b`
+    /// exactly (for finite `s`).
+    fn two_sum(a: f64, b: f64) -> (f64, f64) {
+        let s = a + b;
+        let b_virtual = s - a;
+        let e = (a - (s - b_virtual)) + (b - b_virtual);
+        (s, e)
+    }
+
+    /// The two 16-bit values at the bit patterns drawn by a xorshift stream.
+    fn pairs(format: Format, count: usize) -> impl Iterator<Item = (f64, f64)> {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let value = move |bits: u16| -> f64 {
+            let x = match format {
+                Format::Bf16 => f32::from_bits(u32::from(bits) << 16),
+                _ => half::f16::from_bits(bits).to_f32(),
+            };
+            f64::from(x)
+        };
+        std::iter::repeat_with(move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (value(state as u16), value((state >> 16) as u16))
+        })
+        .filter(|(a, b)| a.is_finite() && b.is_finite())
+        .take(count)
+    }
+
+    #[test]
+    fn the_f64_sum_rounded_once_is_the_correctly_rounded_16_bit_sum() {
+        for format in Format::SIXTEEN_BIT {
+            let mut inexact = 0;
+            for (a, b) in pairs(format, 1 << 20) {
+                let (s, e) = two_sum(a, b);
+                let got = sum_in(format, a, b);
+                if e == 0.0 || !s.is_finite() {
+                    assert_eq!(got.to_bits(), s.round_to(format).to_bits(), "{a:e} + {b:e}");
+                    continue;
+                }
+                // The exact sum lies strictly between s and its f64 neighbour towards e (or
+                // on their midpoint); rounding is monotone, so when both round alike, so
+                // does the exact sum, and that is what one rounding of s must give.
+                inexact += 1;
+                let beyond = if e > 0.0 { s.next_up() } else { s.next_down() };
+                let (near, far) = (s.round_to(format), beyond.round_to(format));
+                assert_eq!(near.to_bits(), far.to_bits(), "{a:e} + {b:e}: a boundary");
+                assert_eq!(got.to_bits(), near.to_bits(), "{a:e} + {b:e}");
+            }
+            match format {
+                // Multiples of 2^-24 below 2^17: f64 holds every sum.
+                Format::Fp16 => assert_eq!(inexact, 0),
+                // Exponents far apart: the double rounding happens, and is innocuous.
+                _ => assert!(inexact > 1000, "{inexact} inexact f64 sums"),
+            }
+        }
+    }
+
+    #[test]
+    fn only_the_16_bit_formats_have_a_sum_and_it_sends_two_bytes() {
+        for format in Format::SIXTEEN_BIT {
+            check_op(ReduceOp::SumIn(format), "all_reduce").unwrap();
+            assert_eq!(ReduceOp::SumIn(format).wire_bytes(ElementType::F64), 2);
+        }
+        for format in Format::FP8 {
+            let err = check_op(ReduceOp::SumIn(format), "all_reduce_sum_e4m3").unwrap_err();
+            assert!(
+                matches!(err, CollectiveError::UnsupportedReduction { format: f, .. } if f == format)
+            );
+        }
+        assert_eq!(ReduceOp::Sum.wire_bytes(ElementType::F64), 8);
+        assert_eq!(ReduceOp::Max.format(), None);
+        assert_eq!(
+            reduce_name("reduce_scatter", ReduceOp::SumIn(Format::Fp16)),
+            "reduce_scatter_sum_fp16"
+        );
     }
 
     #[test]

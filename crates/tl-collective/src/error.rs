@@ -72,6 +72,18 @@ pub enum CollectiveError {
         /// The operation.
         op: &'static str,
     },
+    /// A [`ReduceOp::SumIn`](crate::ReduceOp::SumIn) of a format that has no sum on the
+    /// wire here: the fp8 ones. (NCCL adds fp8 values through fp16 and rounds twice, and
+    /// sends one byte each; nothing in tinyllm reduces in fp8, so that is not emulated.)
+    /// Refused before the call's header is exchanged on the ring, after it on MPI (so every
+    /// rank that makes the same call refuses it alike).
+    #[error("{op}: no sum in {format} (only bf16 and fp16 have a 16-bit sum)")]
+    UnsupportedReduction {
+        /// The operation.
+        op: &'static str,
+        /// The format asked for.
+        format: tl_numerics::Format,
+    },
     /// An environment variable that is set but cannot be used.
     #[error("environment variable {name}={value:?}: {reason}")]
     BadEnv {

@@ -7,6 +7,9 @@
 //! [`all_gather`](Communicator::all_gather) (shards as [`shard_range`] lays them out),
 //! [`broadcast`](Communicator::broadcast), [`barrier`](Communicator::barrier), and the scalar
 //! helpers a trainer needs (the max of an overflow flag, the sum of a squared norm).
+//! A reduction is a sum, a maximum, or a sum in a 16-bit format as a GPU's bf16 or fp16
+//! all-reduce computes it ([`ReduceOp::SumIn`]: rounded at every addition of the ring, sent
+//! as 16 bits an element).
 //! [`split`](Communicator::split) makes a group of some of the ranks (as `MPI_Comm_split`),
 //! and a [`Mesh`] lays the world out as `dp × tp × pp` and splits it into each axis's groups.
 //!
@@ -61,9 +64,10 @@ mod ring;
 mod schedule;
 mod shard;
 mod single;
+mod wire;
 
 pub use communicator::{CommStats, Communicator};
-pub use element::{Element, ElementType, ReduceOp, Slice, SliceMut};
+pub use element::{Element, ElementType, ReduceOp, Slice, SliceMut, sum_in};
 pub use env::{
     DEFAULT_TIMEOUT, ENV_RANK, ENV_RENDEZVOUS, ENV_SECRET, ENV_TIMEOUT_MS, ENV_WORLD_SIZE,
     MAX_WORLD_SIZE, RingConfig, format_secret, timeout_from_env,

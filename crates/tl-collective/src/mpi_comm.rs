@@ -7,6 +7,11 @@
 //! [`schedule`](crate::reference_all_reduce) over `MPI_Sendrecv` instead: the same bits as
 //! the socket ring on every rank and every run, whatever MPI's tuning.
 //!
+//! A sum in a 16-bit format ([`ReduceOp::SumIn`]) runs the ring in both modes: MPI has no
+//! such reduction, and one written as a user-defined `MPI_Op` would round in whatever order
+//! MPI's algorithm adds, while the op is defined by the ring's order (the reference's). Its
+//! values travel as 16-bit words (`MPI_UINT16_T`), two bytes each, as on the socket ring.
+//!
 //! Failures are MPI's: with its default error handler a dead rank aborts the whole job
 //! (mpirun reports it), so this backend has no timeout of its own. A shape-only buffer is
 //! refused ([`CollectiveError::ShapeOnly`]) before the call's header is gathered.
@@ -19,20 +24,25 @@ use mpi::environment::Universe;
 use mpi::point_to_point::send_receive_into;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator as _, CommunicatorCollectives as _, Root as _};
+use tl_numerics::Format;
 
 use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
-use crate::element::{Element, ReduceOp, Slice, SliceMut, reduce_into};
+use crate::element::{
+    Element, ReduceOp, Slice, SliceMut, check_op, prepare, reduce_into, reduce_name,
+};
 use crate::error::{CallHeader, CollectiveError, Result};
 use crate::group;
 use crate::ring::header::{from_words, to_words};
 use crate::ring::split_pair;
 use crate::schedule::{all_gather_step, reduce_scatter_step};
 use crate::shard::shard_range;
+use crate::wire;
 
 /// Which algorithms [`MpiComm`] uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MpiMode {
-    /// MPI's own collectives: fastest, but the summation order is MPI's.
+    /// MPI's own collectives: fastest, but the summation order is MPI's. A sum in a 16-bit
+    /// format, which MPI does not have, runs the ring all the same.
     Native,
     /// The ring over MPI point-to-point: the socket ring's summation order, deterministic.
     Ring,
@@ -140,11 +150,14 @@ impl MpiComm {
         data: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        self.agree(all_reduce_name(op), T::NAME, data.len(), 0)?;
+        let name = reduce_name("all_reduce", op);
+        self.agree(name, T::NAME, data.len(), 0)?;
+        check_op(op, name)?;
+        prepare(op, data);
         if self.world_size == 1 || data.is_empty() {
             return Ok(());
         }
-        match self.mode {
+        match self.mode_for(op) {
             MpiMode::Native => {
                 let input = data.to_vec();
                 self.world.all_reduce_into(&input[..], data, system_op(op));
@@ -152,7 +165,7 @@ impl MpiComm {
             }
             MpiMode::Ring => {
                 self.ring_reduce_scatter(data, op);
-                self.ring_all_gather(data);
+                self.ring_all_gather(data, op.format());
             }
         }
         Ok(())
@@ -164,18 +177,16 @@ impl MpiComm {
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let name = if op == ReduceOp::Sum {
-            "reduce_scatter_sum"
-        } else {
-            "reduce_scatter_max"
-        };
+        let name = reduce_name("reduce_scatter", op);
         self.agree(name, T::NAME, input.len(), 0)?;
+        check_op(op, name)?;
         let (n, rank, len) = (self.world_size, self.rank, input.len());
         if n == 1 {
             output.copy_from_slice(input);
+            prepare(op, output);
             return Ok(());
         }
-        match self.mode {
+        match self.mode_for(op) {
             MpiMode::Native => {
                 // MPI_Reduce_scatter_block wants equal blocks: pad every shard to the longest.
                 let block = shard_range(len, n, 0).len();
@@ -194,6 +205,7 @@ impl MpiComm {
             }
             MpiMode::Ring => {
                 let mut work = input.to_vec();
+                prepare(op, &mut work);
                 self.ring_reduce_scatter(&mut work, op);
                 output.copy_from_slice(&work[shard_range(len, n, rank)]);
             }
@@ -223,7 +235,7 @@ impl MpiComm {
             _ => {
                 output[shard_range(len, n, rank)].copy_from_slice(input);
                 if n > 1 {
-                    self.ring_all_gather(output);
+                    self.ring_all_gather(output, None);
                 }
             }
         }
@@ -242,10 +254,36 @@ impl MpiComm {
         Ok(())
     }
 
+    /// The algorithms a call of `op` runs: the ring for a sum in a 16-bit format, the
+    /// communicator's mode otherwise.
+    fn mode_for(&self, op: ReduceOp) -> MpiMode {
+        match op {
+            ReduceOp::SumIn(_) => MpiMode::Ring,
+            ReduceOp::Sum | ReduceOp::Max => self.mode,
+        }
+    }
+
     fn ring_reduce_scatter<T: Element + Equivalence>(&mut self, data: &mut [T], op: ReduceOp) {
         let (n, rank, len) = (self.world_size, self.rank, data.len());
         let right = self.world.process_at_rank(((rank + 1) % n) as i32);
         let left = self.world.process_at_rank(((rank + n - 1) % n) as i32);
+        if let ReduceOp::SumIn(format) = op {
+            // As on the socket ring: the shard sent packed, the one received added and
+            // rounded from its 16-bit words.
+            let longest = shard_range(len, n, 0).len();
+            let (mut outgoing, mut incoming) = (vec![0u16; longest], vec![0u16; longest]);
+            for step in 0..n - 1 {
+                let (send, recv) = reduce_scatter_step(rank, step, n);
+                let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
+                self.stats.bytes_sent += (send.len() * size_of::<u16>()) as u64;
+                let out = &mut outgoing[..send.len()];
+                wire::pack(&data[send], format, out);
+                let into = &mut incoming[..recv.len()];
+                send_receive_into(&*out, &right, &mut *into, &left);
+                wire::reduce_packed(format, &mut data[recv], into);
+            }
+            return;
+        }
         let mut scratch = vec![T::zeroed(); shard_range(len, n, 0).len()];
         for step in 0..n - 1 {
             let (send, recv) = reduce_scatter_step(rank, step, n);
@@ -258,10 +296,31 @@ impl MpiComm {
         }
     }
 
-    fn ring_all_gather<T: Element + Equivalence>(&mut self, data: &mut [T]) {
+    /// The ring's all-gather of `data`'s shards, as 16-bit words of `format` if given (the
+    /// shards must hold its values).
+    fn ring_all_gather<T: Element + Equivalence>(
+        &mut self,
+        data: &mut [T],
+        format: Option<Format>,
+    ) {
         let (n, rank, len) = (self.world_size, self.rank, data.len());
         let right = self.world.process_at_rank(((rank + 1) % n) as i32);
         let left = self.world.process_at_rank(((rank + n - 1) % n) as i32);
+        if let Some(format) = format {
+            let longest = shard_range(len, n, 0).len();
+            let (mut outgoing, mut incoming) = (vec![0u16; longest], vec![0u16; longest]);
+            for step in 0..n - 1 {
+                let (send, recv) = all_gather_step(rank, step, n);
+                let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
+                self.stats.bytes_sent += (send.len() * size_of::<u16>()) as u64;
+                let out = &mut outgoing[..send.len()];
+                wire::pack(&data[send], format, out);
+                let into = &mut incoming[..recv.len()];
+                send_receive_into(&*out, &right, &mut *into, &left);
+                wire::unpack(into, format, &mut data[recv]);
+            }
+            return;
+        }
         for step in 0..n - 1 {
             let (send, recv) = all_gather_step(rank, step, n);
             let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
@@ -272,18 +331,12 @@ impl MpiComm {
     }
 }
 
-fn all_reduce_name(op: ReduceOp) -> &'static str {
-    match op {
-        ReduceOp::Sum => "all_reduce_sum",
-        ReduceOp::Max => "all_reduce_max",
-    }
-}
-
 fn system_op(op: ReduceOp) -> SystemOperation {
     match op {
         ReduceOp::Sum => SystemOperation::sum(),
         // MPI_MAX with a NaN is implementation-defined: use MpiMode::Ring where NaN matters.
         ReduceOp::Max => SystemOperation::max(),
+        ReduceOp::SumIn(_) => unreachable!("a sum in a 16-bit format runs the ring"),
     }
 }
 
@@ -301,7 +354,7 @@ impl Communicator for MpiComm {
             SliceMut::F32(xs) => self.all_reduce_t(xs, op),
             SliceMut::F64(xs) => self.all_reduce_t(xs, op),
             SliceMut::Shape { .. } => Err(CollectiveError::ShapeOnly {
-                op: all_reduce_name(op),
+                op: reduce_name("all_reduce", op),
             }),
         }
     }
@@ -312,7 +365,7 @@ impl Communicator for MpiComm {
         output: SliceMut<'_>,
         op: ReduceOp,
     ) -> Result<()> {
-        let name = "reduce_scatter";
+        let name = reduce_name("reduce_scatter", op);
         let elements = (input.element(), output.element());
         check_scatter(
             name,

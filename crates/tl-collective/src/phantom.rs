@@ -7,12 +7,14 @@
 //! It moves no data, waits for nobody, and counts its [`CommStats`] exactly as rank `r` of a
 //! [`RingComm`](crate::RingComm) of `N` would: one collective per call, and the bytes
 //! [`ring_bytes_sent`] gives (the 40-byte headers gathered round the ring before every call,
-//! the payload of the ring's schedule, nothing in a world of one). It checks its arguments as
+//! the payload of the ring's schedule, 2 bytes an element for a sum in a 16-bit format as the
+//! ring packs it, nothing in a world of one). It checks its arguments as
 //! the ring does and fails with the same errors; after one, like a ring rank, it is closed.
 //!
 //! It stands for cost, not values. It takes shape-only buffers ([`SliceMut::shape`]) and real
 //! ones; with real ones it behaves as if every rank held what this one holds, as far as that
-//! is cheap: an all-reduce and a broadcast leave the buffer as it is (so
+//! is cheap: an all-reduce and a broadcast leave the buffer as it is (rounded to the format,
+//! for a sum in a 16-bit format, whose result always is a value of it; so
 //! [`all_reduce_max_f32(x)`](Communicator::all_reduce_max_f32) and
 //! [`all_reduce_sum_f64(x)`](Communicator::all_reduce_sum_f64) return `x`, not a sum over
 //! ranks), a reduce-scatter copies this rank's shard of the input to the output, an
@@ -36,11 +38,13 @@
 //! ```
 
 use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
-use crate::element::{ElementType, ReduceOp, Slice, SliceMut, copy_values};
+use crate::element::{
+    ElementType, ReduceOp, Slice, SliceMut, check_op, copy_values, prepare_view, reduce_name,
+};
 use crate::env::check_world;
 use crate::error::{CollectiveError, Result};
 use crate::group;
-use crate::ring::{Collective, reduce_name, ring_bytes_sent};
+use crate::ring::{Collective, ring_bytes_sent};
 use crate::shard::shard_range;
 
 /// Rank `rank` of a ring of `world_size` that moves no data and counts what the ring's rank
@@ -70,13 +74,14 @@ impl Phantom {
         })
     }
 
-    /// Counts one call of `collective` over `elements` elements, as the ring would once the
-    /// call's arguments have passed its local checks.
+    /// Counts one call of `collective` over `elements` elements of `wire_bytes` bytes each
+    /// on the wire, as the ring would once the call's arguments have passed its local
+    /// checks.
     fn collective(
         &mut self,
         collective: Collective,
         elements: usize,
-        element: ElementType,
+        wire_bytes: usize,
     ) -> Result<()> {
         if self.closed {
             return Err(CollectiveError::Closed);
@@ -85,7 +90,7 @@ impl Phantom {
         self.stats.bytes_sent += ring_bytes_sent(
             collective,
             elements as u64,
-            element.bytes() as u64,
+            wire_bytes as u64,
             self.world_size,
             self.rank,
         );
@@ -110,8 +115,13 @@ impl Communicator for Phantom {
         self.world_size
     }
 
-    fn all_reduce(&mut self, data: SliceMut<'_>, _op: ReduceOp) -> Result<()> {
-        self.collective(Collective::AllReduce, data.len(), data.element_type())
+    fn all_reduce(&mut self, mut data: SliceMut<'_>, op: ReduceOp) -> Result<()> {
+        let check = check_op(op, reduce_name("all_reduce", op));
+        self.local_check(check)?;
+        let wire_bytes = op.wire_bytes(data.element_type());
+        self.collective(Collective::AllReduce, data.len(), wire_bytes)?;
+        prepare_view(op, &mut data);
+        Ok(())
     }
 
     fn reduce_scatter(
@@ -120,18 +130,24 @@ impl Communicator for Phantom {
         output: SliceMut<'_>,
         op: ReduceOp,
     ) -> Result<()> {
-        let check = check_scatter(
-            reduce_name("reduce_scatter", op),
-            input.len(),
-            output.len(),
-            (input.element(), output.element()),
-            self.world_size,
-            self.rank,
-        );
+        let name = reduce_name("reduce_scatter", op);
+        let check = check_op(op, name).and_then(|()| {
+            check_scatter(
+                name,
+                input.len(),
+                output.len(),
+                (input.element(), output.element()),
+                self.world_size,
+                self.rank,
+            )
+        });
         self.local_check(check)?;
-        self.collective(Collective::ReduceScatter, input.len(), input.element_type())?;
+        let wire_bytes = op.wire_bytes(input.element_type());
+        self.collective(Collective::ReduceScatter, input.len(), wire_bytes)?;
         let own = shard_range(input.len(), self.world_size, self.rank);
-        copy_values(input.part(own), output);
+        let mut output = output;
+        copy_values(input.part(own), output.reborrow());
+        prepare_view(op, &mut output);
         Ok(())
     }
 
@@ -145,7 +161,8 @@ impl Communicator for Phantom {
             self.rank,
         );
         self.local_check(check)?;
-        self.collective(Collective::AllGather, output.len(), output.element_type())?;
+        let wire_bytes = output.element_type().bytes();
+        self.collective(Collective::AllGather, output.len(), wire_bytes)?;
         let own = shard_range(output.len(), self.world_size, self.rank);
         copy_values(input, output.part(own));
         Ok(())
@@ -154,16 +171,13 @@ impl Communicator for Phantom {
     fn broadcast(&mut self, data: SliceMut<'_>, root: usize) -> Result<()> {
         let check = check_root(root, self.world_size);
         self.local_check(check)?;
-        self.collective(
-            Collective::Broadcast { root },
-            data.len(),
-            data.element_type(),
-        )
+        let wire_bytes = data.element_type().bytes();
+        self.collective(Collective::Broadcast { root }, data.len(), wire_bytes)
     }
 
     fn barrier(&mut self) -> Result<()> {
-        // The element type of an empty payload does not matter.
-        self.collective(Collective::Barrier, 0, ElementType::F32)
+        // The element size of an empty payload does not matter.
+        self.collective(Collective::Barrier, 0, ElementType::F32.bytes())
     }
 
     fn stats(&self) -> CommStats {

@@ -9,7 +9,7 @@
 //! r sends shard r−k and receives shard r−k−1. Each step moves one shard per rank, so an
 //! all-reduce sends 2(N−1)/N of the buffer per rank: bandwidth-optimal.
 
-use crate::element::{Element, ReduceOp};
+use crate::element::{Element, ReduceOp, prepare};
 use crate::shard::shard_range;
 
 /// `(rank + world_size - back) mod world_size`.
@@ -45,6 +45,30 @@ pub(crate) fn all_gather_step(rank: usize, step: usize, world_size: usize) -> (u
 /// assert_eq!(reference_all_reduce(&refs, ReduceOp::Sum), [7.0, 70.0]);
 /// ```
 ///
+/// With [`ReduceOp::SumIn`] every input is first rounded to the format and every `⊕` is
+/// rounded to it ([`sum_in`](crate::sum_in)), so where a shard's sum starts changes the
+/// result. Four ranks, rank 1 holding 1 and the others `2^-8`, half the bf16 spacing at 1:
+/// added to 1 first, each `2^-8` makes a tie that goes to the even 1, and all three are
+/// lost; added to each other first they make `3·2^-8`, and `1 + 3·2^-8` is a tie between
+/// `1 + 2^-7` and the even `1 + 2^-6`. One rounding of the exact sum gives `1 + 2^-6`
+/// (as does every order in f32, which holds `1 + 3·2^-8`, before its one rounding).
+///
+/// ```
+/// use tl_collective::{ReduceOp, reference_all_reduce};
+/// use tl_numerics::{Format, round_to_bf16};
+///
+/// let small = 2f32.powi(-8);
+/// let inputs = [vec![small; 4], vec![1.0; 4], vec![small; 4], vec![small; 4]];
+/// let refs: Vec<&[f32]> = inputs.iter().map(|x| x.as_slice()).collect();
+/// // Element c is shard c, whose sum starts at rank c + 1: rank 1's 1 comes first for
+/// // element 0, last for element 1, third for element 2 and second for element 3.
+/// let ring = reference_all_reduce(&refs, ReduceOp::SumIn(Format::Bf16));
+/// assert_eq!(ring, [1.0, 1.015625, 1.015625, 1.0]);
+/// let exact = reference_all_reduce(&refs, ReduceOp::Sum);
+/// assert_eq!(exact, [1.01171875; 4]); // 1 + 3·2^-8
+/// assert_eq!(round_to_bf16(exact[0]), 1.015625);
+/// ```
+///
 /// # Panics
 /// If `inputs` is empty or their lengths differ.
 pub fn reference_all_reduce<T: Element>(inputs: &[&[T]], op: ReduceOp) -> Vec<T> {
@@ -55,12 +79,20 @@ pub fn reference_all_reduce<T: Element>(inputs: &[&[T]], op: ReduceOp) -> Vec<T>
         inputs.iter().all(|x| x.len() == len),
         "reference_all_reduce: lengths differ"
     );
+    let prepared: Vec<Vec<T>> = inputs
+        .iter()
+        .map(|x| {
+            let mut x = x.to_vec();
+            prepare(op, &mut x);
+            x
+        })
+        .collect();
     let mut out = Vec::with_capacity(len);
     for shard in 0..world_size {
         for i in shard_range(len, world_size, shard) {
-            let mut acc = inputs[(shard + 1) % world_size][i];
+            let mut acc = prepared[(shard + 1) % world_size][i];
             for hop in 2..=world_size {
-                acc = T::reduce(op, inputs[(shard + hop) % world_size][i], acc);
+                acc = T::reduce(op, prepared[(shard + hop) % world_size][i], acc);
             }
             out.push(acc);
         }

@@ -1,12 +1,15 @@
 //! The communicator of a world of one process.
 
 use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
-use crate::element::{ReduceOp, Slice, SliceMut, copy_values};
+use crate::element::{ReduceOp, Slice, SliceMut, check_op, copy_values, prepare_view, reduce_name};
 use crate::error::Result;
 use crate::group;
 
 /// A world of one: every collective is a copy or nothing at all. What a run without a
 /// launcher uses, so that the same training code runs on one process and on many.
+///
+/// A sum in a 16-bit format ([`ReduceOp::SumIn`]) of one rank's values is those values
+/// rounded to the format: that is what it does to a buffer.
 ///
 /// It takes shape-only buffers ([`Slice::Shape`]) too, checking their lengths and element
 /// types as it checks real ones: a copy from or to one copies nothing.
@@ -35,8 +38,10 @@ impl Communicator for Single {
         1
     }
 
-    fn all_reduce(&mut self, _data: SliceMut<'_>, _op: ReduceOp) -> Result<()> {
+    fn all_reduce(&mut self, mut data: SliceMut<'_>, op: ReduceOp) -> Result<()> {
         self.count();
+        check_op(op, reduce_name("all_reduce", op))?;
+        prepare_view(op, &mut data);
         Ok(())
     }
 
@@ -44,19 +49,22 @@ impl Communicator for Single {
         &mut self,
         input: Slice<'_>,
         output: SliceMut<'_>,
-        _op: ReduceOp,
+        op: ReduceOp,
     ) -> Result<()> {
         self.count();
-        let op = "reduce_scatter";
+        let name = reduce_name("reduce_scatter", op);
+        check_op(op, name)?;
         check_scatter(
-            op,
+            name,
             input.len(),
             output.len(),
             (input.element(), output.element()),
             1,
             0,
         )?;
-        copy_values(input, output);
+        let mut output = output;
+        copy_values(input, output.reborrow());
+        prepare_view(op, &mut output);
         Ok(())
     }
 

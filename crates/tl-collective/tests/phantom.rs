@@ -13,6 +13,7 @@ use tl_collective::{
     CollectiveError, CommStats, Communicator, Element, ElementType, Phantom, ReduceOp, RingComm,
     RingConfig, Slice, SliceMut, shard_range,
 };
+use tl_numerics::Format;
 
 /// Far longer than any call here takes: a rank that waits this long has hung, and the
 /// error says so ([`CollectiveError::Timeout`]) instead of the test hanging.
@@ -52,6 +53,11 @@ fn script(world_size: usize) -> Vec<Step> {
                 Call::ReduceScatter(ReduceOp::Max),
                 Call::AllGather,
             ];
+            // Sums in a 16-bit format: 2 bytes an element on the ring's wire.
+            for format in Format::SIXTEEN_BIT {
+                calls.push(Call::AllReduce(ReduceOp::SumIn(format)));
+                calls.push(Call::ReduceScatter(ReduceOp::SumIn(format)));
+            }
             calls.extend((0..world_size).map(|root| Call::Broadcast { root }));
             calls.extend([Call::Barrier, Call::MaxF32, Call::SumF64]);
             steps.extend(calls.into_iter().map(|call| Step { call, element, len }));

@@ -22,7 +22,9 @@
 //! - [`tensor_parallel`]: Megatron's tensor parallelism — [`TensorParallel`] (a group and
 //!   its conjugate ops), [`ColumnParallelLinear`], [`RowParallelLinear`],
 //!   [`VocabParallelEmbedding`] and a vocabulary-parallel cross-entropy — each layer's
-//!   weights split over the ranks of a group that trains on the same batch.
+//!   weights split over the ranks of a group that trains on the same batch; under autocast
+//!   the ranks' partial results are added in its 16-bit format, as a GPU's all-reduce adds
+//!   them, or in f32 ([`ReduceIn`]).
 //! - Every stage runs on [meta](tl_tensor::meta) tensors as well: its buffers are counted
 //!   on the memory meter as the real ones, with their tags, and hold no values, and its
 //!   collectives get shape-only slices. Over a [`Phantom`](tl_collective::Phantom), one
@@ -83,7 +85,7 @@ pub use error::{ParallelError, Result};
 pub use metered::labels;
 pub use stage::ZeroStage;
 pub use tensor_parallel::{
-    ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
+    ColumnParallelLinear, ReduceIn, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
 };
 pub use zero::ShardedAdamW;
 pub use zero2::Zero2AdamW;

@@ -6,10 +6,13 @@
 //! - `mlp`: a column-parallel layer, tanh or SwiGLU, a row-parallel layer;
 //! - `vocabulary`: the vocabulary-parallel embedding, head and cross-entropy;
 //! - `meta`: both on meta tensors over a `Phantom`, against the ring;
+//! - `autocast`: the partial sums under bf16 autocast, in bf16 at each hop or in f32;
 //! - `errors`: sizes that do not split, a collective that fails in backward;
 //! - `recorder`: a communicator that logs its calls, as PyTorch's `CommDebugMode` does;
 //! - `step`: a data-parallel step beside the group: a global clip norm and overflow skip.
 
+#[path = "tensor_parallel/autocast.rs"]
+mod autocast;
 mod common;
 #[path = "tensor_parallel/errors.rs"]
 mod errors;

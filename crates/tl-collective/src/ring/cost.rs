@@ -12,7 +12,9 @@
 //! so that ranks whose calls disagree all fail the same way; a barrier is that header alone.
 //! A world of one sends nothing at all.
 //!
-//! So rank `r` sends, for `e`-byte elements and shard lengths `s(q)`,
+//! So rank `r` sends, for `e` bytes an element on the wire (the element's size, or 2 for a
+//! sum in a 16-bit format, [`ReduceOp::wire_bytes`](crate::ReduceOp::wire_bytes)) and shard
+//! lengths `s(q)`,
 //!
 //! ```text
 //! reduce-scatter   40(N−1) + e·(L − s(r))
@@ -50,9 +52,11 @@ pub enum Collective {
 }
 
 /// Bytes rank `rank` of a ring of `world_size` sends for one `collective` over a buffer of
-/// `elements` elements of `element_bytes` bytes, headers included (see the [module
-/// docs](self)): exactly what [`RingComm::stats`](crate::Communicator::stats) of that rank
-/// grows by when the call succeeds.
+/// `elements` elements of `element_bytes` bytes on the wire, headers included (see the
+/// [module docs](self)): exactly what [`RingComm::stats`](crate::Communicator::stats) of
+/// that rank grows by when the call succeeds. For a reduction, `element_bytes` is
+/// [`ReduceOp::wire_bytes`](crate::ReduceOp::wire_bytes): 2 for a sum in bf16 or fp16,
+/// whatever the buffer's element type.
 ///
 /// ```
 /// use tl_collective::{Collective, RING_HEADER_BYTES, ring_bytes_sent};

@@ -9,8 +9,11 @@ use crate::schedule::all_gather_step;
 pub(crate) const HEADER_LEN: usize = 40;
 const MAGIC: u64 = 0x746c_5f68_6472_3031; // "tl_hdr01"
 
-/// Every collective's name, by wire code.
-const OPS: [&str; 7] = [
+/// Every collective's name, by wire code: a sum in a 16-bit format is a collective of its
+/// own, so that ranks that disagree on the format (or on summing in one) fail with a
+/// mismatch. The fp8 sums are refused before any header goes out, and have codes only so
+/// that every name a reduction can take has one.
+const OPS: [&str; 15] = [
     "all_reduce_sum",
     "all_reduce_max",
     "reduce_scatter_sum",
@@ -18,6 +21,14 @@ const OPS: [&str; 7] = [
     "all_gather",
     "broadcast",
     "barrier",
+    "all_reduce_sum_bf16",
+    "all_reduce_sum_fp16",
+    "reduce_scatter_sum_bf16",
+    "reduce_scatter_sum_fp16",
+    "all_reduce_sum_e4m3",
+    "all_reduce_sum_e5m2",
+    "reduce_scatter_sum_e4m3",
+    "reduce_scatter_sum_e5m2",
 ];
 const ELEMENTS: [&str; 3] = ["f32", "f64", "-"];
 
@@ -123,5 +134,32 @@ mod tests {
         assert_eq!(decode(&encode(&header)), header);
         assert_eq!(from_words(&to_words(&header)), header);
         assert_eq!(decode(&[0xff; HEADER_LEN]).op, "<garbled>");
+    }
+
+    #[test]
+    fn every_reduction_has_a_code_of_its_own() {
+        use crate::element::{ReduceOp, reduce_name};
+        use tl_numerics::Format;
+        let ops = [ReduceOp::Sum, ReduceOp::Max]
+            .into_iter()
+            .chain(Format::SIXTEEN_BIT.map(ReduceOp::SumIn))
+            .chain(Format::FP8.map(ReduceOp::SumIn));
+        for op in ops {
+            for base in ["all_reduce", "reduce_scatter"] {
+                let name = reduce_name(base, op);
+                let header = CallHeader {
+                    op: name,
+                    element: "f32",
+                    len: 3,
+                    root: 0,
+                    seq: 1,
+                };
+                assert_eq!(decode(&encode(&header)).op, name);
+            }
+        }
+        let mut sorted = OPS.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), OPS.len());
     }
 }

@@ -5,6 +5,12 @@
 //! 40-byte header (collective, element type, length, root, call number), so that ranks that
 //! disagree all fail with the same [`CollectiveError::Mismatch`]; that costs N−1 small
 //! hops of latency per call, nothing in bandwidth. `cost.rs` says what each rank sends.
+//!
+//! A sum in a 16-bit format ([`ReduceOp::SumIn`]) moves 16-bit words instead of the
+//! elements' bytes (see `wire.rs`): both phases of its all-reduce pack the shard they send,
+//! so the bytes counted are what a GPU's bf16 all-reduce sends. Packing costs a pass over
+//! each shard and a buffer of one shard's words; the f32 and f64 paths send from the buffer
+//! itself, copying nothing.
 
 mod accept;
 mod cost;
@@ -16,13 +22,18 @@ mod setup;
 
 use std::ops::Range;
 
+use tl_numerics::Format;
+
 use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
-use crate::element::{Element, ReduceOp, Slice, SliceMut, reduce_into};
+use crate::element::{
+    Element, ReduceOp, Slice, SliceMut, check_op, prepare, reduce_into, reduce_name,
+};
 use crate::env::RingConfig;
 use crate::error::{CallHeader, CollectiveError, Result};
 use crate::group;
 use crate::schedule::{all_gather_step, reduce_scatter_step};
 use crate::shard::shard_range;
+use crate::wire;
 pub use cost::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
 use header::exchange_headers;
 use link::{Exchange, Link, ReduceExchange, Relay};
@@ -222,6 +233,9 @@ fn reduce_scatter_in_place<T: Element>(
     op: ReduceOp,
     name: &'static str,
 ) -> Result<()> {
+    if let ReduceOp::SumIn(format) = op {
+        return reduce_scatter_16(link, rank, n, data, format, name);
+    }
     let len = data.len();
     let size = std::mem::size_of::<T>();
     let mut scratch: Vec<T> = vec![T::zeroed(); shard_range(len, n, 0).len()];
@@ -240,6 +254,74 @@ fn reduce_scatter_in_place<T: Element>(
             },
         };
         link.pump(name, &mut flow)?;
+    }
+    Ok(())
+}
+
+/// [`reduce_scatter_in_place`] of a sum in `format`, every value on the wire as its 16 bits.
+///
+/// The shard to send is packed before each step (it is the one reduced at the step before),
+/// and received bits are added and rounded piece by piece as they arrive, as the f32 path
+/// reduces them. `data` holds values of the format already ([`prepare`]).
+fn reduce_scatter_16<T: Element>(
+    link: &mut Link,
+    rank: usize,
+    n: usize,
+    data: &mut [T],
+    format: Format,
+    name: &'static str,
+) -> Result<()> {
+    const WORD: usize = size_of::<u16>();
+    let len = data.len();
+    let longest = shard_range(len, n, 0).len();
+    let (mut outgoing, mut incoming) = (vec![0u16; longest], vec![0u16; longest]);
+    for step in 0..n - 1 {
+        let (send, recv) = reduce_scatter_step(rank, step, n);
+        let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
+        let out = &mut outgoing[..send.len()];
+        wire::pack(&data[send], format, out);
+        let into = &mut incoming[..recv.len()];
+        let target = &mut data[recv];
+        let mut flow = ReduceExchange {
+            inner: Exchange::new(bytemuck::cast_slice(out), bytemuck::cast_slice_mut(into)),
+            element: WORD,
+            reduced: 0,
+            reduce: |bytes: Range<usize>, received: &[u8]| {
+                let dst = &mut target[bytes.start / WORD..bytes.end / WORD];
+                // `received` starts at an even offset of a `u16` buffer: aligned.
+                wire::reduce_packed(format, dst, bytemuck::cast_slice(received));
+            },
+        };
+        link.pump(name, &mut flow)?;
+    }
+    Ok(())
+}
+
+/// All-gather in place: every rank starts with its own shard of `data` filled. With a
+/// `format`, the shards travel as 16-bit values of it (which they must hold).
+fn all_gather_wire<T: Element>(
+    link: &mut Link,
+    rank: usize,
+    n: usize,
+    data: &mut [T],
+    format: Option<Format>,
+    name: &'static str,
+) -> Result<()> {
+    let Some(format) = format else {
+        return all_gather_in_place(link, rank, n, data, name);
+    };
+    let len = data.len();
+    let longest = shard_range(len, n, 0).len();
+    let (mut outgoing, mut incoming) = (vec![0u16; longest], vec![0u16; longest]);
+    for step in 0..n - 1 {
+        let (send, recv) = all_gather_step(rank, step, n);
+        let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
+        let out = &mut outgoing[..send.len()];
+        wire::pack(&data[send], format, out);
+        let into = &mut incoming[..recv.len()];
+        let mut flow = Exchange::new(bytemuck::cast_slice(out), bytemuck::cast_slice_mut(into));
+        link.pump(name, &mut flow)?;
+        wire::unpack(into, format, &mut data[recv]);
     }
     Ok(())
 }
@@ -263,24 +345,19 @@ fn all_gather_in_place<T: Element>(
     Ok(())
 }
 
-/// The ring's name of a reducing collective, in headers and errors.
-pub(crate) fn reduce_name(base: &'static str, op: ReduceOp) -> &'static str {
-    match (base, op) {
-        ("all_reduce", ReduceOp::Sum) => "all_reduce_sum",
-        ("all_reduce", ReduceOp::Max) => "all_reduce_max",
-        (_, ReduceOp::Sum) => "reduce_scatter_sum",
-        (_, ReduceOp::Max) => "reduce_scatter_max",
-    }
-}
-
 impl RingComm {
     fn all_reduce_t<T: Element>(&mut self, data: &mut [T], op: ReduceOp) -> Result<()> {
         let name = reduce_name("all_reduce", op);
         let header = self.header(name, T::NAME, data.len(), 0);
         self.collective(header, |link, rank, n| {
+            prepare(op, data);
             reduce_scatter_in_place(link, rank, n, data, op, name)?;
-            all_gather_in_place(link, rank, n, data, name)
-        })
+            all_gather_wire(link, rank, n, data, op.format(), name)
+        })?;
+        if self.link.is_none() {
+            prepare(op, data);
+        }
+        Ok(())
     }
 
     fn reduce_scatter_t<T: Element>(
@@ -294,12 +371,14 @@ impl RingComm {
         self.collective(header, |link, rank, n| {
             // The reduction happens in place, so on a copy of the input.
             let mut work = input.to_vec();
+            prepare(op, &mut work);
             reduce_scatter_in_place(link, rank, n, &mut work, op, name)?;
             output.copy_from_slice(&work[shard_range(input.len(), n, rank)]);
             Ok(())
         })?;
         if self.link.is_none() {
             output.copy_from_slice(input);
+            prepare(op, output);
         }
         Ok(())
     }
@@ -338,6 +417,8 @@ impl Communicator for RingComm {
     }
 
     fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> Result<()> {
+        let check = check_op(op, reduce_name("all_reduce", op));
+        self.local_check(check)?;
         match data {
             SliceMut::F32(xs) => self.all_reduce_t(xs, op),
             SliceMut::F64(xs) => self.all_reduce_t(xs, op),
@@ -352,14 +433,16 @@ impl Communicator for RingComm {
         op: ReduceOp,
     ) -> Result<()> {
         let name = reduce_name("reduce_scatter", op);
-        let check = check_scatter(
-            name,
-            input.len(),
-            output.len(),
-            (input.element(), output.element()),
-            self.world_size,
-            self.rank,
-        );
+        let check = check_op(op, name).and_then(|()| {
+            check_scatter(
+                name,
+                input.len(),
+                output.len(),
+                (input.element(), output.element()),
+                self.world_size,
+                self.rank,
+            )
+        });
         self.local_check(check)?;
         match (input, output) {
             (Slice::F32(x), SliceMut::F32(y)) => self.reduce_scatter_t(x, y, op),

@@ -2,6 +2,7 @@
 
 use std::ops::Range;
 
+use tl_collective::ReduceOp;
 use tl_tensor::memory;
 use tl_tensor::ndarray::{ArrayD, Axis, IxDyn, Slice as Span};
 use tl_tensor::{Tensor, meta};
@@ -115,9 +116,12 @@ impl<E: GradElement> VocabParallelEmbedding<E> {
         let mut shape = batch_shape.to_vec();
         shape.push(self.weight.shape()[1]);
         let local = self.lookup(ids).reshape(&shape);
+        // Summed in the element type even under autocast: a lookup is no product, so its
+        // rows are not rounded (one process would not round them), and each sum adds one
+        // row to zeros, exactly.
         match self.sequence_parallel {
-            true => self.tp.scatter_sequence(&local),
-            false => self.tp.reduce_from(&local),
+            true => self.tp.scatter_sequence_with(&local, ReduceOp::Sum),
+            false => self.tp.reduce_from_with(&local, ReduceOp::Sum),
         }
     }
 

@@ -4,7 +4,8 @@
 use std::ops::Range;
 use std::rc::Rc;
 
-use tl_collective::{CommStats, Communicator, shard_range};
+use tl_collective::{CommStats, Communicator, ReduceOp, shard_range};
+use tl_precision::{Format, autocast_format};
 use tl_tensor::memory::{self, Stage};
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::{Tensor, meta};
@@ -44,14 +45,82 @@ use super::views::{with_view, with_view_mut};
 #[derive(Clone)]
 pub struct TensorParallel {
     link: SharedLink,
+    reduce_in: ReduceIn,
+}
+
+/// How a tensor-parallel group adds its ranks' partial results under autocast: the partial
+/// outputs of a row-parallel layer ([`reduce_from`](TensorParallel::reduce_from),
+/// [`scatter_sequence`](TensorParallel::scatter_sequence)) and the partial input gradients
+/// of a column-parallel one (the backward of [`copy_to`](TensorParallel::copy_to) and of
+/// [`gather_sequence`](TensorParallel::gather_sequence)). Outside autocast, and under an
+/// fp8 autocast (tl-collective has no sum in 8 bits), both are the plain sum in the element
+/// type.
+///
+/// See `docs/mixed-precision.md` ("Tensor parallelism: the partial sums") for the numbers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ReduceIn {
+    /// In autocast's 16-bit format, as a GPU's NCCL ring all-reduce of a bf16 tensor adds
+    /// it: each rank's partial result rounded to the format (a rounded matmul's output is
+    /// already), each addition of the ring rounded, 2 bytes an element on the wire
+    /// ([`ReduceOp::SumIn`]). The default: what the hardware does.
+    #[default]
+    AutocastFormat,
+    /// In f32 (the element type: f64 for an f64 model), unrounded, 4 bytes an element:
+    /// Megatron's option to reduce in fp32, at twice the bytes, with the error of one
+    /// rounding per partial result instead of one per hop.
+    F32,
 }
 
 impl TensorParallel {
     /// The group whose communicator is `comm` (the tensor-parallel group's, not the whole
-    /// world's, once a mesh has several axes).
+    /// world's, once a mesh has several axes). Under autocast it adds partial results in
+    /// autocast's format ([`ReduceIn::AutocastFormat`]).
     pub fn new(comm: Box<dyn Communicator>) -> Self {
         Self {
             link: Link::shared(comm),
+            reduce_in: ReduceIn::default(),
+        }
+    }
+
+    /// This handle, adding partial results as `reduce_in` says; the layers built from it
+    /// (from clones of it) do too. Every rank of the group must choose alike: ranks that
+    /// differ fail their next sum with a mismatch.
+    ///
+    /// ```
+    /// use tl_collective::{Phantom, ReduceOp};
+    /// use tl_parallel::{ReduceIn, TensorParallel};
+    /// use tl_precision::{Format, autocast};
+    ///
+    /// let tp = TensorParallel::new(Box::new(Phantom::new(0, 2)?));
+    /// assert_eq!(tp.partial_sum_op(), ReduceOp::Sum); // no autocast
+    /// let _bf16 = autocast(Format::Bf16);
+    /// assert_eq!(tp.partial_sum_op(), ReduceOp::SumIn(Format::Bf16));
+    /// let tp = tp.with_reduce_in(ReduceIn::F32);
+    /// assert_eq!(tp.partial_sum_op(), ReduceOp::Sum);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_reduce_in(mut self, reduce_in: ReduceIn) -> Self {
+        self.reduce_in = reduce_in;
+        self
+    }
+
+    /// How this handle adds partial results under autocast.
+    pub fn reduce_in(&self) -> ReduceIn {
+        self.reduce_in
+    }
+
+    /// The reduction a sum of partial results made now, on this thread, uses:
+    /// [`ReduceOp::SumIn`] of autocast's format under a bf16 or fp16 autocast with
+    /// [`ReduceIn::AutocastFormat`], [`ReduceOp::Sum`] otherwise. The ops read it when their
+    /// forward runs, so a backward that runs after the autocast guard has dropped still
+    /// sums its gradients as the forward's autocast says (as a cast rounds them).
+    pub fn partial_sum_op(&self) -> ReduceOp {
+        match (self.reduce_in, autocast_format()) {
+            (ReduceIn::AutocastFormat, Some(format @ (Format::Bf16 | Format::Fp16))) => {
+                ReduceOp::SumIn(format)
+            }
+            (ReduceIn::AutocastFormat, Some(Format::E4M3 | Format::E5M2) | None)
+            | (ReduceIn::F32, _) => ReduceOp::Sum,
         }
     }
 
@@ -201,10 +270,14 @@ pub(super) fn call_in_backward<E: GradElement>(
     }
 }
 
-/// An all-reduce (sum) of `tensor`'s values in place, in a backward sweep.
-pub(super) fn all_reduce_in_backward<E: GradElement>(link: &SharedLink, tensor: &Tensor<E>) {
+/// An all-reduce (a sum, `op`) of `tensor`'s values in place, in a backward sweep.
+pub(super) fn all_reduce_in_backward<E: GradElement>(
+    link: &SharedLink,
+    tensor: &Tensor<E>,
+    op: ReduceOp,
+) {
     call_in_backward(link, tensor, |comm| {
-        with_view_mut(tensor, |values| comm.all_reduce_sum(values))
+        with_view_mut(tensor, |values| comm.all_reduce(values, op))
     });
 }
 

@@ -10,12 +10,19 @@
 //! | [`scatter_sequence`](TensorParallel::scatter_sequence) | reduce-scatter along axis 0 | all-gather along axis 0 |
 //! | [`gather_last`](TensorParallel::gather_last) | all-gather along the last axis | this rank's columns |
 //!
+//! Every sum in the table adds partial results (a row-parallel layer's outputs, a
+//! column-parallel layer's input gradients) with the group's
+//! [`partial_sum_op`](TensorParallel::partial_sum_op): under a 16-bit autocast, in its
+//! format, rounded at each hop as a GPU's ring rounds it ([`ReduceIn`](super::group::ReduceIn)).
+//! A backward sum uses the op its forward read.
+//!
 //! Every op records its backward over tensors ([`Tensor::from_op_tensors`]), so that on
 //! [meta](tl_tensor::meta) tensors the backward's collective runs too, on a shape-only
 //! buffer, and the meter sees the same buffers as in a real run. A collective of the
 //! forward that fails returns its error; one of the backward keeps it in the group (see
 //! [`TensorParallel::take_error`]) and makes the gradient NaN.
 
+use tl_collective::ReduceOp;
 use tl_tensor::Tensor;
 use tl_tensor::ndarray::{ArrayD, Axis, IxDyn, Slice as Span};
 
@@ -35,10 +42,17 @@ impl TensorParallel {
     ///
     /// Nothing is recorded, and no all-reduce happens backward, when `x` requires no
     /// gradient (a model's input).
+    ///
+    /// Under a 16-bit autocast the gradients are summed in its format, rounded at each hop
+    /// ([`partial_sum_op`](Self::partial_sum_op), read now): each rank's is the output of a
+    /// rounded backward product, a 16-bit tensor on a GPU, which NCCL adds in 16 bits. (A
+    /// gradient that several products' gradients were added into, in f32 here, is rounded
+    /// to the format before the sum, where a GPU would have rounded each addition.)
     pub fn copy_to<E: GradElement>(&self, x: &Tensor<E>) -> Tensor<E> {
         let link = self.link();
+        let op = self.partial_sum_op();
         Tensor::from_op_tensors(x, &[x], move |grad| {
-            all_reduce_in_backward(&link, &grad);
+            all_reduce_in_backward(&link, &grad, op);
             vec![Some(grad)]
         })
     }
@@ -47,12 +61,25 @@ impl TensorParallel {
     /// every rank's `x` forward (one all-reduce), and the identity backward. It ends a
     /// row-parallel layer, whose ranks each hold a partial sum of the output.
     ///
+    /// Under a 16-bit autocast the sum is in its format, rounded at each hop of the ring
+    /// ([`partial_sum_op`](Self::partial_sum_op)); each rank's `x` is rounded to the format
+    /// first, which changes nothing for a rounded matmul's output.
+    ///
     /// # Errors
     /// [`ParallelError::Collective`](crate::ParallelError::Collective) if the all-reduce
     /// fails (or an earlier collective of the group did).
     pub fn reduce_from<E: GradElement>(&self, x: &Tensor<E>) -> Result<Tensor<E>> {
+        self.reduce_from_with(x, self.partial_sum_op())
+    }
+
+    /// [`reduce_from`](Self::reduce_from) with the reduction `op`.
+    pub(super) fn reduce_from_with<E: GradElement>(
+        &self,
+        x: &Tensor<E>,
+        op: ReduceOp,
+    ) -> Result<Tensor<E>> {
         let sum = copy_of(x, labels::TENSOR_PARALLEL_SUM);
-        self.call(|comm| with_view_mut(&sum, |values| comm.all_reduce_sum(values)))?;
+        self.call(|comm| with_view_mut(&sum, |values| comm.all_reduce(values, op)))?;
         Ok(Tensor::from_op_tensors(&sum, &[x], |grad| vec![Some(grad)]))
     }
 
@@ -78,11 +105,13 @@ impl TensorParallel {
         let gathered = fresh(&shape, is_meta(&[x]), labels::SEQUENCE_GATHERED);
         self.call(|comm| between(x, &gathered, |x, out| comm.all_gather(x, out)))?;
         let link = self.link();
+        // The gradients are partial sums, as copy_to's are: summed as its are.
+        let op = self.partial_sum_op();
         Ok(Tensor::from_op_tensors(&gathered, &[x], move |grad| {
             let shard = fresh(&local_shape, is_meta(&[&grad]), labels::SEQUENCE_SCATTERED);
             call_in_backward(&link, &shard, |comm| {
                 between(&grad, &shard, |grad, shard| {
-                    comm.reduce_scatter_sum(grad, shard)
+                    comm.reduce_scatter(grad, shard, op)
                 })
             });
             vec![Some(shard)]
@@ -93,7 +122,7 @@ impl TensorParallel {
     /// row-parallel layer's partial output) of which each rank keeps its rows of the
     /// sequence (`[s/t, ..]`, [`split`](Self::split) of `s`), one reduce-scatter forward;
     /// the gradient all-gathered backward. It replaces [`reduce_from`](Self::reduce_from)
-    /// after a row-parallel layer.
+    /// after a row-parallel layer, and sums as it does.
     ///
     /// # Errors
     /// [`ParallelError::Indivisible`](crate::ParallelError::Indivisible) if `t` does not
@@ -103,6 +132,15 @@ impl TensorParallel {
     /// # Panics
     /// If `x` has no axis.
     pub fn scatter_sequence<E: GradElement>(&self, x: &Tensor<E>) -> Result<Tensor<E>> {
+        self.scatter_sequence_with(x, self.partial_sum_op())
+    }
+
+    /// [`scatter_sequence`](Self::scatter_sequence) with the reduction `op`.
+    pub(super) fn scatter_sequence_with<E: GradElement>(
+        &self,
+        x: &Tensor<E>,
+        op: ReduceOp,
+    ) -> Result<Tensor<E>> {
         let shape = x.shape();
         assert!(
             !shape.is_empty(),
@@ -112,7 +150,7 @@ impl TensorParallel {
         let mut local_shape = shape.clone();
         local_shape[0] = rows.len();
         let shard = fresh(&local_shape, is_meta(&[x]), labels::SEQUENCE_SCATTERED);
-        self.call(|comm| between(x, &shard, |x, shard| comm.reduce_scatter_sum(x, shard)))?;
+        self.call(|comm| between(x, &shard, |x, shard| comm.reduce_scatter(x, shard, op)))?;
         let link = self.link();
         Ok(Tensor::from_op_tensors(&shard, &[x], move |grad| {
             let gathered = fresh(&shape, is_meta(&[&grad]), labels::SEQUENCE_GATHERED);
@@ -176,6 +214,7 @@ impl TensorParallel {
 mod tests {
     use super::*;
     use tl_collective::{Collective, CommStats, Phantom, Single, ring_bytes_sent};
+    use tl_precision::Format;
     use tl_tensor::ndarray::arr2;
 
     type Op = fn(&TensorParallel, &Tensor<f64>) -> Tensor<f64>;
@@ -222,11 +261,27 @@ mod tests {
 
     #[test]
     fn on_meta_tensors_every_op_states_its_shape_and_costs_its_collectives() {
+        // Under a bf16 autocast the sums of partial results (all-reduce, reduce-scatter)
+        // send 2 bytes an element; the gathers move f64s, 8 bytes, as outside it.
+        for (format, sum_bytes) in [(None, 8), (Some(Format::Bf16), 2)] {
+            let _autocast = format.map(tl_precision::autocast);
+            every_op_costs_its_collectives(sum_bytes);
+        }
+    }
+
+    fn every_op_costs_its_collectives(sum_bytes: u64) {
         let cost = |calls: &[(Collective, u64)]| CommStats {
             collectives: calls.len() as u64,
             bytes_sent: calls
                 .iter()
-                .map(|&(c, n)| ring_bytes_sent(c, n, 8, 4, 1))
+                .map(|&(c, n)| {
+                    let bytes = if c == Collective::AllGather {
+                        8
+                    } else {
+                        sum_bytes
+                    };
+                    ring_bytes_sent(c, n, bytes, 4, 1)
+                })
                 .sum(),
         };
         use Collective::{AllGather, AllReduce, ReduceScatter};

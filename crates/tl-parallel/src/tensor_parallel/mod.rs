@@ -2,7 +2,9 @@
 //! tensor-parallel group, which run the same batch and exchange activations inside every
 //! layer.
 //!
-//! - [`group`]: [`TensorParallel`], the group's communicator and its kept errors.
+//! - [`group`]: [`TensorParallel`], the group's communicator and its kept errors, and
+//!   [`ReduceIn`]: whether partial results are added in autocast's 16-bit format (as a
+//!   GPU's all-reduce adds them) or in f32.
 //! - [`mappings`]: the conjugate autograd ops every parallel layer is made of — copy-to and
 //!   reduce-from, the sequence-parallel gather and reduce-scatter, the output gather.
 //! - [`column`](mod@column) and [`row`]: [`ColumnParallelLinear`] and [`RowParallelLinear`], built
@@ -27,5 +29,5 @@ mod views;
 
 pub use column::ColumnParallelLinear;
 pub use embedding::VocabParallelEmbedding;
-pub use group::TensorParallel;
+pub use group::{ReduceIn, TensorParallel};
 pub use row::RowParallelLinear;
