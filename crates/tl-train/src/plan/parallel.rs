@@ -29,7 +29,7 @@
 
 use serde::Serialize;
 
-use super::kind::{Stage, TensorKind};
+use super::kind::{Layer, Stage, TensorKind};
 use super::ledger::StepPrediction;
 use super::ledger::predict_rank;
 use super::recipe::Recipe;
@@ -187,6 +187,11 @@ pub struct RankPlan {
     pub sent: Vec<SentBytes>,
     /// Bytes sent per step in all.
     pub sent_bytes: u64,
+    /// Bytes the block that keeps the most keeps for backward at the end of one
+    /// micro-batch's forward pass (saved activations, a checkpoint's input): the figure
+    /// Korthikanti et al.'s per-layer formula stands for
+    /// ([`ParallelPlan::paper_block_activations`]).
+    pub block_activations_bytes: u64,
 }
 
 /// Everything `tinyllm plan --ranks N --zero S` reports.
@@ -202,6 +207,46 @@ pub struct ParallelPlan {
     pub paper: PaperFigures,
     /// Rank by rank, or rank 0 alone above [`LISTED_RANKS`] ranks.
     pub ranks: Vec<RankPlan>,
+    /// Korthikanti et al.'s activations of one block for one micro-batch
+    /// ([`korthikanti_block_bytes`]), beside the plan's exact
+    /// [`RankPlan::block_activations_bytes`].
+    pub paper_block_activations: u64,
+}
+
+/// Bytes of activations one transformer layer keeps for backward, by Korthikanti et al.,
+/// "Reducing Activation Recomputation in Large Transformer Models" (2022), Table 2, for
+/// their GPT layer with 16-bit activations and 1-byte dropout masks: `sbh(34 + 5as/h)`
+/// alone, `sbh(10 + 24/t + 5as/(ht))` with tensor parallelism over `t`, and
+/// `(sbh/t)(34 + 5as/h)` with sequence parallelism too (`s` the sequence length, `b` the
+/// micro-batch, `h` the width, `a` the heads).
+///
+/// ```
+/// use tl_train::plan::korthikanti_block_bytes;
+/// // GPT-3 175B's layer (h 12288, a 96) at s 2048, b 1: 34·sbh + 5·a·s²·b = 2.87 GB.
+/// assert_eq!(korthikanti_block_bytes(2048, 1, 12288, 96, 1, false), 2_868_903_936);
+/// // Over t = 8: 10·sbh stays whole (the norms' inputs and outputs, dropout masks)...
+/// assert_eq!(korthikanti_block_bytes(2048, 1, 12288, 96, 8, false), 578_813_952);
+/// // ... and with sequence parallelism everything is divided by 8.
+/// assert_eq!(korthikanti_block_bytes(2048, 1, 12288, 96, 8, true), 2_868_903_936 / 8);
+/// ```
+pub fn korthikanti_block_bytes(
+    s: usize,
+    b: usize,
+    h: usize,
+    a: usize,
+    t: usize,
+    sequence_parallel: bool,
+) -> u64 {
+    let (s, b, h, a, t) = (s as u128, b as u128, h as u128, a as u128, t.max(1) as u128);
+    let sbh = s * b * h;
+    // The attention's scores and softmax: 5as²b, exact in whole bytes.
+    let scores = 5 * a * s * s * b;
+    let bytes = if sequence_parallel || t == 1 {
+        (34 * sbh + scores) / t
+    } else {
+        10 * sbh + 24 * sbh / t + scores / t
+    };
+    bytes as u64
 }
 
 impl ParallelPlan {
@@ -258,6 +303,14 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
             world_size / parallelism.tensor,
             recipe.accum,
         ),
+        paper_block_activations: korthikanti_block_bytes(
+            recipe.model.context,
+            recipe.micro_batch,
+            recipe.model.d_model,
+            recipe.model.n_heads,
+            parallelism.tensor,
+            false,
+        ),
         sizes,
         ranks,
     })
@@ -275,7 +328,16 @@ fn plan_rank(recipe: &Recipe, parallelism: &DataParallelism, rank: usize) -> Res
         .into_iter()
         .map(|(calls, bytes)| SentBytes { calls, bytes })
         .collect();
-    Ok(from_prediction(&prediction).into_rank_plan(rank, sent))
+    let mut by_block = std::collections::BTreeMap::<usize, u64>::new();
+    for saved in &prediction.saved {
+        if let Layer::Block(i) = saved.layer {
+            *by_block.entry(i).or_default() += saved.bytes;
+        }
+    }
+    let block_activations = by_block.into_values().max().unwrap_or(0);
+    let mut plan = from_prediction(&prediction).into_rank_plan(rank, sent);
+    plan.block_activations_bytes = block_activations;
+    Ok(plan)
 }
 
 /// When a rank's metered bytes are highest.
@@ -369,6 +431,7 @@ impl Memory {
             first_step_peak_bytes: self.first_step_peak,
             sent_bytes: sent.iter().map(|s| s.bytes).sum(),
             sent,
+            block_activations_bytes: 0,
         }
     }
 }

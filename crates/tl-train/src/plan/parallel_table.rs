@@ -133,6 +133,25 @@ pub fn render_parallel(plan: &ParallelPlan) -> String {
         size(rank0.weights_bytes + rank0.gradients_bytes + rank0.optimizer_bytes),
         size(rank0.activations_bytes),
     );
+    let t = p.tensor;
+    let formula = if t == 1 {
+        "sbh(34 + 5as/h)".to_string()
+    } else {
+        format!("sbh(10 + 24/{t} + 5as/({t}h))")
+    };
+    // (ZeRO-3's step does not mark the end of a micro-batch's forward pass for the
+    // ledger, so its saved bytes are not split by block: no line then.)
+    if rank0.block_activations_bytes > 0 {
+        let _ = writeln!(
+            out,
+            "activations a block keeps for backward (the most of any), one micro-batch: \
+             this plan {} ({}, exact); Korthikanti et al. 2022, Table 2, {formula}: {} (a \
+             GPT block, 16-bit activations, 1-byte dropout masks)",
+            size(rank0.block_activations_bytes),
+            plan.recipe.precision.name(),
+            size(plan.paper_block_activations),
+        );
+    }
     let _ = writeln!(
         out,
         "the paper's volume per rank: {} per step; this plan sends {}",
