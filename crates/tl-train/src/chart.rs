@@ -16,6 +16,27 @@ mod legend;
 mod legend_row;
 mod overlay;
 mod placement;
+mod split;
+
+pub use split::render_tensor_parallel_block;
+
+/// Writes [`render_tensor_parallel_block`] of `model` over `t` ranks to `path`.
+///
+/// # Errors
+/// [`ChartError::Drawing`] if plotters fails, [`ChartError::Io`] if the file cannot be
+/// written.
+pub fn write_tensor_parallel_block(
+    path: &Path,
+    model: &crate::model::ModelConfig,
+    t: usize,
+) -> Result<PathBuf, ChartError> {
+    let svg = render_tensor_parallel_block(model, t)?;
+    write_atomic(path, svg.as_bytes()).map_err(|source| ChartError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(path.to_path_buf())
+}
 
 /// One labelled line of a chart.
 #[derive(Clone, Debug, PartialEq)]

@@ -61,6 +61,9 @@ pub struct PlanArgs {
     /// consecutive ranks of the `--ranks` (which must be a multiple of it) [default: 1].
     #[arg(long, value_name = "T", default_value_t = 1)]
     pub tp: usize,
+    /// With --tp: also draw the split of one of the model's blocks over the group, as SVG.
+    #[arg(long, value_name = "FILE", requires = "tp")]
+    pub diagram: Option<PathBuf>,
     /// Do not clip gradients, as `tinyllm train --no-clip` (under ZeRO-2 and 3 clipping
     /// adds an all-reduce of the norm).
     #[arg(long)]
@@ -144,6 +147,14 @@ pub(super) fn plan(args: &PlanArgs) -> Result<Exit> {
 
 /// `--ranks` × `--zero`: one plan in full, or the table of several.
 fn plan_parallel(args: &PlanArgs, config: &TrainConfig) -> Result<Exit> {
+    if let Some(path) = &args.diagram {
+        let written = crate::chart::write_tensor_parallel_block(path, &config.model, args.tp)?;
+        say!(
+            "diagram of a block over {} ranks: {}",
+            args.tp,
+            written.display()
+        );
+    }
     let recipe = &Recipe::from(config);
     let ranks = if args.ranks.is_empty() {
         SWEEP_RANKS.to_vec()
