@@ -105,6 +105,41 @@ struct TensorAxis {
     /// The sums of squares of the current gradients, split and replicated, set when the
     /// step's gradients are ready (it reads the tensors when asked: after any unscaling).
     sums: Option<Box<dyn Fn() -> (f64, f64)>>,
+    /// By the optimizer's parameter order: whether the parameter's gradient is this rank's
+    /// share, to be summed over the group before the step (sequence parallelism's
+    /// replicated parameters). Empty: none is.
+    shares: Vec<bool>,
+    /// The error of a failed sum of the shares, until [`DataParallel::take_error`].
+    failed: Option<ParallelError>,
+}
+
+impl TensorAxis {
+    /// Sums the gradients that are shares over the group, in one all-reduce; on failure
+    /// keeps the error and makes every gradient NaN, so the step refuses them.
+    fn sum_shares<E: GradElement>(&mut self, params: &[Tensor<E>]) {
+        if self.shares.is_empty() {
+            return;
+        }
+        assert_eq!(
+            params.len(),
+            self.shares.len(),
+            "DataParallel::with_sequence_parallel: one flag per parameter"
+        );
+        let shares: Vec<Tensor<E>> = (params.iter().zip(&self.shares))
+            .filter(|&(_, &share)| share)
+            .map(|(param, _)| param.clone())
+            .collect();
+        if shares.is_empty() {
+            return;
+        }
+        if let Err(error) = self.tp.all_reduce_gradients(&shares) {
+            self.failed.get_or_insert(error);
+            for param in params {
+                ensure_grad(param);
+                param.update_grad(|g| g.fill(E::nan()));
+            }
+        }
+    }
 }
 
 impl DataParallel {
@@ -139,7 +174,29 @@ impl DataParallel {
             tp,
             replicated,
             sums: None,
+            shares: Vec::new(),
+            failed: None,
         });
+        self
+    }
+
+    /// Under sequence parallelism: sums over the tensor-parallel group the gradients of the
+    /// parameters flagged in `shares` (by the optimizer's parameter order) when the step's
+    /// gradients are ready, before the data-parallel reduction and anything that reads them
+    /// — the parameters every rank holds whole but trains on its own rows of the sequence
+    /// only (a norm's gain), whose gradient on each rank is a share of the whole one
+    /// ([`TensorParallel::all_reduce_gradients`], one all-reduce a step, as Megatron makes
+    /// it). Being replicated, they are counted once in the clip norm, as before.
+    ///
+    /// A failed sum is kept for [`take_error`](Self::take_error) and makes the gradients
+    /// NaN, as a failed reduction does.
+    ///
+    /// # Panics
+    /// Unless [`with_tensor_parallel`](Self::with_tensor_parallel) came first.
+    pub fn with_sequence_parallel(mut self, shares: Vec<bool>) -> Self {
+        let tensor = (self.tensor.as_mut())
+            .expect("DataParallel::with_sequence_parallel: call with_tensor_parallel first");
+        tensor.shares = shares;
         self
     }
 
@@ -220,8 +277,12 @@ impl DataParallel {
         self.summary
     }
 
-    /// The first collective error since the last call, if any (see the type's docs).
+    /// The first collective error since the last call, if any (see the type's docs): the
+    /// tensor-parallel group's sum of shares first.
     pub fn take_error(&mut self) -> Option<ParallelError> {
+        if let Some(error) = self.tensor.as_mut().and_then(|t| t.failed.take()) {
+            return Some(error);
+        }
         let rank = self.rank();
         self.link
             .borrow_mut()
@@ -452,6 +513,7 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
     fn gradients_ready(&mut self, params: &[Tensor<E>]) {
         let _reduction = memory::stage_scope(Stage::Reduction);
         if let Some(tensor) = &mut self.tensor {
+            tensor.sum_shares(params);
             tensor.sums = Some(sums_of_squares(params, &tensor.replicated));
         }
         if let Some(shards) = self.sharded() {

@@ -124,6 +124,55 @@ fn tensor_parallel_meta_ranks_step_as_real_ranks() {
     }
 }
 
+/// Sequence parallelism: the same split step with the residual stream as each rank's rows
+/// of the tokens (the gathers and scatters in the blocks, the gains' gradients summed over
+/// the group) on meta ranks as on real ones, at tp 2 and at dp 2 × tp 2, ZeRO 0 and 1, in
+/// fp32, in bf16 with every block checkpointed, and with dropout's masks on the rows.
+///
+/// It takes memory from each rank: the real ranks' metered peak of a steady step is
+/// below the plain split's.
+#[test]
+fn sequence_parallel_meta_ranks_step_as_real_ranks_on_less_memory() {
+    for (world, tensor) in [(2, 2), (4, 2)] {
+        for zero in 0..2 {
+            for (name, precision, checkpointing, dropout) in [
+                ("fp32", Precision::Fp32, Checkpointing::Off, 0.0),
+                (
+                    "bf16, per block",
+                    Precision::Bf16,
+                    Checkpointing::PerBlock,
+                    0.0,
+                ),
+                ("fp32, dropout", Precision::Fp32, Checkpointing::Off, 0.1),
+            ] {
+                let mut config = tiny(precision, checkpointing, zero);
+                config.model.dropout = dropout;
+                config.parallel.tensor = tensor;
+                config.parallel.sequence_parallel = true;
+                let what = format!("tp {tensor} of {world} ZeRO-{zero} {name}, sequence parallel");
+                let sequence = assert_meta_ranks_are_real(&what, &config, world);
+                if world != 2 || zero != 0 {
+                    continue;
+                }
+                config.parallel.sequence_parallel = false;
+                let plain = real_ranks(&config, world);
+                for (rank, (sequence, plain)) in sequence.iter().zip(&plain).enumerate() {
+                    let (with, without) = (sequence.0.memory, plain.0.memory);
+                    eprintln!(
+                        "tiny, {name}, tp 2, rank {rank}: peak {} B with sequence \
+                         parallelism, {} B without (first step {} B, {} B)",
+                        with.peak_bytes,
+                        without.peak_bytes,
+                        with.first_step_peak_bytes,
+                        without.first_step_peak_bytes
+                    );
+                    assert!(with.peak_bytes < without.peak_bytes, "{what}, rank {rank}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn two_meta_ranks_step_as_two_real_ranks_at_every_stage() {
     check_world(2);

@@ -5,6 +5,11 @@
 //!
 //! The ranks are threads of this process over the socket ring (each its own sockets), so a
 //! test is a few hundred milliseconds.
+//!
+//! - `sequence`: the split with sequence parallelism.
+
+#[path = "tensor_parallel/sequence.rs"]
+mod sequence;
 
 use std::time::Duration;
 
@@ -57,6 +62,7 @@ const INPUTS: [usize; 10] = [1, 4, 7, 2, 0, 10, 3, 3, 15, 8];
 const TARGETS: [usize; 10] = [4, 7, 2, 9, 10, 3, 3, 5, 8, 12];
 
 /// The loss and every named gradient of one forward and backward pass.
+#[derive(Clone)]
 struct Pass {
     loss: f64,
     grads: Vec<(String, ArrayD<f64>)>,

@@ -1,8 +1,8 @@
 //! `tinyllm train --tp T` on ranks (`tinyllm launch -n N -- train ... --tp T`): the same run
 //! as one process on the same global batch in every layout (tp 2, tp 4, dp 2 × tp 2 with
-//! ZeRO-1), in 16 bits to the rounding the split implies, checkpoints that resume in any
-//! other layout, and layouts that cannot be, refused before any step. Every multi-process
-//! run here is bounded in time.
+//! ZeRO-1, each with and without `--sequence-parallel`), in 16 bits to the rounding the
+//! split implies, checkpoints that resume in any other layout, and layouts that cannot be,
+//! refused before any step. Every multi-process run here is bounded in time.
 
 mod common;
 
@@ -115,11 +115,19 @@ fn every_layout_trains_what_one_process_trains() {
         (4, 2, &["--tp", "4"][..]),
         (4, 1, &["--tp", "2", "--zero", "1"][..]),
         (4, 1, &["--tp", "2"][..]),
+        (2, 2, &["--tp", "2", "--sequence-parallel"][..]),
+        (4, 1, &["--tp", "2", "--sequence-parallel"][..]),
+        (
+            4,
+            2,
+            &["--tp", "4", "--sequence-parallel", "--zero", "1"][..],
+        ),
     ] {
         let out = dir.path().join(format!("{ranks}-{}", flags.join("")));
         succeed(ranks, &tiny(&out, accum, flags));
         let what = format!("{ranks} ranks {flags:?}");
-        // Measured: 4.7e-8 at most (the f32 sums of the split products in another order).
+        // Measured: 5.3e-8 at most (the f32 sums of the split products in another order),
+        // with sequence parallelism too.
         let losses = largest_relative(&train_losses(&out), &train_losses(&one));
         assert!(losses < 1e-6, "{what}: losses differ by {losses:e}");
         let (got_header, got) = weights(&out);
@@ -127,9 +135,10 @@ fn every_layout_trains_what_one_process_trains() {
             got_header, header,
             "{what}: the checkpoint holds whole tensors"
         );
-        // Measured: 1.4e-5 at most after 5 steps, weights of order 0.1 to 1: AdamW divides
-        // each gradient by its own running size, so a last-bit difference of a small
-        // gradient moves its weight by up to a few ulps of the learning rate, 3e-3.
+        // Measured after 5 steps: 1.4e-5 at tp 2, 4.0e-5 at tp 4 (with or without sequence
+        // parallelism), weights of order 0.1 to 1: AdamW divides each gradient by its own
+        // running size, so a last-bit difference of a small gradient moves its weight by up
+        // to a few ulps of the learning rate, 3e-3.
         let largest = largest_difference(&got, &expected);
         assert!(
             largest < 5e-5,
@@ -137,6 +146,11 @@ fn every_layout_trains_what_one_process_trains() {
         );
         let config = read_config(&out).unwrap();
         assert_eq!(config.parallel.ranks, ranks);
+        let sequence_parallel = flags.contains(&"--sequence-parallel");
+        assert_eq!(
+            config.parallel.sequence_parallel, sequence_parallel,
+            "{what}"
+        );
     }
 }
 
@@ -192,6 +206,43 @@ fn a_checkpoint_written_at_tp_2_resumes_in_any_layout() {
     }
 }
 
+/// Sequence parallelism changes where activations live, not what the run computes: a run
+/// written with it at tp 2 (checkpointing and dropout on, so that the reruns replay the
+/// whole model's masks) resumes at tp 1 on one rank, and at tp 2 with it turned off, and
+/// follows the uninterrupted one-process run.
+#[test]
+fn a_sequence_parallel_run_resumes_without_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = ["--checkpoint-activations", "--dropout", "0.1"];
+    let one = dir.path().join("one");
+    succeed(1, &tiny(&one, 2, &recipe));
+    let expected = train_losses(&one);
+    for (ranks, tp, flags) in [(1, 1, &[][..]), (2, 2, &["--sequence-parallel=false"][..])] {
+        let run = dir.path().join(format!("to-{ranks}-{tp}"));
+        let mut first = recipe.to_vec();
+        first.extend(["--tp", "2", "--sequence-parallel", "--until-step", "3"]);
+        succeed(2, &tiny(&run, 2, &first));
+        assert!(read_config(&run).unwrap().parallel.sequence_parallel);
+        let tp = tp.to_string();
+        let resume: Vec<String> = ["train", "--resume", run.to_str().unwrap(), "--quiet"]
+            .into_iter()
+            .chain(["--tp", &tp])
+            .chain(flags.iter().copied())
+            .map(String::from)
+            .collect();
+        succeed(ranks, &resume);
+        let config = read_config(&run).unwrap();
+        assert!(!config.parallel.sequence_parallel, "to {ranks} x tp {tp}");
+        // Measured: 4.7e-8 (to tp 1) and 5.0e-8 (tp 2 without it): f32 sums in another
+        // order, then resumed exactly.
+        let difference = largest_relative(&train_losses(&run), &expected);
+        assert!(
+            difference < 1e-6,
+            "to {ranks} x tp {tp}: losses differ by {difference:e}"
+        );
+    }
+}
+
 /// Layouts that cannot be are refused before any step, naming what does not fit.
 #[test]
 fn layouts_that_cannot_be_are_refused_before_any_step() {
@@ -200,6 +251,7 @@ fn layouts_that_cannot_be_are_refused_before_any_step() {
         (4, &["--tp", "3"][..], "divisible by 3"),
         (2, &["--tp", "2", "--zero", "2"][..], "ZeRO stages 0 and 1"),
         (1, &["--tp", "2"][..], "must divide"),
+        (1, &["--sequence-parallel"][..], "requires --tp > 1"),
     ] {
         let out = dir.path().join(format!("bad-{ranks}-{}", flags.join("")));
         let output = run_ranks(ranks, &tiny(&out, 2, flags));

@@ -204,7 +204,10 @@ impl TensorParallel {
                 offset += param.numel();
             }
         }
+        // Labelled for whoever records the group's calls (the plan names this one).
+        let label = memory::label_scope(labels::SEQUENCE_PARALLEL_GRADIENTS);
         self.call(|comm| comm.all_reduce_sum(sums.view_mut()))?;
+        drop(label);
         // Written back in place where a gradient exists, so the meter sees nothing move
         // (and a meta gradient has nothing to write).
         let mut offset = 0;

@@ -95,14 +95,38 @@ impl TensorParallel {
     /// # Panics
     /// If `x` has no axis.
     pub fn gather_sequence<E: GradElement>(&self, x: &Tensor<E>) -> Result<Tensor<E>> {
-        let local_shape = x.shape();
+        let mut shape = x.shape();
         assert!(
-            !local_shape.is_empty(),
+            !shape.is_empty(),
             "gather_sequence: a 0-dimensional tensor has no sequence axis"
         );
-        let mut shape = local_shape.clone();
         shape[0] *= self.world_size();
-        let gathered = fresh(&shape, is_meta(&[x]), labels::SEQUENCE_GATHERED);
+        self.gather_sequence_as(x, &shape)
+    }
+
+    /// [`gather_sequence`](Self::gather_sequence) whose result has the shape `shape`: the
+    /// same elements in the same order (every rank's `x` in row-major order, in rank
+    /// order), seen under another shape at no cost. A rank's rows of a batch's flattened
+    /// tokens, `[B·T/t, d]`, gathered as the batch `[B, T, d]`.
+    ///
+    /// # Errors
+    /// As [`gather_sequence`](Self::gather_sequence).
+    ///
+    /// # Panics
+    /// If `shape` does not hold `t` times `x`'s elements.
+    pub fn gather_sequence_as<E: GradElement>(
+        &self,
+        x: &Tensor<E>,
+        shape: &[usize],
+    ) -> Result<Tensor<E>> {
+        let local_shape = x.shape();
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            self.world_size() * x.numel(),
+            "gather_sequence: {} ranks' {local_shape:?} cannot be gathered as {shape:?}",
+            self.world_size()
+        );
+        let gathered = fresh(shape, is_meta(&[x]), labels::SEQUENCE_GATHERED);
         self.call(|comm| between(x, &gathered, |x, out| comm.all_gather(x, out)))?;
         let link = self.link();
         // The gradients are partial sums, as copy_to's are: summed as its are.
@@ -141,15 +165,47 @@ impl TensorParallel {
         x: &Tensor<E>,
         op: ReduceOp,
     ) -> Result<Tensor<E>> {
-        let shape = x.shape();
+        let mut local_shape = x.shape();
         assert!(
-            !shape.is_empty(),
+            !local_shape.is_empty(),
             "scatter_sequence: a 0-dimensional tensor has no sequence axis"
         );
-        let rows = self.split("sequence length", shape[0])?;
-        let mut local_shape = shape.clone();
-        local_shape[0] = rows.len();
-        let shard = fresh(&local_shape, is_meta(&[x]), labels::SEQUENCE_SCATTERED);
+        local_shape[0] = self.split("sequence length", local_shape[0])?.len();
+        self.scatter_sequence_as_with(x, &local_shape, op)
+    }
+
+    /// [`scatter_sequence`](Self::scatter_sequence) of `x` seen as rows of its elements in
+    /// row-major order: this rank's share of the sum, elements `r·n/t..(r + 1)·n/t`, shaped
+    /// `shape`. A batch's partial output `[B, T, d]` reduce-scattered into the rank's rows
+    /// of the flattened tokens, `[B·T/t, d]`, at no cost for the change of shape.
+    ///
+    /// # Errors
+    /// As [`scatter_sequence`](Self::scatter_sequence), for the reduce-scatter.
+    ///
+    /// # Panics
+    /// If `t` times `shape`'s elements are not `x`'s.
+    pub fn scatter_sequence_as<E: GradElement>(
+        &self,
+        x: &Tensor<E>,
+        shape: &[usize],
+    ) -> Result<Tensor<E>> {
+        self.scatter_sequence_as_with(x, shape, self.partial_sum_op())
+    }
+
+    fn scatter_sequence_as_with<E: GradElement>(
+        &self,
+        x: &Tensor<E>,
+        local_shape: &[usize],
+        op: ReduceOp,
+    ) -> Result<Tensor<E>> {
+        let shape = x.shape();
+        assert_eq!(
+            self.world_size() * local_shape.iter().product::<usize>(),
+            x.numel(),
+            "scatter_sequence: {shape:?} cannot be scattered into {} ranks' {local_shape:?}",
+            self.world_size()
+        );
+        let shard = fresh(local_shape, is_meta(&[x]), labels::SEQUENCE_SCATTERED);
         self.call(|comm| between(x, &shard, |x, shard| comm.reduce_scatter(x, shard, op)))?;
         let link = self.link();
         Ok(Tensor::from_op_tensors(&shard, &[x], move |grad| {
@@ -346,6 +402,48 @@ mod tests {
         // Backward keeps this rank's columns of the gradient.
         let own = arr2(&[[4.0, 5.0, 6.0], [10.0, 11.0, 12.0]]).into_dyn();
         assert_eq!(x.grad().unwrap(), own);
+    }
+
+    #[test]
+    fn a_ranks_rows_of_the_tokens_gather_as_the_batch_and_scatter_back() {
+        // Rank 1 of 2 over a Phantom (the others' parts stay zeros): its rows [3, 2] of the
+        // 6 tokens of a [2, 3] batch are the second sequence of the gathered [2, 3, 2].
+        let tp = TensorParallel::new(Box::new(Phantom::new(1, 2).unwrap()));
+        let rows = Tensor::param(arr2(&[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]).into_dyn());
+        let batch = tp.gather_sequence_as(&rows, &[2, 3, 2]).unwrap();
+        assert_eq!(batch.shape(), [2, 3, 2]);
+        let expected = [0.0; 6]
+            .into_iter()
+            .chain(rows.to_vec())
+            .collect::<Vec<_>>();
+        assert_eq!(batch.to_vec(), expected);
+        // Backward: the gradient's second half, rank 1's share of the reduce-scatter.
+        let weights: Vec<f64> = (0..12).map(f64::from).collect();
+        let weights = Tensor::from_vec(weights, &[2, 3, 2]).unwrap();
+        (&batch * &weights).sum_all().backward();
+        assert_eq!(
+            rows.grad().unwrap().iter().copied().collect::<Vec<_>>(),
+            [6.0, 7.0, 8.0, 9.0, 10.0, 11.0]
+        );
+
+        // And back: a [2, 3, 2] partial output into rank 1's rows [3, 2].
+        let partial = Tensor::param(
+            ArrayD::from_shape_vec(IxDyn(&[2, 3, 2]), (0..12).map(f64::from).collect()).unwrap(),
+        );
+        let own = tp.scatter_sequence_as(&partial, &[3, 2]).unwrap();
+        assert_eq!(own.shape(), [3, 2]);
+        assert_eq!(own.to_vec(), [6.0, 7.0, 8.0, 9.0, 10.0, 11.0]);
+        own.sum_all().backward();
+        let grad: Vec<f64> = partial.grad().unwrap().iter().copied().collect();
+        assert_eq!(grad, [[0.0; 6], [1.0; 6]].concat());
+        assert!(tp.take_error().is_none());
+    }
+
+    #[test]
+    #[should_panic(expected = "gather_sequence: 2 ranks' [3, 2] cannot be gathered as [3, 3, 2]")]
+    fn a_gathered_shape_must_hold_every_ranks_elements() {
+        let tp = TensorParallel::new(Box::new(Phantom::new(0, 2).unwrap()));
+        let _ = tp.gather_sequence_as(&Tensor::<f32>::zeros(&[3, 2]), &[3, 3, 2]);
     }
 
     #[test]

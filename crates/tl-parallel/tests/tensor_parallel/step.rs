@@ -5,7 +5,7 @@
 
 use std::slice::from_ref;
 
-use tl_collective::{RingComm, Single};
+use tl_collective::{Communicator, RingComm, Single};
 use tl_parallel::{DataParallel, TensorParallel};
 use tl_precision::{DynamicLossScaler, Precision};
 use tl_tensor::Tensor;
@@ -153,5 +153,61 @@ fn an_overflow_on_one_rank_of_the_group_skips_the_step_on_every_rank() {
             after, &before,
             "rank {rank}: a skipped step changes no weight"
         );
+    }
+}
+
+/// Under sequence parallelism each rank trains the whole `b` on its own rows only: here
+/// rank `r`'s share of the loss is `(r + 1)·Σ b²`, summed over the group by a reduce-from
+/// (identity backward), so rank `r`'s gradient is `2(r + 1)·b`, a share of the whole
+/// `2·Σ_r (r + 1)·b`. [`DataParallel::with_sequence_parallel`] sums the shares before the
+/// step: every rank takes the whole model's step and the clip norm counts `b` once.
+#[test]
+fn the_shares_of_a_replicated_gradient_are_summed_over_the_group_before_the_step() {
+    for t in [2, 4] {
+        let runs = world(t, |comm| {
+            let rank = comm.rank();
+            let tp = TensorParallel::new(Box::new(comm));
+            let before = tp.stats().collectives;
+            let b = Tensor::<f32>::param(ArrayD::from_elem(IxDyn(&[2]), 0.5));
+            let part = Part {
+                w: Tensor::param(ArrayD::from_elem(IxDyn(&[IN, 1]), 0.0)),
+                b: b.clone(),
+            };
+            let mut ddp = DataParallel::new(Box::new(Single::new()))
+                .with_tensor_parallel(tp.clone(), vec![false, true])
+                .with_sequence_parallel(vec![false, true]);
+            let mut opt = Sgd::new(part.parameters(), 0.1).unwrap();
+            let loss = |m: &Part, _: &Tensor<f32>| {
+                let share = m.b.mul(&m.b).sum_all().mul_scalar((rank + 1) as f32);
+                tp.reduce_from(&share).unwrap()
+            };
+            let report = ddp
+                .train_step(
+                    &part,
+                    from_ref(&x()),
+                    ROWS,
+                    loss,
+                    &mut opt,
+                    Precision::Fp32,
+                    None,
+                    Some(1e3),
+                )
+                .unwrap();
+            (report, b.to_vec(), tp.stats().collectives - before)
+        });
+        // The whole gradient 2·0.5·Σ_r (r + 1) = t(t + 1)/2, the same on every rank: one
+        // step of 0.1 along it, and its norm √2 times that, counted once.
+        let whole = (t * (t + 1) / 2) as f32;
+        for (rank, (report, b, collectives)) in runs.iter().enumerate() {
+            assert_eq!(b, &[0.5 - 0.1 * whole; 2], "t {t} rank {rank}");
+            let norm = report.grad_norm.unwrap();
+            let expected = f64::from(whole) * 2f64.sqrt();
+            assert!(
+                (norm - expected).abs() < 1e-6 * expected,
+                "t {t} rank {rank}: {norm}"
+            );
+            // The loss's reduce-from, the shares' sum, the overflow flag, the clip norm.
+            assert_eq!(*collectives, 4, "t {t} rank {rank}");
+        }
     }
 }

@@ -73,6 +73,62 @@ impl Dropout {
     pub fn is_training(&self) -> bool {
         self.training.get()
     }
+
+    /// Dropout of rows `first_row..first_row + x.shape()[0]` of a tensor of `total_rows`
+    /// rows (each row shaped as the rest of `x`'s axes): the mask is those rows of the mask
+    /// [`forward`](Module::forward) would draw for the whole tensor, and the stream
+    /// advances past the whole tensor's draws. The rows of the whole tensor can so be
+    /// spread over several callers holding handles on copies of one stream (sequence
+    /// parallelism's ranks, each holding its rows of the tokens): each applies the whole
+    /// tensor's mask to its rows, and their streams stay in step.
+    ///
+    /// The draws before and after this caller's rows are made and discarded (xoshiro has
+    /// no jump by an arbitrary count): as many draws as the whole tensor's, no memory for
+    /// the rows of others.
+    ///
+    /// # Panics
+    /// If `x` has no axis, or its rows do not fit in `total_rows` from `first_row`.
+    ///
+    /// ```
+    /// use tl_tensor::nn::{Dropout, Module};
+    /// use tl_tensor::{Generator, Tensor};
+    /// let whole = Dropout::new(0.5, Generator::new(3))?;
+    /// let mask: Tensor<f32> = whole.forward(&Tensor::ones(&[4, 2]));
+    /// let part = Dropout::new(0.5, Generator::new(3))?;
+    /// let rows = part.forward_rows(&Tensor::<f32>::ones(&[2, 2]), 1, 4);
+    /// assert_eq!(rows.to_vec(), mask.to_vec()[2..6]);
+    /// assert_eq!(part.generator().state(), whole.generator().state());
+    /// # Ok::<(), tl_tensor::TensorError>(())
+    /// ```
+    pub fn forward_rows<E: Element>(
+        &self,
+        x: &Tensor<E>,
+        first_row: usize,
+        total_rows: usize,
+    ) -> Tensor<E> {
+        let shape = x.shape();
+        let (&rows, row_shape) = shape
+            .split_first()
+            .expect("Dropout::forward_rows: a 0-dimensional tensor has no rows");
+        assert!(
+            first_row + rows <= total_rows,
+            "Dropout::forward_rows: rows {first_row}..{} of a tensor of {total_rows} rows",
+            first_row + rows
+        );
+        if !self.training.get() || self.p == 0.0 || !crate::meta::computes(&[x]) {
+            return Module::forward(self, x);
+        }
+        let row_len: usize = row_shape.iter().product();
+        let skip = |rows: usize| {
+            for _ in 0..rows * row_len {
+                self.rng.next_u64();
+            }
+        };
+        skip(first_row);
+        let output = Module::forward(self, x);
+        skip(total_rows - first_row - rows);
+        output
+    }
 }
 
 /// The memory meter's label of a dropout mask.
@@ -169,6 +225,22 @@ mod tests {
             reference.next_u64();
         }
         assert_eq!(dropout.generator().next_u64(), reference.next_u64());
+    }
+
+    #[test]
+    fn rows_of_a_whole_mask_tile_it_and_keep_the_streams_in_step() {
+        let whole = Dropout::new(0.3, Generator::new(8)).unwrap();
+        let expected = forward(&whole, &Tensor::ones(&[6, 5]));
+        let mut tiled = Vec::new();
+        for first_row in [0, 2, 4] {
+            let part = Dropout::new(0.3, Generator::new(8)).unwrap();
+            tiled.extend(
+                part.forward_rows(&Tensor::<f32>::ones(&[2, 5]), first_row, 6)
+                    .to_vec(),
+            );
+            assert_eq!(part.generator().state(), whole.generator().state());
+        }
+        assert_eq!(tiled, expected);
     }
 
     #[test]

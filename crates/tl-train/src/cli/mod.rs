@@ -314,6 +314,19 @@ pub struct TrainArgs {
     /// with --resume].
     #[arg(long, value_name = "T")]
     pub tp: Option<usize>,
+    /// Sequence parallelism, with --tp > 1 (Korthikanti et al., as Megatron-LM's
+    /// --sequence-parallel): the activations between the split layers are split over the T
+    /// ranks too, each holding its rows of the tokens, so the norms, dropout and residual
+    /// adds keep 1/T of them; the context must be divisible by T. With --resume,
+    /// --sequence-parallel=false turns it off [default: off, or the run's with --resume].
+    #[arg(
+        long,
+        value_name = "ON",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    pub sequence_parallel: Option<bool>,
     /// How the ranks communicate: ring (under `tinyllm launch`), or mpi / mpi-ring (under
     /// mpirun, in a build with the `mpi` feature).
     #[arg(long, value_enum, default_value_t)]

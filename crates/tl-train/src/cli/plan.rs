@@ -64,6 +64,9 @@ pub struct PlanArgs {
     /// With --tp: also draw the split of one of the model's blocks over the group, as SVG.
     #[arg(long, value_name = "FILE", requires = "tp")]
     pub diagram: Option<PathBuf>,
+    /// Sequence parallelism over the --tp groups, as `tinyllm train --sequence-parallel`.
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// Do not clip gradients, as `tinyllm train --no-clip` (under ZeRO-2 and 3 clipping
     /// adds an all-reduce of the norm).
     #[arg(long)]
@@ -113,7 +116,12 @@ fn plan_config(args: &PlanArgs) -> Result<TrainConfig> {
 /// Runs `tinyllm plan`.
 pub(super) fn plan(args: &PlanArgs) -> Result<Exit> {
     let config = plan_config(args)?;
-    if args.shape.is_some() || !args.ranks.is_empty() || !args.zero.is_empty() || args.tp > 1 {
+    if args.shape.is_some()
+        || !args.ranks.is_empty()
+        || !args.zero.is_empty()
+        || args.tp > 1
+        || args.sequence_parallel
+    {
         return plan_parallel(args, &config);
     }
     let plan = MemoryPlan::new(&Recipe::from(&config))?;
@@ -176,7 +184,8 @@ fn plan_parallel(args: &PlanArgs, config: &TrainConfig) -> Result<Exit> {
                 bucket_bytes: config.parallel.bucket_bytes as u64,
                 ..DataParallelism::new(n, stage)?
             }
-            .with_tensor(args.tp)?;
+            .with_tensor(args.tp)?
+            .with_sequence_parallel(args.sequence_parallel)?;
             plans.push(plan_ranks(recipe, &parallelism)?);
         }
     }

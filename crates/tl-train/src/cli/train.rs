@@ -32,6 +32,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
                 zero: args.zero,
                 bucket_bytes: bucket_bytes(args)?,
                 tensor: args.tp,
+                sequence_parallel: args.sequence_parallel,
             };
             let trainer = Trainer::resume_on(dir, options, comm)?;
             check_resume_flags(args, trainer.config(), dir)?;
@@ -326,6 +327,9 @@ pub(super) fn config_from_args(
     config.parallel.zero = args.zero.unwrap_or(config.parallel.zero);
     config.parallel.bucket_bytes = bucket_bytes(args)?.unwrap_or(config.parallel.bucket_bytes);
     config.parallel.tensor = args.tp.unwrap_or(config.parallel.tensor);
+    config.parallel.sequence_parallel = args
+        .sequence_parallel
+        .unwrap_or(config.parallel.sequence_parallel);
     // The ranks are the world's, set when the run starts on them; until then, the fewest
     // that the split needs.
     config.parallel.ranks = config.parallel.ranks.max(config.parallel.tensor);

@@ -6,9 +6,10 @@ use tl_parallel::GradElement;
 use tl_tensor::nn::{Linear, Module};
 use tl_tensor::{Generator, Tensor, memory};
 
+use super::block::batch_of;
 use super::causal_attention::causal_attention;
 use super::fp8::Fp8Slot;
-use super::parallel::{TensorSplit, placement};
+use super::parallel::{BatchShape, TensorSplit, placement};
 use super::roles;
 use super::rope::Rope;
 use crate::error::Result;
@@ -31,7 +32,8 @@ use crate::error::Result;
 /// Split over a tensor-parallel group ([`split`](Self::split)), rank `r` of `t` holds heads
 /// `r·H/t .. (r+1)·H/t`: the columns of `Wq`, `Wk`, `Wv` and the rows of `Wo` that belong to
 /// them. Its input enters through a copy-to (one all-reduce backward), its output leaves
-/// through a reduce-from (one all-reduce forward).
+/// through a reduce-from (one all-reduce forward); under sequence parallelism, through an
+/// all-gather of the ranks' rows of the tokens into the batch and a reduce-scatter back.
 pub struct CausalSelfAttention<E: GradElement> {
     wq: Linear<E>,
     wk: Linear<E>,
@@ -85,8 +87,10 @@ impl<E: GradElement> CausalSelfAttention<E> {
     }
 }
 
-impl<E: GradElement> Module<E> for CausalSelfAttention<E> {
-    fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
+impl<E: GradElement> CausalSelfAttention<E> {
+    /// The attention of a batch shaped `batch`: `x` is `[B, T, d]`, or under sequence
+    /// parallelism this rank's rows of the tokens, `[B·T/t, d]` (as the output).
+    pub(crate) fn forward_batch(&self, x: &Tensor<E>, batch: BatchShape) -> Tensor<E> {
         let rotated = |projected: Tensor<E>| {
             let _label = memory::label_scope(roles::ROPE);
             self.rope.apply(&projected)
@@ -94,7 +98,7 @@ impl<E: GradElement> Module<E> for CausalSelfAttention<E> {
         let entered;
         let x = match &self.split {
             Some(split) => {
-                entered = split.enter(x);
+                entered = split.enter(x, batch);
                 &entered
             }
             None => x,
@@ -108,6 +112,16 @@ impl<E: GradElement> Module<E> for CausalSelfAttention<E> {
             Some(split) => split.leave(&output),
             None => output,
         }
+    }
+}
+
+impl<E: GradElement> Module<E> for CausalSelfAttention<E> {
+    /// The attention of a `[B, T, d]` batch.
+    ///
+    /// # Panics
+    /// If `x` is not 3-D.
+    fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
+        self.forward_batch(x, batch_of(x))
     }
 
     fn parameters(&self) -> Vec<Tensor<E>> {

@@ -10,7 +10,7 @@ use tl_tensor::{Generator, Tensor, memory};
 use super::attention::CausalSelfAttention;
 use super::config::ModelConfig;
 use super::fp8::Fp8Slot;
-use super::parallel::{TensorSplit, placement};
+use super::parallel::{BatchShape, TensorSplit, placement};
 use super::roles;
 use super::rope::Rope;
 use crate::error::Result;
@@ -20,7 +20,8 @@ use crate::error::Result;
 /// Split over a tensor-parallel group, rank `r` of `t` holds hidden units
 /// `r·h/t .. (r+1)·h/t`: those columns of `W1` and `W3` and those rows of `W2` (the gate is
 /// elementwise, so each rank's units need nothing from the others), between a copy-to and a
-/// reduce-from.
+/// reduce-from (under sequence parallelism, between an all-gather of the ranks' rows and a
+/// reduce-scatter back into them).
 pub struct SwiGlu<E: GradElement> {
     w1: Linear<E>,
     w3: Linear<E>,
@@ -63,12 +64,14 @@ impl<E: GradElement> SwiGlu<E> {
     }
 }
 
-impl<E: GradElement> Module<E> for SwiGlu<E> {
-    fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
+impl<E: GradElement> SwiGlu<E> {
+    /// The MLP of the tokens of a batch shaped `batch`: `x` is `[B, T, d]`, or under
+    /// sequence parallelism this rank's rows of the tokens, `[B·T/t, d]` (as the output).
+    pub(crate) fn forward_batch(&self, x: &Tensor<E>, batch: BatchShape) -> Tensor<E> {
         let entered;
         let x = match &self.split {
             Some(split) => {
-                entered = split.enter(x);
+                entered = split.enter(x, batch);
                 &entered
             }
             None => x,
@@ -86,6 +89,16 @@ impl<E: GradElement> Module<E> for SwiGlu<E> {
             None => output,
         }
     }
+}
+
+impl<E: GradElement> Module<E> for SwiGlu<E> {
+    /// The MLP of a `[B, T, d]` batch.
+    ///
+    /// # Panics
+    /// If `x` is not 3-D.
+    fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
+        self.forward_batch(x, batch_of(x))
+    }
 
     fn parameters(&self) -> Vec<Tensor<E>> {
         [&self.w1, &self.w3, &self.w2]
@@ -99,13 +112,16 @@ impl<E: GradElement> Module<E> for SwiGlu<E> {
 /// when the model has any.
 ///
 /// A block is a [`Module`] from `[B, T, d]` to `[B, T, d]`, so a stack of them can be run
-/// through `tl_recompute::checkpoint_sequential` (as `Rc<Block>`, which is `Clone`).
+/// through `tl_recompute::checkpoint_sequential` (as `Rc<Block>`, which is `Clone`). Under
+/// sequence parallelism it maps a rank's rows of the tokens, `[B·T/t, d]`, to the same
+/// rows, and needs to be told the batch's shape ([`forward_batch`](Self::forward_batch)).
 pub struct Block<E: GradElement> {
     norm1: RmsNorm<E>,
     attention: CausalSelfAttention<E>,
     norm2: RmsNorm<E>,
     mlp: SwiGlu<E>,
     dropout: Option<Dropout>,
+    split: Option<Rc<TensorSplit>>,
 }
 
 impl<E: GradElement> Block<E> {
@@ -126,12 +142,14 @@ impl<E: GradElement> Block<E> {
             dropout: (config.dropout > 0.0).then(|| {
                 Dropout::new(config.dropout, dropout.clone()).expect("validated probability")
             }),
+            split: None,
         }
     }
 
     /// This rank's part of the whole block `self` over `split`'s group: the attention's
     /// heads and the MLP's hidden units split, the norms whole (sharing the whole block's
-    /// gains: every rank computes them on the whole activations), the same dropout stream.
+    /// gains: every rank computes them on the whole activations, or under sequence
+    /// parallelism on its rows), the same dropout stream.
     ///
     /// # Errors
     /// [`TrainError::InvalidConfig`](crate::TrainError::InvalidConfig) when `t` does not
@@ -145,6 +163,7 @@ impl<E: GradElement> Block<E> {
             dropout: self.dropout.as_ref().map(|dropout| {
                 Dropout::new(dropout.p(), dropout.generator().clone()).expect("a valid p")
             }),
+            split: Some(Rc::clone(split)),
         })
     }
 
@@ -179,11 +198,32 @@ impl<E: GradElement> Block<E> {
             .set(state.map(|(s, first)| (Rc::clone(s), first)));
     }
 
-    fn branch(&self, x: &Tensor<E>, output: Tensor<E>, label: &'static str) -> Tensor<E> {
+    fn branch(
+        &self,
+        x: &Tensor<E>,
+        output: Tensor<E>,
+        batch: BatchShape,
+        label: &'static str,
+    ) -> Tensor<E> {
         let output = match &self.dropout {
             Some(dropout) => {
                 let _label = memory::label_scope(roles::DROPOUT);
-                dropout.forward(&output)
+                match self
+                    .split
+                    .as_deref()
+                    .filter(|split| split.sequence_parallel())
+                {
+                    // The rows of the mask one process draws for the whole [B·T, d] branch
+                    // output: every rank's stream advances by the whole mask's draws, and
+                    // a checkpoint's rerun replays them as it replays one process's.
+                    Some(split) => {
+                        let [rows, time] = batch;
+                        let mine = (split.token_rows(rows, time))
+                            .expect("the batch was checked to split over the group");
+                        dropout.forward_rows(&output, mine.start, rows * time)
+                    }
+                    None => dropout.forward(&output),
+                }
             }
             None => output,
         };
@@ -198,16 +238,44 @@ impl<E: GradElement> Block<E> {
     }
 }
 
-impl<E: GradElement> Module<E> for Block<E> {
-    fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
+impl<E: GradElement> Block<E> {
+    /// The block on the tokens of a batch shaped `batch`: `x` is `[B, T, d]`, or under
+    /// sequence parallelism this rank's rows of the tokens, `[B·T/t, d]` (as the output).
+    pub fn forward_batch(&self, x: &Tensor<E>, batch: BatchShape) -> Tensor<E> {
         // Each norm's output feeds only projections: under autocast, it is rounded as it is
         // written rather than copied by them (see `round_for_products`).
         let normed = Self::norm(&self.norm1, x);
-        let x = self.branch(x, self.attention.forward(&normed), roles::RESIDUAL);
+        let attended = self.attention.forward_batch(&normed, batch);
+        let x = self.branch(x, attended, batch, roles::RESIDUAL);
         drop(normed); // freed before the MLP's norm makes its own
 
         let normed = Self::norm(&self.norm2, &x);
-        self.branch(&x, self.mlp.forward(&normed), roles::BLOCK_OUTPUT)
+        let output = self.mlp.forward_batch(&normed, batch);
+        self.branch(&x, output, batch, roles::BLOCK_OUTPUT)
+    }
+}
+
+/// The `[B, T]` of a `[B, T, d]` batch.
+///
+/// # Panics
+/// If `x` is not 3-D (a sequence-parallel rank's rows do not say their batch's shape).
+pub(crate) fn batch_of<E: GradElement>(x: &Tensor<E>) -> BatchShape {
+    match x.shape()[..] {
+        [rows, time, _] => [rows, time],
+        ref shape => panic!(
+            "expected a [batch, time, features] batch, got {shape:?} (rows of a \
+             sequence-parallel batch run through forward_batch)"
+        ),
+    }
+}
+
+impl<E: GradElement> Module<E> for Block<E> {
+    /// The block on a `[B, T, d]` batch.
+    ///
+    /// # Panics
+    /// If `x` is not 3-D.
+    fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
+        self.forward_batch(x, batch_of(x))
     }
 
     fn parameters(&self) -> Vec<Tensor<E>> {

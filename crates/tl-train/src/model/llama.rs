@@ -14,7 +14,7 @@ use super::block::Block;
 use super::causal_attention::ATTENTION;
 use super::config::ModelConfig;
 use super::fp8::LAYER_NAMES;
-use super::parallel::{TensorSplit, placement};
+use super::parallel::{BatchShape, Placement, TensorSplit, placement};
 use super::roles;
 use super::rope::Rope;
 use crate::error::Result;
@@ -182,10 +182,13 @@ impl<E: GradElement> TokenEmbedding<E> {
 /// A block as one unit of the model: its forward goes through the unit hook, if any.
 /// The blocks are checkpointed in this form, so a checkpointed block's rerun goes through
 /// the hook too.
+/// It carries the batch's shape, which a sequence-parallel block's rows do not say, into a
+/// checkpoint's rerun.
 struct UnitBlock<E: GradElement> {
     unit: usize,
     block: Rc<Block<E>>,
     hook: Option<UnitHook<E>>,
+    batch: BatchShape,
 }
 
 impl<E: GradElement> Clone for UnitBlock<E> {
@@ -194,13 +197,15 @@ impl<E: GradElement> Clone for UnitBlock<E> {
             unit: self.unit,
             block: Rc::clone(&self.block),
             hook: self.hook.clone(),
+            batch: self.batch,
         }
     }
 }
 
 impl<E: GradElement> Module<E> for UnitBlock<E> {
     fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
-        run_unit(self.hook.as_ref(), self.unit, &|| self.block.forward(x))
+        let forward = || self.block.forward_batch(x, self.batch);
+        run_unit(self.hook.as_ref(), self.unit, &forward)
     }
 
     fn parameters(&self) -> Vec<Tensor<E>> {
@@ -279,16 +284,38 @@ impl<E: GradElement> Llama<E> {
     /// [`TrainError::InvalidConfig`](crate::TrainError::InvalidConfig) naming the size and
     /// `t` when `t` does not divide the heads, the hidden size or the vocabulary.
     pub fn tensor_parallel(&self, tp: TensorParallel) -> Result<Self> {
+        self.tensor_parallel_with(tp, false)
+    }
+
+    /// [`tensor_parallel`](Self::tensor_parallel), with the residual stream split over the
+    /// group too when `sequence_parallel` (Korthikanti et al.'s sequence parallelism, see
+    /// [`parallel`](super::parallel)): outside the split layers each rank holds its rows
+    /// of the batch's flattened tokens, `[B·T/t, d]`, and runs the norms, dropout and
+    /// residual adds on them; every pass's `B·T` must then be divisible by `t`
+    /// ([`loss`](Self::loss) and [`forward_ids`](Self::forward_ids) refuse one that is not,
+    /// before any collective). The norms' gains are trained on each rank's rows, so their
+    /// gradients must be summed over the group before each update
+    /// ([`sequence_parallel_parameters`](Self::sequence_parallel_parameters)). Dropout
+    /// draws the whole model's masks on every rank and applies its rows of them.
+    ///
+    /// # Errors
+    /// As [`tensor_parallel`](Self::tensor_parallel).
+    pub fn tensor_parallel_with(
+        &self,
+        tp: TensorParallel,
+        sequence_parallel: bool,
+    ) -> Result<Self> {
         assert!(
             self.split.is_none(),
             "Llama::tensor_parallel: already split"
         );
-        let split = Rc::new(TensorSplit::new(tp));
+        let split = Rc::new(TensorSplit::with_sequence_parallel(tp, sequence_parallel));
         let config = &self.config;
         split.part("n_heads", config.n_heads)?;
         split.part("hidden", config.hidden)?;
         split.part("vocab", config.vocab)?;
-        let embedding = VocabParallelEmbedding::from_full(self.embedding.weight(), split.group())?;
+        let embedding = VocabParallelEmbedding::from_full(self.embedding.weight(), split.group())?
+            .with_sequence_parallel(sequence_parallel);
         let blocks = (self.blocks.iter())
             .map(|block| block.split(&split).map(Rc::new))
             .collect::<Result<_>>()?;
@@ -309,6 +336,22 @@ impl<E: GradElement> Llama<E> {
     /// The tensor-parallel group the model is split over, if it is.
     pub fn tensor_split(&self) -> Option<&TensorSplit> {
         self.split.as_deref()
+    }
+
+    /// The parameters whose gradient on this rank is its share of the whole model's, to be
+    /// summed over the tensor-parallel group before the update (with
+    /// `TensorParallel::all_reduce_gradients`, or by the trainer's step): under sequence
+    /// parallelism the replicated ones, the norms' gains, which each rank trains on its
+    /// rows of the tokens; none otherwise.
+    pub fn sequence_parallel_parameters(&self) -> Vec<Tensor<E>> {
+        if !self.split.as_ref().is_some_and(|s| s.sequence_parallel()) {
+            return Vec::new();
+        }
+        self.named_parameters()
+            .into_iter()
+            .filter(|(name, _)| placement(name) == Placement::Replicated)
+            .map(|(_, tensor)| tensor)
+            .collect()
     }
 
     /// The sizes of this model.
@@ -378,7 +421,9 @@ impl<E: GradElement> Llama<E> {
     ///
     /// # Errors
     /// [`TrainError::Recompute`](crate::TrainError::Recompute) when a checkpointing budget
-    /// admits no schedule.
+    /// admits no schedule; [`TrainError::InvalidArgument`](crate::TrainError::InvalidArgument)
+    /// under sequence parallelism when `t` does not divide `rows · time` (before any
+    /// collective).
     ///
     /// # Panics
     /// If `ids.len() != rows · time`, `time` exceeds the context, or an id is not below the
@@ -391,14 +436,23 @@ impl<E: GradElement> Llama<E> {
         })
     }
 
-    /// The logits this rank computes: all of them, or its columns of the vocabulary under
-    /// tensor parallelism.
+    /// The logits this rank computes, `[rows, time, ..]`: all of them, or its columns of
+    /// the vocabulary under tensor parallelism.
     fn local_logits(&self, ids: &[usize], rows: usize, time: usize) -> Result<Tensor<E>> {
         assert!(
             time <= self.config.context,
             "Llama: {time} positions exceed the context of {}",
             self.config.context
         );
+        // The residual stream's shape: the batch, or this rank's rows of its tokens.
+        let sequence_parallel = self.split.as_ref().filter(|s| s.sequence_parallel());
+        let stream_shape = match sequence_parallel {
+            Some(split) => {
+                let mine = split.token_rows(rows, time)?;
+                vec![mine.len(), self.config.d_model]
+            }
+            None => vec![rows, time, self.config.d_model],
+        };
         let hook = self.unit_hook.borrow().clone();
         let hook = hook.as_ref();
         let x = run_unit(hook, 0, &|| {
@@ -406,13 +460,19 @@ impl<E: GradElement> Llama<E> {
             match (&self.embedding, &self.split) {
                 (TokenEmbedding::Whole(embedding), _) => embedding.forward_ids(ids, &[rows, time]),
                 (TokenEmbedding::Split(embedding), Some(split)) => {
-                    let shape = [rows, time, self.config.d_model];
-                    split.kept(embedding.forward_ids(ids, &[rows, time]), &shape)
+                    // Under sequence parallelism the lookups of the flattened tokens,
+                    // reduce-scattered into the rank's rows.
+                    let batch_shape = match sequence_parallel {
+                        Some(_) => vec![rows * time],
+                        None => vec![rows, time],
+                    };
+                    split.kept(embedding.forward_ids(ids, &batch_shape), &stream_shape)
                 }
                 (TokenEmbedding::Split(_), None) => unreachable!("a split embedding has a group"),
             }
         });
-        let x = self.run_blocks(&x, hook)?;
+        let batch = [rows, time];
+        let x = self.run_blocks(&x, batch, hook)?;
         Ok(run_unit(hook, self.head_unit(), &|| {
             let normed = {
                 let _label = memory::label_scope(roles::NORM);
@@ -421,7 +481,7 @@ impl<E: GradElement> Llama<E> {
             let entered;
             let normed = match &self.split {
                 Some(split) => {
-                    entered = split.enter(&normed);
+                    entered = split.enter(&normed, batch);
                     &entered
                 }
                 None => &normed,
@@ -468,13 +528,19 @@ impl<E: GradElement> Llama<E> {
         self.blocks.len() + 1
     }
 
-    fn run_blocks(&self, x: &Tensor<E>, hook: Option<&UnitHook<E>>) -> Result<Tensor<E>> {
+    fn run_blocks(
+        &self,
+        x: &Tensor<E>,
+        batch: BatchShape,
+        hook: Option<&UnitHook<E>>,
+    ) -> Result<Tensor<E>> {
         let rngs = [self.dropout_rng.clone()];
         let blocks: Vec<UnitBlock<E>> = (self.blocks.iter().enumerate())
             .map(|(i, block)| UnitBlock {
                 unit: i + 1,
                 block: Rc::clone(block),
                 hook: hook.cloned(),
+                batch,
             })
             .collect();
         let checkpointing = self.checkpointing.get();

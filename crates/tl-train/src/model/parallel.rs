@@ -21,6 +21,27 @@
 //! their gradients are the same on every rank without a reduction. [`placement`] is the one
 //! table of which parameter splits how: the split model is cut from the whole one by it, and
 //! a checkpoint is assembled whole by it, so a run saved at any `t` resumes at any other.
+//!
+//! **Sequence parallelism** (Korthikanti et al. 2022) splits what lies between the
+//! tensor-parallel regions too: the residual stream is each rank's rows of the batch's
+//! flattened tokens, `[B·T/t, d]` (rank `r` holds tokens `r·BT/t .. (r+1)·BT/t`), and the
+//! norms, dropout and residual adds run on those rows only.
+//!
+//! ```text
+//! block, rank r of t        [B·T/t, d]: this rank's rows of the tokens
+//!   norm1, on the rows      replicated gain, trained on the rows (its gradient a share)
+//!   all-gather → [B, T, d] ─┬─ x·Wq[:, r] ...            column-parallel
+//!   ·Wo[r, :]  → reduce-scatter → [B·T/t, d]             row-parallel
+//!   dropout, + residual     the rows of the whole model's mask
+//!   norm2, the MLP between an all-gather and a reduce-scatter, the same way
+//! embedding: the rows' lookups reduce-scattered; head: the final norm's rows all-gathered
+//! ```
+//!
+//! Forward, a block makes two all-gathers and two reduce-scatters, each moving what one of
+//! the all-reduces it replaces moves (an all-reduce is a reduce-scatter and an all-gather),
+//! and backward the same; the activations between the regions take `1/t` of the memory. The
+//! gains' gradients are each rank's share: they are summed over the group once a step
+//! ([`Llama::sequence_parallel_parameters`](super::Llama::sequence_parallel_parameters)).
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -61,21 +82,60 @@ pub fn placement(name: &str) -> Placement {
     }
 }
 
-/// A model's tensor-parallel group, shared by its split layers, and the first error a
-/// forward collective met (a module's forward cannot return one: the failed op gives NaNs
-/// and the error waits here for [`Llama::loss`](super::Llama::loss) to return it).
+/// The shape `[B, T]` of the batch of token ids a forward pass runs on.
+pub(crate) type BatchShape = [usize; 2];
+
+/// A model's tensor-parallel group, shared by its split layers, whether the residual stream
+/// is split over it too (sequence parallelism), and the first error a forward collective
+/// met (a module's forward cannot return one: the failed op gives NaNs and the error waits
+/// here for [`Llama::loss`](super::Llama::loss) to return it).
 pub struct TensorSplit {
     tp: TensorParallel,
+    sequence_parallel: bool,
     failed: RefCell<Option<ParallelError>>,
 }
 
 impl TensorSplit {
-    /// The split over `tp`'s group.
+    /// The split over `tp`'s group, with the residual stream whole on every rank.
     pub fn new(tp: TensorParallel) -> Self {
+        Self::with_sequence_parallel(tp, false)
+    }
+
+    /// The split over `tp`'s group, with the residual stream split over it as rows of the
+    /// tokens when `sequence_parallel` (see the [module docs](self)).
+    pub fn with_sequence_parallel(tp: TensorParallel, sequence_parallel: bool) -> Self {
         Self {
             tp,
+            sequence_parallel,
             failed: RefCell::new(None),
         }
+    }
+
+    /// Whether the residual stream is split over the group (sequence parallelism).
+    pub fn sequence_parallel(&self) -> bool {
+        self.sequence_parallel
+    }
+
+    /// Under sequence parallelism, this rank's rows of a batch of `tokens` tokens
+    /// (`B·T`): tl-collective's `shard_range` layout, `r·BT/t .. (r+1)·BT/t`.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidArgument`] naming the batch's `rows × time` when `t` does not
+    /// divide the tokens.
+    pub fn token_rows(&self, rows: usize, time: usize) -> Result<Range<usize>> {
+        let t = self.world_size();
+        self.tp
+            .split("tokens", rows * time)
+            .map_err(|_| TrainError::InvalidArgument {
+                name: "batch",
+                value: format!("{rows} x {time} tokens"),
+                reason: format!(
+                    "sequence parallelism over {t} ranks gives each rank {}/{t} of the \
+                     batch's tokens, so their number ({}) must be divisible by {t}",
+                    rows * time,
+                    rows * time
+                ),
+            })
     }
 
     /// The group.
@@ -219,16 +279,32 @@ impl TensorSplit {
         Ok(gathered?)
     }
 
-    /// Into a column-parallel region: the identity forward, the gradient all-reduced
-    /// backward (Megatron's copy-to).
-    pub(crate) fn enter<E: GradElement>(&self, x: &Tensor<E>) -> Tensor<E> {
-        self.tp.copy_to(x)
+    /// Into a column-parallel region, whose input is the whole batch `[B, T, d]`: `x`
+    /// itself, its gradient all-reduced backward (Megatron's copy-to); under sequence
+    /// parallelism every rank's rows `[B·T/t, d]` all-gathered into it, the gradient
+    /// reduce-scattered backward.
+    pub(crate) fn enter<E: GradElement>(&self, x: &Tensor<E>, batch: BatchShape) -> Tensor<E> {
+        if !self.sequence_parallel {
+            return self.tp.copy_to(x);
+        }
+        let features = *x.shape().last().expect("activations have a feature axis");
+        let whole = [batch[0], batch[1], features];
+        self.kept(self.tp.gather_sequence_as(x, &whole), &whole)
     }
 
-    /// Out of a row-parallel layer: the ranks' partial sums all-reduced forward.
+    /// Out of a row-parallel layer: the ranks' partial sums all-reduced forward; under
+    /// sequence parallelism reduce-scattered into this rank's rows, `[B·T/t, d]`.
     pub(crate) fn leave<E: GradElement>(&self, x: &Tensor<E>) -> Tensor<E> {
         let shape = x.shape();
-        self.kept(self.tp.reduce_from(x), &shape)
+        if !self.sequence_parallel {
+            return self.kept(self.tp.reduce_from(x), &shape);
+        }
+        let features = *shape.last().expect("activations have a feature axis");
+        let rows = x.numel() / features / self.world_size();
+        self.kept(
+            self.tp.scatter_sequence_as(x, &[rows, features]),
+            &[rows, features],
+        )
     }
 
     /// The vocabulary-parallel cross-entropy of this rank's logits.

@@ -57,10 +57,18 @@ pub struct DataParallelism {
     /// replicas share the batch. 1 (not written in JSON) splits nothing.
     #[serde(skip_serializing_if = "is_one")]
     pub tensor: usize,
+    /// Sequence parallelism over the tensor-parallel groups (as `tinyllm train
+    /// --sequence-parallel`); `false` is not written in JSON.
+    #[serde(skip_serializing_if = "is_false")]
+    pub sequence_parallel: bool,
 }
 
 fn is_one(n: &usize) -> bool {
     *n == 1
+}
+
+fn is_false(on: &bool) -> bool {
+    !on
 }
 
 /// A ZeRO stage as its number.
@@ -94,6 +102,7 @@ impl DataParallelism {
             })?,
             bucket_bytes: BUCKET_BYTES,
             tensor: 1,
+            sequence_parallel: false,
         })
     }
 
@@ -113,6 +122,28 @@ impl DataParallelism {
             });
         }
         Ok(Self { tensor, ..self })
+    }
+
+    /// The same with the tensor-parallel groups' residual stream split over them too
+    /// (sequence parallelism) when `on`.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidArgument`] (`sequence-parallel`) when `on` without tensor
+    /// parallelism.
+    pub fn with_sequence_parallel(self, on: bool) -> Result<Self> {
+        if on && self.tensor <= 1 {
+            return Err(TrainError::InvalidArgument {
+                name: "sequence-parallel",
+                value: "on".into(),
+                reason: "splits the residual stream over the tensor-parallel group, so it \
+                         requires --tp > 1"
+                    .into(),
+            });
+        }
+        Ok(Self {
+            sequence_parallel: on,
+            ..self
+        })
     }
 }
 
@@ -309,7 +340,7 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
             recipe.model.d_model,
             recipe.model.n_heads,
             parallelism.tensor,
-            false,
+            parallelism.sequence_parallel,
         ),
         sizes,
         ranks,
@@ -323,6 +354,7 @@ fn plan_rank(recipe: &Recipe, parallelism: &DataParallelism, rank: usize) -> Res
     config.parallel.zero = parallelism.stage.index() as u8;
     config.parallel.bucket_bytes = parallelism.bucket_bytes as usize;
     config.parallel.tensor = parallelism.tensor;
+    config.parallel.sequence_parallel = parallelism.sequence_parallel;
     let (prediction, calls) = predict_rank(&config, rank, parallelism.ranks)?;
     let sent = by_purpose(&calls, parallelism.stage, &config)
         .into_iter()

@@ -136,6 +136,8 @@ pub fn render_parallel(plan: &ParallelPlan) -> String {
     let t = p.tensor;
     let formula = if t == 1 {
         "sbh(34 + 5as/h)".to_string()
+    } else if p.sequence_parallel {
+        format!("(sbh/{t})(34 + 5as/h)")
     } else {
         format!("sbh(10 + 24/{t} + 5as/({t}h))")
     };

@@ -166,6 +166,10 @@ pub(crate) fn by_purpose(
         ZeroStage::Gradients => call.collective == Any::ReduceScatter,
         ZeroStage::Parameters => false,
     };
+    // Under sequence parallelism the norms' gains' gradients are summed over the
+    // tensor-parallel group before the reduction, in a call of their own.
+    let shares = |call: &Call| call.scope.label == tl_parallel::labels::SEQUENCE_PARALLEL_GRADIENTS;
+    let buckets = |call: &Call| buckets(call) && !shares(call);
     let last_bucket = calls.iter().rposition(buckets);
     let unit = |call: &Call| match call.scope.owner {
         Some(0) => "embedding",
@@ -187,6 +191,7 @@ pub(crate) fn by_purpose(
                 (false, _) => "tensor-parallel sums, forward",
                 (true, _) => "tensor-parallel sums, backward",
             },
+            _ if shares(call) => "gains' gradients (tensor group)",
             // Over the tensor-parallel group: one rank's overflow skips the step everywhere.
             Collective::AllReduce if split && call.elements == 1 && call.element_bytes == 4 => {
                 "overflow flag (tensor group)"

@@ -115,6 +115,17 @@ pub struct Parallel {
     /// (the default, not written) splits nothing.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub tensor: usize,
+    /// Sequence parallelism (Korthikanti et al. 2022), with `tensor` > 1: the residual
+    /// stream between the split layers is split over the tensor-parallel group too, each
+    /// rank holding its rows of the tokens, so the norms, dropout and residual adds run on
+    /// `1/tensor` of them. It changes where the activations live, not what the run
+    /// computes: a checkpoint does not depend on it. `false` (the default) is not written.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub sequence_parallel: bool,
+}
+
+fn is_false(on: &bool) -> bool {
+    !on
 }
 
 fn default_bucket_bytes() -> usize {
@@ -143,6 +154,7 @@ impl Default for Parallel {
             zero: 0,
             bucket_bytes: default_bucket_bytes(),
             tensor: 1,
+            sequence_parallel: false,
         }
     }
 }
@@ -542,6 +554,8 @@ impl TrainConfig {
         config.accum = micro_batches / replicas;
         config.parallel.ranks = ranks;
         config.parallel.tensor = tensor;
+        // Nothing to split the residual stream over without a tensor-parallel group.
+        config.parallel.sequence_parallel &= tensor > 1;
         Ok(config)
     }
 
@@ -746,6 +760,27 @@ impl TrainConfig {
                 );
             }
         }
+        if self.parallel.sequence_parallel && tensor <= 1 {
+            return invalid(
+                "sequence-parallel",
+                "on".into(),
+                &format!(
+                    "splits the residual stream over the tensor-parallel group, so it \
+                     requires --tp > 1 (the run has --tp {tensor})"
+                ),
+            );
+        }
+        if self.parallel.sequence_parallel && !self.model.context.is_multiple_of(tensor) {
+            // Every batch, a validation batch of fewer rows included, then splits evenly.
+            return Err(TrainError::InvalidConfig {
+                field: "context",
+                value: self.model.context.to_string(),
+                reason: format!(
+                    "sequence parallelism over {tensor} ranks gives each rank 1/{tensor} of \
+                     every batch's tokens, so the context must be divisible by {tensor}"
+                ),
+            });
+        }
         if self.parallel.zero > MAX_ZERO_STAGE {
             return invalid(
                 "zero",
@@ -887,5 +922,30 @@ mod tests {
         let mut config = base.clone();
         config.checkpointing = Checkpointing::Budget(0);
         assert!(matches!(config.validate(), Err(TrainError::Recompute(_))));
+    }
+
+    #[test]
+    fn sequence_parallelism_needs_a_group_whose_size_divides_the_context() {
+        let mut config = TrainConfig::for_preset(Preset::Tiny);
+        config.parallel.sequence_parallel = true;
+        let error = config.validate().unwrap_err().to_string();
+        assert!(error.contains("requires --tp > 1"), "{error}");
+        config.parallel.ranks = 2;
+        config.parallel.tensor = 2;
+        config.validate().unwrap();
+        config.model.context = 63;
+        let error = config.validate().unwrap_err().to_string();
+        assert!(
+            error.contains("context") && error.contains("divisible by 2"),
+            "{error}"
+        );
+        // Off, and not written, at tp 1; written when on.
+        config.model.context = 64;
+        let json = serde_json::to_value(&config).unwrap();
+        assert_eq!(json["parallel"]["sequence_parallel"], true);
+        let single = config.at_layout(2, 1).unwrap();
+        assert!(!single.parallel.sequence_parallel);
+        let json = serde_json::to_value(&single).unwrap();
+        assert!(json["parallel"].get("sequence_parallel").is_none());
     }
 }

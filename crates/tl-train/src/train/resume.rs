@@ -156,6 +156,9 @@ fn config_at_world(
     if let Some(bytes) = options.bucket_bytes {
         config.parallel.bucket_bytes = bytes;
     }
+    if let Some(on) = options.sequence_parallel {
+        config.parallel.sequence_parallel = on;
+    }
     config.validate()?;
     if leader && config != *run_config {
         if world != run_config.parallel.ranks || tensor != run_config.parallel.tensor {
@@ -223,6 +226,7 @@ pub(super) fn resume_state(
     let mut config = state.config.at_layout(world, run_config.parallel.tensor)?;
     config.parallel.zero = run_config.parallel.zero;
     config.parallel.bucket_bytes = run_config.parallel.bucket_bytes;
+    config.parallel.sequence_parallel = run_config.parallel.sequence_parallel;
     if let Some(difference) = config_difference(&config, &run_config) {
         return Err(TrainError::checkpoint(
             snapshot.dir.join("state.json"),

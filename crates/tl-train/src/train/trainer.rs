@@ -132,6 +132,10 @@ pub struct ResumeOptions {
     /// Continue with the layers split over tensor-parallel groups of this many ranks
     /// instead of the run's (a checkpoint holds whole tensors whatever the split).
     pub tensor: Option<usize>,
+    /// Continue with sequence parallelism on or off instead of as the run had it (a run
+    /// continued at tp 1 has it off, and asking for it there is an error: there is no
+    /// group to split the tokens over).
+    pub sequence_parallel: Option<bool>,
 }
 
 /// Loads the corpus a config names, and checks that the model's vocabulary holds every
@@ -839,7 +843,9 @@ type MeshShare = (DataParallel, Option<DataParallel>, Llama<f32>, AdamW<f32>);
 
 /// The ranks of `world` as a mesh of data-parallel replicas of `config.parallel.tensor`
 /// consecutive ranks each, and `model` and `optimizer` (whole, the same on every rank) cut
-/// into this rank's part. Without tensor parallelism, everything as it was.
+/// into this rank's part, the residual stream split too under
+/// `config.parallel.sequence_parallel` (the step then sums the norms' gains' gradients
+/// over the tensor-parallel group). Without tensor parallelism, everything as it was.
 fn split_mesh(
     mut world: DataParallel,
     model: Llama<f32>,
@@ -860,7 +866,7 @@ fn split_mesh(
     let tp = world.with_communicator(|comm| comm.split(&mesh.members(Axis::Tensor, rank)))?;
     let dp = world.with_communicator(|comm| comm.split(&mesh.members(Axis::Data, rank)))?;
     let tp = TensorParallel::new(tp);
-    let part = model.tensor_parallel(tp.clone())?;
+    let part = model.tensor_parallel_with(tp.clone(), config.parallel.sequence_parallel)?;
     let names: Vec<String> = model
         .named_parameters()
         .into_iter()
@@ -877,7 +883,14 @@ fn split_mesh(
         .iter()
         .map(|name| placement(name) == Placement::Replicated)
         .collect();
-    let ddp = DataParallel::new(dp).with_tensor_parallel(tp, replicated);
+    let mut ddp = DataParallel::new(dp).with_tensor_parallel(tp, replicated);
+    let shares = part.sequence_parallel_parameters();
+    if !shares.is_empty() {
+        let flags = (part.parameters().iter())
+            .map(|param| shares.iter().any(|share| share.same(param)))
+            .collect();
+        ddp = ddp.with_sequence_parallel(flags);
+    }
     Ok((ddp, Some(world), part, adamw))
 }
 
