@@ -98,7 +98,7 @@ impl<E: GradElement> CausalSelfAttention<E> {
         let entered;
         let x = match &self.split {
             Some(split) => {
-                entered = split.enter(x, batch);
+                entered = split.enter_batch(x, batch);
                 &entered
             }
             None => x,

@@ -64,14 +64,15 @@ impl<E: GradElement> SwiGlu<E> {
     }
 }
 
-impl<E: GradElement> SwiGlu<E> {
-    /// The MLP of the tokens of a batch shaped `batch`: `x` is `[B, T, d]`, or under
-    /// sequence parallelism this rank's rows of the tokens, `[B·T/t, d]` (as the output).
-    pub(crate) fn forward_batch(&self, x: &Tensor<E>, batch: BatchShape) -> Tensor<E> {
+impl<E: GradElement> Module<E> for SwiGlu<E> {
+    /// The MLP of each position of `x`, `[.., d]`; under sequence parallelism `x` is this
+    /// rank's rows of the tokens, `[n/t, d]`, gathered into all `n` rows (a position-wise
+    /// layer needs no more of the batch's shape) and scattered back.
+    fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
         let entered;
         let x = match &self.split {
             Some(split) => {
-                entered = split.enter(x, batch);
+                entered = split.enter(x);
                 &entered
             }
             None => x,
@@ -88,16 +89,6 @@ impl<E: GradElement> SwiGlu<E> {
             Some(split) => split.leave(&output),
             None => output,
         }
-    }
-}
-
-impl<E: GradElement> Module<E> for SwiGlu<E> {
-    /// The MLP of a `[B, T, d]` batch.
-    ///
-    /// # Panics
-    /// If `x` is not 3-D.
-    fn forward(&self, x: &Tensor<E>) -> Tensor<E> {
-        self.forward_batch(x, batch_of(x))
     }
 
     fn parameters(&self) -> Vec<Tensor<E>> {
@@ -250,7 +241,7 @@ impl<E: GradElement> Block<E> {
         drop(normed); // freed before the MLP's norm makes its own
 
         let normed = Self::norm(&self.norm2, &x);
-        let output = self.mlp.forward_batch(&normed, batch);
+        let output = self.mlp.forward(&normed);
         self.branch(&x, output, batch, roles::BLOCK_OUTPUT)
     }
 }

@@ -181,8 +181,7 @@ impl<E: GradElement> TokenEmbedding<E> {
 
 /// A block as one unit of the model: its forward goes through the unit hook, if any.
 /// The blocks are checkpointed in this form, so a checkpointed block's rerun goes through
-/// the hook too.
-/// It carries the batch's shape, which a sequence-parallel block's rows do not say, into a
+/// the hook too. It carries the batch's shape, which a sequence-parallel block's rows do not say, into a
 /// checkpoint's rerun.
 struct UnitBlock<E: GradElement> {
     unit: usize,
@@ -481,7 +480,7 @@ impl<E: GradElement> Llama<E> {
             let entered;
             let normed = match &self.split {
                 Some(split) => {
-                    entered = split.enter(&normed, batch);
+                    entered = split.enter_batch(&normed, batch);
                     &entered
                 }
                 None => &normed,
@@ -579,7 +578,8 @@ impl<E: GradElement> Llama<E> {
     ///
     /// # Panics
     /// If `prompt` is empty, `temperature` is negative or not finite, `top_k` is `Some(0)`,
-    /// or an id is not below the vocabulary size.
+    /// an id is not below the vocabulary size, or (sequence parallelism) the group does not
+    /// divide a window's tokens.
     pub fn generate(
         &self,
         prompt: &[usize],
@@ -605,9 +605,10 @@ impl<E: GradElement> Llama<E> {
         let mut tokens = prompt.to_vec();
         for _ in 0..n_tokens {
             let window = &tokens[tokens.len().saturating_sub(self.config.context)..];
-            let logits = self
-                .forward_ids(window, 1, window.len())
-                .expect("no checkpointing without a graph");
+            // No graph, so no checkpointing schedule; a sequence-parallel model refuses a
+            // window its group cannot split.
+            let logits = (self.forward_ids(window, 1, window.len()))
+                .unwrap_or_else(|error| panic!("Llama::generate: {error}"));
             let vocab = self.config.vocab;
             let last: Vec<f64> = logits.to_vec()[(window.len() - 1) * vocab..]
                 .iter()

@@ -279,11 +279,26 @@ impl TensorSplit {
         Ok(gathered?)
     }
 
-    /// Into a column-parallel region, whose input is the whole batch `[B, T, d]`: `x`
-    /// itself, its gradient all-reduced backward (Megatron's copy-to); under sequence
-    /// parallelism every rank's rows `[B·T/t, d]` all-gathered into it, the gradient
-    /// reduce-scattered backward.
-    pub(crate) fn enter<E: GradElement>(&self, x: &Tensor<E>, batch: BatchShape) -> Tensor<E> {
+    /// Into a column-parallel region that takes every position: `x` itself, its gradient
+    /// all-reduced backward (Megatron's copy-to); under sequence parallelism every rank's
+    /// rows `[n/t, d]` all-gathered into `[n, d]`, the gradient reduce-scattered backward.
+    pub(crate) fn enter<E: GradElement>(&self, x: &Tensor<E>) -> Tensor<E> {
+        if !self.sequence_parallel {
+            return self.tp.copy_to(x);
+        }
+        let mut whole = x.shape();
+        whole[0] *= self.world_size();
+        self.kept(self.tp.gather_sequence(x), &whole)
+    }
+
+    /// Into a column-parallel region that takes the batch `[B, T, d]` (the attention, which
+    /// needs its sequences): as [`enter`](Self::enter), the ranks' rows of the tokens,
+    /// `[B·T/t, d]`, gathered straight into `[B, T, d]` under sequence parallelism.
+    pub(crate) fn enter_batch<E: GradElement>(
+        &self,
+        x: &Tensor<E>,
+        batch: BatchShape,
+    ) -> Tensor<E> {
         if !self.sequence_parallel {
             return self.tp.copy_to(x);
         }
