@@ -766,7 +766,7 @@ impl TrainConfig {
                 "on".into(),
                 &format!(
                     "splits the residual stream over the tensor-parallel group, so it \
-                     requires --tp > 1 (the run has --tp {tensor})"
+                     requires --tp > 1, and the run has --tp {tensor}"
                 ),
             );
         }
