@@ -217,6 +217,11 @@ fn catalogue() -> Vec<Op> {
             let dropout = Dropout::new(0.5, Generator::new(3)).expect("a valid p");
             dropout.forward(&x[0])
         }),
+        // Rows 1..3 of a mask of 4 rows: a sequence-parallel rank's rows.
+        op("Dropout::forward_rows", &[&[2, 3]], |x| {
+            let dropout = Dropout::new(0.5, Generator::new(3)).expect("a valid p");
+            dropout.forward_rows(&x[0], 1, 4)
+        }),
         op("Sequential::forward", &[BATCH], |x| {
             let rng = Generator::new(2);
             let layers: Vec<Box<dyn Module<f64>>> = vec![
