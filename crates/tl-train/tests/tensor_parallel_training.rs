@@ -7,47 +7,10 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
-use common::{TINY_TRAIN, latest_checkpoint};
-use tl_train::train::{Record, read_config, read_records};
-
-/// How long any one multi-process command may take before the test fails.
-const LIMIT: Duration = Duration::from_secs(120);
-
-fn run_ranks(ranks: usize, args: &[String]) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_tinyllm"));
-    command.env("TINYLLM_COMM_TIMEOUT_MS", "20000");
-    if ranks > 1 {
-        command.args(["launch", "-n", &ranks.to_string(), "--"]);
-    }
-    let mut child = command
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > LIMIT {
-            let _ = child.kill();
-            panic!("tinyllm did not finish within {LIMIT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
-fn succeed(ranks: usize, args: &[String]) -> String {
-    let output = run_ranks(ranks, args);
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert!(
-        output.status.success(),
-        "{args:?} on {ranks} ranks: {stderr}"
-    );
-    stderr
-}
+use common::TINY_TRAIN;
+use common::ranks::{checkpoint, largest_difference, run_ranks, succeed, train_losses};
+use tl_train::train::read_config;
 
 /// The tiny run of the CLI tests into `out`, `accum` micro-batches of 2 sequences per
 /// data-parallel replica, 5 steps.
@@ -60,45 +23,12 @@ fn tiny(out: &Path, accum: usize, extra: &[&str]) -> Vec<String> {
     args
 }
 
-fn train_losses(run: &Path) -> Vec<f64> {
-    read_records(&run.join("metrics.jsonl"))
-        .unwrap()
-        .iter()
-        .filter_map(|record| match record {
-            Record::Train { loss, .. } => Some(*loss),
-            Record::Eval { .. } => None,
-        })
-        .collect()
-}
-
-/// The float32 weights of a run's latest checkpoint, in file order, and the file's header.
-fn weights(run: &Path) -> (String, Vec<f32>) {
-    let bytes = std::fs::read(latest_checkpoint(run).join("model.safetensors")).unwrap();
-    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let values = bytes[8 + header..]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    (
-        String::from_utf8_lossy(&bytes[8..8 + header]).into_owned(),
-        values,
-    )
-}
-
 fn largest_relative(left: &[f64], right: &[f64]) -> f64 {
     assert_eq!(left.len(), right.len(), "steps");
     left.iter()
         .zip(right)
         .map(|(a, b)| (a - b).abs() / b.abs())
         .fold(0.0, f64::max)
-}
-
-fn largest_difference(left: &[f32], right: &[f32]) -> f32 {
-    assert_eq!(left.len(), right.len());
-    left.iter()
-        .zip(right)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
 }
 
 /// Every layout trains what one process trains on the same global batch of 4 sequences,
@@ -108,7 +38,7 @@ fn every_layout_trains_what_one_process_trains() {
     let dir = tempfile::tempdir().unwrap();
     let one = dir.path().join("one");
     succeed(1, &tiny(&one, 2, &[]));
-    let (header, expected) = weights(&one);
+    let (header, expected) = checkpoint(&one);
     // (ranks, accum per replica, flags)
     for (ranks, accum, flags) in [
         (2, 2, &["--tp", "2"][..]),
@@ -130,7 +60,7 @@ fn every_layout_trains_what_one_process_trains() {
         // with sequence parallelism too.
         let losses = largest_relative(&train_losses(&out), &train_losses(&one));
         assert!(losses < 1e-6, "{what}: losses differ by {losses:e}");
-        let (got_header, got) = weights(&out);
+        let (got_header, got) = checkpoint(&out);
         assert_eq!(
             got_header, header,
             "{what}: the checkpoint holds whole tensors"

@@ -6,61 +6,16 @@ mod common;
 
 use std::fs;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::ranks::{
+    LIMIT, binary, largest_difference, run_ranks, succeed, train_losses, wait_output, weights,
+};
 use common::{TINY_TRAIN, latest_checkpoint, train_steps};
 use tl_train::TrainError;
 use tl_train::plan::{DataParallelism, Recipe, plan_ranks, relative_error};
-use tl_train::train::{Record, TrainConfig, Trainer, read_config, read_records};
-
-/// How long any one multi-process command may take before the test fails.
-const LIMIT: Duration = Duration::from_secs(120);
-
-fn binary() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_tinyllm"));
-    // A collective that hangs fails fast instead of holding the test.
-    command.env("TINYLLM_COMM_TIMEOUT_MS", "20000");
-    command
-}
-
-/// `tinyllm launch -n RANKS -- ARGS` (or plain `tinyllm ARGS` for one rank), run to the end
-/// within [`LIMIT`].
-fn run_ranks(ranks: usize, args: &[String]) -> Output {
-    let mut command = binary();
-    if ranks > 1 {
-        command.args(["launch", "-n", &ranks.to_string(), "--"]);
-    }
-    let child = command
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_output(child)
-}
-
-fn wait_output(mut child: std::process::Child) -> Output {
-    let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > LIMIT {
-            let _ = child.kill();
-            panic!("tinyllm did not finish within {LIMIT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
-fn succeed(ranks: usize, args: &[String]) -> String {
-    let output = run_ranks(ranks, args);
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert!(
-        output.status.success(),
-        "{args:?} on {ranks} ranks: {stderr}"
-    );
-    stderr
-}
+use tl_train::train::{TrainConfig, Trainer, read_config};
 
 /// The tiny run of the CLI tests into `out`, `accum` micro-batches of 2 sequences per rank.
 fn tiny(out: &Path, accum: usize, extra: &[&str]) -> Vec<String> {
@@ -80,28 +35,6 @@ fn resume(run: &Path, extra: &[&str]) -> Vec<String> {
     args
 }
 
-fn train_losses(run: &Path) -> Vec<f64> {
-    read_records(&run.join("metrics.jsonl"))
-        .unwrap()
-        .iter()
-        .filter_map(|record| match record {
-            Record::Train { loss, .. } => Some(*loss),
-            Record::Eval { .. } => None,
-        })
-        .collect()
-}
-
-/// The float32 weights of a run's latest checkpoint, in file order (safetensors: an 8-byte
-/// header length, the JSON header, then the data).
-fn weights(run: &Path) -> Vec<f32> {
-    let bytes = fs::read(latest_checkpoint(run).join("model.safetensors")).unwrap();
-    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    bytes[8 + header..]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
-}
-
 fn assert_losses_close(left: &[f64], right: &[f64], tolerance: f64, what: &str) {
     assert_eq!(left.len(), right.len(), "{what}: steps");
     for (step, (a, b)) in left.iter().zip(right).enumerate() {
@@ -112,14 +45,6 @@ fn assert_losses_close(left: &[f64], right: &[f64], tolerance: f64, what: &str) 
             step + 1
         );
     }
-}
-
-fn largest_difference(left: &[f32], right: &[f32]) -> f32 {
-    assert_eq!(left.len(), right.len());
-    left.iter()
-        .zip(right)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
 }
 
 /// Two ranks train what one process trains on the same global batch: bit for bit with one

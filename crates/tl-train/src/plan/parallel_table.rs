@@ -49,6 +49,10 @@ pub fn render_parallel(plan: &ParallelPlan) -> String {
     let p = &plan.parallelism;
     let split = match p.tensor {
         1 => String::new(),
+        t if p.sequence_parallel => format!(
+            " as {} data-parallel x {t} tensor-parallel, with sequence parallelism",
+            p.ranks / t
+        ),
         t => format!(" as {} data-parallel x {t} tensor-parallel", p.ranks / t),
     };
     let _ = writeln!(

@@ -187,9 +187,9 @@ pub(crate) fn by_purpose(
         };
         let purpose = match collective {
             _ if in_model(call) => match (call.in_backward, call.scope.stage) {
-                (_, Stage::Recompute) => "tensor-parallel sums, rerun",
-                (false, _) => "tensor-parallel sums, forward",
-                (true, _) => "tensor-parallel sums, backward",
+                (_, Stage::Recompute) => "tensor-parallel, rerun",
+                (false, _) => "tensor-parallel, forward",
+                (true, _) => "tensor-parallel, backward",
             },
             _ if shares(call) => "gains' gradients (tensor group)",
             // Over the tensor-parallel group: one rank's overflow skips the step everywhere.
