@@ -44,6 +44,7 @@ use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
 use crate::metered::{Metered, communication, labels};
 use crate::tensor_parallel::TensorParallel;
+use crate::tensor_parallel::axis::TensorAxis;
 use crate::zero2::GradientShards;
 
 /// An element type whose gradients [`DataParallel`] can reduce: `f32` or `f64`, a tensor
@@ -94,54 +95,6 @@ pub struct DataParallel {
     tensor: Option<TensorAxis>,
 }
 
-/// The tensor-parallel group of a model split over it, seen from the data-parallel step:
-/// its ranks hold different slices of the split parameters and the same replicated ones,
-/// so a step's decisions (skip on overflow, the clip norm) must span the group too.
-struct TensorAxis {
-    tp: TensorParallel,
-    /// By the optimizer's parameter order: whether every rank of the group holds the
-    /// parameter whole (counted once in the norm) rather than a slice of it.
-    replicated: Vec<bool>,
-    /// The sums of squares of the current gradients, split and replicated, set when the
-    /// step's gradients are ready (it reads the tensors when asked: after any unscaling).
-    sums: Option<Box<dyn Fn() -> (f64, f64)>>,
-    /// By the optimizer's parameter order: whether the parameter's gradient is this rank's
-    /// share, to be summed over the group before the step (sequence parallelism's
-    /// replicated parameters). Empty: none is.
-    shares: Vec<bool>,
-    /// The error of a failed sum of the shares, until [`DataParallel::take_error`].
-    failed: Option<ParallelError>,
-}
-
-impl TensorAxis {
-    /// Sums the gradients that are shares over the group, in one all-reduce; on failure
-    /// keeps the error and makes every gradient NaN, so the step refuses them.
-    fn sum_shares<E: GradElement>(&mut self, params: &[Tensor<E>]) {
-        if self.shares.is_empty() {
-            return;
-        }
-        assert_eq!(
-            params.len(),
-            self.shares.len(),
-            "DataParallel::with_sequence_parallel: one flag per parameter"
-        );
-        let shares: Vec<Tensor<E>> = (params.iter().zip(&self.shares))
-            .filter(|&(_, &share)| share)
-            .map(|(param, _)| param.clone())
-            .collect();
-        if shares.is_empty() {
-            return;
-        }
-        if let Err(error) = self.tp.all_reduce_gradients(&shares) {
-            self.failed.get_or_insert(error);
-            for param in params {
-                ensure_grad(param);
-                param.update_grad(|g| g.fill(E::nan()));
-            }
-        }
-    }
-}
-
 impl DataParallel {
     /// Data parallelism over `comm`, with buckets of [`DEFAULT_BUCKET_BYTES`] and equal
     /// shares (weight `1/world_size`) until [`begin_step`](Self::begin_step) says otherwise.
@@ -164,26 +117,22 @@ impl DataParallel {
     /// over it, each rank of this data-parallel group being one slice of it): a step is
     /// skipped on every rank of the mesh when any rank's gradients overflow, and the clip
     /// norm is that of the whole model's gradients — the split parameters' slices summed
-    /// over `tp`, the `replicated` ones (by the optimizer's parameter order: those every
-    /// rank of `tp` holds whole, such as norms) counted once.
+    /// over `tp`, the `replicated` ones (by the model's parameter order, that of the
+    /// optimizer given to the steps or to a ZeRO stage made on this `DataParallel`: those
+    /// every rank of `tp` holds whole, such as norms) counted once.
     ///
-    /// The gradients are reduced over this data-parallel group alone, as before; the
-    /// tensor-parallel group's own reductions happen inside the model's ops.
+    /// The gradients are reduced over this data-parallel group alone, as before (or
+    /// reduce-scattered, at ZeRO-2 and 3); the tensor-parallel group's own reductions happen
+    /// inside the model's ops.
     pub fn with_tensor_parallel(mut self, tp: TensorParallel, replicated: Vec<bool>) -> Self {
-        self.tensor = Some(TensorAxis {
-            tp,
-            replicated,
-            sums: None,
-            shares: Vec::new(),
-            failed: None,
-        });
+        self.tensor = Some(TensorAxis::new(tp, replicated));
         self
     }
 
     /// Under sequence parallelism: sums over the tensor-parallel group the gradients of the
-    /// parameters flagged in `shares` (by the optimizer's parameter order) when the step's
-    /// gradients are ready, before the data-parallel reduction and anything that reads them
-    /// — the parameters every rank holds whole but trains on its own rows of the sequence
+    /// parameters flagged in `shares` (by the model's parameter order) when the step's
+    /// gradients are ready, before anything reads them (before the data-parallel reduction;
+    /// at ZeRO-2 and 3 after it, on this rank's shard of them) — the parameters every rank holds whole but trains on its own rows of the sequence
     /// only (a norm's gain), whose gradient on each rank is a share of the whole one
     /// ([`TensorParallel::all_reduce_gradients`], one all-reduce a step, as Megatron makes
     /// it). Being replicated, they are counted once in the clip norm, as before.
@@ -196,7 +145,7 @@ impl DataParallel {
     pub fn with_sequence_parallel(mut self, shares: Vec<bool>) -> Self {
         let tensor = (self.tensor.as_mut())
             .expect("DataParallel::with_sequence_parallel: call with_tensor_parallel first");
-        tensor.shares = shares;
+        tensor.set_shares(shares);
         self
     }
 
@@ -215,6 +164,12 @@ impl DataParallel {
     /// The stage that shards the gradients, while its optimizer lives.
     fn sharded(&self) -> Option<Rc<dyn GradientShards>> {
         self.sharded.as_ref()?.upgrade()
+    }
+
+    /// The tensor-parallel group the step's decisions span, afresh, for a stage that runs
+    /// its own step on this `DataParallel`'s group (ZeRO-3).
+    pub(crate) fn tensor_axis(&self) -> Option<TensorAxis> {
+        self.tensor.as_ref().map(TensorAxis::fresh)
     }
 
     /// Whether the step's decisions span a tensor-parallel group too
@@ -280,7 +235,7 @@ impl DataParallel {
     /// The first collective error since the last call, if any (see the type's docs): the
     /// tensor-parallel group's sum of shares first.
     pub fn take_error(&mut self) -> Option<ParallelError> {
-        if let Some(error) = self.tensor.as_mut().and_then(|t| t.failed.take()) {
+        if let Some(error) = self.tensor.as_mut().and_then(TensorAxis::take_error) {
             return Some(error);
         }
         let rank = self.rank();
@@ -512,17 +467,21 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
     /// Reduces the gradients (see the [type's docs](DataParallel) for a failure).
     fn gradients_ready(&mut self, params: &[Tensor<E>]) {
         let _reduction = memory::stage_scope(Stage::Reduction);
-        if let Some(tensor) = &mut self.tensor {
-            tensor.sum_shares(params);
-            tensor.sums = Some(sums_of_squares(params, &tensor.replicated));
-        }
         if let Some(shards) = self.sharded() {
+            // The gradients are in the shards once the last buckets are reduced; the
+            // optimizer's parameters are runs of the model's.
             let local_loss = self.local_loss.get();
             self.summary = shards.finish(self.weight, local_loss, self.loss_recorded);
             if self.summary.is_none() {
                 shards.poison();
             }
+            if let Some(tensor) = &mut self.tensor {
+                tensor.gradients_ready(params, |piece| shards.parameter_of_piece(piece));
+            }
             return;
+        }
+        if let Some(tensor) = &mut self.tensor {
+            tensor.gradients_ready(params, |param| param);
         }
         if self.reduce_gradients(params).is_none() {
             // Half-reduced gradients must not reach the optimizer: NaN makes the step refuse
@@ -535,82 +494,36 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
     }
 
     /// Finite on every rank: no rank flagged an inf or NaN, no collective failed, and the
-    /// reduced gradients (`local`, the same on every rank) are finite.
+    /// reduced gradients (`local`, the same on every rank) are finite; with a
+    /// tensor-parallel group, on every rank of it too.
     fn all_finite(&mut self, local: bool) -> bool {
         let finite = local
             && !self.link.borrow().failed()
             && self.summary.is_some_and(|s| s.nonfinite_ranks == 0);
-        let Some(tensor) = &self.tensor else {
-            return finite;
-        };
-        // The slices of the other ranks of the tensor-parallel group: one overflow anywhere
-        // skips the step everywhere. (A failed collective counts as an overflow.)
-        let mut flag = [if finite { 0.0f32 } else { 1.0 }];
-        let agreed = tensor
-            .tp
-            .call(|comm| comm.all_reduce((&mut flag[..]).into(), tl_collective::ReduceOp::Max));
-        agreed.is_ok() && flag[0] == 0.0
+        match &self.tensor {
+            Some(tensor) => tensor.all_finite(finite),
+            None => finite,
+        }
     }
 
     /// The reduced gradients are replicated, so this rank's sum is the global one; under
     /// ZeRO-2 each rank holds a shard, and the sums are added over the ranks. With a
     /// tensor-parallel group, the slices' sums are added over it and the replicated
-    /// parameters counted once (rank 0 of the group adds them).
+    /// parameters counted once ([`TensorAxis::total_sum_squares`]).
     fn total_sum_squares(&mut self, local: f64) -> f64 {
-        if let Some(tensor) = &self.tensor {
-            let (split, replicated) = tensor.sums.as_ref().map_or((local, 0.0), |sums| sums());
-            let own = split
-                + if tensor.tp.rank() == 0 {
-                    replicated
-                } else {
-                    0.0
-                };
-            let mut sum = [own];
-            let summed = tensor
-                .tp
-                .call(|comm| comm.all_reduce_sum((&mut sum[..]).into()));
-            return if summed.is_ok() { sum[0] } else { f64::NAN };
+        let sharded = self.sharded().is_some();
+        let link = &self.link;
+        let over_data = |sum: f64| match sharded {
+            true => (link.borrow_mut())
+                .call(|comm| comm.all_reduce_sum_f64(sum))
+                .unwrap_or(f64::NAN),
+            false => sum,
+        };
+        match &self.tensor {
+            Some(tensor) => tensor.total_sum_squares(local, over_data),
+            None => over_data(local),
         }
-        if self.sharded().is_none() {
-            return local;
-        }
-        self.link
-            .borrow_mut()
-            .call(|comm| comm.all_reduce_sum_f64(local))
-            .unwrap_or(f64::NAN)
     }
-}
-
-/// A reader of the sums of squares of `params`' current gradients: those split over a
-/// tensor-parallel group, and those `replicated` over it.
-fn sums_of_squares<E: GradElement>(
-    params: &[Tensor<E>],
-    replicated: &[bool],
-) -> Box<dyn Fn() -> (f64, f64)> {
-    assert_eq!(
-        params.len(),
-        replicated.len(),
-        "DataParallel::with_tensor_parallel: one replicated flag per parameter"
-    );
-    let params = params.to_vec();
-    let replicated = replicated.to_vec();
-    Box::new(move || {
-        let mut sums = (0.0, 0.0);
-        for (param, &whole) in params.iter().zip(&replicated) {
-            // A meta gradient has no values: its norm is 0, as the step's own is.
-            let sum = match param.grad_is_meta() {
-                true => 0.0,
-                false => param.with_grad(|grad| {
-                    grad.map_or(0.0, |g| g.iter().map(|&v| v.to_f64() * v.to_f64()).sum())
-                }),
-            };
-            match whole {
-                true => sums.1 += sum,
-                false => sums.0 += sum,
-            }
-        }
-        sums
-    })
 }
 
 /// `loss_fn`, adding each micro-batch's loss to `local_loss` weighted by its share `n_i/B`

@@ -208,6 +208,10 @@ pub(crate) trait GradientShards {
 
     /// Sets the shards' gradients to NaN (after a failed collective).
     fn poison(&self);
+
+    /// The parameter (by the order of the optimizer the stage was made from) whose run the
+    /// `piece`-th of the stage's own parameters holds.
+    fn parameter_of_piece(&self, piece: usize) -> usize;
 }
 
 impl<E: GradElement> GradientShards for RefCell<Core<E>> {
@@ -257,6 +261,10 @@ impl<E: GradElement> GradientShards for RefCell<Core<E>> {
             comm.all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut extras))
         })?;
         Some(StepSummary::of_extras(&extras, loss_recorded))
+    }
+
+    fn parameter_of_piece(&self, piece: usize) -> usize {
+        self.borrow().pieces[piece].param
     }
 
     fn poison(&self) {

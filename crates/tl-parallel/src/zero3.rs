@@ -61,6 +61,7 @@ use crate::ddp::{
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
 use crate::metered::{Metered, common_owner, communication, labels};
+use crate::tensor_parallel::axis::TensorAxis;
 use crate::zero::{adamw_like, load_shard, whole_state};
 
 /// A run of one parameter inside this rank's shard of its unit.
@@ -329,6 +330,9 @@ pub struct Zero3<E: GradElement> {
     /// `Σ_i (n_i/B)·L_i` of this rank's micro-batches.
     local_loss: Rc<Cell<f64>>,
     summary: Option<StepSummary>,
+    /// The tensor-parallel group of a split model, from the `DataParallel` this stage was
+    /// made on ([`Zero3::on`]).
+    tensor: Option<TensorAxis>,
 }
 
 impl<E: GradElement> Zero3<E> {
@@ -370,20 +374,29 @@ impl<E: GradElement> Zero3<E> {
         units: Vec<Vec<Tensor<E>>>,
         adamw: &AdamW<E>,
     ) -> Result<Self> {
-        Self::on_link(Link::shared(comm), units, adamw)
+        Self::on_link(Link::shared(comm), units, adamw, None)
     }
 
     /// [`Zero3::new`] on the communicator of `ddp`, which keeps serving the run's other
     /// collectives (agreement, reports) between steps; its counters and
     /// [`communication_time`](DataParallel::communication_time) include this stage's.
     ///
+    /// When `ddp` spans a tensor-parallel group ([`DataParallel::with_tensor_parallel`]),
+    /// so do this stage's steps: the units' parameters (in order) are then the model's,
+    /// which the flags given there follow.
+    ///
     /// # Errors
     /// As [`Zero3::new`].
     pub fn on(ddp: &DataParallel, units: Vec<Vec<Tensor<E>>>, adamw: &AdamW<E>) -> Result<Self> {
-        Self::on_link(ddp.link(), units, adamw)
+        Self::on_link(ddp.link(), units, adamw, ddp.tensor_axis())
     }
 
-    fn on_link(link: SharedLink, units: Vec<Vec<Tensor<E>>>, adamw: &AdamW<E>) -> Result<Self> {
+    fn on_link(
+        link: SharedLink,
+        units: Vec<Vec<Tensor<E>>>,
+        adamw: &AdamW<E>,
+        tensor: Option<TensorAxis>,
+    ) -> Result<Self> {
         if adamw.state_dict().params.iter().any(Option::is_some) {
             return Err(ParallelError::OptimizerHasState);
         }
@@ -453,6 +466,7 @@ impl<E: GradElement> Zero3<E> {
             inner,
             local_loss: Rc::new(Cell::new(0.0)),
             summary: None,
+            tensor,
         })
     }
 
@@ -549,6 +563,7 @@ impl<E: GradElement> Zero3<E> {
             core: &self.core,
             local_loss: &self.local_loss,
             summary: &mut self.summary,
+            tensor: self.tensor.as_mut(),
         };
         let result = train_step_mixed_observed(
             model,
@@ -560,7 +575,9 @@ impl<E: GradElement> Zero3<E> {
             clip,
             &mut observer,
         );
-        if let Some(error) = self.take_error() {
+        // The tensor-parallel group's sum of shares first, then the data-parallel link's.
+        let tensor_error = self.tensor.as_mut().and_then(TensorAxis::take_error);
+        if let Some(error) = tensor_error.or_else(|| self.take_error()) {
             return Err(error);
         }
         Ok(global_report(result?, self.summary))
@@ -752,11 +769,13 @@ impl<E: GradElement> Optimizer<E> for Zero3<E> {
 }
 
 /// The observer of a [`Zero3::train_step`]: the gradients are already in the shards when
-/// backward ends, so it only makes the extras, the finiteness and the clip norm global.
+/// backward ends, so it only makes the extras, the finiteness and the clip norm global (over
+/// the tensor-parallel group too, for a split model).
 struct Observer<'a, E: GradElement> {
     core: &'a Rc<RefCell<Core<E>>>,
     local_loss: &'a Cell<f64>,
     summary: &'a mut Option<StepSummary>,
+    tensor: Option<&'a mut TensorAxis>,
 }
 
 impl<E: GradElement> StepObserver<E> for Observer<'_, E> {
@@ -764,7 +783,7 @@ impl<E: GradElement> StepObserver<E> for Observer<'_, E> {
         run(self)
     }
 
-    fn gradients_ready(&mut self, _params: &[Tensor<E>]) {
+    fn gradients_ready(&mut self, params: &[Tensor<E>]) {
         let core = self.core.borrow();
         let shard_finite = core.pieces.iter().all(|p| grad_is_finite(&p.values));
         let flag = !(core.finite && shard_finite);
@@ -774,20 +793,31 @@ impl<E: GradElement> StepObserver<E> for Observer<'_, E> {
             .borrow_mut()
             .call(|comm| comm.all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut extras)));
         *self.summary = sent.map(|()| StepSummary::of_extras(&extras, true));
+        if let Some(tensor) = self.tensor.as_deref_mut() {
+            tensor.gradients_ready(params, |piece| core.pieces[piece].param);
+        }
     }
 
     fn all_finite(&mut self, local: bool) -> bool {
-        local
+        let finite = local
             && !self.core.borrow().link.borrow().failed()
-            && self.summary.is_some_and(|s| s.nonfinite_ranks == 0)
+            && self.summary.is_some_and(|s| s.nonfinite_ranks == 0);
+        match self.tensor.as_deref() {
+            Some(tensor) => tensor.all_finite(finite),
+            None => finite,
+        }
     }
 
     fn total_sum_squares(&mut self, local: f64) -> f64 {
-        self.core
-            .borrow()
-            .link
-            .borrow_mut()
-            .call(|comm| comm.all_reduce_sum_f64(local))
-            .unwrap_or(f64::NAN)
+        let core = self.core.borrow();
+        let over_data = |sum: f64| {
+            (core.link.borrow_mut())
+                .call(|comm| comm.all_reduce_sum_f64(sum))
+                .unwrap_or(f64::NAN)
+        };
+        match self.tensor.as_deref() {
+            Some(tensor) => tensor.total_sum_squares(local, over_data),
+            None => over_data(local),
+        }
     }
 }

@@ -105,12 +105,13 @@ fn check_world(world: usize) {
 
 /// Tensor parallelism: the split step (its all-reduces in the blocks, the embedding's sum,
 /// the vocabulary-parallel loss) on meta ranks as on real ones, at tp 2 and at dp 2 × tp 2,
-/// ZeRO 0 and 1, in fp32 and in bf16 with every block checkpointed (the rerun all-reduces
-/// again).
+/// at every ZeRO stage, in fp32 and in bf16 with every block checkpointed (the rerun
+/// all-reduces again; at ZeRO-3 it gathers the block's slices over the data-parallel group
+/// again too).
 #[test]
 fn tensor_parallel_meta_ranks_step_as_real_ranks() {
     for (world, tensor) in [(2, 2), (4, 2)] {
-        for zero in 0..2 {
+        for zero in 0..4 {
             for (name, precision, checkpointing) in [
                 ("fp32", Precision::Fp32, Checkpointing::Off),
                 ("bf16, per block", Precision::Bf16, Checkpointing::PerBlock),
@@ -126,15 +127,15 @@ fn tensor_parallel_meta_ranks_step_as_real_ranks() {
 
 /// Sequence parallelism: the same split step with the residual stream as each rank's rows
 /// of the tokens (the gathers and scatters in the blocks, the gains' gradients summed over
-/// the group) on meta ranks as on real ones, at tp 2 and at dp 2 × tp 2, ZeRO 0 and 1, in
-/// fp32, in bf16 with every block checkpointed, and with dropout's masks on the rows.
+/// the group) on meta ranks as on real ones, at tp 2 and at dp 2 × tp 2, every ZeRO stage,
+/// in fp32, in bf16 with every block checkpointed, and with dropout's masks on the rows.
 ///
 /// It takes memory from each rank: the real ranks' metered peak of a steady step is
 /// below the plain split's.
 #[test]
 fn sequence_parallel_meta_ranks_step_as_real_ranks_on_less_memory() {
     for (world, tensor) in [(2, 2), (4, 2)] {
-        for zero in 0..2 {
+        for zero in 0..4 {
             for (name, precision, checkpointing, dropout) in [
                 ("fp32", Precision::Fp32, Checkpointing::Off, 0.0),
                 (

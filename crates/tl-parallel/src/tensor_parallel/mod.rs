@@ -18,6 +18,7 @@
 //! communicator: over a [`Phantom`](tl_collective::Phantom), a rank's step is planned to
 //! the byte, on the meter and on the wire.
 
+pub(crate) mod axis;
 pub mod column;
 pub mod cross_entropy;
 pub mod embedding;

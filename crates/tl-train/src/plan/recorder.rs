@@ -6,15 +6,16 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::sync::Arc;
 
 use tl_collective::Collective as Any;
-use tl_collective::{CommStats, Communicator, ReduceOp, Result, Slice, SliceMut};
+use tl_collective::{Axis, CommStats, Communicator, Mesh, ReduceOp, Result, Slice, SliceMut};
 use tl_tensor::memory::{self, Tag};
 
 use super::collectives::Collective;
 
 /// One collective a rank called.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Call {
     /// Which collective.
     pub collective: Any,
@@ -28,6 +29,11 @@ pub(crate) struct Call {
     pub scope: Tag,
     /// Whether it was called during a backward sweep (a checkpoint's rerun included).
     pub in_backward: bool,
+    /// The ranks it ran over, as ranks of the world the first recorder was made on: `None`
+    /// for that world, the members of a group split from it otherwise.
+    pub group: Option<Arc<[usize]>>,
+    /// The calling rank in that world, and the world's size.
+    pub world: (usize, usize),
 }
 
 /// The calls a [`Recorder`] noted, shared with whoever reads them.
@@ -37,6 +43,10 @@ pub(crate) type Calls = Rc<RefCell<Vec<Call>>>;
 pub(crate) struct Recorder {
     calls: Calls,
     inner: Box<dyn Communicator>,
+    /// The group's members in the world ([`Call::group`]).
+    group: Option<Arc<[usize]>>,
+    /// [`Call::world`].
+    world: (usize, usize),
 }
 
 impl Recorder {
@@ -44,8 +54,10 @@ impl Recorder {
     pub(crate) fn new(inner: Box<dyn Communicator>) -> (Self, Calls) {
         let calls = Calls::default();
         let recorder = Self {
+            world: (inner.rank(), inner.world_size()),
             inner,
             calls: Rc::clone(&calls),
+            group: None,
         };
         (recorder, calls)
     }
@@ -66,6 +78,8 @@ impl Recorder {
             bytes_sent: self.inner.stats().bytes_sent - before,
             scope: memory::current_tag(),
             in_backward: tl_tensor::in_backward(),
+            group: self.group.clone(),
+            world: self.world,
         });
         Ok(out)
     }
@@ -120,12 +134,18 @@ impl Communicator for Recorder {
     }
 
     /// The group, recorded into the same calls (the split's own exchange is set-up, not a
-    /// step's traffic, and is not noted).
+    /// step's traffic, and is not noted), each call naming the group's members.
     fn split(&mut self, members: &[usize]) -> Result<Box<dyn Communicator>> {
         let inner = self.inner.split(members)?;
+        let in_world = match &self.group {
+            Some(group) => members.iter().map(|&m| group[m]).collect(),
+            None => members.into(),
+        };
         Ok(Box::new(Recorder {
             calls: Rc::clone(&self.calls),
             inner,
+            group: Some(in_world),
+            world: self.world,
         }))
     }
 }
@@ -142,18 +162,18 @@ pub(crate) fn by_purpose(
     use super::zero::{CollectiveCalls, STEP_EXTRAS, ZeroStage};
     use tl_tensor::memory::Stage;
     let n_layers = config.model.n_layers;
-    // The model's own collectives under tensor parallelism: inside its forward pass, its
-    // backward sweep and a checkpointed block's rerun (the data-parallel reduction and the
-    // update come after; ZeRO-2 and 3, which communicate inside backward too, are not
-    // composed with tensor parallelism).
-    let split = config.parallel.tensor > 1;
-    let in_model = |call: &Call| {
-        split
-            && (call.in_backward
-                || matches!(
-                    call.scope.stage,
-                    Stage::Forward | Stage::Backward | Stage::Recompute
-                ))
+    // Calls over the tensor-parallel group of a split model: the model's own collectives
+    // (inside its forward pass, its backward sweep and a checkpointed block's rerun), the
+    // gains' gradients under sequence parallelism, and what makes the step's decisions
+    // span the group. Every other call is the data-parallel group's or the world's.
+    let tensor = config.parallel.tensor;
+    let on_tensor_group = |call: &Call| {
+        tensor > 1
+            && call.group.as_deref().is_some_and(|members| {
+                let (rank, world_size) = call.world;
+                Mesh::for_world(world_size, tensor, 1)
+                    .is_ok_and(|mesh| mesh.members(Axis::Tensor, rank) == members)
+            })
     };
     // The last call of the gradient reduction carries what ends the step (DDP: the loss,
     // the overflow flag and the underflows ride on the last bucket).
@@ -166,10 +186,7 @@ pub(crate) fn by_purpose(
         ZeroStage::Gradients => call.collective == Any::ReduceScatter,
         ZeroStage::Parameters => false,
     };
-    // Under sequence parallelism the norms' gains' gradients are summed over the
-    // tensor-parallel group before the reduction, in a call of their own.
-    let shares = |call: &Call| call.scope.label == tl_parallel::labels::SEQUENCE_PARALLEL_GRADIENTS;
-    let buckets = |call: &Call| buckets(call) && !shares(call);
+    let buckets = |call: &Call| buckets(call) && !on_tensor_group(call);
     let last_bucket = calls.iter().rposition(buckets);
     let unit = |call: &Call| match call.scope.owner {
         Some(0) => "embedding",
@@ -186,16 +203,18 @@ pub(crate) fn by_purpose(
             Any::Broadcast { .. } | Any::Barrier => continue,
         };
         let purpose = match collective {
-            _ if in_model(call) => match (call.in_backward, call.scope.stage) {
+            _ if on_tensor_group(call) => match (call.in_backward, call.scope.stage) {
+                _ if call.scope.label == tl_parallel::labels::SEQUENCE_PARALLEL_GRADIENTS => {
+                    "gains' gradients (tensor group)"
+                }
                 (_, Stage::Recompute) => "tensor-parallel, rerun",
-                (false, _) => "tensor-parallel, forward",
+                (false, Stage::Forward | Stage::Backward) => "tensor-parallel, forward",
                 (true, _) => "tensor-parallel, backward",
+                // One rank's overflow skips the step everywhere; the clip norm's sum of
+                // squares adds the slices.
+                _ if call.element_bytes == 8 => "gradient norm (tensor group)",
+                _ => "overflow flag (tensor group)",
             },
-            _ if shares(call) => "gains' gradients (tensor group)",
-            // Over the tensor-parallel group: one rank's overflow skips the step everywhere.
-            Collective::AllReduce if split && call.elements == 1 && call.element_bytes == 4 => {
-                "overflow flag (tensor group)"
-            }
             // The clip norm's sum of squares is added over the ranks during the update; the
             // trainer's check for a non-finite weight in any rank's shard comes after it.
             Collective::AllReduce if call.element_bytes == 8 => match call.scope.stage {

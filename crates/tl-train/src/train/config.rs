@@ -751,14 +751,6 @@ impl TrainConfig {
                     });
                 }
             }
-            if self.parallel.zero > 1 {
-                return invalid(
-                    "zero",
-                    self.parallel.zero.to_string(),
-                    "with --tp, tinyllm runs ZeRO stages 0 and 1 (2 and 3 are not yet \
-                     composed with tensor parallelism)",
-                );
-            }
         }
         if self.parallel.sequence_parallel && tensor <= 1 {
             return invalid(

@@ -73,6 +73,18 @@ pub fn train_losses(run: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// The gradient norms of a run's steps (before clipping; clipping on, every step taken).
+pub fn grad_norms(run: &Path) -> Vec<f64> {
+    read_records(&run.join("metrics.jsonl"))
+        .unwrap()
+        .iter()
+        .filter_map(|record| match record {
+            Record::Train { grad_norm, .. } => Some(grad_norm.expect("a clipped step's norm")),
+            Record::Eval { .. } => None,
+        })
+        .collect()
+}
+
 /// The JSON header and the float32 weights of a run's latest checkpoint, in file order
 /// (safetensors: an 8-byte header length, the JSON header, then the data).
 pub fn checkpoint(run: &Path) -> (String, Vec<f32>) {
