@@ -25,6 +25,9 @@
 //!   weights split over the ranks of a group that trains on the same batch; under autocast
 //!   the ranks' partial results are added in its 16-bit format, as a GPU's all-reduce adds
 //!   them, or in f32 ([`ReduceIn`]).
+//! - [`pipeline`]: pipeline parallelism's schedules as data — each rank's list of actions
+//!   for GPipe, 1F1B, interleaved 1F1B and ZB-H1 — and a simulator that checks a schedule
+//!   cannot deadlock and times its bubble.
 //! - Every stage runs on [meta](tl_tensor::meta) tensors as well: its buffers are counted
 //!   on the memory meter as the real ones, with their tags, and hold no values, and its
 //!   collectives get shape-only slices. Over a [`Phantom`](tl_collective::Phantom), one
@@ -70,6 +73,7 @@ mod ddp;
 mod error;
 mod link;
 mod metered;
+pub mod pipeline;
 mod stage;
 pub mod tensor_parallel;
 mod zero;
