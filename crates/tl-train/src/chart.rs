@@ -17,8 +17,10 @@ mod legend_row;
 mod overlay;
 mod placement;
 mod split;
+mod timeline;
 
 pub use split::render_tensor_parallel_block;
+pub use timeline::render_pipeline_timeline;
 
 /// Writes [`render_tensor_parallel_block`] of `model` over `t` ranks to `path`.
 ///

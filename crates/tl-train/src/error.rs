@@ -137,6 +137,9 @@ pub enum TrainError {
     /// it), or the step refused on every rank.
     #[error(transparent)]
     Parallel(#[from] tl_parallel::ParallelError),
+    /// A pipeline schedule that cannot be made, or that breaks a rule of the step.
+    #[error(transparent)]
+    Schedule(#[from] tl_parallel::pipeline::ScheduleError),
     /// Other ranks of the run failed, or disagree with this one.
     #[error("rank{} {} {what}", if ranks.len() == 1 { "" } else { "s" }, ranks.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))]
     Ranks {

@@ -7,7 +7,7 @@
 use tl_train::cli::{CliError, run};
 
 /// Every subcommand, as `tinyllm --help` lists it.
-const COMMANDS: [&str; 11] = [
+const COMMANDS: [&str; 12] = [
     "train",
     "sample",
     "export",
@@ -19,6 +19,7 @@ const COMMANDS: [&str; 11] = [
     "bench",
     "launch",
     "comm-bench",
+    "schedule",
 ];
 
 /// What `tinyllm ARGS.. --help` prints.

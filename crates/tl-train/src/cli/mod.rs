@@ -10,6 +10,7 @@ mod launch;
 mod plan;
 mod profile;
 mod sample;
+mod schedule;
 mod train;
 
 use std::ffi::OsString;
@@ -71,6 +72,8 @@ enum Command {
     Launch(launch::LaunchArgs),
     /// Measure the all-reduce bandwidth between ranks (under launch, or mpirun).
     CommBench(comm_bench::CommBenchArgs),
+    /// Draw a pipeline schedule's timeline and bubble, from the simulator.
+    Schedule(schedule::ScheduleArgs),
 }
 
 /// The model and the recipe of a training step, as `tinyllm train`, `plan` and `profile`
@@ -370,7 +373,9 @@ where
         Command::Gradients(args) => args.threads,
         Command::Profile(args) => args.threads,
         Command::Bench(args) => args.threads,
-        Command::Export(_) | Command::Launch(_) | Command::CommBench(_) => Threads::default(),
+        Command::Export(_) | Command::Launch(_) | Command::CommBench(_) | Command::Schedule(_) => {
+            Threads::default()
+        }
     };
     threads.apply().map_err(CliError::Run)?;
     let outcome = match cli.command {
@@ -385,6 +390,7 @@ where
         Command::Bench(args) => bench::bench(&args),
         Command::Launch(args) => launch::launch(&args),
         Command::CommBench(args) => comm_bench::comm_bench(&args),
+        Command::Schedule(args) => schedule::schedule(&args),
     };
     outcome.map_err(CliError::Run)
 }
