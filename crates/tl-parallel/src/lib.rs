@@ -99,3 +99,9 @@ pub use zero3::{UnitRunner, Zero3};
 #[cfg(doctest)]
 #[doc = include_str!("../../../docs/data-parallel.md")]
 pub struct DataParallelGuide;
+
+/// The user guide `docs/pipeline-parallel.md`, compiled as a doctest so its examples stay
+/// true.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/pipeline-parallel.md")]
+pub struct PipelineGuide;
