@@ -139,6 +139,14 @@ impl TensorParallel {
         self.link.borrow().stats()
     }
 
+    /// Wall-clock time this rank has spent inside the group's collectives (waiting for its
+    /// peers included), forward and backward, as
+    /// [`DataParallel::communication_time`](crate::DataParallel::communication_time) counts
+    /// the data-parallel group's.
+    pub fn communication_time(&self) -> std::time::Duration {
+        self.link.borrow().busy()
+    }
+
     /// The first collective error met since the last call, if any: a collective of a
     /// backward sweep that failed (its gradient was made NaN, so the step refuses it).
     pub fn take_error(&self) -> Option<ParallelError> {

@@ -1,6 +1,8 @@
 //! A rank's part of a whole parameter or moment, cut by `slice_param` and `slice_values`,
 //! and the parts joined again by `TensorParallel::gather_values`: one all-gather of plain
-//! values, its buffer on the meter.
+//! values, its buffer on the meter, its time in the group's communication time.
+
+use std::time::Duration;
 
 use tl_collective::{Collective, CommStats, ring_bytes_sent};
 use tl_parallel::tensor_parallel::{slice_param, slice_values};
@@ -57,11 +59,13 @@ fn parts_cut_along_any_axis_gather_back_into_the_whole() {
 }
 
 /// The gather's buffer of every rank's part is a communication buffer with the label given,
-/// allocated and freed around the call.
+/// allocated and freed around the call, and the call's wall-clock time is counted in the
+/// group's communication time.
 #[test]
-fn a_gathers_buffer_is_metered() {
+fn a_gathers_buffer_is_metered_and_its_time_counted() {
     let bytes = world(2, |comm| {
         let tp = TensorParallel::new(Box::new(comm));
+        assert_eq!(tp.communication_time(), Duration::ZERO);
         let part = tp.split("rows", SHAPE[0]).unwrap();
         let whole = whole();
         let cut = slice_values(whole.as_slice().unwrap(), &SHAPE, 0, part);
@@ -69,6 +73,7 @@ fn a_gathers_buffer_is_metered() {
         let (gathered, events) =
             memory::record(|| tp.gather_values(local, 0, labels::GATHERED_WEIGHTS));
         assert_eq!(gathered.unwrap(), whole);
+        assert!(tp.communication_time() > Duration::ZERO);
         let events: Vec<_> = events
             .iter()
             .map(|e| (e.kind, e.bytes, e.tag.kind, e.tag.label))
