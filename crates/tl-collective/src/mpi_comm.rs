@@ -36,7 +36,7 @@ use crate::ring::header::{from_words, to_words};
 use crate::ring::split_pair;
 use crate::schedule::{all_gather_step, reduce_scatter_step};
 use crate::shard::shard_range;
-use crate::wire;
+use crate::wire::{self, Finish, Schedule};
 
 /// Which algorithms [`MpiComm`] uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -164,8 +164,8 @@ impl MpiComm {
                 self.optimal_bytes::<T>(data.len(), 2);
             }
             MpiMode::Ring => {
-                self.ring_reduce_scatter(data, op);
-                self.ring_all_gather(data, op.format());
+                self.ring_reduce_scatter(data, op)?;
+                self.ring_all_gather(data, op.format())?;
             }
         }
         Ok(())
@@ -206,7 +206,7 @@ impl MpiComm {
             MpiMode::Ring => {
                 let mut work = input.to_vec();
                 prepare(op, &mut work);
-                self.ring_reduce_scatter(&mut work, op);
+                self.ring_reduce_scatter(&mut work, op)?;
                 output.copy_from_slice(&work[shard_range(len, n, rank)]);
             }
         }
@@ -235,7 +235,7 @@ impl MpiComm {
             _ => {
                 output[shard_range(len, n, rank)].copy_from_slice(input);
                 if n > 1 {
-                    self.ring_all_gather(output, None);
+                    self.ring_all_gather(output, None)?;
                 }
             }
         }
@@ -263,27 +263,19 @@ impl MpiComm {
         }
     }
 
-    fn ring_reduce_scatter<T: Element + Equivalence>(&mut self, data: &mut [T], op: ReduceOp) {
-        let (n, rank, len) = (self.world_size, self.rank, data.len());
-        let right = self.world.process_at_rank(((rank + 1) % n) as i32);
-        let left = self.world.process_at_rank(((rank + n - 1) % n) as i32);
+    fn ring_reduce_scatter<T: Element + Equivalence>(
+        &mut self,
+        data: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         if let ReduceOp::SumIn(format) = op {
             // As on the socket ring: the shard sent packed, the one received added and
             // rounded from its 16-bit words.
-            let longest = shard_range(len, n, 0).len();
-            let (mut outgoing, mut incoming) = (vec![0u16; longest], vec![0u16; longest]);
-            for step in 0..n - 1 {
-                let (send, recv) = reduce_scatter_step(rank, step, n);
-                let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
-                self.stats.bytes_sent += (send.len() * size_of::<u16>()) as u64;
-                let out = &mut outgoing[..send.len()];
-                wire::pack(&data[send], format, out);
-                let into = &mut incoming[..recv.len()];
-                send_receive_into(&*out, &right, &mut *into, &left);
-                wire::reduce_packed(format, &mut data[recv], into);
-            }
-            return;
+            return self.packed_phase(data, reduce_scatter_step, format, Finish::AddAndRound);
         }
+        let (n, rank, len) = (self.world_size, self.rank, data.len());
+        let right = self.world.process_at_rank(((rank + 1) % n) as i32);
+        let left = self.world.process_at_rank(((rank + n - 1) % n) as i32);
         let mut scratch = vec![T::zeroed(); shard_range(len, n, 0).len()];
         for step in 0..n - 1 {
             let (send, recv) = reduce_scatter_step(rank, step, n);
@@ -294,6 +286,7 @@ impl MpiComm {
             send_receive_into(out, &right, &mut *into, &left);
             reduce_into(op, target, into);
         }
+        Ok(())
     }
 
     /// The ring's all-gather of `data`'s shards, as 16-bit words of `format` if given (the
@@ -302,25 +295,13 @@ impl MpiComm {
         &mut self,
         data: &mut [T],
         format: Option<Format>,
-    ) {
+    ) -> Result<()> {
+        if let Some(format) = format {
+            return self.packed_phase(data, all_gather_step, format, Finish::Unpack);
+        }
         let (n, rank, len) = (self.world_size, self.rank, data.len());
         let right = self.world.process_at_rank(((rank + 1) % n) as i32);
         let left = self.world.process_at_rank(((rank + n - 1) % n) as i32);
-        if let Some(format) = format {
-            let longest = shard_range(len, n, 0).len();
-            let (mut outgoing, mut incoming) = (vec![0u16; longest], vec![0u16; longest]);
-            for step in 0..n - 1 {
-                let (send, recv) = all_gather_step(rank, step, n);
-                let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
-                self.stats.bytes_sent += (send.len() * size_of::<u16>()) as u64;
-                let out = &mut outgoing[..send.len()];
-                wire::pack(&data[send], format, out);
-                let into = &mut incoming[..recv.len()];
-                send_receive_into(&*out, &right, &mut *into, &left);
-                wire::unpack(into, format, &mut data[recv]);
-            }
-            return;
-        }
         for step in 0..n - 1 {
             let (send, recv) = all_gather_step(rank, step, n);
             let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
@@ -328,6 +309,35 @@ impl MpiComm {
             let (out, into) = split_pair(data, send, recv);
             send_receive_into(out, &right, into, &left);
         }
+        Ok(())
+    }
+
+    /// One phase of a sum in `format` over `MPI_Sendrecv` ([`wire::packed_ring_phase`]):
+    /// each step's words are finished once the whole shard has arrived.
+    fn packed_phase<T: Element>(
+        &mut self,
+        data: &mut [T],
+        schedule: Schedule,
+        format: Format,
+        finish: Finish,
+    ) -> Result<()> {
+        let (n, rank) = (self.world_size, self.rank);
+        let right = self.world.process_at_rank(((rank + 1) % n) as i32);
+        let left = self.world.process_at_rank(((rank + n - 1) % n) as i32);
+        let stats = &mut self.stats;
+        wire::packed_ring_phase(
+            data,
+            (rank, n),
+            schedule,
+            format,
+            finish,
+            |out, into, words| {
+                stats.bytes_sent += size_of_val(out) as u64;
+                send_receive_into(out, &right, &mut *into, &left);
+                words(0..into.len(), into);
+                Ok(())
+            },
+        )
     }
 }
 

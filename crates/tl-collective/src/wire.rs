@@ -7,11 +7,18 @@
 //! by 16, and back. fp16 goes through the `half` crate, whose f32 conversions are exact for
 //! the values fp16 holds (tl-numerics cross-checks them). An f64 buffer goes through f32,
 //! which holds every value of both formats exactly.
+//!
+//! [`packed_ring_phase`] is the one loop of such a sum's two ring phases, on either
+//! transport: the socket ring and the ring over MPI hand it only their exchange.
+
+use std::ops::Range;
 
 use half::f16;
 use tl_numerics::Format;
 
 use crate::element::{Element, sum_in};
+use crate::error::Result;
+use crate::shard::shard_range;
 
 /// The quiet bit of a bf16 NaN: a NaN whose payload lay only in the low half of the f32
 /// keeps a NaN, not an infinity, when the low half is dropped.
@@ -64,6 +71,68 @@ pub(crate) fn reduce_packed<T: Element>(format: Format, dst: &mut [T], received:
     dst.iter_mut()
         .zip(received)
         .for_each(|(d, &b)| *d = sum_in(format, *d, from_bits(b, format)));
+}
+
+/// What a rank does with the 16-bit words of the shard it receives at a step of the ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Finish {
+    /// Reduce-scatter: adds them to its own partial sums and rounds ([`reduce_packed`]).
+    AddAndRound,
+    /// All-gather: takes them as the shard's values ([`unpack`]).
+    Unpack,
+}
+
+impl Finish {
+    fn apply<T: Element>(self, format: Format, dst: &mut [T], received: &[u16]) {
+        match self {
+            Finish::AddAndRound => reduce_packed(format, dst, received),
+            Finish::Unpack => unpack(received, format, dst),
+        }
+    }
+}
+
+/// A phase's schedule: for `(rank, step, world_size)`, the shard that rank sends at that
+/// step and the one it receives ([`reduce_scatter_step`](crate::schedule::reduce_scatter_step)
+/// or [`all_gather_step`](crate::schedule::all_gather_step)).
+pub(crate) type Schedule = fn(usize, usize, usize) -> (usize, usize);
+
+/// The received words `words` of a step's shard, to finish into that shard's elements
+/// `words` (indices in words, from the shard's start).
+pub(crate) type FinishWords<'a> = dyn FnMut(Range<usize>, &[u16]) + 'a;
+
+/// One phase of the ring's sum in `format` over `data` (whose values are the format's): its
+/// N−1 steps, every value on the wire as its 16 bits. Before each step the shard that
+/// `schedule` sends is packed (it may be the one finished at the step before); then
+/// `exchange(outgoing, incoming, finish_words)` sends the packed words to the right,
+/// receives the shard it gets from the left into `incoming`, and hands what has arrived to
+/// `finish_words`, at once or piece by piece as it arrives, which applies `finish`.
+///
+/// # Errors
+/// The first error of `exchange`; the steps after it do not run.
+pub(crate) fn packed_ring_phase<T: Element>(
+    data: &mut [T],
+    (rank, world_size): (usize, usize),
+    schedule: Schedule,
+    format: Format,
+    finish: Finish,
+    mut exchange: impl FnMut(&[u16], &mut [u16], &mut FinishWords<'_>) -> Result<()>,
+) -> Result<()> {
+    let len = data.len();
+    let longest = shard_range(len, world_size, 0).len();
+    let (mut outgoing, mut incoming) = (vec![0u16; longest], vec![0u16; longest]);
+    for step in 0..world_size - 1 {
+        let (send, recv) = schedule(rank, step, world_size);
+        let send = shard_range(len, world_size, send);
+        let recv = shard_range(len, world_size, recv);
+        let out = &mut outgoing[..send.len()];
+        pack(&data[send], format, out);
+        let target = &mut data[recv.clone()];
+        let mut finish_words = |words: Range<usize>, received: &[u16]| {
+            finish.apply(format, &mut target[words], received);
+        };
+        exchange(out, &mut incoming[..recv.len()], &mut finish_words)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

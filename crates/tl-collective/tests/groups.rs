@@ -5,33 +5,17 @@
 //! The ranks are threads of this process, each with its own sockets, as in tl-parallel's
 //! tests: the groups' rings are real rings, formed in directories of their own.
 
+mod support;
+
 use std::time::Duration;
 
+use support::thread_world;
 use tl_collective::{
     Axis, Collective, CollectiveError, CommStats, Communicator, Mesh, Phantom, RingComm,
-    RingConfig, ring_bytes_sent,
+    ring_bytes_sent,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(20);
-
-/// Runs `program` as every rank of a ring of `n` threads.
-fn world<T: Send>(n: usize, program: impl Fn(RingComm) -> T + Sync) -> Vec<T> {
-    let dir = tempfile::tempdir().unwrap();
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let (dir, program) = (dir.path(), &program);
-                scope.spawn(move || {
-                    let config = RingConfig::new(rank, n, dir, [3; 32])
-                        .unwrap()
-                        .timeout(TIMEOUT);
-                    program(RingComm::connect(config).unwrap())
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
 
 /// The sum over `members` of `rank + 0.25·i` at element `i`: what a group's all-reduce of
 /// each member's `values(rank)` gives.
@@ -90,7 +74,7 @@ fn each_group_of_a_mesh_sums_over_its_members_only() {
     for (dp, tp, pp) in [(2, 2, 1), (1, 4, 1), (2, 1, 2), (2, 2, 2)] {
         let mesh = Mesh::new(dp, tp, pp).unwrap();
         let n = mesh.world_size();
-        let seen = world(n, |comm| split_and_reduce(mesh, comm));
+        let seen = thread_world(n, TIMEOUT, |comm| split_and_reduce(mesh, comm));
         for (rank, seen) in seen.iter().enumerate() {
             for (axis, members, sum) in &seen.sums {
                 assert_eq!(members.len(), mesh.size(*axis));
@@ -120,7 +104,7 @@ fn each_group_of_a_mesh_sums_over_its_members_only() {
 #[test]
 fn a_phantom_counts_a_split_and_its_groups_as_the_ring_does() {
     let mesh = Mesh::new(2, 2, 1).unwrap();
-    let seen = world(4, |comm| split_and_reduce(mesh, comm));
+    let seen = thread_world(4, TIMEOUT, |comm| split_and_reduce(mesh, comm));
     for (rank, seen) in seen.iter().enumerate() {
         let mut phantom = Phantom::new(rank, 4).unwrap();
         let mut groups = mesh.split(&mut phantom).unwrap();
@@ -146,7 +130,7 @@ fn a_phantom_counts_a_split_and_its_groups_as_the_ring_does() {
 #[test]
 fn groups_the_ranks_disagree_on_fail_on_every_rank_and_the_world_goes_on() {
     // Rank 0 pairs with rank 1; ranks 1 and 2 pair with each other.
-    let outcomes = world(3, |mut comm| {
+    let outcomes = thread_world(3, TIMEOUT, |mut comm| {
         let members: &[usize] = if comm.rank() == 0 { &[0, 1] } else { &[1, 2] };
         let split = comm.split(members).map(|_| ());
         // Every rank took part in the exchange: the world's ring is intact.
@@ -169,7 +153,7 @@ fn groups_the_ranks_disagree_on_fail_on_every_rank_and_the_world_goes_on() {
 #[test]
 fn a_group_without_the_rank_is_refused_at_once_and_the_others_learn_of_it() {
     // Both name the group {1}: right for rank 1, not for rank 0.
-    let outcomes = world(2, |mut comm| comm.split(&[1]).map(|_| ()));
+    let outcomes = thread_world(2, TIMEOUT, |mut comm| comm.split(&[1]).map(|_| ()));
     match &outcomes[0] {
         Err(CollectiveError::BadGroup { reason }) => {
             assert!(reason.contains("does not hold rank 0"), "{reason}");
@@ -189,7 +173,7 @@ fn a_group_without_the_rank_is_refused_at_once_and_the_others_learn_of_it() {
 
 #[test]
 fn a_mesh_that_does_not_cover_the_world_is_refused_before_any_exchange() {
-    let outcomes = world(2, |mut comm| {
+    let outcomes = thread_world(2, TIMEOUT, |mut comm| {
         let mesh = Mesh::new(1, 4, 1).unwrap();
         let err = mesh.split(&mut comm).unwrap_err();
         (err.to_string(), comm.stats().collectives)

@@ -9,6 +9,7 @@
 //! - `autocast`: the partial sums under bf16 autocast, in bf16 at each hop or in f32;
 //! - `errors`: sizes that do not split, a collective that fails in backward;
 //! - `recorder`: a communicator that logs its calls, as PyTorch's `CommDebugMode` does;
+//! - `slices`: a rank's part of a parameter or a moment, cut and gathered back whole;
 //! - `step`: a data-parallel step beside the group: a global clip norm and overflow skip.
 
 #[path = "tensor_parallel/autocast.rs"]
@@ -22,6 +23,8 @@ mod meta;
 mod mlp;
 #[path = "tensor_parallel/recorder.rs"]
 mod recorder;
+#[path = "tensor_parallel/slices.rs"]
+mod slices;
 #[path = "tensor_parallel/step.rs"]
 mod step;
 #[path = "tensor_parallel/vocabulary.rs"]

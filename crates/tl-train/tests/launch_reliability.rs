@@ -94,25 +94,26 @@ fn a_diverged_run_exits_4_under_launch_as_alone() {
 #[test]
 fn ranks_given_different_until_steps_refuse_before_any_step() {
     use std::sync::atomic::AtomicBool;
+    use tl_collective::Communicator;
     use tl_train::TrainError;
     use tl_train::train::{TrainConfig, Trainer};
 
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
-    let errors: Vec<TrainError> =
-        common::on_two_ranks(dir.path(), Duration::from_secs(10), |rank, comm| {
-            let train = TrainConfig {
-                steps: 8,
-                save_interval: 8,
-                ..common::tiny_ranks_config()
-            };
-            let mut trainer = Trainer::new_on(train, &out, comm).unwrap();
-            let until = 2 + 2 * rank as u64; // rank 1 was given --until-step 4
-            let stop = AtomicBool::new(false);
-            let outcome = trainer.run(until, &stop, &mut |_| {});
-            assert_eq!(trainer.step(), 0, "a step was taken");
-            outcome.expect_err("the ranks refuse")
-        });
+    let errors: Vec<TrainError> = common::thread_world(2, Duration::from_secs(10), |comm| {
+        let rank = comm.rank();
+        let train = TrainConfig {
+            steps: 8,
+            save_interval: 8,
+            ..common::tiny_ranks_config()
+        };
+        let mut trainer = Trainer::new_on(train, &out, Box::new(comm)).unwrap();
+        let until = 2 + 2 * rank as u64; // rank 1 was given --until-step 4
+        let stop = AtomicBool::new(false);
+        let outcome = trainer.run(until, &stop, &mut |_| {});
+        assert_eq!(trainer.step(), 0, "a step was taken");
+        outcome.expect_err("the ranks refuse")
+    });
     for error in errors {
         assert!(
             matches!(&error, TrainError::Ranks { ranks, .. } if ranks == &[1]),

@@ -8,12 +8,13 @@
 //!
 //! - `sequence`: the split with sequence parallelism.
 
+mod common;
 #[path = "tensor_parallel/sequence.rs"]
 mod sequence;
 
 use std::time::Duration;
 
-use tl_collective::{Communicator, RingComm, RingConfig};
+use tl_collective::{Communicator, RingComm};
 use tl_parallel::{GradElement, TensorParallel};
 use tl_tensor::ndarray::{ArrayD, Axis, concatenate};
 use tl_tensor::nn::Module;
@@ -24,21 +25,7 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Runs `program` on `n` ranks of a ring, one thread each.
 fn world<T: Send>(n: usize, program: impl Fn(RingComm) -> T + Sync) -> Vec<T> {
-    let dir = tempfile::tempdir().unwrap();
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let (dir, program) = (dir.path(), &program);
-                scope.spawn(move || {
-                    let config = RingConfig::new(rank, n, dir, [9; 32])
-                        .unwrap()
-                        .timeout(TIMEOUT);
-                    program(RingComm::connect(config).unwrap())
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    common::thread_world(n, TIMEOUT, program)
 }
 
 /// Small enough for milliseconds, every split size divisible by 4.

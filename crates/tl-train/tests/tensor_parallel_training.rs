@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::fs;
 use std::path::Path;
 
 use common::TINY_TRAIN;
@@ -257,6 +258,28 @@ fn a_sequence_parallel_run_resumes_without_it() {
             difference < 1e-6,
             "to {ranks} x tp {tp}: losses differ by {difference:e}"
         );
+    }
+}
+
+/// A rank's report counts its time in every group's collectives. At tp 2 on two ranks the
+/// data-parallel group is each rank alone: its calls take microseconds a step. The
+/// tensor-parallel group's all-reduces, 4L + 4 a micro-batch over the sockets, each a
+/// round trip to the other rank or more (waiting for it included), take well over 0.1 ms a
+/// step between them; a report that timed only the data-parallel group stayed below that.
+#[test]
+fn a_tensor_parallel_run_reports_its_groups_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tp");
+    succeed(2, &tiny(&out, 2, &["--tp", "2"]));
+    let summary: serde_json::Value =
+        serde_json::from_slice(&fs::read(out.join("summary.json")).unwrap()).unwrap();
+    let ranks = summary["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    for rank in ranks {
+        let comm_s = rank["comm_s_per_step"].as_f64().unwrap();
+        let share = rank["comm_share"].as_f64().unwrap();
+        assert!(comm_s > 1e-4, "{rank}: {comm_s} s a step in collectives");
+        assert!(share > 0.0 && share < 1.0, "{rank}");
     }
 }
 

@@ -13,6 +13,7 @@ use common::ranks::{
     LIMIT, binary, largest_difference, run_ranks, succeed, train_losses, wait_output, weights,
 };
 use common::{TINY_TRAIN, latest_checkpoint, train_steps};
+use tl_collective::Communicator;
 use tl_train::TrainError;
 use tl_train::plan::{DataParallelism, Recipe, plan_ranks, relative_error};
 use tl_train::train::{TrainConfig, Trainer, read_config};
@@ -260,14 +261,14 @@ fn a_signal_to_one_rank_is_named_by_every_rank() {
 fn ranks_started_with_different_configs_refuse_to_start() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
-    let errors: Vec<TrainError> =
-        common::on_two_ranks(dir.path(), Duration::from_secs(20), |rank, comm| {
-            let train = TrainConfig {
-                seed: rank as u64, // rank 1 was given another --seed
-                ..common::tiny_ranks_config()
-            };
-            Trainer::new_on(train, &out, comm).err().unwrap()
-        });
+    let errors: Vec<TrainError> = common::thread_world(2, Duration::from_secs(20), |comm| {
+        let rank = comm.rank();
+        let train = TrainConfig {
+            seed: rank as u64, // rank 1 was given another --seed
+            ..common::tiny_ranks_config()
+        };
+        Trainer::new_on(train, &out, Box::new(comm)).err().unwrap()
+    });
     for error in errors {
         assert!(
             matches!(&error, TrainError::Ranks { ranks, .. } if ranks == &[1]),

@@ -33,7 +33,7 @@ use crate::error::{CallHeader, CollectiveError, Result};
 use crate::group;
 use crate::schedule::{all_gather_step, reduce_scatter_step};
 use crate::shard::shard_range;
-use crate::wire;
+use crate::wire::{self, Finish, Schedule};
 pub use cost::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
 use header::exchange_headers;
 use link::{Exchange, Link, ReduceExchange, Relay};
@@ -234,7 +234,16 @@ fn reduce_scatter_in_place<T: Element>(
     name: &'static str,
 ) -> Result<()> {
     if let ReduceOp::SumIn(format) = op {
-        return reduce_scatter_16(link, rank, n, data, format, name);
+        let finish = Finish::AddAndRound;
+        return packed_phase(
+            link,
+            (rank, n),
+            data,
+            reduce_scatter_step,
+            format,
+            finish,
+            name,
+        );
     }
     let len = data.len();
     let size = std::mem::size_of::<T>();
@@ -258,43 +267,34 @@ fn reduce_scatter_in_place<T: Element>(
     Ok(())
 }
 
-/// [`reduce_scatter_in_place`] of a sum in `format`, every value on the wire as its 16 bits.
-///
-/// The shard to send is packed before each step (it is the one reduced at the step before),
-/// and received bits are added and rounded piece by piece as they arrive, as the f32 path
-/// reduces them. `data` holds values of the format already ([`prepare`]).
-fn reduce_scatter_16<T: Element>(
+/// One phase of a sum in `format` over the link ([`wire::packed_ring_phase`]): the received
+/// words are finished (added and rounded, or unpacked) piece by piece as they arrive, as the
+/// f32 path reduces them.
+fn packed_phase<T: Element>(
     link: &mut Link,
-    rank: usize,
-    n: usize,
+    ring: (usize, usize),
     data: &mut [T],
+    schedule: Schedule,
     format: Format,
+    finish: Finish,
     name: &'static str,
 ) -> Result<()> {
     const WORD: usize = size_of::<u16>();
-    let len = data.len();
-    let longest = shard_range(len, n, 0).len();
-    let (mut outgoing, mut incoming) = (vec![0u16; longest], vec![0u16; longest]);
-    for step in 0..n - 1 {
-        let (send, recv) = reduce_scatter_step(rank, step, n);
-        let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
-        let out = &mut outgoing[..send.len()];
-        wire::pack(&data[send], format, out);
-        let into = &mut incoming[..recv.len()];
-        let target = &mut data[recv];
+    wire::packed_ring_phase(data, ring, schedule, format, finish, |out, into, words| {
         let mut flow = ReduceExchange {
             inner: Exchange::new(bytemuck::cast_slice(out), bytemuck::cast_slice_mut(into)),
             element: WORD,
             reduced: 0,
             reduce: |bytes: Range<usize>, received: &[u8]| {
-                let dst = &mut target[bytes.start / WORD..bytes.end / WORD];
                 // `received` starts at an even offset of a `u16` buffer: aligned.
-                wire::reduce_packed(format, dst, bytemuck::cast_slice(received));
+                words(
+                    bytes.start / WORD..bytes.end / WORD,
+                    bytemuck::cast_slice(received),
+                );
             },
         };
-        link.pump(name, &mut flow)?;
-    }
-    Ok(())
+        link.pump(name, &mut flow)
+    })
 }
 
 /// All-gather in place: every rank starts with its own shard of `data` filled. With a
@@ -310,20 +310,15 @@ fn all_gather_wire<T: Element>(
     let Some(format) = format else {
         return all_gather_in_place(link, rank, n, data, name);
     };
-    let len = data.len();
-    let longest = shard_range(len, n, 0).len();
-    let (mut outgoing, mut incoming) = (vec![0u16; longest], vec![0u16; longest]);
-    for step in 0..n - 1 {
-        let (send, recv) = all_gather_step(rank, step, n);
-        let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
-        let out = &mut outgoing[..send.len()];
-        wire::pack(&data[send], format, out);
-        let into = &mut incoming[..recv.len()];
-        let mut flow = Exchange::new(bytemuck::cast_slice(out), bytemuck::cast_slice_mut(into));
-        link.pump(name, &mut flow)?;
-        wire::unpack(into, format, &mut data[recv]);
-    }
-    Ok(())
+    packed_phase(
+        link,
+        (rank, n),
+        data,
+        all_gather_step,
+        format,
+        Finish::Unpack,
+        name,
+    )
 }
 
 /// All-gather in place: every rank starts with its own shard of `data` filled.

@@ -3,14 +3,14 @@
 use std::ops::Range;
 
 use tl_collective::ReduceOp;
-use tl_tensor::memory;
-use tl_tensor::ndarray::{ArrayD, Axis, IxDyn, Slice as Span};
-use tl_tensor::{Tensor, meta};
+use tl_tensor::Tensor;
+use tl_tensor::ndarray::{ArrayD, Axis, IxDyn};
 
 use crate::ddp::GradElement;
 use crate::error::Result;
 
 use super::group::TensorParallel;
+use super::slices::slice_param;
 
 /// A table of `V` vectors of size `D` split over the vocabulary: rank `r` of `t` holds rows
 /// [`split`](TensorParallel::split)`(V)`, `[r·V/t, (r + 1)·V/t)`, looks up the ids that fall
@@ -64,14 +64,7 @@ impl<E: GradElement> VocabParallelEmbedding<E> {
             "VocabParallelEmbedding: the table must be [num_embeddings, dim], got {shape:?}"
         );
         let vocabulary = tp.split("vocabulary", shape[0])?;
-        let _owner = memory::owner_scope(table.memory_tag().owner);
-        let weight = match meta::computes(&[table]) {
-            true => {
-                let rows = Span::from(vocabulary.clone());
-                Tensor::param(table.value().slice_axis(Axis(0), rows).to_owned())
-            }
-            false => Tensor::meta_param(&[vocabulary.len(), shape[1]]),
-        };
+        let weight = slice_param(table, 0, vocabulary.clone());
         Ok(Self {
             tp: tp.clone(),
             weight,

@@ -7,7 +7,7 @@ use std::rc::Rc;
 use tl_collective::{CommStats, Communicator, ReduceOp, shard_range};
 use tl_precision::{Format, autocast_format};
 use tl_tensor::memory::{self, Stage};
-use tl_tensor::ndarray::ArrayD;
+use tl_tensor::ndarray::{ArrayD, ArrayViewD, IxDyn};
 use tl_tensor::{Tensor, meta};
 
 use crate::ddp::GradElement;
@@ -139,6 +139,14 @@ impl TensorParallel {
         self.link.borrow().stats()
     }
 
+    /// Wall-clock time this rank has spent inside the group's collectives (waiting for its
+    /// peers included), forward and backward, as
+    /// [`DataParallel::communication_time`](crate::DataParallel::communication_time) counts
+    /// the data-parallel group's.
+    pub fn communication_time(&self) -> std::time::Duration {
+        self.link.borrow().busy()
+    }
+
     /// The first collective error met since the last call, if any: a collective of a
     /// backward sweep that failed (its gradient was made NaN, so the step refuses it).
     pub fn take_error(&self) -> Option<ParallelError> {
@@ -173,6 +181,74 @@ impl TensorParallel {
             });
         }
         Ok(shard_range(size, tensor_parallel, rank))
+    }
+
+    /// The whole array from every rank's part `local` of it along `axis`: the parts joined
+    /// along `axis` in rank order (rank `q`'s at `q·n..(q + 1)·n` for parts of `n`), on every
+    /// rank. A collective of the group: every rank calls it, with parts of the same shape.
+    /// The inverse of [`slice_values`](super::slice_values) and
+    /// [`slice_param`](super::slice_param), for a checkpoint that holds whole tensors.
+    ///
+    /// Plain values, no autograd op: one all-gather into a communication buffer labelled
+    /// `label` (one of [`labels`](crate::labels)) on the memory meter, as the rest of the
+    /// group's buffers are, then the parts put in place, in standard (row-major) layout.
+    ///
+    /// # Errors
+    /// [`ParallelError::Collective`] if the all-gather fails (ranks whose parts differ in
+    /// size make it fail on every rank), or an earlier collective of the group did.
+    ///
+    /// # Panics
+    /// If `axis` is not one of `local`'s.
+    ///
+    /// ```
+    /// use tl_collective::Single;
+    /// use tl_parallel::{TensorParallel, labels};
+    /// use tl_tensor::ndarray::arr2;
+    ///
+    /// let tp = TensorParallel::new(Box::new(Single::new())); // a group of one: its own part
+    /// let part = arr2(&[[1.0f64, 2.0], [3.0, 4.0]]).into_dyn();
+    /// let whole = tp.gather_values(part.view(), 1, labels::GATHERED_MOMENTS)?;
+    /// assert_eq!(whole, part);
+    /// # Ok::<(), tl_parallel::ParallelError>(())
+    /// ```
+    pub fn gather_values<E: GradElement>(
+        &self,
+        local: ArrayViewD<'_, E>,
+        axis: usize,
+        label: &'static str,
+    ) -> Result<ArrayD<E>> {
+        let shape = local.shape().to_vec();
+        assert!(
+            axis < shape.len(),
+            "gather_values: no axis {axis} in a part of shape {shape:?}"
+        );
+        let t = self.world_size();
+        let local = local.as_standard_layout();
+        let local = local.as_slice().expect("standard layout");
+        let mut buffer = Metered::<E>::zeros(t * local.len(), false, communication(label, None));
+        self.call(|comm| {
+            comm.all_gather(
+                <E as tl_collective::Element>::view(local),
+                buffer.view_mut(),
+            )
+        })?;
+        // The buffer holds [t, shape..]: the rank axis moved just before `axis` and merged
+        // with it puts rank q's part at q·n..(q + 1)·n along `axis`.
+        let blocks_shape: Vec<usize> = std::iter::once(t).chain(shape.iter().copied()).collect();
+        let values = buffer.values().expect("a buffer with values");
+        let blocks = ArrayViewD::from_shape(IxDyn(&blocks_shape), values).expect("t parts");
+        let order: Vec<usize> = (1..=axis)
+            .chain([0])
+            .chain(axis + 1..=shape.len())
+            .collect();
+        let mut whole_shape = shape;
+        whole_shape[axis] *= t;
+        Ok(blocks
+            .permuted_axes(IxDyn(&order))
+            .as_standard_layout()
+            .into_owned()
+            .into_shape_with_order(IxDyn(&whole_shape))
+            .expect("the parts joined along the axis"))
     }
 
     /// Sums the gradients of `params` over the group, in place, in one all-reduce: for the

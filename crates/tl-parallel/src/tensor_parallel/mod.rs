@@ -13,6 +13,9 @@
 //! - [`embedding`]: [`VocabParallelEmbedding`], the table split over the vocabulary.
 //! - [`cross_entropy`]: [`TensorParallel::vocab_parallel_cross_entropy`], the loss of
 //!   logits split over the vocabulary.
+//! - [`slice_param`] and [`slice_values`]: a rank's part of a whole parameter, or of its
+//!   optimizer moments, along an axis; [`TensorParallel::gather_values`] puts the parts
+//!   back together.
 //!
 //! Every op runs on [meta](tl_tensor::meta) tensors too, passing shape-only buffers to the
 //! communicator: over a [`Phantom`](tl_collective::Phantom), a rank's step is planned to
@@ -32,3 +35,4 @@ pub use column::ColumnParallelLinear;
 pub use embedding::VocabParallelEmbedding;
 pub use group::{ReduceIn, TensorParallel};
 pub use row::RowParallelLinear;
+pub use slices::{slice_param, slice_values};

@@ -8,7 +8,7 @@ use crate::ddp::GradElement;
 use crate::error::Result;
 
 use super::group::TensorParallel;
-use super::slices::{check_bias, check_weight, param_joined, slice_of};
+use super::slices::{check_bias, check_weight, slice_param};
 
 /// A linear layer whose weight is split over its input features: each rank takes its
 /// columns of the input (a column-parallel layer's output) and makes a partial sum of the
@@ -52,10 +52,10 @@ impl<E: GradElement> RowParallelLinear<E> {
     ) -> Result<Self> {
         let [inputs, outputs] = check_weight("RowParallelLinear", weight);
         let rows = tp.split("input features", inputs)?;
-        let local = param_joined(&[slice_of(weight, 0, rows)], 0, weight);
+        let local = slice_param(weight, 0, rows);
         let bias = bias.map(|bias| {
             check_bias("RowParallelLinear", bias, outputs);
-            param_joined(&[slice_of(bias, 0, 0..outputs)], 0, bias)
+            slice_param(bias, 0, 0..outputs)
         });
         Ok(Self {
             tp: tp.clone(),

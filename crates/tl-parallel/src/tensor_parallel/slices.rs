@@ -1,6 +1,8 @@
-//! A rank's slice of a whole layer's weights, as a parameter of its own.
+//! A rank's slice of a whole layer's weights, as a parameter of its own, and of any
+//! row-major array of values (an optimizer's moment): the one place that cuts them.
 //!
-//! The parallel layers are built from the whole layer's weights, which every rank holds
+//! [`slice_param`] and [`slice_values`] are public, for code that splits a whole model by a
+//! table of its own (tl-train's Llama, its optimizer state on resume); the parallel layers are built from the whole layer's weights, which every rank holds
 //! alike (from one seed, or a checkpoint). tl-tensor's [`Linear`](tl_tensor::nn::Linear)
 //! stores its weight as `[in_features, out_features]` (`y = x·W + b`, no transpose; PyTorch
 //! stores `[out, in]`), so rank `r` of `t` keeps the *columns* `W[:, r·out/t..(r + 1)·out/t]`
@@ -10,10 +12,85 @@
 use std::ops::Range;
 
 use tl_tensor::memory;
-use tl_tensor::ndarray::{ArrayD, Axis, Slice as Span, concatenate};
+use tl_tensor::ndarray::{ArrayD, ArrayViewD, Axis, IxDyn, Slice as Span, concatenate};
 use tl_tensor::{Tensor, meta};
 
 use crate::ddp::GradElement;
+
+/// The part `part` along `axis` of the whole parameter `whole`, as a parameter of its own
+/// (a copy, not a view), owned on the memory meter by `whole`'s unit of the model; a meta
+/// parameter of the part's shape when `whole` is meta. `part` is a rank's share of the axis,
+/// as [`TensorParallel::split`](super::TensorParallel::split) gives it.
+///
+/// # Panics
+/// If `axis` is not one of `whole`'s, or `part` runs past its end.
+///
+/// ```
+/// use tl_collective::Phantom;
+/// use tl_parallel::TensorParallel;
+/// use tl_parallel::tensor_parallel::slice_param;
+/// use tl_tensor::{Tensor, ndarray::arr2};
+///
+/// let tp = TensorParallel::new(Box::new(Phantom::new(1, 2)?)); // rank 1 of 2
+/// let whole = Tensor::<f32>::param(arr2(&[[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]).into_dyn());
+/// let columns = slice_param(&whole, 1, tp.split("columns", 4)?);
+/// assert_eq!((columns.shape(), columns.to_vec()), (vec![2, 2], vec![3.0, 4.0, 7.0, 8.0]));
+/// assert!(columns.is_leaf() && !columns.shares_storage(&whole));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn slice_param<E: GradElement>(
+    whole: &Tensor<E>,
+    axis: usize,
+    part: Range<usize>,
+) -> Tensor<E> {
+    let mut shape = whole.shape();
+    shape[axis] = part.len();
+    let _owner = memory::owner_scope(whole.memory_tag().owner);
+    match meta::computes(&[whole]) {
+        true => Tensor::param(
+            whole
+                .value()
+                .slice_axis(Axis(axis), Span::from(part))
+                .to_owned(),
+        ),
+        false => Tensor::meta_param(&shape),
+    }
+}
+
+/// The part `part` along `axis` of the row-major values `values` of an array shaped `shape`
+/// (a flat AdamW moment of a parameter of that shape), in row-major order: what
+/// [`slice_param`] keeps of the parameter, for the values that go with it.
+///
+/// # Panics
+/// If `values` does not hold `shape`'s elements, `axis` is not one of `shape`'s, or `part`
+/// runs past its end.
+///
+/// ```
+/// use tl_parallel::tensor_parallel::slice_values;
+///
+/// // [[1, 2, 3, 4], [5, 6, 7, 8]]: rank 1 of 2 keeps columns 2..4, rank 0 row 0.
+/// let moment = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+/// assert_eq!(slice_values(&moment, &[2, 4], 1, 2..4), [3.0, 4.0, 7.0, 8.0]);
+/// assert_eq!(slice_values(&moment, &[2, 4], 0, 0..1), [1.0, 2.0, 3.0, 4.0]);
+/// ```
+pub fn slice_values<T: Clone>(
+    values: &[T],
+    shape: &[usize],
+    axis: usize,
+    part: Range<usize>,
+) -> Vec<T> {
+    let whole = ArrayViewD::from_shape(IxDyn(shape), values).unwrap_or_else(|_| {
+        panic!(
+            "slice_values: {} values cannot be shaped {shape:?}",
+            values.len()
+        )
+    });
+    whole
+        .slice_axis(Axis(axis), Span::from(part))
+        .iter()
+        .cloned()
+        .collect()
+}
 
 /// A weight's `[in, out]`.
 ///

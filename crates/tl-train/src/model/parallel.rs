@@ -46,10 +46,11 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use tl_parallel::{GradElement, ParallelError, TensorParallel};
-use tl_tensor::ndarray::{ArrayD, Axis, IxDyn, Slice as Span};
+use tl_parallel::tensor_parallel::{slice_param, slice_values};
+use tl_parallel::{GradElement, ParallelError, TensorParallel, labels};
+use tl_tensor::Tensor;
+use tl_tensor::ndarray::{ArrayViewD, IxDyn};
 use tl_tensor::optim::AdamWState;
-use tl_tensor::{Tensor, memory, meta, no_grad};
 
 use crate::error::{Result, TrainError};
 
@@ -169,7 +170,7 @@ impl TensorSplit {
 
     /// This rank's slice of the whole parameter `whole` placed as `placement`, as a
     /// parameter of its own, owned on the memory meter by the whole one's unit (a meta
-    /// slice of a meta parameter).
+    /// slice of a meta parameter): tl-parallel's [`slice_param`].
     ///
     /// # Errors
     /// As [`part`](Self::part), for the split axis.
@@ -182,24 +183,13 @@ impl TensorSplit {
         let Placement::Split { axis } = placement else {
             return Ok(whole.clone());
         };
-        let mut shape = whole.shape();
-        let part = self.part(what, shape[axis])?;
-        shape[axis] = part.len();
-        let _owner = memory::owner_scope(whole.memory_tag().owner);
-        Ok(match meta::computes(&[whole]) {
-            true => Tensor::param(
-                whole
-                    .value()
-                    .slice_axis(Axis(axis), Span::from(part))
-                    .to_owned(),
-            ),
-            false => Tensor::meta_param(&shape),
-        })
+        let part = self.part(what, whole.shape()[axis])?;
+        Ok(slice_param(whole, axis, part))
     }
 
     /// This rank's slice of a whole optimizer state, parameter by parameter as `names`
     /// (the model's [`named_parameters`](super::Llama::named_parameters)) place them: the
-    /// moments of a split parameter are split as it is.
+    /// moments of a split parameter are split as it is ([`slice_values`]).
     ///
     /// # Errors
     /// As [`part`](Self::part).
@@ -209,18 +199,10 @@ impl TensorSplit {
                 continue;
             };
             let part = self.part(field_of(name), shape[axis])?;
-            let cut = |values: &mut Vec<f64>| {
-                let whole = ArrayD::from_shape_vec(IxDyn(shape), std::mem::take(values))
-                    .expect("a moment of its parameter's shape");
-                *values = whole
-                    .slice_axis(Axis(axis), Span::from(part.clone()))
-                    .iter()
-                    .copied()
-                    .collect();
-            };
             if let Some(moments) = param {
-                cut(&mut moments.exp_avg);
-                cut(&mut moments.exp_avg_sq);
+                for values in [&mut moments.exp_avg, &mut moments.exp_avg_sq] {
+                    *values = slice_values(values, shape, axis, part.clone());
+                }
             }
             shape[axis] = part.len();
         }
@@ -233,16 +215,18 @@ impl TensorSplit {
     /// # Errors
     /// [`ParallelError`] if a gather fails.
     pub fn gather_state(&self, mut state: AdamWState, names: &[String]) -> Result<AdamWState> {
-        let _whole = no_grad();
         for ((name, shape), param) in names.iter().zip(&mut state.shapes).zip(&mut state.params) {
             let Placement::Split { axis } = placement(name) else {
                 continue;
             };
             if let Some(moments) = param {
                 for values in [&mut moments.exp_avg, &mut moments.exp_avg_sq] {
-                    let local = ArrayD::from_shape_vec(IxDyn(shape), std::mem::take(values))
+                    let local = ArrayViewD::from_shape(IxDyn(shape), values)
                         .expect("a moment of its parameter's shape");
-                    *values = self.gather(&Tensor::from_array(local), axis)?.to_vec();
+                    let whole = self
+                        .tp
+                        .gather_values(local, axis, labels::GATHERED_MOMENTS)?;
+                    *values = whole.into_raw_vec_and_offset().0;
                 }
             }
             shape[axis] *= self.world_size();
@@ -251,7 +235,7 @@ impl TensorSplit {
     }
 
     /// The whole parameter from every rank's slice `local`, placed as `placement` (a
-    /// collective of the group; a replicated one is copied).
+    /// collective of the group; a replicated one is copied), as a constant.
     ///
     /// # Errors
     /// [`ParallelError`] if the gather fails.
@@ -260,23 +244,13 @@ impl TensorSplit {
         local: &Tensor<E>,
         placement: Placement,
     ) -> Result<Tensor<E>> {
-        let _whole = no_grad();
-        Ok(match placement {
-            Placement::Replicated => Tensor::from_array(local.to_array()),
-            Placement::Split { axis } => self.gather(local, axis)?,
-        })
-    }
-
-    /// The ranks' slices of `local` along `axis` (0 or the last), in rank order.
-    fn gather<E: GradElement>(&self, local: &Tensor<E>, axis: usize) -> Result<Tensor<E>> {
-        let gathered = match axis {
-            0 => self.tp.gather_sequence(local),
-            _ => {
-                debug_assert_eq!(axis + 1, local.shape().len(), "a split along the last axis");
-                self.tp.gather_last(local)
+        Ok(Tensor::from_array(match placement {
+            Placement::Replicated => local.to_array(),
+            Placement::Split { axis } => {
+                let local = local.value();
+                (self.tp).gather_values(local.view(), axis, labels::GATHERED_WEIGHTS)?
             }
-        };
-        Ok(gathered?)
+        }))
     }
 
     /// Into a column-parallel region that takes every position: `x` itself, its gradient

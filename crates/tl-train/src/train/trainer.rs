@@ -6,7 +6,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use tl_collective::{Axis, Communicator, Mesh, Single};
 use tl_parallel::{DataParallel, TensorParallel, ZeroStage};
@@ -392,6 +392,14 @@ impl Trainer {
         self.ddp.stats().bytes_sent + split.map_or(0, |s| s.group().stats().bytes_sent)
     }
 
+    /// Time this rank has spent inside collectives, over every group it belongs to: the
+    /// data-parallel group's and the tensor-parallel group's (their calls never overlap).
+    fn communication_time(&self) -> Duration {
+        let split = self.model.tensor_split();
+        let tensor = split.map_or(Duration::ZERO, |s| s.group().communication_time());
+        self.ddp.communication_time() + tensor
+    }
+
     /// Whether the run has done all the steps of its config.
     pub fn is_finished(&self) -> bool {
         self.step >= self.config.steps
@@ -459,7 +467,7 @@ impl Trainer {
             batch_loss(model, &micro_batch.batch)
         };
         let started = Instant::now();
-        let (sent_before, busy_before) = (self.bytes_sent(), self.ddp.communication_time());
+        let (sent_before, busy_before) = (self.bytes_sent(), self.communication_time());
         // The run's hardware: the step turns on its precision inside and keeps the model.
         let hardware = config.autocast();
         let stepped = self.optimizer.train_step(
@@ -485,7 +493,7 @@ impl Trainer {
         self.optimizer.zero_grad();
         let step_s = started.elapsed().as_secs_f64();
         self.traffic.bytes_sent += self.bytes_sent() - sent_before;
-        self.traffic.comm_s += (self.ddp.communication_time() - busy_before).as_secs_f64();
+        self.traffic.comm_s += (self.communication_time() - busy_before).as_secs_f64();
         self.traffic.step_s += step_s;
         self.traffic.steps += 1;
         self.check_divergence(&report)?;

@@ -96,25 +96,25 @@ pub fn train_steps(run: &Path) -> usize {
         .count()
 }
 
-/// Runs `body(rank, communicator)` as ranks 0 and 1 of a ring formed in-process (each rank
-/// a thread, meeting in a fresh directory under `dir`); the results in rank order.
-pub fn on_two_ranks<T: Send>(
-    dir: &Path,
+/// Runs `program` as every rank of a ring of `n` threads of this process, each with its
+/// own sockets, meeting in a fresh directory; a rank that waits `timeout` fails, so nothing
+/// hangs. The results in rank order.
+pub fn thread_world<T: Send>(
+    n: usize,
     timeout: std::time::Duration,
-    body: impl Fn(usize, Box<dyn tl_collective::Communicator>) -> T + Sync,
+    program: impl Fn(tl_collective::RingComm) -> T + Sync,
 ) -> Vec<T> {
     use tl_collective::{RingComm, RingConfig};
-    let rendezvous = dir.join("rendezvous");
-    fs::create_dir(&rendezvous).unwrap();
+    let dir = tempfile::tempdir().unwrap();
     std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..2)
+        let handles: Vec<_> = (0..n)
             .map(|rank| {
-                let (rendezvous, body) = (&rendezvous, &body);
+                let (dir, program) = (dir.path(), &program);
                 scope.spawn(move || {
-                    let config = RingConfig::new(rank, 2, rendezvous, [7; 32])
+                    let config = RingConfig::new(rank, n, dir, [7; 32])
                         .unwrap()
                         .timeout(timeout);
-                    body(rank, Box::new(RingComm::connect(config).unwrap()))
+                    program(RingComm::connect(config).unwrap())
                 })
             })
             .collect();
