@@ -192,6 +192,8 @@ pub(crate) fn by_purpose(
                 (true, _) => "tensor-parallel, backward",
             },
             _ if shares(call) => "gains' gradients (tensor group)",
+            // After the step, over every rank of the run.
+            _ if call.scope.label == crate::train::FP8_AMAXES_LABEL => "fp8 amaxes and counts",
             // Over the tensor-parallel group: one rank's overflow skips the step everywhere.
             Collective::AllReduce if split && call.elements == 1 && call.element_bytes == 4 => {
                 "overflow flag (tensor group)"
