@@ -226,6 +226,13 @@ impl LinearScales {
     pub fn all(&self) -> [&ScaleState; 3] {
         [&self.input, &self.weight, &self.grad]
     }
+
+    /// The three states, mutable, in the same order: where processes that train one model
+    /// put back the step's observations they made global (each state's `pending` amax and
+    /// `counts`) before [`Fp8State::update`].
+    pub fn all_mut(&mut self) -> [&mut ScaleState; 3] {
+        [&mut self.input, &mut self.weight, &mut self.grad]
+    }
 }
 
 /// Every fp8 layer's scaling state and the recipe that steps it: what a checkpoint saves.

@@ -14,7 +14,10 @@ use tl_precision::Precision;
 use tl_tensor::Module;
 use tl_tensor::memory::{self, Event};
 use tl_train::model::{Checkpointing, Preset};
-use tl_train::plan::{RankMeasurement, measure_meta_rank, measure_meta_steps_on, measure_rank};
+use tl_train::plan::{
+    DataParallelism, RankMeasurement, Recipe, measure_meta_rank, measure_meta_steps_on,
+    measure_rank, plan_ranks,
+};
 use tl_train::train::{TrainConfig, Trainer};
 
 /// The tiny preset, 2 micro-batches of 2 sequences per rank, at ZeRO stage `zero`.
@@ -170,6 +173,41 @@ fn sequence_parallel_meta_ranks_step_as_real_ranks_on_less_memory() {
                     assert!(with.peak_bytes < without.peak_bytes, "{what}, rank {rank}");
                 }
             }
+        }
+    }
+}
+
+/// fp8 on ranks: after each step the amaxes and range counts are all-reduced over every
+/// rank of the run, on meta ranks as on real ones, at dp 2 and dp 2 × tp 2, and the plan
+/// names that call: one a step, `3L + 6L·N` doubles for `L` fp8 layers on `N` ranks.
+#[test]
+fn fp8_meta_ranks_make_their_amaxes_global_as_real_ranks_and_the_plan_says_so() {
+    for (world, tensor) in [(2, 1), (4, 2)] {
+        let mut config = tiny(Precision::Fp32, Checkpointing::Off, 0);
+        config.fp8 = Some(tl_precision::Fp8Recipe::default());
+        config.parallel.tensor = tensor;
+        let what = format!("fp8, {world} ranks, tp {tensor}");
+        assert_meta_ranks_are_real(&what, &config, world);
+        let parallelism = DataParallelism::new(world, 0)
+            .unwrap()
+            .with_tensor(tensor)
+            .unwrap();
+        let plan = plan_ranks(&Recipe::from(&config), &parallelism).unwrap();
+        let layers = 7 * config.model.n_layers as u64;
+        for rank in &plan.ranks {
+            let fp8: Vec<_> = rank
+                .sent
+                .iter()
+                .filter(|sent| sent.calls.purpose == "fp8 amaxes and counts")
+                .collect();
+            assert_eq!(fp8.len(), 1, "{what}: {:?}", rank.sent);
+            let calls = fp8[0].calls;
+            assert_eq!(
+                (calls.calls, calls.elements, calls.element_bytes),
+                (1, 3 * layers + 6 * layers * world as u64, 8),
+                "{what}"
+            );
+            assert!(fp8[0].bytes > 0, "{what}");
         }
     }
 }

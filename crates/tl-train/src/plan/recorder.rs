@@ -203,6 +203,8 @@ pub(crate) fn by_purpose(
             Any::Broadcast { .. } | Any::Barrier => continue,
         };
         let purpose = match collective {
+            // After the step, over every rank of the run.
+            _ if call.scope.label == crate::train::FP8_AMAXES_LABEL => "fp8 amaxes and counts",
             _ if on_tensor_group(call) => match (call.in_backward, call.scope.stage) {
                 _ if call.scope.label == tl_parallel::labels::SEQUENCE_PARALLEL_GRADIENTS => {
                     "gains' gradients (tensor group)"

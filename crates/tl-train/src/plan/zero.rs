@@ -73,7 +73,8 @@ pub struct CollectiveCalls {
     pub collective: Collective,
     /// Elements per call.
     pub elements: u64,
-    /// Bytes per element: 4 (f32), or 8 for the f64 sum of the clip norm.
+    /// Bytes per element: 4 (f32), or 8 for the f64 sums and maxima (the clip norm, the
+    /// non-finite weight check, fp8's amaxes and counts).
     pub element_bytes: u64,
     /// Calls per step.
     pub calls: u64,

@@ -806,14 +806,6 @@ impl TrainConfig {
         }
         if let Some(recipe) = &self.fp8 {
             recipe.validate()?;
-            if self.parallel.ranks > 1 {
-                return invalid(
-                    "fp8",
-                    format!("{} ranks", self.parallel.ranks),
-                    "fp8 trains on one rank: several would need their amaxes all-reduced \
-                     so that every rank scales alike, which tinyllm does not do yet",
-                );
-            }
             if self.accumulation != Accumulation::F32 {
                 return invalid(
                     "fp8",

@@ -2,6 +2,7 @@
 //! checkpoints.
 
 mod config;
+mod fp8_ranks;
 pub mod lock;
 mod memory_check;
 mod metrics;
@@ -20,6 +21,7 @@ pub use config::{
     limits,
 };
 pub(crate) use config::{default_eval_interval, default_save_interval, default_warmup};
+pub(crate) use fp8_ranks::FP8_AMAXES_LABEL;
 pub use memory_check::{MARGIN_PERCENT, ProcessMemory, RUNTIME_BYTES, check_memory};
 pub use metrics::{Fp8Counts, MetricsLog, Record, read_records, rfc3339_utc};
 pub use optimizer::RunOptimizer;

@@ -18,6 +18,7 @@ use tl_tensor::optim::{AdamW, Optimizer};
 use tl_tensor::{Generator, no_grad};
 
 use super::config::{AdamWConfig, DataSource, FileFingerprint, TrainConfig};
+use super::fp8_ranks;
 use super::lock::RunLock;
 use super::memory_check::check_memory;
 use super::metrics::{Fp8Counts, MetricsLog, Record, read_records, rfc3339_utc};
@@ -386,10 +387,15 @@ impl Trainer {
         self.world.as_mut().unwrap_or(&mut self.ddp)
     }
 
-    /// Bytes this rank has sent, over every group it belongs to.
+    /// Bytes this rank has sent, over every group it belongs to (and over the whole world,
+    /// when its data-parallel group is not: fp8's amaxes).
     fn bytes_sent(&self) -> u64 {
         let split = self.model.tensor_split();
-        self.ddp.stats().bytes_sent + split.map_or(0, |s| s.group().stats().bytes_sent)
+        let world = self
+            .world
+            .as_ref()
+            .map_or(0, |world| world.stats().bytes_sent);
+        self.ddp.stats().bytes_sent + split.map_or(0, |s| s.group().stats().bytes_sent) + world
     }
 
     /// Time this rank has spent inside collectives, over every group it belongs to: the
@@ -481,13 +487,20 @@ impl Trainer {
             config.clip,
         );
         drop(hardware);
-        // The step is over for the fp8 scales, taken or skipped: its amaxes join the
-        // histories and the next step's scales are set.
+        // The step is over for the fp8 scales, taken or skipped: its amaxes, made global
+        // over the ranks, join the histories and the next step's scales are set. A refused
+        // step ends the run instead, and is not made global: a rank that failed in a
+        // collective would not be there to take part.
+        let made_global = match (self.fp8.clone(), &stepped) {
+            (Some(state), Ok(_)) => self.fp8_made_global(&state),
+            _ => Ok(()),
+        };
         let fp8 = self.fp8.as_ref().map(|state| {
             let per_layer = state.borrow_mut().update();
             Fp8Counts::from_layers(&self.model.fp8_layer_names(), &per_layer)
         });
         let report = stepped.map_err(|error| self.diverged_from(error))?;
+        made_global?;
         // Nothing reads the gradients after the update (the next step drops them first):
         // dropped now, they do not sit under the evaluation or the checkpoint's write.
         self.optimizer.zero_grad();
@@ -517,6 +530,14 @@ impl Trainer {
         };
         self.log(&record)?;
         Ok(record)
+    }
+
+    /// The step's fp8 amaxes and range counts in `state`, made those of every rank of the
+    /// run (see [`fp8_ranks`](super::fp8_ranks)).
+    fn fp8_made_global(&mut self, state: &RefCell<Fp8State>) -> Result<()> {
+        let names = self.model.fp8_layer_names();
+        let tensor_rank = self.model.tensor_split().map_or(0, |s| s.group().rank());
+        fp8_ranks::make_global(self.world(), &mut state.borrow_mut(), &names, tensor_rank)
     }
 
     /// This rank's micro-batches of the next step. Every rank draws the whole global batch
