@@ -73,6 +73,11 @@ fn launched_rank() {
             if comm.rank() == 2 {
                 let me = rustix::process::getpid();
                 rustix::process::kill_process(me, rustix::process::Signal::STOP).unwrap();
+                // The stop is the process's: another thread may take it while this one runs
+                // on, long enough to finish the next all-reduce and let its neighbours end
+                // well (the test then waited for its deadline, 1 run in 5). A sleeping thread
+                // joins the stop at once, so nothing runs past this line until SIGCONT.
+                std::thread::sleep(Duration::from_secs(1));
             }
             if let Err(e) = comm.all_reduce_sum((&mut x[..]).into()) {
                 let dir = std::env::var("TL_TEST_READY_DIR").unwrap();
