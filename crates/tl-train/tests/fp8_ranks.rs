@@ -10,29 +10,11 @@ mod common;
 
 use std::path::Path;
 
-use common::TINY_TRAIN;
-use common::ranks::{checkpoint, largest_difference, succeed, train_losses};
+use common::ranks::{
+    checkpoint, largest_difference, largest_relative, succeed, tiny_run, train_losses,
+};
 use tl_precision::Fp8State;
 use tl_train::train::{Fp8Counts, Record, read_records, snapshot};
-
-/// The tiny run of the CLI tests into `out`, `accum` micro-batches of 2 sequences per
-/// data-parallel replica, 5 steps.
-fn tiny(out: &Path, accum: usize, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = TINY_TRAIN.map(String::from).to_vec();
-    let at = args.iter().position(|a| a == "--accum").unwrap();
-    args[at + 1] = accum.to_string();
-    args.extend(["--steps", "5", "--out", out.to_str().unwrap()].map(String::from));
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
-}
-
-fn largest_relative(left: &[f64], right: &[f64]) -> f64 {
-    assert_eq!(left.len(), right.len(), "steps");
-    left.iter()
-        .zip(right)
-        .map(|(a, b)| (a - b).abs() / b.abs())
-        .fold(0.0, f64::max)
-}
 
 /// The fp8 state of a run's last checkpoint (rank 0's; with the amaxes global, every
 /// rank's).
@@ -70,6 +52,11 @@ fn one_process(dir: &Path, flags: &[&str]) -> std::path::PathBuf {
     let one = dir.join(format!("one{}", flags.join("")));
     succeed(1, &tiny(&one, 2, flags));
     one
+}
+
+/// [`tiny_run`] with micro-batches of 2 sequences.
+fn tiny(out: &Path, accum: usize, extra: &[&str]) -> Vec<String> {
+    tiny_run(out, 2, accum, extra)
 }
 
 /// Data parallelism: each rank casts its 2 sequences of the 4, with the scales of all 4.

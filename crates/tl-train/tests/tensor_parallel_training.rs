@@ -9,34 +9,15 @@ mod common;
 use std::fs;
 use std::path::Path;
 
-use common::TINY_TRAIN;
-use common::ranks::{checkpoint, grad_norms, largest_difference, run_ranks, succeed, train_losses};
+use common::ranks::{
+    checkpoint, grad_norms, largest_difference, largest_relative, run_ranks, succeed, tiny_run,
+    train_losses,
+};
 use tl_train::train::read_config;
 
-/// The tiny run of the CLI tests into `out`, `accum` micro-batches of 2 sequences per
-/// data-parallel replica, 5 steps.
+/// [`tiny_run`] with micro-batches of 2 sequences.
 fn tiny(out: &Path, accum: usize, extra: &[&str]) -> Vec<String> {
-    tiny_batches(out, 2, accum, extra)
-}
-
-/// [`tiny`] with micro-batches of `rows` sequences.
-fn tiny_batches(out: &Path, rows: usize, accum: usize, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = TINY_TRAIN.map(String::from).to_vec();
-    let at = args.iter().position(|a| a == "--accum").unwrap();
-    args[at + 1] = accum.to_string();
-    let at = args.iter().position(|a| a == "--micro-batch").unwrap();
-    args[at + 1] = rows.to_string();
-    args.extend(["--steps", "5", "--out", out.to_str().unwrap()].map(String::from));
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
-}
-
-fn largest_relative(left: &[f64], right: &[f64]) -> f64 {
-    assert_eq!(left.len(), right.len(), "steps");
-    left.iter()
-        .zip(right)
-        .map(|(a, b)| (a - b).abs() / b.abs())
-        .fold(0.0, f64::max)
+    tiny_run(out, 2, accum, extra)
 }
 
 /// Every layout trains what one process trains on the same global batch of 4 sequences,
@@ -109,7 +90,7 @@ fn data_and_tensor_parallelism_compose_at_every_zero_stage() {
     let one = dir.path().join("one");
     succeed(1, &tiny(&one, 2, &[]));
     let dp4 = dir.path().join("dp4");
-    succeed(4, &tiny_batches(&dp4, 1, 1, &[]));
+    succeed(4, &tiny_run(&dp4, 1, 1, &[]));
     let (expected, dp4_losses) = (train_losses(&one), train_losses(&dp4));
     let (_, expected_weights) = checkpoint(&one);
     for flags in [

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tl_train::train::{Record, read_records};
 
-use super::latest_checkpoint;
+use super::{TINY_TRAIN, latest_checkpoint};
 
 /// How long any one multi-process command may take before the test fails.
 pub const LIMIT: Duration = Duration::from_secs(120);
@@ -112,4 +112,26 @@ pub fn largest_difference(left: &[f32], right: &[f32]) -> f32 {
         .zip(right)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0, f32::max)
+}
+
+/// The CLI tests' tiny run into `out` for 5 steps: micro-batches of `rows` sequences,
+/// `accum` of them per data-parallel replica, then `extra`.
+pub fn tiny_run(out: &Path, rows: usize, accum: usize, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = TINY_TRAIN.map(String::from).to_vec();
+    for (flag, value) in [("--accum", accum), ("--micro-batch", rows)] {
+        let at = args.iter().position(|a| a == flag).unwrap();
+        args[at + 1] = value.to_string();
+    }
+    args.extend(["--steps", "5", "--out", out.to_str().unwrap()].map(String::from));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// The largest relative difference of two runs' per-step values (`right` the reference).
+pub fn largest_relative(left: &[f64], right: &[f64]) -> f64 {
+    assert_eq!(left.len(), right.len(), "steps");
+    left.iter()
+        .zip(right)
+        .map(|(a, b)| (a - b).abs() / b.abs())
+        .fold(0.0, f64::max)
 }
