@@ -210,9 +210,46 @@ fn check_groups(comm: &mut MpiComm) {
     comm.barrier().unwrap();
 }
 
+/// Point-to-point messages: every rank sends its neighbours more than MPI sends eagerly,
+/// in both directions, before receiving; receives taken out of order by tag; a message that
+/// does not fit its receive refused naming both.
+fn check_messages(comm: &mut MpiComm) {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+    let message = |from: usize, tag: u32| -> Vec<f32> {
+        (0..(1usize << 20) + tag as usize)
+            .map(|i| (from * 1000 + tag as usize + i % 97) as f32)
+            .collect()
+    };
+    comm.send((&message(rank, 1)[..]).into(), right, 1).unwrap();
+    comm.send((&message(rank, 2)[..]).into(), left, 2).unwrap();
+    comm.send((&message(rank, 3)[..]).into(), right, 3).unwrap();
+    for (from, tag) in [(left, 3), (right, 2), (left, 1)] {
+        let mut into = vec![0.0f32; message(from, tag).len()];
+        comm.recv((&mut into[..]).into(), from, tag).unwrap();
+        assert_eq!(
+            into,
+            message(from, tag),
+            "rank {rank}: message {tag} of rank {from}"
+        );
+    }
+    comm.flush().unwrap();
+    let stats = comm.stats();
+    assert_eq!((stats.sends, stats.receives), (3, 3));
+    comm.send((&[1.0f64; 3][..]).into(), right, 4).unwrap();
+    let mut wrong = [0.0f32; 3];
+    match comm.recv((&mut wrong[..]).into(), left, 4) {
+        Err(CollectiveError::MessageMismatch { from, tag: 4, .. }) => assert_eq!(from, left),
+        other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
+    }
+    comm.flush().unwrap();
+    comm.barrier().unwrap();
+}
+
 fn main() {
     let mut comm = MpiComm::init(MpiMode::Ring).expect("MPI");
     let n = comm.world_size();
+    check_messages(&mut comm);
     for mode in [MpiMode::Ring, MpiMode::Native] {
         comm.set_mode(mode);
         check_groups(&mut comm);
@@ -271,6 +308,6 @@ fn main() {
     }
     comm.barrier().unwrap();
     if comm.rank() == 0 {
-        println!("mpi_check: {n} ranks, ring and native modes: ok");
+        println!("mpi_check: {n} ranks, ring and native modes, messages: ok");
     }
 }

@@ -15,7 +15,27 @@ pub struct CommStats {
     /// MPI does not say what it sent; for [`Phantom`](crate::Phantom), what the ring's rank
     /// would have written). A sum in a 16-bit format ([`ReduceOp::SumIn`]) sends its values
     /// as 16-bit words, so it counts 2 bytes an element, as a GPU's bf16 all-reduce sends.
+    /// A point-to-point message to another rank counts its 40-byte frame header and its
+    /// values on every backend, from the moment it is sent; one to itself moves nothing.
     pub bytes_sent: u64,
+    /// Point-to-point messages sent ([`send`](Communicator::send), counted when called).
+    pub sends: u64,
+    /// Point-to-point messages received ([`recv`](Communicator::recv)).
+    pub receives: u64,
+}
+
+impl std::ops::Sub for CommStats {
+    type Output = CommStats;
+
+    /// What was counted between an earlier reading (`earlier`) and this one.
+    fn sub(self, earlier: CommStats) -> CommStats {
+        CommStats {
+            collectives: self.collectives - earlier.collectives,
+            bytes_sent: self.bytes_sent - earlier.bytes_sent,
+            sends: self.sends - earlier.sends,
+            receives: self.receives - earlier.receives,
+        }
+    }
 }
 
 /// A group of `world_size()` processes that run collectives together: every rank must make
@@ -126,6 +146,68 @@ pub trait Communicator {
     /// others fail too), or if the members of a group disagree on it (found by every member
     /// after the exchange); the errors of the exchange and of forming the group.
     fn split(&mut self, members: &[usize]) -> Result<Box<dyn Communicator>>;
+
+    /// Sends `data` to rank `to`, labelled `tag`, and returns once the values are copied out
+    /// (a buffered send, as `MPI_Bsend`): it never waits for the matching
+    /// [`recv`](Self::recv). The bytes go out while this rank waits in any later call of
+    /// this communicator; [`flush`](Self::flush) waits until they have all gone.
+    ///
+    /// Only the two ranks take part, not the world. A rank may send itself a message. On
+    /// the ring only the ranks next to this one are reachable: a pipeline's neighbours.
+    ///
+    /// ```
+    /// use tl_collective::{Communicator, Single};
+    ///
+    /// let mut comm = Single::new();
+    /// comm.send((&[1.0f32, 2.0][..]).into(), 0, 7)?;
+    /// let mut got = [0.0f32; 2];
+    /// comm.recv((&mut got[..]).into(), 0, 7)?;
+    /// assert_eq!(got, [1.0, 2.0]);
+    /// assert_eq!((comm.stats().sends, comm.stats().receives), (1, 1));
+    /// # Ok::<(), tl_collective::CollectiveError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`CollectiveError::InvalidRank`] for a destination outside the world;
+    /// [`CollectiveError::NotNeighbour`] on the ring for a rank not next to this one;
+    /// [`CollectiveError::BadBuffer`] for a tag over [`MAX_TAG`](crate::MAX_TAG);
+    /// [`CollectiveError::ShapeOnly`] on a backend that moves bytes; a peer that exited
+    /// while earlier messages went out; [`CollectiveError::Closed`]. The default, for a
+    /// communicator that does not send messages, is [`CollectiveError::BadBuffer`].
+    fn send(&mut self, data: Slice<'_>, to: usize, tag: u32) -> Result<()> {
+        let _ = (data, to, tag);
+        Err(CollectiveError::BadBuffer {
+            op: "send",
+            reason: "this communicator has no point-to-point messages".into(),
+        })
+    }
+
+    /// Receives into `data` the message rank `from` sent with `tag`, waiting for it.
+    /// Messages are matched by sender and tag, not by arrival: those that come first are
+    /// kept for their own receive. Two with the same sender and tag arrive in the order they
+    /// were sent.
+    ///
+    /// # Errors
+    /// [`CollectiveError::MessageMismatch`] if the message holds another element type or
+    /// length than `data`, or the sender began a collective instead; a receive from this
+    /// rank itself of a message it has not sent; [`CollectiveError::Timeout`] when no byte
+    /// came within the communicator's timeout; otherwise as [`send`](Self::send).
+    fn recv(&mut self, data: SliceMut<'_>, from: usize, tag: u32) -> Result<()> {
+        let _ = (data, from, tag);
+        Err(CollectiveError::BadBuffer {
+            op: "recv",
+            reason: "this communicator has no point-to-point messages".into(),
+        })
+    }
+
+    /// Waits until every message this rank sent has left it (been taken by the peer's end
+    /// of the connection, or by MPI).
+    ///
+    /// # Errors
+    /// A peer that exited, or a timeout, while messages were still going out.
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
 
     /// [`all_reduce`](Self::all_reduce) with [`ReduceOp::Sum`].
     ///

@@ -404,6 +404,22 @@ impl SliceMut<'_> {
     }
 }
 
+impl Slice<'_> {
+    /// The values as bytes, `None` for a shape-only buffer.
+    pub(crate) fn bytes(&self) -> Option<&[u8]> {
+        match self {
+            Slice::F32(xs) => Some(bytemuck::cast_slice(xs)),
+            Slice::F64(xs) => Some(bytemuck::cast_slice(xs)),
+            Slice::Shape { .. } => None,
+        }
+    }
+
+    /// Bytes of the values, whether or not the buffer holds them.
+    pub(crate) fn byte_len(&self) -> usize {
+        self.len() * self.element_type().bytes()
+    }
+}
+
 impl<'a> Slice<'a> {
     /// The elements `range` of the buffer (of its shape, for a shape-only one).
     pub(crate) fn part(self, range: Range<usize>) -> Slice<'a> {
@@ -422,6 +438,15 @@ impl<'a> Slice<'a> {
 }
 
 impl SliceMut<'_> {
+    /// The values as bytes, `None` for a shape-only buffer.
+    pub(crate) fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        match self {
+            SliceMut::F32(xs) => Some(bytemuck::cast_slice_mut(xs)),
+            SliceMut::F64(xs) => Some(bytemuck::cast_slice_mut(xs)),
+            SliceMut::Shape { .. } => None,
+        }
+    }
+
     /// The same buffer, borrowed again for a shorter time.
     pub(crate) fn reborrow(&mut self) -> SliceMut<'_> {
         match self {

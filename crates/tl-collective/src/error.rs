@@ -162,6 +162,36 @@ pub enum CollectiveError {
         /// What is wrong, naming the sizes.
         reason: String,
     },
+    /// A point-to-point message to or from a rank the backend has no connection to: the
+    /// ring joins each rank to the ranks next to it only (a pipeline's neighbours).
+    #[error(
+        "{op}: rank {rank} of a ring of {world_size} is joined to ranks {} and {} only, not to \
+         rank {peer}",
+        (rank + world_size - 1) % world_size,
+        (rank + 1) % world_size
+    )]
+    NotNeighbour {
+        /// `send` or `recv`.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The rank asked for.
+        peer: usize,
+        /// The ring's size.
+        world_size: usize,
+    },
+    /// A point-to-point message that does not fit its receive: another element type or
+    /// length than the buffer's, or a peer that began a collective where this rank waits for
+    /// its message.
+    #[error("the message of rank {from} with tag {tag} does not fit its receive: {reason}")]
+    MessageMismatch {
+        /// The sender.
+        from: usize,
+        /// The tag.
+        tag: u32,
+        /// What differs.
+        reason: String,
+    },
     /// The communicator was used after an earlier collective failed.
     #[error("the communicator is closed after an earlier error")]
     Closed,

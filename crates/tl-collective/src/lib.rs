@@ -10,6 +10,9 @@
 //! A reduction is a sum, a maximum, or a sum in a 16-bit format as a GPU's bf16 or fp16
 //! all-reduce computes it ([`ReduceOp::SumIn`]: rounded at every addition of the ring, sent
 //! as 16 bits an element).
+//! Point-to-point [`send`](Communicator::send) and [`recv`](Communicator::recv) move a
+//! buffer from one rank to another (a pipeline's activations and gradients): buffered
+//! sends, receives matched by sender and tag.
 //! [`split`](Communicator::split) makes a group of some of the ranks (as `MPI_Comm_split`),
 //! and a [`Mesh`] lays the world out as `dp × tp × pp` and splits it into each axis's groups.
 //!
@@ -59,6 +62,7 @@ pub mod launch;
 mod mesh;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
+mod p2p;
 mod phantom;
 mod ring;
 mod schedule;
@@ -76,6 +80,7 @@ pub use error::{CallHeader, CollectiveError, Result};
 pub use mesh::{Axis, Coords, Mesh, MeshGroups};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiComm, MpiMode};
+pub use p2p::MAX_TAG;
 pub use phantom::Phantom;
 pub use ring::{
     Collective, MAX_SOCKET_PATH, RING_HEADER_BYTES, RingComm, ring_bytes_sent, socket_path,

@@ -12,6 +12,12 @@
 //! MPI's algorithm adds, while the op is defined by the ring's order (the reference's). Its
 //! values travel as 16-bit words (`MPI_UINT16_T`), two bytes each, as on the socket ring.
 //!
+//! Point-to-point messages are MPI's own, matched by MPI's tags: a send is an `MPI_Isend` of
+//! an owned copy of the frame header and the values (so it returns at once, as the ring's
+//! buffered send does), completed by [`flush`](Communicator::flush), by a later send, or
+//! when the communicator is dropped; a receive probes for the message, checks its frame
+//! against the buffer, and receives it.
+//!
 //! Failures are MPI's: with its default error handler a dead rank aborts the whole job
 //! (mpirun reports it), so this backend has no timeout of its own. A shape-only buffer is
 //! refused ([`CollectiveError::ShapeOnly`]) before the call's header is gathered.
@@ -22,8 +28,10 @@ use mpi::collective::SystemOperation;
 use mpi::datatype::{Equivalence, PartitionMut};
 use mpi::environment::Universe;
 use mpi::point_to_point::send_receive_into;
+use mpi::request::{Request, StaticScope};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator as _, CommunicatorCollectives as _, Root as _};
+use mpi::traits::{Destination as _, Source as _};
 use tl_numerics::Format;
 
 use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
@@ -32,6 +40,8 @@ use crate::element::{
 };
 use crate::error::{CallHeader, CollectiveError, Result};
 use crate::group;
+use crate::p2p::{self, SEND_OP};
+use crate::ring::header::{HEADER_LEN, decode, encode};
 use crate::ring::header::{from_words, to_words};
 use crate::ring::split_pair;
 use crate::schedule::{all_gather_step, reduce_scatter_step};
@@ -60,6 +70,69 @@ pub struct MpiComm {
     rank: usize,
     world_size: usize,
     stats: CommStats,
+    /// Sends not known to be complete, oldest first.
+    in_flight: Vec<InFlight>,
+}
+
+/// An `MPI_Isend` under way and the buffer it reads, which must outlive it.
+struct InFlight {
+    request: Option<Request<'static, [u8], StaticScope>>,
+    buffer: *mut [u8],
+}
+
+impl InFlight {
+    /// Starts sending `bytes` to `to` with `tag`.
+    fn start(world: &SimpleCommunicator, bytes: Vec<u8>, to: usize, tag: u32) -> Self {
+        let buffer: &'static mut [u8] = Box::leak(bytes.into_boxed_slice());
+        let pointer: *mut [u8] = buffer;
+        // SAFETY: `pointer` is the leaked box, alive until `finish` frees it, which happens
+        // only once the request (the only other reference to it) has completed.
+        let shared: &'static [u8] = unsafe { &*pointer };
+        let request = world.process_at_rank(to as i32).immediate_send_with_tag(
+            StaticScope,
+            shared,
+            tag as i32,
+        );
+        InFlight {
+            request: Some(request),
+            buffer: pointer,
+        }
+    }
+
+    /// Whether the send completed (without waiting).
+    fn done(&mut self) -> bool {
+        match self.request.take().map(Request::test) {
+            Some(Ok(_)) | None => true,
+            Some(Err(request)) => {
+                self.request = Some(request);
+                false
+            }
+        }
+    }
+
+    /// Waits for the send to complete.
+    fn wait(&mut self) {
+        if let Some(request) = self.request.take() {
+            request.wait();
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.wait();
+        // SAFETY: the request has completed, so nothing reads the buffer any more; it was
+        // made by `Box::leak` in `start` and is freed only here.
+        drop(unsafe { Box::from_raw(self.buffer) });
+    }
+}
+
+impl Drop for MpiComm {
+    /// Completes the sends under way while the communicator and MPI are still alive (the
+    /// fields drop after this, the communicator first).
+    fn drop(&mut self) {
+        self.in_flight.clear();
+    }
 }
 
 impl std::fmt::Debug for MpiComm {
@@ -89,6 +162,7 @@ impl MpiComm {
             rank,
             world_size,
             stats: CommStats::default(),
+            in_flight: Vec::new(),
         })
     }
 
@@ -443,6 +517,69 @@ impl Communicator for MpiComm {
         self.stats
     }
 
+    fn send(&mut self, data: Slice<'_>, to: usize, tag: u32) -> Result<()> {
+        p2p::check_peer(SEND_OP, self.rank, to, self.world_size, tag, false)?;
+        let values = data
+            .bytes()
+            .ok_or(CollectiveError::ShapeOnly { op: SEND_OP })?;
+        let frame = p2p::frame(&data, tag, self.stats.sends);
+        let mut bytes = Vec::with_capacity(HEADER_LEN + values.len());
+        bytes.extend_from_slice(&encode(&frame));
+        bytes.extend_from_slice(values);
+        if to != self.rank {
+            self.stats.bytes_sent += bytes.len() as u64;
+        }
+        self.stats.sends += 1;
+        // Completed sends free their buffers here, so a long run holds only those under way.
+        self.in_flight.retain_mut(|send| !send.done());
+        self.in_flight
+            .push(InFlight::start(&self.world, bytes, to, tag));
+        Ok(())
+    }
+
+    fn recv(&mut self, mut data: SliceMut<'_>, from: usize, tag: u32) -> Result<()> {
+        p2p::check_peer("recv", self.rank, from, self.world_size, tag, false)?;
+        if data.is_shape() {
+            return Err(CollectiveError::ShapeOnly { op: "recv" });
+        }
+        let (message, status) = self
+            .world
+            .process_at_rank(from as i32)
+            .matched_probe_with_tag(tag as i32);
+        let count = status.count(u8::equivalent_datatype()).max(0) as usize;
+        let mut bytes = vec![0u8; count];
+        message.matched_receive_into(&mut bytes[..]);
+        if count < HEADER_LEN {
+            return Err(CollectiveError::MessageMismatch {
+                from,
+                tag,
+                reason: format!("it is {count} bytes, shorter than a frame header"),
+            });
+        }
+        let frame = decode(&bytes[..HEADER_LEN]);
+        p2p::check_fits(from, tag, frame.element, frame.len, &data)?;
+        let into = data.bytes_mut().expect("checked: not shape-only");
+        if into.len() != count - HEADER_LEN {
+            return Err(CollectiveError::MessageMismatch {
+                from,
+                tag,
+                reason: format!(
+                    "its frame says {} bytes of values but {} came",
+                    into.len(),
+                    count - HEADER_LEN
+                ),
+            });
+        }
+        into.copy_from_slice(&bytes[HEADER_LEN..]);
+        self.stats.receives += 1;
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.in_flight.clear();
+        Ok(())
+    }
+
     /// `MPI_Comm_split` with the group's first member as its colour and the place in the
     /// group as the key, after the exchange that checks the ranks agree.
     fn split(&mut self, members: &[usize]) -> Result<Box<dyn Communicator>> {
@@ -465,6 +602,7 @@ impl Communicator for MpiComm {
             rank,
             world_size,
             stats: CommStats::default(),
+            in_flight: Vec::new(),
         }))
     }
 }

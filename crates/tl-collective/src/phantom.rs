@@ -19,7 +19,9 @@
 //! [`all_reduce_sum_f64(x)`](Communicator::all_reduce_sum_f64) return `x`, not a sum over
 //! ranks), a reduce-scatter copies this rank's shard of the input to the output, an
 //! all-gather writes the input into this rank's shard of the output and leaves the other
-//! shards as they were. Nothing it does is proportional to the world size, so rank 1023 of
+//! shards as they were; a point-to-point receive leaves the buffer as it was, since no rank
+//! is here to send it anything, and a send counts its frame header and values as the ring's
+//! would (and like the ring's, reaches only the ranks next to this one). Nothing it does is proportional to the world size, so rank 1023 of
 //! 1024 costs what rank 1 of 2 does.
 //!
 //! ```
@@ -44,6 +46,7 @@ use crate::element::{
 use crate::env::check_world;
 use crate::error::{CollectiveError, Result};
 use crate::group;
+use crate::p2p::{self, SEND_OP};
 use crate::ring::{Collective, ring_bytes_sent};
 use crate::shard::shard_range;
 
@@ -184,6 +187,29 @@ impl Communicator for Phantom {
         self.stats
     }
 
+    fn send(&mut self, data: Slice<'_>, to: usize, tag: u32) -> Result<()> {
+        if self.closed {
+            return Err(CollectiveError::Closed);
+        }
+        let check = p2p::check_peer(SEND_OP, self.rank, to, self.world_size, tag, true);
+        self.local_check(check)?;
+        self.stats.sends += 1;
+        if to != self.rank {
+            self.stats.bytes_sent += crate::RING_HEADER_BYTES + data.byte_len() as u64;
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self, _data: SliceMut<'_>, from: usize, tag: u32) -> Result<()> {
+        if self.closed {
+            return Err(CollectiveError::Closed);
+        }
+        let check = p2p::check_peer("recv", self.rank, from, self.world_size, tag, true);
+        self.local_check(check)?;
+        self.stats.receives += 1;
+        Ok(())
+    }
+
     /// A phantom of the group: rank `position` of `members.len()`, counting what that rank
     /// of the group's ring would send. The split's own exchange is counted here as the
     /// all-gather it is; the members' agreement cannot be checked, as no other rank is here.
@@ -269,6 +295,7 @@ mod tests {
             CommStats {
                 collectives: 1,
                 bytes_sent: 1023 * 40 + 13_986_328_125 * 4,
+                ..CommStats::default()
             }
         );
     }

@@ -92,7 +92,8 @@ fn each_group_of_a_mesh_sums_over_its_members_only() {
                     stats,
                     CommStats {
                         collectives: 1,
-                        bytes_sent: bytes
+                        bytes_sent: bytes,
+                        ..CommStats::default()
                     },
                     "{mesh} rank {rank} {axis}"
                 );

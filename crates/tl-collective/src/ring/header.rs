@@ -1,7 +1,9 @@
 //! The header every ring collective starts with, and its all-gather round the ring.
 
 use crate::error::{CallHeader, CollectiveError, Result};
+use crate::p2p::Inbox;
 use crate::ring::link::{Exchange, Link};
+use crate::ring::messages::{Frames, Until};
 use crate::ring::split_pair;
 use crate::schedule::all_gather_step;
 
@@ -13,7 +15,7 @@ const MAGIC: u64 = 0x746c_5f68_6472_3031; // "tl_hdr01"
 /// own, so that ranks that disagree on the format (or on summing in one) fail with a
 /// mismatch. The fp8 sums are refused before any header goes out, and have codes only so
 /// that every name a reduction can take has one.
-const OPS: [&str; 15] = [
+const OPS: [&str; 16] = [
     "all_reduce_sum",
     "all_reduce_max",
     "reduce_scatter_sum",
@@ -29,6 +31,8 @@ const OPS: [&str; 15] = [
     "all_reduce_sum_e5m2",
     "reduce_scatter_sum_e4m3",
     "reduce_scatter_sum_e5m2",
+    // Not a collective: the frame header of a point-to-point message.
+    crate::p2p::SEND_OP,
 ];
 const ELEMENTS: [&str; 3] = ["f32", "f64", "-"];
 
@@ -36,7 +40,7 @@ fn code(table: &[&'static str], name: &str) -> u8 {
     table.iter().position(|&t| t == name).expect("a known name") as u8
 }
 
-fn encode(header: &CallHeader) -> [u8; HEADER_LEN] {
+pub(crate) fn encode(header: &CallHeader) -> [u8; HEADER_LEN] {
     let mut out = [0u8; HEADER_LEN];
     out[0] = code(&OPS, header.op);
     out[1] = code(&ELEMENTS, header.element);
@@ -51,7 +55,7 @@ fn word(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
 }
 
-fn decode(bytes: &[u8]) -> CallHeader {
+pub(crate) fn decode(bytes: &[u8]) -> CallHeader {
     let known = word(bytes, 32) == MAGIC;
     let name = |table: &[&'static str], i: u8| {
         table
@@ -97,8 +101,12 @@ pub(crate) fn from_words(words: &[u64]) -> CallHeader {
 
 /// Gathers every rank's header round the ring; identical headers pass, anything else is a
 /// [`CollectiveError::Mismatch`] listing them all (the same error on every rank).
+///
+/// The left neighbour's own header, the first received, may come after point-to-point
+/// messages it sent before this call: those go to `inbox` for their receives.
 pub(crate) fn exchange_headers(
     link: &mut Link,
+    inbox: &mut Inbox,
     rank: usize,
     n: usize,
     own: CallHeader,
@@ -109,7 +117,13 @@ pub(crate) fn exchange_headers(
         let (send, recv) = all_gather_step(rank, step, n);
         let span = |r: usize| r * HEADER_LEN..(r + 1) * HEADER_LEN;
         let (out, into) = split_pair(&mut all, span(send), span(recv));
-        link.pump(own.op, &mut Exchange::new(out, into))?;
+        if step == 0 {
+            let mut flow = Frames::new(out, link.left_rank, inbox, Until::Header { into });
+            link.pump(own.op, &mut flow)?;
+            flow.outcome()?;
+        } else {
+            link.pump(own.op, &mut Exchange::new(out, into))?;
+        }
     }
     let calls: Vec<CallHeader> = all.chunks(HEADER_LEN).map(decode).collect();
     if calls.iter().any(|c| *c != calls[0]) {

@@ -8,6 +8,7 @@
 //! while we add. (A sender thread was the alternative; it needs the outgoing bytes owned or
 //! copied, which poll does not.)
 
+use std::collections::VecDeque;
 use std::io::{ErrorKind, Read};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
@@ -36,7 +37,26 @@ pub(crate) trait Flow {
     fn received(&mut self, n: usize);
 }
 
-/// A rank's two connections: to the left neighbour (receive) and the right one (send).
+/// One of a rank's two connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// To the left neighbour, rank − 1: the collectives receive on it.
+    Left,
+    /// To the right neighbour, rank + 1: the collectives send on it.
+    Right,
+}
+
+/// A point-to-point message on its way out: its frame header and values, owned, so that
+/// [`send`](crate::Communicator::send) returns before the peer takes them.
+#[derive(Debug)]
+pub(crate) struct Outgoing {
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) done: usize,
+}
+
+/// A rank's two connections: to the left neighbour and the right one. The collectives
+/// receive on the left and send on the right; point-to-point messages go either way (see
+/// `messages.rs`), each after the messages queued before it on the same connection.
 #[derive(Debug)]
 pub(crate) struct Link {
     pub(crate) left: UnixStream,
@@ -46,56 +66,98 @@ pub(crate) struct Link {
     pub(crate) timeout: Duration,
     /// Bytes written so far.
     pub(crate) bytes_sent: u64,
+    /// Messages waiting to go out, left connection then right, oldest first.
+    pub(crate) outbox: [VecDeque<Outgoing>; 2],
 }
 
 impl Link {
-    /// Runs `flow` to completion.
+    /// A link over two connected, non-blocking sockets.
+    pub(crate) fn new(
+        (left, left_rank): (UnixStream, usize),
+        (right, right_rank): (UnixStream, usize),
+        timeout: Duration,
+    ) -> Self {
+        Link {
+            left,
+            right,
+            left_rank,
+            right_rank,
+            timeout,
+            bytes_sent: 0,
+            outbox: [VecDeque::new(), VecDeque::new()],
+        }
+    }
+
+    /// Runs `flow` to completion: its sends go right, its receives come from the left.
     ///
     /// # Errors
     /// [`CollectiveError::PeerExited`] on end-of-file or a broken pipe,
     /// [`CollectiveError::Timeout`] when no byte moved for `timeout`.
     pub(crate) fn pump(&mut self, op: &'static str, flow: &mut dyn Flow) -> Result<()> {
+        self.transfer(op, flow, Side::Left, false)
+    }
+
+    /// Runs `flow` to completion, receiving from the connection `from` (its sends go right),
+    /// while the queued messages go out on both connections; with `drain`, until they have
+    /// all gone too.
+    ///
+    /// # Errors
+    /// As [`pump`](Self::pump).
+    pub(crate) fn transfer(
+        &mut self,
+        op: &'static str,
+        flow: &mut dyn Flow,
+        from: Side,
+        drain: bool,
+    ) -> Result<()> {
         let mut last_progress = Instant::now();
         loop {
             let want_recv = !flow.space().is_empty();
-            let want_send = !flow.pending().is_empty();
-            if !want_recv && flow.send_done() {
+            // Bytes of the flow go right after the messages queued before them.
+            let queued = [!self.outbox[0].is_empty(), !self.outbox[1].is_empty()];
+            let want_send = queued[1] || !flow.pending().is_empty();
+            let drained = !queued[0] && !queued[1];
+            if !want_recv && flow.send_done() && (drained || !drain) {
                 return Ok(());
             }
             let waited = last_progress.elapsed();
             if waited >= self.timeout {
+                // Waiting to receive means the peer's bytes never came; otherwise a peer
+                // never took ours.
+                let peer = match (want_recv, from, want_send) {
+                    (true, Side::Left, _) | (false, _, false) => self.left_rank,
+                    _ => self.right_rank,
+                };
                 return Err(CollectiveError::Timeout {
                     op,
-                    // Waiting to receive means the left neighbour's bytes never came;
-                    // otherwise the right one never took ours.
-                    peer: if want_recv {
-                        self.left_rank
-                    } else {
-                        self.right_rank
-                    },
+                    peer,
                     bound: self.timeout,
                 });
             }
-            let left_events = if want_recv {
-                PollFlags::IN
-            } else {
-                PollFlags::empty()
+            let events = |read: bool, write: bool| {
+                let mut flags = PollFlags::empty();
+                if read {
+                    flags |= PollFlags::IN;
+                }
+                if write {
+                    flags |= PollFlags::OUT;
+                }
+                flags
             };
-            let right_events = if want_send {
-                PollFlags::OUT
-            } else {
-                PollFlags::empty()
-            };
-            let mut fds = [
-                PollFd::new(&self.left, left_events),
-                PollFd::new(&self.right, right_events),
+            let wanted = [
+                events(want_recv && from == Side::Left, queued[0]),
+                events(want_recv && from == Side::Right, want_send),
             ];
             // Only watch a socket we need: a closed one reports HUP whether asked or not, and a
             // neighbour that finished and exited is no error while we have nothing for it.
-            let watched = match (want_recv, want_send) {
-                (true, true) => &mut fds[..],
-                (true, false) => &mut fds[..1],
-                (false, _) => &mut fds[1..],
+            let mut fds = [
+                PollFd::new(&self.left, wanted[0]),
+                PollFd::new(&self.right, wanted[1]),
+            ];
+            let watched = match (wanted[0].is_empty(), wanted[1].is_empty()) {
+                (false, false) => &mut fds[..],
+                (false, true) => &mut fds[..1],
+                (true, _) => &mut fds[1..],
             };
             let left_tm = self.timeout - waited;
             let timeout = Timespec {
@@ -108,52 +170,109 @@ impl Link {
                 Err(Errno::INTR) => continue,
                 Err(e) => return Err(CollectiveError::io(format!("{op}: poll"), e.into())),
             }
-            let (left_ready, right_ready) = match (want_recv, want_send) {
-                (true, true) => (!fds[0].revents().is_empty(), !fds[1].revents().is_empty()),
-                (true, false) => (!fds[0].revents().is_empty(), false),
-                (false, _) => (false, !fds[1].revents().is_empty()),
+            let ready = |i: usize| !wanted[i].is_empty() && !fds[i].revents().is_empty();
+            let (left_ready, right_ready) = (ready(0), ready(1));
+            if left_ready && queued[0] && self.write_queued(op, Side::Left)? {
+                last_progress = Instant::now();
+            }
+            if right_ready && want_send {
+                let moved = if queued[1] {
+                    self.write_queued(op, Side::Right)?
+                } else {
+                    self.write_flow(op, flow)?
+                };
+                if moved {
+                    last_progress = Instant::now();
+                }
+            }
+            let readable = match from {
+                Side::Left => left_ready,
+                Side::Right => right_ready,
             };
-            if right_ready {
-                let pending = flow.pending();
-                let piece = &pending[..pending.len().min(PIECE)];
-                match send(&self.right, piece, SendFlags::NOSIGNAL) {
-                    Ok(n) => {
-                        self.bytes_sent += n as u64;
-                        flow.sent(n);
-                        last_progress = Instant::now();
-                    }
-                    Err(Errno::AGAIN | Errno::INTR) => {}
-                    Err(Errno::PIPE | Errno::CONNRESET) => return Err(self.peer_exited(op, false)),
-                    Err(e) => {
-                        return Err(CollectiveError::io(
-                            format!("{op}: send to rank {}", self.right_rank),
-                            e.into(),
-                        ));
-                    }
-                }
+            if want_recv && readable && self.read(op, flow, from)? {
+                last_progress = Instant::now();
             }
-            if left_ready {
-                let space = flow.space();
-                let len = space.len().min(PIECE);
-                match self.left.read(&mut space[..len]) {
-                    Ok(0) => return Err(self.peer_exited(op, true)),
-                    Ok(n) => {
-                        flow.received(n);
-                        last_progress = Instant::now();
-                    }
-                    Err(e)
-                        if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
-                    Err(e) if e.kind() == ErrorKind::ConnectionReset => {
-                        return Err(self.peer_exited(op, true));
-                    }
-                    Err(e) => {
-                        return Err(CollectiveError::io(
-                            format!("{op}: receive from rank {}", self.left_rank),
-                            e,
-                        ));
-                    }
-                }
+        }
+    }
+
+    fn socket(&self, side: Side) -> (&UnixStream, usize) {
+        match side {
+            Side::Left => (&self.left, self.left_rank),
+            Side::Right => (&self.right, self.right_rank),
+        }
+    }
+
+    /// Writes what the socket takes of `bytes`: `Ok(None)` if it takes nothing now.
+    fn write(&mut self, op: &'static str, side: Side, bytes: &[u8]) -> Result<Option<usize>> {
+        let (socket, rank) = self.socket(side);
+        let piece = &bytes[..bytes.len().min(PIECE)];
+        match send(socket, piece, SendFlags::NOSIGNAL) {
+            Ok(n) => {
+                self.bytes_sent += n as u64;
+                Ok(Some(n))
             }
+            Err(Errno::AGAIN | Errno::INTR) => Ok(None),
+            Err(Errno::PIPE | Errno::CONNRESET) => Err(self.peer_exited(op, side == Side::Left)),
+            Err(e) => Err(CollectiveError::io(
+                format!("{op}: send to rank {rank}"),
+                e.into(),
+            )),
+        }
+    }
+
+    fn write_flow(&mut self, op: &'static str, flow: &mut dyn Flow) -> Result<bool> {
+        let written = self.write(op, Side::Right, flow.pending())?;
+        if let Some(n) = written {
+            flow.sent(n);
+        }
+        Ok(written.is_some())
+    }
+
+    /// Writes the oldest queued message of a side on: whether any byte went.
+    fn write_queued(&mut self, op: &'static str, side: Side) -> Result<bool> {
+        let queue = side as usize;
+        let Some(mut message) = self.outbox[queue].pop_front() else {
+            return Ok(false);
+        };
+        // On an error the message is lost with the communicator, which closes.
+        let written = self.write(op, side, &message.bytes[message.done..])?;
+        if let Some(n) = written {
+            message.done += n;
+        }
+        if message.done < message.bytes.len() {
+            self.outbox[queue].push_front(message);
+        }
+        Ok(written.is_some())
+    }
+
+    /// Writes what the sockets take of the queued messages now, without waiting.
+    pub(crate) fn progress(&mut self, op: &'static str) -> Result<()> {
+        for side in [Side::Left, Side::Right] {
+            while !self.outbox[side as usize].is_empty() && self.write_queued(op, side)? {}
+        }
+        Ok(())
+    }
+
+    /// Reads what the socket `from` has into the flow: whether any byte came.
+    fn read(&mut self, op: &'static str, flow: &mut dyn Flow, from: Side) -> Result<bool> {
+        let left = from == Side::Left;
+        let (mut socket, rank) = self.socket(from);
+        let space = flow.space();
+        let len = space.len().min(PIECE);
+        match socket.read(&mut space[..len]) {
+            Ok(0) => Err(self.peer_exited(op, left)),
+            Ok(n) => {
+                flow.received(n);
+                Ok(true)
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
+                Ok(false)
+            }
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => Err(self.peer_exited(op, left)),
+            Err(e) => Err(CollectiveError::io(
+                format!("{op}: receive from rank {rank}"),
+                e,
+            )),
         }
     }
 

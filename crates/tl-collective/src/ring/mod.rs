@@ -17,6 +17,7 @@ mod cost;
 pub(crate) mod handshake;
 pub(crate) mod header;
 mod link;
+mod messages;
 pub(crate) mod rendezvous;
 mod setup;
 
@@ -31,6 +32,7 @@ use crate::element::{
 use crate::env::RingConfig;
 use crate::error::{CallHeader, CollectiveError, Result};
 use crate::group;
+use crate::p2p::Inbox;
 use crate::schedule::{all_gather_step, reduce_scatter_step};
 use crate::shard::shard_range;
 use crate::wire::{self, Finish, Schedule};
@@ -62,6 +64,11 @@ pub struct RingComm {
     /// The run's secret and timeout, for the rings of groups split from this one.
     secret: [u8; 32],
     timeout: std::time::Duration,
+    /// Point-to-point messages that came before their receive.
+    inbox: Inbox,
+    /// Point-to-point messages sent and received.
+    sends: u64,
+    receives: u64,
 }
 
 impl RingComm {
@@ -89,6 +96,9 @@ impl RingComm {
             rendezvous: (config.rank == 0).then(|| config.rendezvous.clone()),
             secret: config.secret,
             timeout: config.timeout,
+            inbox: Inbox::default(),
+            sends: 0,
+            receives: 0,
         })
     }
 
@@ -112,7 +122,8 @@ impl RingComm {
             return Ok(());
         };
         let (rank, n) = (self.rank, self.world_size);
-        let outcome = exchange_headers(link, rank, n, header).and_then(|()| body(link, rank, n));
+        let outcome = exchange_headers(link, &mut self.inbox, rank, n, header)
+            .and_then(|()| body(link, rank, n));
         if outcome.is_err() {
             self.closed = true;
             link.shutdown();
@@ -495,7 +506,21 @@ impl Communicator for RingComm {
         CommStats {
             collectives: self.seq,
             bytes_sent: self.link.as_ref().map_or(0, |link| link.bytes_sent),
+            sends: self.sends,
+            receives: self.receives,
         }
+    }
+
+    fn send(&mut self, data: Slice<'_>, to: usize, tag: u32) -> Result<()> {
+        self.send_message(data, to, tag)
+    }
+
+    fn recv(&mut self, data: SliceMut<'_>, from: usize, tag: u32) -> Result<()> {
+        self.recv_message(data, from, tag)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.flush_messages()
     }
 
     fn split(&mut self, members: &[usize]) -> Result<Box<dyn Communicator>> {
@@ -504,9 +529,13 @@ impl Communicator for RingComm {
 }
 
 impl Drop for RingComm {
-    /// Rank 0 removes a launcher's (or a split's) rendezvous directory if no collective did:
-    /// a group that never communicated leaves nothing behind.
+    /// Sends what is still queued (within the timeout; a peer that is gone is no error
+    /// here), and rank 0 removes a launcher's (or a split's) rendezvous directory if no
+    /// collective did: a group that never communicated leaves nothing behind.
     fn drop(&mut self) {
+        if !self.closed {
+            let _ = self.flush_messages();
+        }
         if let Some(dir) = self.rendezvous.take() {
             rendezvous::remove_if_launchers(&dir);
         }

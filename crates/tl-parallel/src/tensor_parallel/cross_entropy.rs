@@ -221,6 +221,7 @@ mod tests {
         let expected = CommStats {
             collectives: 2,
             bytes_sent: sent(6) + sent(12),
+            ..CommStats::default()
         };
         assert_eq!((forward, tp.stats()), (expected, expected));
     }

@@ -444,7 +444,8 @@ mod tests {
             stats,
             CommStats {
                 collectives: 1,
-                bytes_sent
+                bytes_sent,
+                ..CommStats::default()
             }
         );
         // The buffer of 5 floats, the missing gradient made and landed in its leaf, the

@@ -308,10 +308,7 @@ mod tests {
         y.sum_all().backward();
         assert!(y.is_meta() && x.grad_is_meta());
         let backward = tp.stats();
-        let backward = CommStats {
-            collectives: backward.collectives - forward.collectives,
-            bytes_sent: backward.bytes_sent - forward.bytes_sent,
-        };
+        let backward = backward - forward;
         (y.shape(), [forward, backward])
     }
 
@@ -339,6 +336,7 @@ mod tests {
                     ring_bytes_sent(c, n, bytes, 4, 1)
                 })
                 .sum(),
+            ..CommStats::default()
         };
         use Collective::{AllGather, AllReduce, ReduceScatter};
         let expected: [(&str, usize, Vec<usize>, [CommStats; 2]); 5] = [

@@ -271,6 +271,7 @@ fn a_column_row_block_makes_megatrons_collectives_and_sends_what_the_ring_costs(
                             .iter()
                             .map(|&(c, n)| ring_bytes_sent(c, n as u64, 4, t, rank))
                             .sum(),
+                        ..CommStats::default()
                     };
                     assert_eq!(run.stats, [cost(&forward), cost(&backward)], "{what}");
                 }

@@ -51,6 +51,7 @@ fn parts_cut_along_any_axis_gather_back_into_the_whole() {
                 let one_gather = CommStats {
                     collectives: 1,
                     bytes_sent,
+                    ..CommStats::default()
                 };
                 assert_eq!(delta(before, tp.stats()), one_gather);
             }

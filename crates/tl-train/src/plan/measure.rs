@@ -191,6 +191,7 @@ fn measure_recorded(trainer: Trainer, base: usize, calls: &Calls) -> Result<Rank
         comm: CommStats {
             collectives: stepped.len() as u64,
             bytes_sent: stepped.iter().map(|call| call.bytes_sent).sum(),
+            ..CommStats::default()
         },
     })
 }

@@ -133,6 +133,19 @@ impl Communicator for Recorder {
         self.inner.stats()
     }
 
+    // Messages pass through unnoted: their bytes are in the inner communicator's stats.
+    fn send(&mut self, data: Slice<'_>, to: usize, tag: u32) -> Result<()> {
+        self.inner.send(data, to, tag)
+    }
+
+    fn recv(&mut self, data: SliceMut<'_>, from: usize, tag: u32) -> Result<()> {
+        self.inner.recv(data, from, tag)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.inner.flush()
+    }
+
     /// The group, recorded into the same calls (the split's own exchange is set-up, not a
     /// step's traffic, and is not noted), each call naming the group's members.
     fn split(&mut self, members: &[usize]) -> Result<Box<dyn Communicator>> {
