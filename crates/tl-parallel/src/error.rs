@@ -72,6 +72,14 @@ pub enum ParallelError {
         /// Ranks of the tensor-parallel group.
         tensor_parallel: usize,
     },
+    /// A pipeline schedule the executor cannot run on this pipeline group.
+    #[error("pipeline rank {rank}: {reason}")]
+    Pipeline {
+        /// The rank of the pipeline group.
+        rank: usize,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// `Result` with a [`ParallelError`].

@@ -7,10 +7,14 @@
 //! - [`simulate`](mod@simulate): runs a schedule without communicating, checks that it is
 //!   complete and cannot deadlock (naming the first action that breaks it), and times it:
 //!   each rank's idle share (the bubble) and the activations it holds at once.
+//! - [`execute`](mod@execute): runs a rank's list on the stages of the model it holds,
+//!   with point-to-point messages between the stages.
 
+pub mod execute;
 pub mod schedule;
 pub mod simulate;
 
+pub use execute::{Executed, StageModel, Timed, execute};
 pub use schedule::{Action, Schedule, ScheduleKind};
 pub use simulate::{Costs, RankTimeline, Simulation, simulate};
 
