@@ -55,7 +55,9 @@ pub use observer::{StepObserver, StepPhase};
 pub use precision::Precision;
 pub use scaler::{DynamicLossScaler, StepOutcome, grad_is_finite};
 pub use scaler_state::ScalerState;
-pub use step::{StepReport, train_step_mixed, train_step_mixed_observed};
+pub use step::{
+    StepReport, finish_step_observed, start_step, train_step_mixed, train_step_mixed_observed,
+};
 pub use tensor_core::Accumulation;
 /// The formats (the 16-bit ones and fp8), re-exported from tl-numerics.
 pub use tl_numerics::Format;

@@ -153,16 +153,49 @@ where
     O: Optimizer<E> + ?Sized,
     S: StepObserver<E>,
 {
-    observer.phase(StepPhase::ZeroGrad, |_| {
-        model.zero_grad();
-        opt.zero_grad();
-        // Count only this step's underflows.
-        take_underflow_count();
-    });
+    observer.phase(StepPhase::ZeroGrad, |_| start_step(model, opt));
     let loss = {
         let _autocast = precision.autocast();
         grad_accumulate_observed(model, micro_batches, loss_fn, scaler.as_deref(), observer)?
     };
+    finish_step_observed(opt, loss, scaler, clip, observer)
+}
+
+/// The start of a step: drops the model's and the optimizer's gradients, and the count of
+/// underflows so far (the step's report counts its own). What [`train_step_mixed`] does
+/// first, for a caller that accumulates the gradients its own way (a pipeline's stages).
+pub fn start_step<E, M, O>(model: &M, opt: &mut O)
+where
+    E: Element,
+    M: Module<E> + ?Sized,
+    O: Optimizer<E> + ?Sized,
+{
+    model.zero_grad();
+    opt.zero_grad();
+    take_underflow_count();
+}
+
+/// The end of a step whose gradients are all in the parameters of `opt` (accumulated,
+/// weighted and, with a `scaler`, scaled as [`grad_accumulate`](crate::grad_accumulate)
+/// does): `observer`'s [`gradients_ready`](StepObserver::gradients_ready), then the checks,
+/// the unscaling and clipping and the update, as the [`StepPhase::Update`] of `observer`.
+/// `loss` is the batch's loss, reported. What [`train_step_mixed_observed`] does after its
+/// micro-batches, for a caller that accumulates the gradients its own way.
+///
+/// # Errors
+/// As [`train_step_mixed`]'s update.
+pub fn finish_step_observed<E, O, S>(
+    opt: &mut O,
+    loss: f64,
+    scaler: Option<&mut DynamicLossScaler>,
+    clip: Option<f64>,
+    observer: &mut S,
+) -> Result<StepReport>
+where
+    E: Element,
+    O: Optimizer<E> + ?Sized,
+    S: StepObserver<E>,
+{
     let params = opt.parameters().to_vec();
     observer.gradients_ready(&params);
     observer.phase(StepPhase::Update, |observer| {

@@ -152,16 +152,40 @@ pub type UnitHook<E> = Rc<dyn Fn(usize, &dyn Fn() -> Tensor<E>) -> Tensor<E>>;
 /// ```
 pub struct Llama<E: GradElement = f32> {
     config: ModelConfig,
-    embedding: TokenEmbedding<E>,
-    blocks: Vec<Rc<Block<E>>>,
-    norm: RmsNorm<E>,
-    /// `[d, V]`, or this rank's `[d, V/t]` columns under tensor parallelism.
-    head: Linear<E>,
+    /// The embedding: `None` in a pipeline part without the first stage.
+    embedding: Option<TokenEmbedding<E>>,
+    /// The blocks held, with their index in the whole model: all of them, or a pipeline
+    /// part's.
+    blocks: Vec<(usize, Rc<Block<E>>)>,
+    /// The final norm and the head: `None` in a pipeline part without the last stage.
+    top: Option<Top<E>>,
+    /// The pipeline stages this model holds, when it is a part of the whole (see
+    /// [`pipeline_part`](Self::pipeline_part)).
+    stages: Option<Rc<[Stage]>>,
     /// The tensor-parallel group the layers are split over, if any.
     split: Option<Rc<TensorSplit>>,
     dropout_rng: Generator,
     checkpointing: Cell<Checkpointing>,
     unit_hook: RefCell<Option<UnitHook<E>>>,
+}
+
+/// The final norm and the head.
+struct Top<E: GradElement> {
+    norm: RmsNorm<E>,
+    /// `[d, V]`, or this rank's `[d, V/t]` columns under tensor parallelism.
+    head: Linear<E>,
+}
+
+/// One pipeline stage a part of the model holds: its index among all the stages, and the
+/// blocks it runs (indices in the whole model).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stage {
+    /// Its index, from 0 (which holds the embedding).
+    pub index: usize,
+    /// Its blocks.
+    pub blocks: std::ops::Range<usize>,
+    /// Whether it is the last stage (which holds the final norm, the head and the loss).
+    pub last: bool,
 }
 
 /// The token embedding: the whole table, or this rank's rows of it.
@@ -254,16 +278,20 @@ impl<E: GradElement> Llama<E> {
         let blocks = (0..config.n_layers)
             .map(|i| {
                 let _owner = memory::owner_scope(Some(i + 1));
-                Rc::new(Block::new(config, Rc::clone(&rope), &rng, &dropout_rng))
+                let block = Block::new(config, Rc::clone(&rope), &rng, &dropout_rng);
+                (i, Rc::new(block))
             })
             .collect();
         let _owner = memory::owner_scope(Some(config.n_layers + 1));
         Ok(Self {
             config: config.clone(),
-            embedding,
+            embedding: Some(embedding),
             blocks,
-            norm: RmsNorm::new(config.d_model, config.norm_eps),
-            head: Linear::new(config.d_model, config.vocab, false, &rng),
+            top: Some(Top {
+                norm: RmsNorm::new(config.d_model, config.norm_eps),
+                head: Linear::new(config.d_model, config.vocab, false, &rng),
+            }),
+            stages: None,
             split: None,
             dropout_rng,
             checkpointing: Cell::new(Checkpointing::Off),
@@ -305,31 +333,116 @@ impl<E: GradElement> Llama<E> {
         sequence_parallel: bool,
     ) -> Result<Self> {
         assert!(
-            self.split.is_none(),
-            "Llama::tensor_parallel: already split"
+            self.split.is_none() && self.stages.is_none(),
+            "Llama::tensor_parallel: already split (tensor-parallel split first, then the pipeline)"
         );
         let split = Rc::new(TensorSplit::with_sequence_parallel(tp, sequence_parallel));
         let config = &self.config;
         split.part("n_heads", config.n_heads)?;
         split.part("hidden", config.hidden)?;
         split.part("vocab", config.vocab)?;
-        let embedding = VocabParallelEmbedding::from_full(self.embedding.weight(), split.group())?
-            .with_sequence_parallel(sequence_parallel);
+        let embedding =
+            VocabParallelEmbedding::from_full(self.embedding().weight(), split.group())?
+                .with_sequence_parallel(sequence_parallel);
         let blocks = (self.blocks.iter())
-            .map(|block| block.split(&split).map(Rc::new))
+            .map(|(i, block)| Ok((*i, Rc::new(block.split(&split)?))))
             .collect::<Result<_>>()?;
-        let head = split.slice("vocab", self.head.weight(), placement("head.weight"))?;
+        let top = self.top();
+        let head = split.slice("vocab", top.head.weight(), placement("head.weight"))?;
         Ok(Self {
             config: config.clone(),
-            embedding: TokenEmbedding::Split(embedding),
+            embedding: Some(TokenEmbedding::Split(embedding)),
             blocks,
-            norm: RmsNorm::from_weight(self.norm.weight().clone(), self.norm.eps()),
-            head: Linear::from_parts(head, None),
+            top: Some(Top {
+                norm: RmsNorm::from_weight(top.norm.weight().clone(), top.norm.eps()),
+                head: Linear::from_parts(head, None),
+            }),
+            stages: None,
             split: Some(split),
             dropout_rng: self.dropout_rng.clone(),
             checkpointing: Cell::new(self.checkpointing.get()),
             unit_hook: RefCell::new(None),
         })
+    }
+
+    /// This rank's part of the model for pipeline parallelism: the blocks of `stages`, with
+    /// the embedding if it holds stage 0 and the final norm and head if it holds the last;
+    /// the rest is dropped. Names, units and fp8 layers keep their whole-model indices
+    /// (`blocks.5.wq.weight` is block 5's on whichever rank holds it), so a checkpoint does
+    /// not depend on the split. Run it stage by stage with
+    /// [`stage_forward`](Self::stage_forward); the whole model's passes
+    /// ([`loss`](Self::loss), [`forward_ids`](Self::forward_ids)) need the whole model.
+    ///
+    /// # Panics
+    /// If `stages` is empty, is not in order, or names blocks outside the model.
+    pub fn into_pipeline_part(mut self, stages: Vec<Stage>) -> Self {
+        assert!(
+            !stages.is_empty()
+                && stages
+                    .windows(2)
+                    .all(|w| w[0].blocks.end <= w[1].blocks.start),
+            "Llama::into_pipeline_part: stages must be given in order: {stages:?}"
+        );
+        assert!(
+            stages.iter().all(|s| s.blocks.end <= self.config.n_layers),
+            "Llama::into_pipeline_part: {stages:?} names blocks past {}",
+            self.config.n_layers
+        );
+        if stages[0].index != 0 {
+            self.embedding = None;
+        }
+        if !stages.last().is_some_and(|s| s.last) {
+            self.top = None;
+        }
+        self.blocks
+            .retain(|(i, _)| stages.iter().any(|s| s.blocks.contains(i)));
+        self.stages = Some(stages.into());
+        self
+    }
+
+    /// The pipeline stages this part holds (`None` for a whole model).
+    pub fn stages(&self) -> Option<&[Stage]> {
+        self.stages.as_deref()
+    }
+
+    /// Stage `stage`'s forward pass on a batch of `rows × time` tokens: from the tokens
+    /// `inputs` on stage 0, from `input` (the residual stream the stage before sent) on the
+    /// others. Returns the residual stream it hands on, or on the last stage the mean
+    /// cross-entropy against `targets`, as [`loss`](Self::loss) computes it: the stages run
+    /// in turn compute the whole model's loss, to the bit.
+    ///
+    /// # Errors
+    /// As [`loss`](Self::loss).
+    ///
+    /// # Panics
+    /// If this part does not hold `stage`, or `input` is missing past stage 0.
+    pub fn stage_forward(
+        &self,
+        stage: usize,
+        input: Option<&Tensor<E>>,
+        (inputs, targets): (&[usize], &[usize]),
+        rows: usize,
+        time: usize,
+    ) -> Result<Tensor<E>> {
+        let held = (self.stages())
+            .and_then(|stages| stages.iter().find(|s| s.index == stage))
+            .unwrap_or_else(|| panic!("Llama::stage_forward: stage {stage} is not held here"));
+        let hook = self.unit_hook.borrow().clone();
+        let hook = hook.as_ref();
+        let x = match input {
+            _ if stage == 0 => self.embed(inputs, rows, time, hook)?,
+            Some(input) => input.clone(),
+            None => panic!("Llama::stage_forward: stage {stage} needs its input"),
+        };
+        let first = (self.blocks.iter()).position(|(i, _)| held.blocks.contains(i));
+        let positions = first.map_or(0..0, |first| first..first + held.blocks.len());
+        let batch = [rows, time];
+        let x = self.run_blocks(&x, batch, hook, positions)?;
+        if !held.last {
+            return Ok(x);
+        }
+        let logits = self.logits(&x, batch, hook);
+        self.cross_entropy_of(&logits, targets, rows, time)
     }
 
     /// The tensor-parallel group the model is split over, if it is.
@@ -373,7 +486,8 @@ impl<E: GradElement> Llama<E> {
         if let Some(state) = &state {
             state.borrow().check(self.fp8_layer_names().len())?;
         }
-        for (i, block) in self.blocks.iter().enumerate() {
+        for (i, block) in &self.blocks {
+            let i = *i;
             block.set_fp8(
                 state
                     .as_ref()
@@ -385,7 +499,7 @@ impl<E: GradElement> Llama<E> {
 
     /// The names of the fp8 layers, in layer order: `blocks.{i}.wq`, ... `blocks.{i}.w2`.
     pub fn fp8_layer_names(&self) -> Vec<String> {
-        (0..self.blocks.len())
+        (0..self.config.n_layers)
             .flat_map(|i| super::fp8::LAYER_NAMES.map(|name| format!("blocks.{i}.{name}")))
             .collect()
     }
@@ -404,9 +518,12 @@ impl<E: GradElement> Llama<E> {
     /// embedding, each block, then the final norm with the head. Concatenated they are
     /// [`Module::parameters`], in order.
     pub fn units(&self) -> Vec<Vec<Tensor<E>>> {
-        let mut units = vec![vec![self.embedding.weight().clone()]];
-        units.extend(self.blocks.iter().map(|block| block.parameters()));
-        units.push(vec![self.norm.weight().clone(), self.head.weight().clone()]);
+        let mut units = Vec::new();
+        units.extend((self.embedding.iter()).map(|embedding| vec![embedding.weight().clone()]));
+        units.extend(self.blocks.iter().map(|(_, block)| block.parameters()));
+        units.extend(
+            (self.top.iter()).map(|top| vec![top.norm.weight().clone(), top.head.weight().clone()]),
+        );
         units
     }
 
@@ -438,25 +555,34 @@ impl<E: GradElement> Llama<E> {
     /// The logits this rank computes, `[rows, time, ..]`: all of them, or its columns of
     /// the vocabulary under tensor parallelism.
     fn local_logits(&self, ids: &[usize], rows: usize, time: usize) -> Result<Tensor<E>> {
+        let hook = self.unit_hook.borrow().clone();
+        let hook = hook.as_ref();
+        let x = self.embed(ids, rows, time, hook)?;
+        let batch = [rows, time];
+        let x = self.run_blocks(&x, batch, hook, 0..self.blocks.len())?;
+        Ok(self.logits(&x, batch, hook))
+    }
+
+    /// The embedding unit: the tokens' vectors, as the residual stream holds them (the
+    /// batch `[rows, time, d]`, or this rank's rows of its tokens under sequence
+    /// parallelism).
+    fn embed(
+        &self,
+        ids: &[usize],
+        rows: usize,
+        time: usize,
+        hook: Option<&UnitHook<E>>,
+    ) -> Result<Tensor<E>> {
         assert!(
             time <= self.config.context,
             "Llama: {time} positions exceed the context of {}",
             self.config.context
         );
-        // The residual stream's shape: the batch, or this rank's rows of its tokens.
+        let stream_shape = self.stream_shape(rows, time)?;
         let sequence_parallel = self.split.as_ref().filter(|s| s.sequence_parallel());
-        let stream_shape = match sequence_parallel {
-            Some(split) => {
-                let mine = split.token_rows(rows, time)?;
-                vec![mine.len(), self.config.d_model]
-            }
-            None => vec![rows, time, self.config.d_model],
-        };
-        let hook = self.unit_hook.borrow().clone();
-        let hook = hook.as_ref();
-        let x = run_unit(hook, 0, &|| {
+        Ok(run_unit(hook, 0, &|| {
             let _label = memory::label_scope(roles::EMBEDDING);
-            match (&self.embedding, &self.split) {
+            match (self.embedding(), &self.split) {
                 (TokenEmbedding::Whole(embedding), _) => embedding.forward_ids(ids, &[rows, time]),
                 (TokenEmbedding::Split(embedding), Some(split)) => {
                     // Under sequence parallelism the lookups of the flattened tokens,
@@ -469,13 +595,34 @@ impl<E: GradElement> Llama<E> {
                 }
                 (TokenEmbedding::Split(_), None) => unreachable!("a split embedding has a group"),
             }
-        });
-        let batch = [rows, time];
-        let x = self.run_blocks(&x, batch, hook)?;
-        Ok(run_unit(hook, self.head_unit(), &|| {
+        }))
+    }
+
+    /// The residual stream's shape for a batch of `rows × time` tokens: the batch, or this
+    /// rank's rows of its tokens under sequence parallelism.
+    ///
+    /// # Errors
+    /// Under sequence parallelism, when the group does not divide the batch's tokens.
+    pub fn stream_shape(&self, rows: usize, time: usize) -> Result<Vec<usize>> {
+        Ok(
+            match self.split.as_ref().filter(|s| s.sequence_parallel()) {
+                Some(split) => {
+                    let mine = split.token_rows(rows, time)?;
+                    vec![mine.len(), self.config.d_model]
+                }
+                None => vec![rows, time, self.config.d_model],
+            },
+        )
+    }
+
+    /// The head unit: the final norm and the head's logits (this rank's columns under
+    /// tensor parallelism).
+    fn logits(&self, x: &Tensor<E>, batch: BatchShape, hook: Option<&UnitHook<E>>) -> Tensor<E> {
+        let top = self.top();
+        run_unit(hook, self.head_unit(), &|| {
             let normed = {
                 let _label = memory::label_scope(roles::NORM);
-                round_for_products(|finish| self.norm.forward_then(&x, finish))
+                round_for_products(|finish| top.norm.forward_then(x, finish))
             };
             let entered;
             let normed = match &self.split {
@@ -486,23 +633,19 @@ impl<E: GradElement> Llama<E> {
                 None => &normed,
             };
             let _label = memory::label_scope(roles::LOGITS);
-            self.head.forward(normed)
-        }))
+            top.head.forward(normed)
+        })
     }
 
-    /// The mean cross-entropy (nats per token) of predicting `targets` from `inputs`, both
-    /// `[rows, time]` row-major.
-    ///
-    /// # Errors
-    /// As [`Llama::forward_ids`].
-    pub fn loss(
+    /// The mean cross-entropy of `logits` (`[rows, time, ..]`, this rank's columns under
+    /// tensor parallelism) against `targets`.
+    fn cross_entropy_of(
         &self,
-        inputs: &[usize],
+        logits: &Tensor<E>,
         targets: &[usize],
         rows: usize,
         time: usize,
     ) -> Result<Tensor<E>> {
-        let logits = self.local_logits(inputs, rows, time)?;
         // The loss belongs with the head on the memory meter, outside its unit.
         let _owner = memory::owner_scope(Some(self.head_unit()));
         let columns = *logits.shape().last().expect("logits have a class axis");
@@ -522,19 +665,53 @@ impl<E: GradElement> Llama<E> {
         }
     }
 
-    /// The last unit's index: the final norm and the head.
-    fn head_unit(&self) -> usize {
-        self.blocks.len() + 1
+    /// The embedding, which a whole model (and a pipeline part with the first stage) has.
+    fn embedding(&self) -> &TokenEmbedding<E> {
+        self.embedding
+            .as_ref()
+            .expect("Llama: this pipeline part does not hold the embedding (stage 0)")
     }
 
+    /// The final norm and head, which a whole model (and a pipeline part with the last
+    /// stage) has.
+    fn top(&self) -> &Top<E> {
+        self.top
+            .as_ref()
+            .expect("Llama: this pipeline part does not hold the head (the last stage)")
+    }
+
+    /// The mean cross-entropy (nats per token) of predicting `targets` from `inputs`, both
+    /// `[rows, time]` row-major.
+    ///
+    /// # Errors
+    /// As [`Llama::forward_ids`].
+    pub fn loss(
+        &self,
+        inputs: &[usize],
+        targets: &[usize],
+        rows: usize,
+        time: usize,
+    ) -> Result<Tensor<E>> {
+        let logits = self.local_logits(inputs, rows, time)?;
+        self.cross_entropy_of(&logits, targets, rows, time)
+    }
+
+    /// The last unit's index: the final norm and the head.
+    fn head_unit(&self) -> usize {
+        self.config.n_layers + 1
+    }
+
+    /// Runs the held blocks `range` (positions in `self.blocks`) on `x`, checkpointed as
+    /// the model's policy says, over those blocks.
     fn run_blocks(
         &self,
         x: &Tensor<E>,
         batch: BatchShape,
         hook: Option<&UnitHook<E>>,
+        range: std::ops::Range<usize>,
     ) -> Result<Tensor<E>> {
         let rngs = [self.dropout_rng.clone()];
-        let blocks: Vec<UnitBlock<E>> = (self.blocks.iter().enumerate())
+        let blocks: Vec<UnitBlock<E>> = (self.blocks[range].iter())
             .map(|(i, block)| UnitBlock {
                 unit: i + 1,
                 block: Rc::clone(block),
@@ -556,8 +733,11 @@ impl<E: GradElement> Llama<E> {
     /// `blocks.{i}.{n1.w, wq.weight, ..}`, `norm.w`, `head.weight` (the names of
     /// `llama_ref.py`).
     pub fn named_parameters(&self) -> Vec<(String, Tensor<E>)> {
-        let mut named = vec![("emb.weight".to_string(), self.embedding.weight().clone())];
-        for (i, block) in self.blocks.iter().enumerate() {
+        let mut named = Vec::new();
+        if let Some(embedding) = &self.embedding {
+            named.push(("emb.weight".to_string(), embedding.weight().clone()));
+        }
+        for (i, block) in &self.blocks {
             named.extend(
                 block
                     .named_parameters()
@@ -565,8 +745,10 @@ impl<E: GradElement> Llama<E> {
                     .map(|(name, tensor)| (format!("blocks.{i}.{name}"), tensor)),
             );
         }
-        named.push(("norm.w".to_string(), self.norm.weight().clone()));
-        named.push(("head.weight".to_string(), self.head.weight().clone()));
+        if let Some(top) = &self.top {
+            named.push(("norm.w".to_string(), top.norm.weight().clone()));
+            named.push(("head.weight".to_string(), top.head.weight().clone()));
+        }
         named
     }
 
@@ -690,7 +872,7 @@ impl<E: GradElement> Module<E> for Llama<E> {
     }
 
     fn set_training(&self, training: bool) {
-        for block in &self.blocks {
+        for (_, block) in &self.blocks {
             block.set_training(training);
         }
     }
@@ -773,6 +955,70 @@ mod tests {
             .map(|p| p.grad().unwrap().iter().map(|g| g.to_bits()).collect())
             .collect();
         (loss.item().to_bits(), grads)
+    }
+
+    #[test]
+    fn stages_run_in_turn_give_the_whole_models_loss_and_gradients_bit_for_bit() {
+        let config = ModelConfig {
+            n_layers: 4,
+            ..micro_config(0.0)
+        };
+        let whole = Llama::<f32>::new(&config, 3).unwrap();
+        let (loss_bits, grads) = loss_and_gradients(&whole);
+        let names: Vec<String> = whole
+            .named_parameters()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        for (blocks, checkpointing) in [
+            (vec![0..1, 1..3, 3..4], Checkpointing::Off),
+            (vec![0..2, 2..4], Checkpointing::PerBlock),
+        ] {
+            let last = blocks.len() - 1;
+            // One part per stage, as on ranks of their own.
+            let parts: Vec<Llama<f32>> = (0..blocks.len())
+                .map(|index| {
+                    let stage = Stage {
+                        index,
+                        blocks: blocks[index].clone(),
+                        last: index == last,
+                    };
+                    let part = Llama::<f32>::new(&config, 3)
+                        .unwrap()
+                        .into_pipeline_part(vec![stage]);
+                    part.set_checkpointing(checkpointing);
+                    part
+                })
+                .collect();
+            let mut outputs = Vec::new();
+            let mut input: Option<Tensor<f32>> = None;
+            for (index, part) in parts.iter().enumerate() {
+                let output = part
+                    .stage_forward(index, input.as_ref(), (&INPUTS, &TARGETS), 2, 4)
+                    .unwrap();
+                input = Some(output.detach_leaf());
+                outputs.push((input.clone().unwrap(), output));
+            }
+            let (_, loss) = outputs.last().unwrap();
+            assert_eq!(loss.item().to_bits(), loss_bits, "{blocks:?}");
+            loss.backward();
+            // Each stage's backward from the gradient of the leaf the next stage started on.
+            for (leaf, output) in outputs[..last].iter().rev() {
+                output.backward_with(leaf.grad().unwrap());
+            }
+            // Every parameter is on exactly one part, with the whole model's gradient.
+            let mut found = 0;
+            for part in &parts {
+                for (name, tensor) in part.named_parameters() {
+                    let at = names.iter().position(|n| *n == name).unwrap();
+                    let bits: Vec<u32> =
+                        tensor.grad().unwrap().iter().map(|g| g.to_bits()).collect();
+                    assert_eq!(bits, grads[at], "{blocks:?} {checkpointing}: {name}");
+                    found += 1;
+                }
+            }
+            assert_eq!(found, names.len());
+        }
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! - [`fp8`]: the blocks' projections, named for keep policies, in fp8 with delayed scaling.
 //! - [`llama`]: the whole model, with optional activation checkpointing and sampling.
 //! - [`parallel`]: how the model splits over a tensor-parallel group.
+//! - [`pipeline`]: how it is cut into pipeline stages.
 
 pub mod attention;
 pub mod block;
@@ -16,8 +17,9 @@ pub mod config;
 pub mod fp8;
 pub mod llama;
 pub mod parallel;
+pub mod pipeline;
 pub mod roles;
 pub mod rope;
 
 pub use config::{ModelConfig, Preset};
-pub use llama::{Checkpointing, Llama, UnitHook};
+pub use llama::{Checkpointing, Llama, Stage, UnitHook};
