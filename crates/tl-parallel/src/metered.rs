@@ -52,6 +52,12 @@ pub mod labels {
     /// The vocabulary-parallel cross-entropy's per-row statistics (the maximum logit, the
     /// sum of exponentials and the target's logit) on their way through an all-reduce.
     pub const VOCABULARY_STATISTICS: &str = "vocabulary statistics";
+    /// Pipeline parallelism: the activations a stage received from the stage before (its
+    /// input, kept until its backward).
+    pub const PIPELINE_ACTIVATION: &str = "pipeline activation";
+    /// Pipeline parallelism: the gradient a stage received for its output, or computed for
+    /// its input and about to send back.
+    pub const PIPELINE_GRADIENT: &str = "pipeline gradient";
 }
 
 /// The tag of a communication buffer labelled `label`, owned by the model's unit `owner`

@@ -34,11 +34,12 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use tl_collective::{Communicator, MAX_TAG, Slice, SliceMut};
-use tl_tensor::Tensor;
+use tl_tensor::{Tensor, memory};
 
 use super::schedule::{Action, Schedule};
 use crate::GradElement;
 use crate::error::{ParallelError, Result};
+use crate::metered::labels;
 
 /// The stages of the model a rank holds, as the executor runs them.
 pub trait StageModel<E: GradElement> {
@@ -157,7 +158,10 @@ pub fn execute<E: GradElement, M: StageModel<E> + ?Sized>(
                 let shape = model.input_shape(stage, micro_batch);
                 let from = schedule.rank_of(stage - 1);
                 let tag = tag(Carries::Activation, stage, micro_batch, stages);
-                let input = receive::<E>(comm, &shape, from, tag).map_err(failed)?;
+                let input = {
+                    let _label = memory::label_scope(labels::PIPELINE_ACTIVATION);
+                    receive::<E>(comm, &shape, from, tag).map_err(failed)?
+                };
                 input.set_requires_grad(true);
                 inputs.insert((stage, micro_batch), input);
             }
@@ -177,10 +181,13 @@ pub fn execute<E: GradElement, M: StageModel<E> + ?Sized>(
                 let shape = held[&(stage, micro_batch)].output.shape();
                 let from = schedule.rank_of(stage + 1);
                 let tag = tag(Carries::Gradient, stage, micro_batch, stages);
+                let _label = memory::label_scope(labels::PIPELINE_GRADIENT);
                 let gradient = receive::<E>(comm, &shape, from, tag).map_err(failed)?;
                 gradients.insert((stage, micro_batch), gradient);
             }
             Action::Backward { stage, micro_batch } => {
+                let _micro_batch = memory::micro_batch_scope(Some(micro_batch));
+                let _backward = memory::stage_scope(memory::Stage::Backward);
                 let Held { input, output } = held
                     .remove(&(stage, micro_batch))
                     .expect("a checked schedule runs a forward before its backward");
@@ -194,6 +201,7 @@ pub fn execute<E: GradElement, M: StageModel<E> + ?Sized>(
                 }
                 drop(output);
                 if let Some(input) = input {
+                    let _label = memory::label_scope(labels::PIPELINE_GRADIENT);
                     outgoing.insert((stage, micro_batch), input_gradient(&input));
                 }
             }

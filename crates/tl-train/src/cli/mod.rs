@@ -330,6 +330,23 @@ pub struct TrainArgs {
         default_missing_value = "true"
     )]
     pub sequence_parallel: Option<bool>,
+    /// Pipeline parallelism: cut the model's blocks into consecutive stages over this many
+    /// ranks (the embedding with the first, the head with the last), the step's --accum
+    /// micro-batches streamed through them [default: 1, or the run's with --resume].
+    #[arg(long, value_name = "P")]
+    pub pp: Option<usize>,
+    /// The pipeline's schedule: gpipe, 1f1b or interleaved (zb-h1 is simulated by `tinyllm
+    /// schedule` but not run yet) [default: 1f1b, or the run's with --resume].
+    #[arg(long, value_name = "S", requires = "pp")]
+    pub schedule: Option<tl_parallel::pipeline::ScheduleKind>,
+    /// Stages on each pipeline rank, with --schedule interleaved [default: 2 with it, else
+    /// 1].
+    #[arg(long, value_name = "V", requires = "pp")]
+    pub stages_per_rank: Option<usize>,
+    /// The first block of each stage past the first, e.g. 3,6 for three stages of an
+    /// 8-block model [default: balanced by parameter count].
+    #[arg(long, value_name = "B,B,..", value_delimiter = ',', requires = "pp")]
+    pub pp_split: Option<Vec<usize>>,
     /// How the ranks communicate: ring (under `tinyllm launch`), or mpi / mpi-ring (under
     /// mpirun, in a build with the `mpi` feature).
     #[arg(long, value_enum, default_value_t)]

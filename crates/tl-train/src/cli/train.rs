@@ -33,6 +33,9 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
                 bucket_bytes: bucket_bytes(args)?,
                 tensor: args.tp,
                 sequence_parallel: args.sequence_parallel,
+                pipeline: args.pp,
+                schedule: args.schedule,
+                stages_per_rank: args.stages_per_rank,
             };
             let trainer = Trainer::resume_on(dir, options, comm)?;
             check_resume_flags(args, trainer.config(), dir)?;
@@ -330,9 +333,21 @@ pub(super) fn config_from_args(
     config.parallel.sequence_parallel = args
         .sequence_parallel
         .unwrap_or(config.parallel.sequence_parallel);
+    let parallel = &mut config.parallel;
+    parallel.pipeline = args.pp.unwrap_or(parallel.pipeline);
+    parallel.schedule = args.schedule.unwrap_or(parallel.schedule);
+    let interleaved = parallel.schedule == tl_parallel::pipeline::ScheduleKind::Interleaved;
+    parallel.stages_per_rank = match args.stages_per_rank {
+        Some(v) => v,
+        None if interleaved && parallel.pipeline > 1 && parallel.stages_per_rank == 1 => 2,
+        None => parallel.stages_per_rank,
+    };
+    if args.pp_split.is_some() {
+        parallel.pipeline_split = args.pp_split.clone();
+    }
     // The ranks are the world's, set when the run starts on them; until then, the fewest
     // that the split needs.
-    config.parallel.ranks = config.parallel.ranks.max(config.parallel.tensor);
+    parallel.ranks = parallel.ranks.max(parallel.tensor * parallel.pipeline);
     config.validate()?;
     Ok(config)
 }

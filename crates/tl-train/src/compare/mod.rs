@@ -107,7 +107,7 @@ pub fn compare_on(
     let recipe = &TrainConfig {
         parallel: Parallel {
             ranks: ddp.world_size(),
-            ..recipe.parallel
+            ..recipe.parallel.clone()
         },
         ..recipe.clone()
     };

@@ -88,9 +88,11 @@ impl TensorKind {
             Kind::OptimizerState => TensorKind::AdamMoments,
             Kind::Communication => TensorKind::CommBuffers,
             Kind::Activations | Kind::Temporaries => match tag.label {
-                roles::EMBEDDING | roles::RESIDUAL | roles::BLOCK_OUTPUT => {
-                    TensorKind::ResidualStream
-                }
+                roles::EMBEDDING
+                | roles::RESIDUAL
+                | roles::BLOCK_OUTPUT
+                | labels::PIPELINE_ACTIVATION
+                | labels::PIPELINE_GRADIENT => TensorKind::ResidualStream,
                 roles::NORM => TensorKind::NormOutputs,
                 "wq" | "wk" | "wv" | roles::ROPE => TensorKind::Heads,
                 "wo" | "w2" | ATTENTION | roles::DROPOUT => TensorKind::LinearOutputs,

@@ -6,6 +6,8 @@ use serde::{Deserialize, Serialize};
 use tl_precision::{Accumulation, AutocastGuard, Fp8Recipe, Precision, autocast_with};
 use tl_recompute::checkpoint_schedule;
 
+use tl_parallel::pipeline::{Schedule, ScheduleKind};
+
 use super::schedule::LrSchedule;
 use crate::error::{Result, TrainError};
 use crate::model::{Checkpointing, ModelConfig, Preset};
@@ -98,7 +100,7 @@ pub struct TrainConfig {
 /// The run's recipe is its global batch; the ranks are where it runs. A checkpoint holds
 /// whole tensors whatever the ranks and the stage, so it resumes at another world size (with
 /// `accum` rescaled so the global batch stays the same) or another ZeRO stage.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Parallel {
     /// Ranks that train the run.
@@ -122,6 +124,49 @@ pub struct Parallel {
     /// computes: a checkpoint does not depend on it. `false` (the default) is not written.
     #[serde(default, skip_serializing_if = "is_false")]
     pub sequence_parallel: bool,
+    /// Pipeline stages' ranks: the model's blocks cut into `pipeline · stages_per_rank`
+    /// consecutive stages, each micro-batch streamed through them by `schedule`. 1 (the
+    /// default, not written) cuts nothing.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub pipeline: usize,
+    /// The pipeline's schedule (`gpipe`, `1f1b`, `interleaved`, `zb-h1`), with
+    /// `pipeline` > 1.
+    #[serde(
+        default = "default_schedule",
+        with = "schedule_name",
+        skip_serializing_if = "is_default_schedule"
+    )]
+    pub schedule: ScheduleKind,
+    /// Stages on each pipeline rank (`v`): above 1 only for the interleaved schedule.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub stages_per_rank: usize,
+    /// The first block of each stage past the first (`--pp-split`); absent: balanced by
+    /// parameter count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline_split: Option<Vec<usize>>,
+}
+
+fn default_schedule() -> ScheduleKind {
+    ScheduleKind::OneFOneB
+}
+
+fn is_default_schedule(kind: &ScheduleKind) -> bool {
+    *kind == default_schedule()
+}
+
+/// A schedule as the name the CLI takes.
+mod schedule_name {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use tl_parallel::pipeline::ScheduleKind;
+
+    pub fn serialize<S: Serializer>(kind: &ScheduleKind, out: S) -> Result<S::Ok, S::Error> {
+        out.serialize_str(kind.name())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(input: D) -> Result<ScheduleKind, D::Error> {
+        let name = String::deserialize(input)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
 }
 
 fn is_false(on: &bool) -> bool {
@@ -141,9 +186,15 @@ fn is_one(n: &usize) -> bool {
 }
 
 impl Parallel {
-    /// Data-parallel replicas: `ranks / tensor`, the ranks that split the global batch.
+    /// Data-parallel replicas: `ranks / (tensor · pipeline)`, the ranks that split the
+    /// global batch.
     pub fn data_parallel(&self) -> usize {
-        self.ranks / self.tensor.max(1)
+        self.ranks / (self.tensor.max(1) * self.pipeline.max(1))
+    }
+
+    /// Pipeline stages in all: `pipeline · stages_per_rank`.
+    pub fn stages(&self) -> usize {
+        self.pipeline * self.stages_per_rank
     }
 }
 
@@ -155,6 +206,10 @@ impl Default for Parallel {
             bucket_bytes: default_bucket_bytes(),
             tensor: 1,
             sequence_parallel: false,
+            pipeline: 1,
+            schedule: default_schedule(),
+            stages_per_rank: 1,
+            pipeline_split: None,
         }
     }
 }
@@ -517,17 +572,18 @@ impl TrainConfig {
     /// [`TrainError::InvalidArgument`] when the global batch's micro-batches cannot be
     /// shared equally over `ranks` (choose `--micro-batch` so they can).
     pub fn at_ranks(&self, ranks: usize) -> Result<Self> {
-        self.at_layout(ranks, 1)
+        self.at_layout(ranks, 1, 1)
     }
 
-    /// The same run at `ranks` ranks split into tensor-parallel groups of `tensor`: `accum`
-    /// rescaled over the `ranks / tensor` data-parallel replicas so that the global batch
-    /// stays the same.
+    /// The same run at `ranks` ranks split into tensor-parallel groups of `tensor` and
+    /// pipelines of `pipeline` stages' ranks: `accum` rescaled over the
+    /// `ranks / (tensor · pipeline)` data-parallel replicas so that the global batch stays
+    /// the same. Back at `pipeline` 1 the pipeline's schedule and split are dropped.
     ///
     /// # Errors
-    /// [`TrainError::InvalidArgument`] when `tensor` does not divide `ranks`, or the global
-    /// batch's micro-batches cannot be shared equally over the replicas.
-    pub fn at_layout(&self, ranks: usize, tensor: usize) -> Result<Self> {
+    /// [`TrainError::InvalidArgument`] when `tensor · pipeline` does not divide `ranks`, or
+    /// the global batch's micro-batches cannot be shared equally over the replicas.
+    pub fn at_layout(&self, ranks: usize, tensor: usize, pipeline: usize) -> Result<Self> {
         if tensor == 0 || ranks == 0 || !ranks.is_multiple_of(tensor) {
             return Err(TrainError::InvalidArgument {
                 name: "tp",
@@ -537,7 +593,17 @@ impl TrainConfig {
                 ),
             });
         }
-        let replicas = ranks / tensor;
+        if pipeline == 0 || !ranks.is_multiple_of(tensor * pipeline) {
+            return Err(TrainError::InvalidArgument {
+                name: "pp",
+                value: pipeline.to_string(),
+                reason: format!(
+                    "{ranks} ranks cannot form pipelines of {pipeline} stages' ranks \
+                     (with tensor-parallel groups of {tensor})"
+                ),
+            });
+        }
+        let replicas = ranks / (tensor * pipeline);
         let micro_batches = self.accum * self.parallel.data_parallel();
         if !micro_batches.is_multiple_of(replicas) {
             return Err(TrainError::InvalidArgument {
@@ -556,6 +622,15 @@ impl TrainConfig {
         config.parallel.tensor = tensor;
         // Nothing to split the residual stream over without a tensor-parallel group.
         config.parallel.sequence_parallel &= tensor > 1;
+        if pipeline != config.parallel.pipeline {
+            // Another pipeline's cut and interleaving would not fit this one.
+            config.parallel.pipeline_split = None;
+            config.parallel.stages_per_rank = 1;
+            if pipeline == 1 {
+                config.parallel.schedule = default_schedule();
+            }
+        }
+        config.parallel.pipeline = pipeline;
         Ok(config)
     }
 
@@ -773,6 +848,7 @@ impl TrainConfig {
                 ),
             });
         }
+        self.validate_pipeline()?;
         if self.parallel.zero > MAX_ZERO_STAGE {
             return invalid(
                 "zero",
@@ -867,6 +943,128 @@ impl TrainConfig {
     }
 }
 
+impl TrainConfig {
+    /// The pipeline's schedule for one step: `pipeline` ranks, this run's micro-batches
+    /// (`accum`, each data-parallel replica's), `stages_per_rank` stages a rank.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidArgument`] naming `accum` (or `stages-per-rank`) when the
+    /// schedule cannot be made of these sizes, with the generator's reason.
+    pub fn pipeline_schedule(&self) -> Result<Schedule> {
+        let parallel = &self.parallel;
+        Schedule::new(
+            parallel.schedule,
+            parallel.pipeline,
+            self.accum,
+            parallel.stages_per_rank,
+        )
+        .map_err(|error| TrainError::InvalidArgument {
+            name: match &error {
+                tl_parallel::pipeline::ScheduleError::Invalid {
+                    what: "stages per rank",
+                    ..
+                } => "stages-per-rank",
+                _ => "accum",
+            },
+            value: match &error {
+                tl_parallel::pipeline::ScheduleError::Invalid { value, .. } => value.to_string(),
+                _ => self.accum.to_string(),
+            },
+            reason: format!(
+                "{error} (the step's micro-batches are what streams through the pipeline)"
+            ),
+        })
+    }
+
+    /// The pipeline's options, with `pipeline` > 1: a schedule that can be made and run,
+    /// a cut of the blocks, and what the pipeline does not run yet refused by name.
+    fn validate_pipeline(&self) -> Result<()> {
+        let parallel = &self.parallel;
+        let pipeline = parallel.pipeline;
+        let invalid = |name: &'static str, value: String, reason: String| {
+            Err(TrainError::InvalidArgument {
+                name,
+                value,
+                reason,
+            })
+        };
+        if pipeline == 0
+            || !parallel
+                .ranks
+                .is_multiple_of(pipeline * parallel.tensor.max(1))
+        {
+            return invalid(
+                "pp",
+                pipeline.to_string(),
+                format!(
+                    "the {} ranks must form pipelines of this many ranks (times --tp {}): it \
+                     must divide them",
+                    parallel.ranks, parallel.tensor
+                ),
+            );
+        }
+        if pipeline == 1 {
+            if parallel.stages_per_rank != 1 || parallel.pipeline_split.is_some() {
+                return invalid(
+                    "pp",
+                    "1".into(),
+                    "--stages-per-rank and --pp-split cut a pipeline: add --pp > 1".into(),
+                );
+            }
+            return Ok(());
+        }
+        let not_yet = |name: &'static str, value: String, what: &str| {
+            invalid(
+                name,
+                value,
+                format!("pipeline parallelism does not run {what} yet"),
+            )
+        };
+        if parallel.schedule == ScheduleKind::ZeroBubbleH1 {
+            return not_yet(
+                "schedule",
+                "zb-h1".into(),
+                "a split backward (autograd runs the input's and the weights' gradients in one \
+                 sweep): use gpipe, 1f1b or interleaved",
+            );
+        }
+        if parallel.tensor > 1 {
+            return not_yet("tp", parallel.tensor.to_string(), "with tensor parallelism");
+        }
+        if parallel.data_parallel() > 1 {
+            return not_yet(
+                "pp",
+                pipeline.to_string(),
+                &format!(
+                    "with data parallelism ({} ranks are {} pipelines): launch {pipeline} ranks",
+                    parallel.ranks,
+                    parallel.data_parallel()
+                ),
+            );
+        }
+        if parallel.zero > 0 {
+            return not_yet("zero", parallel.zero.to_string(), "with ZeRO");
+        }
+        if self.fp8.is_some() {
+            return not_yet("fp8", "on".into(), "with fp8's delayed scaling");
+        }
+        if self.model.dropout > 0.0 {
+            return not_yet(
+                "dropout",
+                self.model.dropout.to_string(),
+                "with dropout (its masks are drawn block after block from one stream)",
+            );
+        }
+        self.pipeline_schedule()?;
+        crate::model::pipeline::stage_blocks(
+            &self.model,
+            parallel.stages(),
+            parallel.pipeline_split.as_deref(),
+        )?;
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -927,7 +1125,7 @@ mod tests {
         config.model.context = 64;
         let json = serde_json::to_value(&config).unwrap();
         assert_eq!(json["parallel"]["sequence_parallel"], true);
-        let single = config.at_layout(2, 1).unwrap();
+        let single = config.at_layout(2, 1, 1).unwrap();
         assert!(!single.parallel.sequence_parallel);
         let json = serde_json::to_value(&single).unwrap();
         assert!(json["parallel"].get("sequence_parallel").is_none());

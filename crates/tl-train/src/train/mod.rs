@@ -7,6 +7,7 @@ pub mod lock;
 mod memory_check;
 mod metrics;
 mod optimizer;
+mod pipeline;
 mod ranks;
 mod recipes;
 mod resume;

@@ -149,7 +149,14 @@ fn config_at_world(
     options: ResumeOptions,
 ) -> Result<TrainConfig> {
     let tensor = options.tensor.unwrap_or(run_config.parallel.tensor);
-    let mut config = run_config.at_layout(world, tensor)?;
+    let pipeline = options.pipeline.unwrap_or(run_config.parallel.pipeline);
+    let mut config = run_config.at_layout(world, tensor, pipeline)?;
+    if let Some(schedule) = options.schedule {
+        config.parallel.schedule = schedule;
+    }
+    if let Some(stages) = options.stages_per_rank {
+        config.parallel.stages_per_rank = stages;
+    }
     if let Some(zero) = options.zero {
         config.parallel.zero = zero;
     }
@@ -161,17 +168,26 @@ fn config_at_world(
     }
     config.validate()?;
     if leader && config != *run_config {
-        if world != run_config.parallel.ranks || tensor != run_config.parallel.tensor {
-            let split = |t: usize| match t {
-                1 => String::new(),
-                t => format!(" (layers split over {t})"),
+        if world != run_config.parallel.ranks
+            || tensor != run_config.parallel.tensor
+            || pipeline != run_config.parallel.pipeline
+        {
+            let layout = |t: usize, p: usize| {
+                let mut words = String::new();
+                if t > 1 {
+                    words += &format!(" (layers split over {t})");
+                }
+                if p > 1 {
+                    words += &format!(" (a pipeline of {p})");
+                }
+                words
             };
             crate::output::warn(&format!(
                 "the run was trained on {} rank(s){}, resumed on {world}{}: accum {} -> {} \
                  keeps its global batch of {} sequences",
                 run_config.parallel.ranks,
-                split(run_config.parallel.tensor),
-                split(tensor),
+                layout(run_config.parallel.tensor, run_config.parallel.pipeline),
+                layout(tensor, pipeline),
                 run_config.accum,
                 config.accum,
                 config.sequences_per_step()
@@ -223,7 +239,13 @@ pub(super) fn resume_state(
     }
     let snapshot = snapshot::open(run_dir)?;
     let state = &snapshot.state;
-    let mut config = state.config.at_layout(world, run_config.parallel.tensor)?;
+    let parallel = &run_config.parallel;
+    let mut config = state
+        .config
+        .at_layout(world, parallel.tensor, parallel.pipeline)?;
+    config.parallel.schedule = parallel.schedule;
+    config.parallel.stages_per_rank = parallel.stages_per_rank;
+    config.parallel.pipeline_split = parallel.pipeline_split.clone();
     config.parallel.zero = run_config.parallel.zero;
     config.parallel.bucket_bytes = run_config.parallel.bucket_bytes;
     config.parallel.sequence_parallel = run_config.parallel.sequence_parallel;

@@ -23,6 +23,7 @@ use super::lock::RunLock;
 use super::memory_check::check_memory;
 use super::metrics::{Fp8Counts, MetricsLog, Record, read_records, rfc3339_utc};
 use super::optimizer::RunOptimizer;
+use super::pipeline::PipelineRank;
 use super::ranks::{self, RankReport, StepBatch, StepTraffic};
 use super::resume::{RunParts, resume_state};
 use super::run_config::config_json;
@@ -92,6 +93,8 @@ pub struct Trainer {
     /// Every rank of the run, when `ddp` is only a group of them (tensor parallelism): what
     /// the ranks agree on between steps goes through it.
     world: Option<DataParallel>,
+    /// This rank's stages and its pipeline group, when the model is cut into a pipeline.
+    pipeline: Option<PipelineRank>,
     /// This rank's communication in the steps taken so far.
     traffic: StepTraffic,
     /// Held by rank 0 for the trainer's life: no other run writes this directory meanwhile.
@@ -137,6 +140,14 @@ pub struct ResumeOptions {
     /// continued at tp 1 has it off, and asking for it there is an error: there is no
     /// group to split the tokens over).
     pub sequence_parallel: Option<bool>,
+    /// Continue with the model cut into a pipeline over this many ranks instead of the
+    /// run's (a checkpoint holds whole tensors whatever the cut); its split is then
+    /// balanced again.
+    pub pipeline: Option<usize>,
+    /// Continue with this pipeline schedule.
+    pub schedule: Option<tl_parallel::pipeline::ScheduleKind>,
+    /// Continue with this many pipeline stages a rank (the interleaved schedule).
+    pub stages_per_rank: Option<usize>,
 }
 
 /// Loads the corpus a config names, and checks that the model's vocabulary holds every
@@ -303,7 +314,7 @@ impl Trainer {
             step,
             tokens_seen,
         } = parts;
-        let (ddp, world, model, optimizer) = split_mesh(ddp, model, optimizer, &config)?;
+        let (ddp, world, model, optimizer, pipeline) = split_mesh(ddp, model, optimizer, &config)?;
         let mut ddp = ddp.with_bucket_bytes(config.parallel.bucket_bytes);
         model.set_checkpointing(config.checkpointing);
         let fp8 = fp8.map(|state| Rc::new(RefCell::new(state)));
@@ -334,6 +345,7 @@ impl Trainer {
             corpus,
             ddp,
             world,
+            pipeline,
             traffic: StepTraffic::default(),
             _lock: lock,
         })
@@ -395,7 +407,11 @@ impl Trainer {
             .world
             .as_ref()
             .map_or(0, |world| world.stats().bytes_sent);
-        self.ddp.stats().bytes_sent + split.map_or(0, |s| s.group().stats().bytes_sent) + world
+        let pipeline = self.pipeline.as_ref().map_or(0, PipelineRank::bytes_sent);
+        self.ddp.stats().bytes_sent
+            + split.map_or(0, |s| s.group().stats().bytes_sent)
+            + world
+            + pipeline
     }
 
     /// Time this rank has spent inside collectives, over every group it belongs to: the
@@ -476,16 +492,25 @@ impl Trainer {
         let (sent_before, busy_before) = (self.bytes_sent(), self.communication_time());
         // The run's hardware: the step turns on its precision inside and keeps the model.
         let hardware = config.autocast();
-        let stepped = self.optimizer.train_step(
-            &mut self.ddp,
-            &self.model,
-            &micro_batches,
-            config.sequences_per_step(),
-            loss,
-            config.precision,
-            self.scaler.as_mut(),
-            config.clip,
-        );
+        let stepped = match &self.pipeline {
+            Some(pipeline) => pipeline.train_step(
+                &self.model,
+                &mut self.optimizer,
+                &micro_batches,
+                config,
+                self.scaler.as_mut(),
+            ),
+            None => self.optimizer.train_step(
+                &mut self.ddp,
+                &self.model,
+                &micro_batches,
+                config.sequences_per_step(),
+                loss,
+                config.precision,
+                self.scaler.as_mut(),
+                config.clip,
+            ),
+        };
         drop(hardware);
         // The step is over for the fp8 scales, taken or skipped: its amaxes, made global
         // over the ranks, join the histories and the next step's scales are set. A refused
@@ -597,6 +622,12 @@ impl Trainer {
         ranks::gather_reports(self.world(), peak_live_bytes, peak_rss_bytes, traffic)
     }
 
+    /// The last step's actions on this rank as they ran, when the model is cut into a
+    /// pipeline: each forward, backward and message with its start and end.
+    pub fn pipeline_timeline(&self) -> Option<tl_parallel::pipeline::Executed> {
+        self.pipeline.as_ref().and_then(PipelineRank::last_step)
+    }
+
     /// This rank's communication during the steps this trainer took.
     pub fn traffic(&self) -> StepTraffic {
         self.traffic
@@ -684,13 +715,29 @@ impl Trainer {
             }
             return Ok(());
         }
-        for (name, tensor) in self.model.named_parameters() {
-            let value = tensor.value();
-            if let Some(bad) = value.iter().find(|v| !v.is_finite()) {
-                return Err(self.diverged(format!("weight {name} holds {bad}")));
+        let damaged = self
+            .model
+            .named_parameters()
+            .into_iter()
+            .find_map(|(name, tensor)| {
+                let value = tensor.value();
+                let bad = value.iter().find(|v| !v.is_finite());
+                bad.map(|bad| format!("weight {name} holds {bad}"))
+            });
+        if self.pipeline.is_some() {
+            // Each rank holds its stages: the ranks learn together whether any is damaged.
+            if ranks::any(self.world(), damaged.is_some())? {
+                let what = damaged.unwrap_or_else(|| {
+                    "a weight of another pipeline stage is not finite".to_string()
+                });
+                return Err(self.diverged(what));
             }
+            return Ok(());
         }
-        Ok(())
+        match damaged {
+            Some(what) => Err(self.diverged(what)),
+            None => Ok(()),
+        }
     }
 
     /// The mean loss over the fixed validation windows, without dropout, under the run's
@@ -710,6 +757,9 @@ impl Trainer {
     }
 
     /// The mean validation loss, nats per token, weighting each batch by its rows.
+    ///
+    /// # Panics
+    /// On a pipeline, if a message between the stages fails.
     pub fn validation_loss(&self) -> f64 {
         let _no_graph = no_grad();
         let _autocast = self.config.autocast();
@@ -721,18 +771,26 @@ impl Trainer {
             }
         };
         fp8_observing(false);
-        let (mut total, mut rows) = (0.0, 0);
-        for batch in &self.validation {
-            let loss = self
-                .model
-                .loss(&batch.inputs, &batch.targets, batch.rows, batch.context)
-                .expect("no schedule is built without a graph");
-            total += f64::from(loss.item()) * batch.rows as f64;
-            rows += batch.rows;
-        }
+        let loss = match &self.pipeline {
+            Some(pipeline) => pipeline
+                .validation_loss(&self.model, &self.validation)
+                .unwrap_or_else(|error| panic!("validation through the pipeline: {error}")),
+            None => {
+                let (mut total, mut rows) = (0.0, 0);
+                for batch in &self.validation {
+                    let loss = self
+                        .model
+                        .loss(&batch.inputs, &batch.targets, batch.rows, batch.context)
+                        .expect("no schedule is built without a graph");
+                    total += f64::from(loss.item()) * batch.rows as f64;
+                    rows += batch.rows;
+                }
+                total / rows as f64
+            }
+        };
         fp8_observing(true);
         self.model.set_training(true);
-        total / rows as f64
+        loss
     }
 
     /// Writes a checkpoint of the current step.
@@ -760,6 +818,16 @@ impl Trainer {
                     Ok((name, whole))
                 })
                 .collect::<Result<_>>()?;
+        }
+        if let Some(pipeline) = &self.pipeline {
+            // Every stage's tensors, broadcast from the rank that holds them.
+            let names: Vec<String> = weights.iter().map(|(name, _)| name.clone()).collect();
+            let state = match gathered.take() {
+                Some(state) => state,
+                None => self.optimizer.whole_state(),
+            };
+            gathered = Some(pipeline.gather_state(state, &names)?);
+            weights = pipeline.gather_weights(&weights)?;
         }
         if !leader {
             weights.clear();
@@ -868,7 +936,13 @@ impl Trainer {
 
 /// A rank's share of a run laid out on a mesh: its data-parallel group, the world when
 /// that is only a group of it, its part of the model and that part's optimizer.
-type MeshShare = (DataParallel, Option<DataParallel>, Llama<f32>, AdamW<f32>);
+type MeshShare = (
+    DataParallel,
+    Option<DataParallel>,
+    Llama<f32>,
+    AdamW<f32>,
+    Option<PipelineRank>,
+);
 
 /// The ranks of `world` as a mesh of data-parallel replicas of `config.parallel.tensor`
 /// consecutive ranks each, and `model` and `optimizer` (whole, the same on every rank) cut
@@ -882,8 +956,29 @@ fn split_mesh(
     config: &TrainConfig,
 ) -> Result<MeshShare> {
     let tensor = config.parallel.tensor;
+    let pipeline = config.parallel.pipeline;
+    if pipeline > 1 {
+        // Validated: no tensor parallelism yet, and one data-parallel replica.
+        let mesh = Mesh::for_world(world.world_size(), 1, pipeline).map_err(|source| {
+            tl_parallel::ParallelError::Collective {
+                rank: world.rank(),
+                source,
+            }
+        })?;
+        let rank = world.rank();
+        let pp = world.with_communicator(|comm| comm.split(&mesh.members(Axis::Pipeline, rank)))?;
+        let dp = world.with_communicator(|comm| comm.split(&mesh.members(Axis::Data, rank)))?;
+        let (stages, part, adamw) = PipelineRank::cut(pp, model, optimizer, config)?;
+        return Ok((
+            DataParallel::new(dp),
+            Some(world),
+            part,
+            adamw,
+            Some(stages),
+        ));
+    }
     if tensor <= 1 {
-        return Ok((world, None, model, optimizer));
+        return Ok((world, None, model, optimizer, None));
     }
     let mesh = Mesh::for_world(world.world_size(), tensor, 1).map_err(|source| {
         tl_parallel::ParallelError::Collective {
@@ -920,7 +1015,7 @@ fn split_mesh(
             .collect();
         ddp = ddp.with_sequence_parallel(flags);
     }
-    Ok((ddp, Some(world), part, adamw))
+    Ok((ddp, Some(world), part, adamw, None))
 }
 
 /// The mean loss of `model` on one batch, with the graph recorded: the loss function of

@@ -1,0 +1,399 @@
+//! The trainer's pipeline parallelism: this rank's stages of the model, the schedule that
+//! streams a step's micro-batches through them (tl-parallel's executor), what the stages
+//! agree on (the batch's loss, the overflow, the clip norm), and the whole tensors a
+//! checkpoint needs, assembled from the stages.
+//!
+//! A step on a pipeline is one process's step to the bit where nothing is summed across
+//! stages: every stage's backwards run in micro-batch order, so its parameters' gradients
+//! add up in one process's order, and each micro-batch's loss is weighted as tl-precision
+//! weights it. The clip norm is the one exception: each stage sums its squares, and the
+//! stages' sums are added over the pipeline, an order one process does not use.
+
+use std::cell::{Cell, RefCell};
+use std::ops::Range;
+
+use tl_collective::{Communicator, ReduceOp, SliceMut};
+use tl_parallel::ParallelError;
+use tl_parallel::pipeline::{Executed, Schedule, StageModel, execute};
+use tl_precision::{
+    DynamicLossScaler, LOSS_LABEL, StepObserver, StepReport, finish_step_observed, start_step,
+};
+use tl_tensor::memory::{self, Stage as MeterStage};
+use tl_tensor::nn::Module;
+use tl_tensor::optim::{AdamW, AdamWParamState, AdamWState, Optimizer};
+use tl_tensor::{Element, Tensor, no_grad};
+
+use super::config::TrainConfig;
+use super::optimizer::RunOptimizer;
+use super::ranks::StepBatch;
+use crate::data::Batch;
+use crate::error::{Result, TrainError};
+use crate::model::Llama;
+use crate::model::pipeline::{rank_stages, stage_blocks};
+
+/// This rank's place in the pipeline.
+pub(super) struct PipelineRank {
+    /// The pipeline group: stage `s` is held by its rank `s mod p`.
+    comm: RefCell<Box<dyn Communicator>>,
+    schedule: Schedule,
+    /// Every stage's blocks.
+    blocks: Vec<Range<usize>>,
+    /// Every parameter of the whole model, in order: its name, shape and the stage that
+    /// holds it.
+    whole: Vec<(String, Vec<usize>, usize)>,
+    /// The last step's timeline on this rank.
+    last_step: RefCell<Option<Executed>>,
+}
+
+impl PipelineRank {
+    /// Rank `comm.rank()` of the pipeline of `config`, cutting the whole `model` and its
+    /// `optimizer` (the same on every rank) into this rank's stages.
+    ///
+    /// # Errors
+    /// The config's errors of the schedule and the cut; an optimizer state that does not
+    /// fit.
+    pub(super) fn cut(
+        comm: Box<dyn Communicator>,
+        model: Llama<f32>,
+        optimizer: AdamW<f32>,
+        config: &TrainConfig,
+    ) -> Result<(Self, Llama<f32>, AdamW<f32>)> {
+        let parallel = &config.parallel;
+        let schedule = config.pipeline_schedule()?;
+        let blocks = stage_blocks(
+            &config.model,
+            parallel.stages(),
+            parallel.pipeline_split.as_deref(),
+        )?;
+        let stage_of = |name: &str| -> usize {
+            match name.strip_prefix("blocks.") {
+                Some(rest) => {
+                    let block: usize = rest
+                        .split('.')
+                        .next()
+                        .and_then(|i| i.parse().ok())
+                        .expect("a block's parameter names its block");
+                    (blocks.iter())
+                        .position(|b| b.contains(&block))
+                        .expect("every block is in a stage")
+                }
+                None if name == "emb.weight" => 0,
+                None => blocks.len() - 1,
+            }
+        };
+        let named = model.named_parameters();
+        let whole: Vec<(String, Vec<usize>, usize)> = (named.iter())
+            .map(|(name, tensor)| (name.clone(), tensor.shape(), stage_of(name)))
+            .collect();
+        let state = optimizer.state_dict();
+        drop(named);
+        let part = model.into_pipeline_part(rank_stages(comm.rank(), schedule.ranks(), &blocks));
+        let kept: Vec<String> = (part.named_parameters().into_iter())
+            .map(|(name, _)| name)
+            .collect();
+        let mut adamw = AdamW::new(part.parameters(), optimizer.learning_rate())?
+            .with_betas(optimizer.betas().0, optimizer.betas().1)?
+            .with_eps(optimizer.eps())?
+            .with_weight_decay(optimizer.weight_decay())?;
+        adamw.load_state_dict(select_state(state, &whole, &kept))?;
+        let rank = Self {
+            comm: RefCell::new(comm),
+            schedule,
+            blocks,
+            whole,
+            last_step: RefCell::new(None),
+        };
+        Ok((rank, part, adamw))
+    }
+
+    fn rank(&self) -> usize {
+        self.comm.borrow().rank()
+    }
+
+    /// Runs `collective` on the pipeline group.
+    fn call<T>(
+        &self,
+        collective: impl FnOnce(&mut dyn Communicator) -> tl_collective::Result<T>,
+    ) -> Result<T> {
+        let rank = self.rank();
+        collective(self.comm.borrow_mut().as_mut())
+            .map_err(|source| ParallelError::Collective { rank, source }.into())
+    }
+
+    /// The sum of `x` over the pipeline's ranks.
+    fn sum(&self, x: f64) -> Result<f64> {
+        self.call(|comm| comm.all_reduce_sum_f64(x))
+    }
+
+    /// Bytes this rank sent over the pipeline group.
+    pub(super) fn bytes_sent(&self) -> u64 {
+        self.comm.borrow().stats().bytes_sent
+    }
+
+    /// The last step's timeline on this rank.
+    pub(super) fn last_step(&self) -> Option<Executed> {
+        self.last_step.borrow().clone()
+    }
+
+    /// One optimizer step of `model` (this rank's stages) on the step's `micro_batches`,
+    /// streamed through the pipeline by the schedule, then the update with the overflow
+    /// and the clip norm decided over every stage.
+    ///
+    /// # Errors
+    /// As the trainer's step: a refused update (the weights unchanged), a failed message
+    /// or collective.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn train_step(
+        &self,
+        model: &Llama<f32>,
+        optimizer: &mut RunOptimizer,
+        micro_batches: &[StepBatch],
+        config: &TrainConfig,
+        scaler: Option<&mut DynamicLossScaler>,
+    ) -> Result<StepReport> {
+        start_step(model, optimizer);
+        let stages = Stages {
+            model,
+            micro_batches,
+            total_rows: micro_batches.iter().map(|m| m.batch.rows).sum(),
+            loss_scale: scaler.as_deref().map_or(1.0, DynamicLossScaler::loss_scale),
+            last: self.blocks.len() - 1,
+            batch_loss: Cell::new(0.0),
+        };
+        let executed = {
+            let _autocast = config.precision.autocast();
+            let mut comm = self.comm.borrow_mut();
+            execute(&self.schedule, comm.as_mut(), &stages)?
+        };
+        *self.last_step.borrow_mut() = Some(executed);
+        // The last stage's loss, every rank's report.
+        let loss = self.sum(stages.batch_loss.get())?;
+        let mut observer = Agreement {
+            rank: self,
+            error: None,
+        };
+        let report = finish_step_observed(optimizer, loss, scaler, config.clip, &mut observer);
+        if let Some(error) = observer.error {
+            return Err(error);
+        }
+        Ok(report?)
+    }
+
+    /// The mean loss of `batches` through the stages, without a graph: every rank returns
+    /// the same.
+    ///
+    /// # Errors
+    /// A failed message or collective.
+    pub(super) fn validation_loss(&self, model: &Llama<f32>, batches: &[Batch]) -> Result<f64> {
+        let _no_graph = no_grad();
+        let (rank, p, last) = (self.rank(), self.schedule.ranks(), self.blocks.len() - 1);
+        let (mut total, mut rows) = (0.0, 0);
+        for batch in batches {
+            let mut input: Option<Tensor<f32>> = None;
+            for stage in (rank..=last).step_by(p) {
+                if stage > 0 {
+                    let shape = model.stream_shape(batch.rows, batch.context)?;
+                    let mut values = vec![0.0f32; shape.iter().product()];
+                    let from = (stage - 1) % p;
+                    self.call(|comm| comm.recv((&mut values[..]).into(), from, stage as u32))?;
+                    input = Some(Tensor::from_vec(values, &shape)?);
+                }
+                let output = model.stage_forward(
+                    stage,
+                    input.as_ref(),
+                    (&batch.inputs, &batch.targets),
+                    batch.rows,
+                    batch.context,
+                )?;
+                if stage == last {
+                    total += f64::from(output.item()) * batch.rows as f64;
+                } else {
+                    let values = output.to_vec();
+                    let to = (stage + 1) % p;
+                    self.call(|comm| comm.send((&values[..]).into(), to, stage as u32 + 1))?;
+                }
+            }
+            rows += batch.rows;
+        }
+        self.call(|comm| comm.flush())?;
+        Ok(self.sum(total)? / rows as f64)
+    }
+
+    /// Every parameter of the whole model, each broadcast from the rank holding it: a
+    /// collective of the pipeline. `local` are this rank's (name, tensor) pairs.
+    ///
+    /// # Errors
+    /// A failed broadcast.
+    pub(super) fn gather_weights(
+        &self,
+        local: &[(String, Tensor<f32>)],
+    ) -> Result<Vec<(String, Tensor<f32>)>> {
+        let p = self.schedule.ranks();
+        let mut whole = Vec::with_capacity(self.whole.len());
+        for (name, shape, stage) in &self.whole {
+            let owner = stage % p;
+            let mut values = match local.iter().find(|(n, _)| n == name) {
+                Some((_, tensor)) => tensor.to_vec(),
+                None => vec![0.0f32; shape.iter().product()],
+            };
+            self.call(|comm| comm.broadcast((&mut values[..]).into(), owner))?;
+            whole.push((name.clone(), Tensor::from_vec(values, shape)?));
+        }
+        Ok(whole)
+    }
+
+    /// The whole optimizer state from every rank's `state` (of its parameters, in their
+    /// order), each parameter's moments broadcast from the rank holding it: a collective of
+    /// the pipeline.
+    ///
+    /// # Errors
+    /// A failed broadcast.
+    pub(super) fn gather_state(&self, state: AdamWState, local: &[String]) -> Result<AdamWState> {
+        let p = self.schedule.ranks();
+        let mut whole = AdamWState {
+            shapes: Vec::with_capacity(self.whole.len()),
+            params: Vec::with_capacity(self.whole.len()),
+            ..state.clone()
+        };
+        for (name, shape, stage) in &self.whole {
+            let owner = stage % p;
+            let mine = local.iter().position(|n| n == name);
+            let held = mine.and_then(|i| state.params[i].as_ref());
+            // Whether it has stepped, and how often: every rank learns it first.
+            let mut head = [held.map_or(-1.0, |s| s.step as f64)];
+            self.call(|comm| comm.broadcast(SliceMut::F64(&mut head), owner))?;
+            let moments = if head[0] < 0.0 {
+                None
+            } else {
+                let numel = shape.iter().product();
+                let mut both = match held {
+                    Some(s) => [s.exp_avg.clone(), s.exp_avg_sq.clone()].concat(),
+                    None => vec![0.0f64; 2 * numel],
+                };
+                self.call(|comm| comm.broadcast((&mut both[..]).into(), owner))?;
+                let exp_avg_sq = both.split_off(numel);
+                Some(AdamWParamState {
+                    step: head[0] as u64,
+                    exp_avg: both,
+                    exp_avg_sq,
+                })
+            };
+            whole.shapes.push(shape.clone());
+            whole.params.push(moments);
+        }
+        Ok(whole)
+    }
+}
+
+/// The whole model's optimizer `state` cut down to the parameters `kept`, in their order.
+fn select_state(
+    state: AdamWState,
+    whole: &[(String, Vec<usize>, usize)],
+    kept: &[String],
+) -> AdamWState {
+    let mut by_name: Vec<Option<(Vec<usize>, Option<AdamWParamState>)>> = (state.shapes)
+        .into_iter()
+        .zip(state.params)
+        .map(Some)
+        .collect();
+    let (shapes, params) = kept
+        .iter()
+        .map(|name| {
+            let at = (whole.iter())
+                .position(|(n, _, _)| n == name)
+                .expect("a part's parameter is the whole model's");
+            by_name[at].take().expect("each parameter once")
+        })
+        .unzip();
+    AdamWState {
+        shapes,
+        params,
+        ..state
+    }
+}
+
+/// This rank's stages as the executor runs them: each micro-batch's forward on a stage,
+/// and on the last stage its loss weighted by its share of the step's rows and scaled, as
+/// tl-precision's accumulation weights it.
+struct Stages<'a> {
+    model: &'a Llama<f32>,
+    micro_batches: &'a [StepBatch],
+    total_rows: usize,
+    loss_scale: f64,
+    last: usize,
+    /// The batch's loss so far: the weighted losses of the micro-batches, on the last
+    /// stage.
+    batch_loss: Cell<f64>,
+}
+
+impl StageModel<f32> for Stages<'_> {
+    type Error = TrainError;
+
+    fn input_shape(&self, _stage: usize, micro_batch: usize) -> Vec<usize> {
+        let batch = &self.micro_batches[micro_batch].batch;
+        self.model
+            .stream_shape(batch.rows, batch.context)
+            .expect("a pipeline has no sequence parallelism")
+    }
+
+    fn forward(
+        &self,
+        stage: usize,
+        micro_batch: usize,
+        input: Option<&Tensor<f32>>,
+    ) -> Result<Tensor<f32>> {
+        let _micro_batch = memory::micro_batch_scope(Some(micro_batch));
+        let _forward = memory::stage_scope(MeterStage::Forward);
+        let batch = &self.micro_batches[micro_batch].batch;
+        let output = self.model.stage_forward(
+            stage,
+            input,
+            (&batch.inputs, &batch.targets),
+            batch.rows,
+            batch.context,
+        )?;
+        if stage != self.last {
+            return Ok(output);
+        }
+        let weight = batch.rows as f64 / self.total_rows as f64;
+        let loss = Element::to_f64(output.item());
+        self.batch_loss.set(self.batch_loss.get() + weight * loss);
+        let _label = memory::label_scope(LOSS_LABEL);
+        Ok(output.mul_scalar(<f32 as Element>::from_f64(weight * self.loss_scale)))
+    }
+}
+
+/// The update's decisions made over the pipeline: any stage's overflow is every stage's,
+/// and the clip norm is the whole model's.
+struct Agreement<'a> {
+    rank: &'a PipelineRank,
+    /// The first collective that failed (the decisions then err on the safe side).
+    error: Option<TrainError>,
+}
+
+impl StepObserver<f32> for Agreement<'_> {
+    fn all_finite(&mut self, local: bool) -> bool {
+        let flag = if local { 0.0 } else { 1.0 };
+        let mut buf = [flag];
+        let agreed = self
+            .rank
+            .call(|comm| comm.all_reduce(SliceMut::F32(&mut buf), ReduceOp::Max));
+        match agreed {
+            Ok(()) => buf[0] == 0.0,
+            Err(error) => {
+                self.error.get_or_insert(error);
+                false
+            }
+        }
+    }
+
+    fn total_sum_squares(&mut self, local: f64) -> f64 {
+        match self.rank.sum(local) {
+            Ok(total) => total,
+            Err(error) => {
+                self.error.get_or_insert(error);
+                f64::NAN
+            }
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! `tinyllm train --pp P` on ranks (`tinyllm launch -n P -- train ... --pp P`): the model's
+//! blocks cut into stages, the step's micro-batches streamed through them by GPipe, 1F1B or
+//! the interleaved schedule, and the run one process's to the bit (the weights' bytes and
+//! every loss); in bf16, with checkpointing and with clipping too; fp16 with an overflow in
+//! one stage skipping the step on every rank; checkpoints that resume at pp 1, pp 4 and on
+//! two data-parallel ranks; sizes that cannot be, refused before any step. Every
+//! multi-process run here is bounded in time.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::thread;
+use std::time::Duration;
+
+use common::ranks::{largest_relative, run_ranks, succeed, train_losses};
+use tl_collective::{RingComm, RingConfig};
+use tl_precision::Precision;
+use tl_train::model::{Llama, Preset};
+use tl_train::train::{Record, TrainConfig, Trainer, read_config};
+
+/// The tiny model with 4 blocks, so that 4 stages hold one each.
+fn four_blocks(dir: &Path) -> PathBuf {
+    let path = dir.join("tiny4.toml");
+    fs::write(&path, "preset = \"tiny\"\n[model]\nn_layers = 4\n").unwrap();
+    path
+}
+
+/// The 4-block tiny run into `out` for 5 steps: micro-batches of 2 sequences, `accum` of
+/// them a step, then `extra`.
+fn run(model: &Path, out: &Path, accum: usize, extra: &[&str]) -> Vec<String> {
+    let accum = accum.to_string();
+    let mut args: Vec<&str> = vec![
+        "train",
+        "--config",
+        model.to_str().unwrap(),
+        "--micro-batch",
+        "2",
+        "--accum",
+        &accum,
+        "--corpus-bytes",
+        "40000",
+        "--quiet",
+        "--steps",
+        "5",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    args.into_iter().map(String::from).collect()
+}
+
+/// The bytes of a run's latest weights.
+fn weights(run: &Path) -> Vec<u8> {
+    common::model_bytes(run)
+}
+
+#[test]
+fn every_schedule_trains_as_one_process_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = four_blocks(dir.path());
+    for recipe in [&["--no-clip"][..], &["--no-clip", "--bf16"], &[]] {
+        let one = dir.path().join(format!("one{}", recipe.join("")));
+        succeed(1, &run(&model, &one, 4, recipe));
+        let expected = (weights(&one), train_losses(&one));
+        for (ranks, flags) in [
+            (2, &["--schedule", "1f1b"][..]),
+            (2, &["--schedule", "gpipe"]),
+            (2, &["--schedule", "interleaved"]),
+            (4, &["--schedule", "1f1b"]),
+            (4, &["--schedule", "gpipe", "--checkpoint-activations"]),
+            (2, &["--pp-split", "3"]),
+        ] {
+            let pp = ranks.to_string();
+            let extra: Vec<&str> = ["--pp", &pp]
+                .into_iter()
+                .chain(flags.iter().copied())
+                .chain(recipe.iter().copied())
+                .collect();
+            let out = dir.path().join(extra.join(""));
+            succeed(ranks, &run(&model, &out, 4, &extra));
+            let what = format!("{extra:?}");
+            // Every stage's backwards run in micro-batch order, so every gradient is the
+            // same sum as one process's; with clipping the stages' squares are added over
+            // the pipeline, in another order, and that happened to give the same bits here.
+            assert_eq!(train_losses(&out), expected.1, "{what}: losses");
+            assert!(weights(&out) == expected.0, "{what}: the weights differ");
+        }
+    }
+}
+
+/// A checkpoint written at pp 2 resumes at pp 1, at pp 4 and on two data-parallel ranks,
+/// and continues the uninterrupted one-process run.
+#[test]
+fn a_checkpoint_written_at_pp_2_resumes_in_any_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = four_blocks(dir.path());
+    let one = dir.path().join("one");
+    succeed(1, &run(&model, &one, 4, &[]));
+    let expected = train_losses(&one);
+    for (ranks, pp) in [(1, 1), (4, 4), (2, 1)] {
+        let out = dir.path().join(format!("to-{ranks}-pp{pp}"));
+        succeed(
+            2,
+            &run(&model, &out, 4, &["--pp", "2", "--until-step", "3"]),
+        );
+        let resume: Vec<String> = ["train", "--resume", out.to_str().unwrap(), "--quiet"]
+            .into_iter()
+            .chain(["--pp", &pp.to_string()])
+            .map(String::from)
+            .collect();
+        succeed(ranks, &resume);
+        let config = read_config(&out).unwrap();
+        assert_eq!(
+            (config.parallel.ranks, config.parallel.pipeline),
+            (ranks, pp)
+        );
+        let losses = train_losses(&out);
+        if ranks == pp {
+            assert_eq!(losses, expected, "to {ranks} ranks at pp {pp}");
+        } else {
+            // Two data-parallel ranks sum their gradients: measured 1e-7 at most.
+            let difference = largest_relative(&losses, &expected);
+            assert!(
+                difference < 1e-6,
+                "to dp 2: losses differ by {difference:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn sizes_a_pipeline_cannot_run_are_refused_before_any_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = four_blocks(dir.path());
+    for (ranks, accum, flags, needle) in [
+        (
+            2,
+            1,
+            &["--pp", "2"][..],
+            "1f1b fills the pipeline of 2 stages with 2 micro-batches",
+        ),
+        (
+            2,
+            3,
+            &["--pp", "2", "--schedule", "interleaved"],
+            "multiple of 2",
+        ),
+        (
+            4,
+            4,
+            &["--pp", "4", "--schedule", "interleaved"],
+            "at least 8 blocks",
+        ),
+        (
+            2,
+            2,
+            &["--pp", "2", "--schedule", "zb-h1"],
+            "split backward",
+        ),
+        (2, 4, &["--pp", "3"], "must divide"),
+        (2, 2, &["--pp", "2", "--pp-split", "4"], "pp-split"),
+        (4, 2, &["--pp", "2", "--tp", "2"], "with tensor parallelism"),
+        (4, 2, &["--pp", "2"], "with data parallelism"),
+        (2, 2, &["--pp", "2", "--dropout", "0.1"], "with dropout"),
+    ] {
+        let out = dir.path().join(format!("bad-{ranks}-{}", flags.join("")));
+        let output = run_ranks(ranks, &run(&model, &out, accum, flags));
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{flags:?}: {stderr}");
+        assert!(stderr.contains(needle), "{flags:?}: {stderr}");
+        assert!(!out.join("checkpoint-000001").exists(), "{flags:?}");
+    }
+}
+
+/// Steps of the fp16 run below.
+const STEPS: usize = 8;
+
+/// The 4-block tiny run in fp16 with clipping, on `ranks` ranks cut into `pipeline`.
+fn fp16_config(ranks: usize, pipeline: usize) -> TrainConfig {
+    let mut config = TrainConfig::for_preset(Preset::Tiny);
+    config.model.n_layers = 4;
+    config.precision = Precision::Fp16;
+    config.micro_batch = 2;
+    config.accum = 2;
+    config.steps = STEPS as u64;
+    config.parallel.ranks = ranks;
+    config.parallel.pipeline = pipeline;
+    config.divergence.max_skipped = STEPS as u32;
+    config
+}
+
+/// Makes the last hidden unit of block 0 loud (its `W1` and `W3` columns 40 times larger)
+/// and silent (its `W2` row zero), if `model` holds block 0: the block's output does not
+/// change, but that unit's `W2` gradient overflows fp16 for the first steps. Only the first
+/// stage holds it, so only the first stage overflows.
+fn make_unit_loud(model: &Llama<f32>) {
+    let unit = model.config().hidden - 1;
+    for (name, param) in model.named_parameters() {
+        match name.as_str() {
+            "blocks.0.w1.weight" | "blocks.0.w3.weight" => param.update_value(|w| {
+                w.index_axis_mut(tl_tensor::ndarray::Axis(1), unit)
+                    .mapv_inplace(|v| 40.0 * v);
+            }),
+            "blocks.0.w2.weight" => param.update_value(|w| {
+                w.index_axis_mut(tl_tensor::ndarray::Axis(0), unit)
+                    .fill(0.0);
+            }),
+            _ => {}
+        }
+    }
+}
+
+/// What a step reported: its loss, whether it was skipped, the loss scale after it.
+type Step = (u64, bool, f64);
+
+fn steps(mut trainer: Trainer) -> Vec<Step> {
+    (0..STEPS)
+        .map(|_| match trainer.train_step().unwrap() {
+            Record::Train {
+                loss,
+                skipped,
+                scale,
+                ..
+            } => (
+                loss.to_bits(),
+                skipped,
+                scale.expect("fp16 scales the loss"),
+            ),
+            other => panic!("not a training step: {other:?}"),
+        })
+        .collect()
+}
+
+#[test]
+fn an_overflow_in_one_stage_skips_the_step_on_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let one = {
+        let trainer = Trainer::new(fp16_config(1, 1), &dir.path().join("one")).unwrap();
+        make_unit_loud(trainer.model());
+        steps(trainer)
+    };
+    let skipped = one.iter().filter(|s| s.1).count();
+    assert!(
+        (1..STEPS).contains(&skipped),
+        "the loud unit overflows the first steps, then fits: {one:?}"
+    );
+    let sockets = tempfile::tempdir().unwrap();
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let ring = RingConfig::new(rank, 2, sockets.path(), [7; 32])
+                .unwrap()
+                .timeout(Duration::from_secs(60));
+            let run_dir = dir.path().join("pp2");
+            thread::spawn(move || {
+                let comm = Box::new(RingComm::connect(ring).unwrap());
+                let trainer = Trainer::new_on(fp16_config(2, 2), &run_dir, comm).unwrap();
+                make_unit_loud(trainer.model());
+                steps(trainer)
+            })
+        })
+        .collect();
+    for (rank, handle) in handles.into_iter().enumerate() {
+        // Skipped where one process skipped, the same scales, the same losses.
+        assert_eq!(handle.join().unwrap(), one, "rank {rank}");
+    }
+}
