@@ -173,6 +173,56 @@ fn sizes_a_pipeline_cannot_run_are_refused_before_any_step() {
     }
 }
 
+/// Every rank's peak of live tensors and bytes sent per step are what `tinyllm plan --pp`
+/// predicts for it, to the byte: the plan runs the trainer's own pipeline step on meta
+/// tensors, as each rank of a phantom world.
+#[test]
+fn each_stages_peak_and_traffic_is_the_plans() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = four_blocks(dir.path());
+    for (ranks, flags) in [
+        (2, &["--schedule", "1f1b"][..]),
+        (2, &["--schedule", "gpipe"]),
+        (2, &["--schedule", "interleaved"]),
+        (4, &["--schedule", "1f1b", "--checkpoint-activations"]),
+    ] {
+        let pp = ranks.to_string();
+        let extra: Vec<&str> = ["--pp", &pp]
+            .into_iter()
+            .chain(flags.iter().copied())
+            .collect();
+        let out = dir.path().join(extra.join(""));
+        succeed(ranks, &run(&model, &out, 4, &extra));
+        let summary: serde_json::Value =
+            serde_json::from_slice(&fs::read(out.join("summary.json")).unwrap()).unwrap();
+        let mut plan_args = vec!["plan", "--config", model.to_str().unwrap(), "--json"];
+        plan_args.extend(["--micro-batch", "2", "--accum", "4"]);
+        plan_args.extend(extra.iter().copied());
+        let plan: serde_json::Value = serde_json::from_str(&common::stdout_of(&plan_args)).unwrap();
+        let what = format!("{extra:?}");
+        let measured = summary["ranks"].as_array().unwrap();
+        let predicted = plan["ranks"].as_array().unwrap();
+        assert_eq!(measured.len(), ranks, "{what}");
+        for (rank, (m, p)) in measured.iter().zip(predicted).enumerate() {
+            assert_eq!(
+                m["peak_live_bytes"], p["peak_bytes"],
+                "{what}: rank {rank}'s peak"
+            );
+            assert_eq!(
+                m["bytes_sent_per_step"].as_f64().unwrap(),
+                p["sent_bytes"].as_u64().unwrap() as f64,
+                "{what}: rank {rank}'s bytes"
+            );
+        }
+        // The bubble of equal stages is the formula's for these schedules.
+        let pipeline = &plan["pipeline"];
+        let formula = pipeline["bubble_formula"].as_f64().unwrap();
+        for bubble in pipeline["bubble"].as_array().unwrap() {
+            assert!((bubble.as_f64().unwrap() - formula).abs() < 1e-12, "{what}");
+        }
+    }
+}
+
 /// Steps of the fp16 run below.
 const STEPS: usize = 8;
 

@@ -49,6 +49,9 @@ pub enum Collective {
     },
     /// [`barrier`](crate::Communicator::barrier): the header alone.
     Barrier,
+    /// A point-to-point [`send`](crate::Communicator::send) of `elements` to another rank:
+    /// its frame header and its values, whatever the world's size.
+    Send,
 }
 
 /// Bytes rank `rank` of a ring of `world_size` sends for one `collective` over a buffer of
@@ -100,6 +103,7 @@ pub fn ring_bytes_sent(
         Collective::Broadcast { root } if right == root => 0,
         Collective::Broadcast { .. } => elements,
         Collective::Barrier => 0,
+        Collective::Send => return RING_HEADER_BYTES + element_bytes * elements,
     };
     RING_HEADER_BYTES * (world_size as u64 - 1) + element_bytes * payload
 }

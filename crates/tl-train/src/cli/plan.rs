@@ -67,6 +67,19 @@ pub struct PlanArgs {
     /// Sequence parallelism over the --tp groups, as `tinyllm train --sequence-parallel`.
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// Pipeline parallelism, as `tinyllm train --pp`: the model cut into stages over this
+    /// many ranks (each stage's peak, the messages, the schedule's bubble) [default: 1].
+    #[arg(long, value_name = "P", default_value_t = 1)]
+    pub pp: usize,
+    /// The pipeline's schedule, as `tinyllm train --schedule` [default: 1f1b].
+    #[arg(long, value_name = "S")]
+    pub schedule: Option<tl_parallel::pipeline::ScheduleKind>,
+    /// Stages on each pipeline rank, as `tinyllm train --stages-per-rank`.
+    #[arg(long, value_name = "V")]
+    pub stages_per_rank: Option<usize>,
+    /// The first block of each stage past the first, as `tinyllm train --pp-split`.
+    #[arg(long, value_name = "B,B,..", value_delimiter = ',')]
+    pub pp_split: Option<Vec<usize>>,
     /// Do not clip gradients, as `tinyllm train --no-clip` (under ZeRO-2 and 3 clipping
     /// adds an all-reduce of the norm).
     #[arg(long)]
@@ -100,6 +113,10 @@ fn plan_config(args: &PlanArgs) -> Result<TrainConfig> {
         bucket_mib: args.bucket_mib,
         fp8: args.fp8,
         no_clip: args.no_clip,
+        pp: Some(args.pp),
+        schedule: args.schedule,
+        stages_per_rank: args.stages_per_rank,
+        pp_split: args.pp_split.clone(),
         ..TrainArgs::default()
     };
     let mut config = config_from_flags(&train_args)?;
@@ -121,6 +138,7 @@ pub(super) fn plan(args: &PlanArgs) -> Result<Exit> {
         || !args.zero.is_empty()
         || args.tp > 1
         || args.sequence_parallel
+        || args.pp > 1
     {
         return plan_parallel(args, &config);
     }
@@ -164,12 +182,17 @@ fn plan_parallel(args: &PlanArgs, config: &TrainConfig) -> Result<Exit> {
         );
     }
     let recipe = &Recipe::from(config);
-    let ranks = if args.ranks.is_empty() {
+    let ranks = if args.ranks.is_empty() && args.pp > 1 {
+        vec![args.pp * args.tp]
+    } else if args.ranks.is_empty() {
         SWEEP_RANKS.to_vec()
     } else {
         args.ranks.clone()
     };
-    let stages = if args.zero.is_empty() && args.tp > 1 {
+    let stages = if args.zero.is_empty() && args.pp > 1 {
+        // What the pipeline composes with so far.
+        vec![0]
+    } else if args.zero.is_empty() && args.tp > 1 {
         // The stages composed with tensor parallelism.
         vec![0, 1]
     } else if args.zero.is_empty() {
@@ -185,7 +208,8 @@ fn plan_parallel(args: &PlanArgs, config: &TrainConfig) -> Result<Exit> {
                 ..DataParallelism::new(n, stage)?
             }
             .with_tensor(args.tp)?
-            .with_sequence_parallel(args.sequence_parallel)?;
+            .with_sequence_parallel(args.sequence_parallel)?
+            .with_pipeline(args.pp)?;
             plans.push(plan_ranks(recipe, &parallelism)?);
         }
     }

@@ -18,6 +18,8 @@ pub enum Collective {
     ReduceScatter,
     /// Every rank ends with all ranks' shards, concatenated.
     AllGather,
+    /// A point-to-point message to one rank (a pipeline's activations and gradients).
+    Send,
 }
 
 impl Collective {
@@ -27,6 +29,7 @@ impl Collective {
             Collective::AllReduce => "all-reduce",
             Collective::ReduceScatter => "reduce-scatter",
             Collective::AllGather => "all-gather",
+            Collective::Send => "send",
         }
     }
 }
@@ -37,6 +40,7 @@ impl From<Collective> for tl_collective::Collective {
             Collective::AllReduce => tl_collective::Collective::AllReduce,
             Collective::ReduceScatter => tl_collective::Collective::ReduceScatter,
             Collective::AllGather => tl_collective::Collective::AllGather,
+            Collective::Send => tl_collective::Collective::Send,
         }
     }
 }

@@ -105,8 +105,8 @@ pub use measure::{
     measure_rank, measure_steps, relative_error,
 };
 pub use parallel::{
-    DataParallelism, LISTED_RANKS, ParallelPlan, PeakPhase, RankPlan, SentBytes, Term,
-    korthikanti_block_bytes, plan_ranks,
+    DataParallelism, LISTED_RANKS, ParallelPlan, PeakPhase, PipelinePlan, RankPlan, SentBytes,
+    Term, korthikanti_block_bytes, plan_ranks,
 };
 pub use parallel_table::{render_parallel, render_sweep};
 pub use recipe::Recipe;

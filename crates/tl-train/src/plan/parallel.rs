@@ -38,6 +38,7 @@ use super::zero::{
     BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, ZeroStage, paper_figures,
 };
 use crate::error::{Result, TrainError};
+use crate::train::TrainConfig;
 
 /// Ranks whose plans are all listed; above it only rank 0's (the largest shards, since the
 /// first `len mod N` shards are one element longer) is computed.
@@ -61,6 +62,10 @@ pub struct DataParallelism {
     /// --sequence-parallel`); `false` is not written in JSON.
     #[serde(skip_serializing_if = "is_false")]
     pub sequence_parallel: bool,
+    /// Ranks of each pipeline (`tinyllm train --pp`); the schedule, the stages a rank and
+    /// the cut are the recipe's. 1 (not written in JSON) cuts nothing.
+    #[serde(skip_serializing_if = "is_one")]
+    pub pipeline: usize,
 }
 
 fn is_one(n: &usize) -> bool {
@@ -103,7 +108,26 @@ impl DataParallelism {
             bucket_bytes: BUCKET_BYTES,
             tensor: 1,
             sequence_parallel: false,
+            pipeline: 1,
         })
+    }
+
+    /// The same with the model cut into pipelines of `pipeline` ranks.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidArgument`] (`pp`) when `pipeline` does not divide the ranks.
+    pub fn with_pipeline(self, pipeline: usize) -> Result<Self> {
+        if pipeline == 0 || !self.ranks.is_multiple_of(pipeline * self.tensor) {
+            return Err(TrainError::InvalidArgument {
+                name: "pp",
+                value: pipeline.to_string(),
+                reason: format!(
+                    "{} ranks cannot form pipelines of {pipeline} (times --tp {})",
+                    self.ranks, self.tensor
+                ),
+            });
+        }
+        Ok(Self { pipeline, ..self })
     }
 
     /// The same with each layer split over tensor-parallel groups of `tensor` ranks.
@@ -242,6 +266,60 @@ pub struct ParallelPlan {
     /// ([`korthikanti_block_bytes`]), beside the plan's exact
     /// [`RankPlan::block_activations_bytes`].
     pub paper_block_activations: u64,
+    /// The pipeline's schedule and its bubble, with `--pp` > 1.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelinePlan>,
+}
+
+/// A pipeline's schedule as the plan sees it: the simulator's bubble and activations in
+/// flight beside Narayanan et al.'s formula.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PipelinePlan {
+    /// The schedule's name.
+    pub schedule: &'static str,
+    /// Micro-batches a step (`m`).
+    pub micro_batches: usize,
+    /// Stages a rank (`v`).
+    pub stages_per_rank: usize,
+    /// Each stage's blocks, `[first, end)`.
+    pub stage_blocks: Vec<[usize; 2]>,
+    /// Each rank's bubble, idle time over compute time, simulated with equal stages and a
+    /// backward twice a forward (the papers' assumption).
+    pub bubble: Vec<f64>,
+    /// Narayanan et al. (2021): `(p − 1)/m` for GPipe and 1F1B, `(1/v)(p − 1)/m`
+    /// interleaved.
+    pub bubble_formula: f64,
+    /// The most micro-batches whose activations each rank holds at once (the simulator's
+    /// count, which the executor's run matches).
+    pub activations_in_flight: Vec<usize>,
+}
+
+impl PipelinePlan {
+    /// The pipeline of `config` (with `pipeline` > 1), simulated.
+    ///
+    /// # Errors
+    /// The config's errors of the schedule and the cut.
+    pub fn of(config: &TrainConfig) -> Result<Self> {
+        use tl_parallel::pipeline::{Costs, simulate};
+        let parallel = &config.parallel;
+        let schedule = config.pipeline_schedule()?;
+        let run = simulate(&schedule, Costs::UNIT).expect("a generated schedule runs");
+        let blocks = crate::model::pipeline::stage_blocks(
+            &config.model,
+            parallel.stages(),
+            parallel.pipeline_split.as_deref(),
+        )?;
+        let (p, m, v) = (parallel.pipeline, config.accum, parallel.stages_per_rank);
+        Ok(Self {
+            schedule: parallel.schedule.name(),
+            micro_batches: m,
+            stages_per_rank: v,
+            stage_blocks: blocks.iter().map(|b| [b.start, b.end]).collect(),
+            bubble: run.ranks.iter().map(|r| r.bubble_ratio()).collect(),
+            bubble_formula: (p - 1) as f64 / (v * m) as f64,
+            activations_in_flight: run.ranks.iter().map(|r| r.peak_activations).collect(),
+        })
+    }
 }
 
 /// Bytes of activations one transformer layer keeps for backward, by Korthikanti et al.,
@@ -328,10 +406,11 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
         parallelism: *parallelism,
         // The paper's data-parallel arithmetic on each rank's slice of the model (the
         // replicated norms, a few thousand parameters, counted as split).
+        // (A pipeline's stages as shares of the model too, equal ones.)
         paper: paper_figures(
             stage,
-            sizes.parameters / parallelism.tensor as u64,
-            world_size / parallelism.tensor,
+            sizes.parameters / (parallelism.tensor * parallelism.pipeline) as u64,
+            world_size / (parallelism.tensor * parallelism.pipeline),
             recipe.accum,
         ),
         paper_block_activations: korthikanti_block_bytes(
@@ -344,7 +423,18 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
         ),
         sizes,
         ranks,
+        pipeline: (parallelism.pipeline > 1)
+            .then(|| PipelinePlan::of(&pipeline_config(recipe, parallelism)))
+            .transpose()?,
     })
+}
+
+/// The recipe's config on `parallelism`'s pipeline.
+fn pipeline_config(recipe: &Recipe, parallelism: &DataParallelism) -> TrainConfig {
+    let mut config = recipe.config().clone();
+    config.parallel.ranks = parallelism.ranks;
+    config.parallel.pipeline = parallelism.pipeline;
+    config
 }
 
 /// Rank `rank` of `parallelism`, planned by running the trainer's own data-parallel step on
@@ -355,6 +445,7 @@ fn plan_rank(recipe: &Recipe, parallelism: &DataParallelism, rank: usize) -> Res
     config.parallel.bucket_bytes = parallelism.bucket_bytes as usize;
     config.parallel.tensor = parallelism.tensor;
     config.parallel.sequence_parallel = parallelism.sequence_parallel;
+    config.parallel.pipeline = parallelism.pipeline;
     let (prediction, calls) = predict_rank(&config, rank, parallelism.ranks)?;
     let sent = by_purpose(&calls, parallelism.stage, &config)
         .into_iter()

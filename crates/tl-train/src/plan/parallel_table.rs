@@ -55,6 +55,13 @@ pub fn render_parallel(plan: &ParallelPlan) -> String {
         ),
         t => format!(" as {} data-parallel x {t} tensor-parallel", p.ranks / t),
     };
+    let split = match &plan.pipeline {
+        Some(pipe) => format!(
+            "{split} in a pipeline of {} ({}, {} micro-batches, {} stage(s) a rank)",
+            p.pipeline, pipe.schedule, pipe.micro_batches, pipe.stages_per_rank
+        ),
+        None => split,
+    };
     let _ = writeln!(
         out,
         "{} ranks{split}, ZeRO stage {} (the metered peak is the trainer's step on meta \
@@ -164,7 +171,54 @@ pub fn render_parallel(plan: &ParallelPlan) -> String {
         size(paper.sent),
         size(rank0.sent_bytes)
     );
+    if let Some(pipe) = &plan.pipeline {
+        pipeline_lines(&mut out, plan, pipe);
+    }
     out
+}
+
+/// Each rank's stages, the schedule's bubble and the activations in flight.
+fn pipeline_lines(out: &mut String, plan: &ParallelPlan, pipe: &super::parallel::PipelinePlan) {
+    let p = plan.parallelism.pipeline;
+    let _ = writeln!(
+        out,
+        "
+pipeline, {}: bubble (idle / compute, equal stages, a backward twice a forward)",
+        pipe.schedule
+    );
+    let _ = writeln!(
+        out,
+        "{:>5} {:<24} {:>16} {:>12} {:>20}",
+        "rank", "stages (blocks)", "meter peak", "bubble", "activations held"
+    );
+    for (r, rank) in plan.ranks.iter().enumerate() {
+        let stages: Vec<String> = (r..pipe.stage_blocks.len())
+            .step_by(p)
+            .map(|s| {
+                let [a, b] = pipe.stage_blocks[s];
+                format!("{s} ({a}..{b})")
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "{:>5} {:<24} {:>16} {:>12.4} {:>20}",
+            rank.rank,
+            stages.join(", "),
+            thousands(rank.peak_bytes),
+            pipe.bubble[r],
+            pipe.activations_in_flight[r]
+        );
+    }
+    let formula = if pipe.stages_per_rank > 1 {
+        "(1/v)(p - 1)/m"
+    } else {
+        "(p - 1)/m"
+    };
+    let _ = writeln!(
+        out,
+        "Narayanan et al. 2021, {formula}: {:.4}",
+        pipe.bubble_formula
+    );
 }
 
 /// One row per plan (rank 0 of each): the table over ranks and stages.

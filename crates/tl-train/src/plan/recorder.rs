@@ -133,9 +133,9 @@ impl Communicator for Recorder {
         self.inner.stats()
     }
 
-    // Messages pass through unnoted: their bytes are in the inner communicator's stats.
     fn send(&mut self, data: Slice<'_>, to: usize, tag: u32) -> Result<()> {
-        self.inner.send(data, to, tag)
+        let size = (data.len(), data.element_type().bytes());
+        self.note(Any::Send, size, |inner| inner.send(data, to, tag))
     }
 
     fn recv(&mut self, data: SliceMut<'_>, from: usize, tag: u32) -> Result<()> {
@@ -199,6 +199,16 @@ pub(crate) fn by_purpose(
         ZeroStage::Gradients => call.collective == Any::ReduceScatter,
         ZeroStage::Parameters => false,
     };
+    // Calls over the pipeline group: what makes the step's decisions span the stages.
+    let pipeline = config.parallel.pipeline;
+    let on_pipeline_group = |call: &Call| {
+        pipeline > 1
+            && call.group.as_deref().is_some_and(|members| {
+                let (rank, world_size) = call.world;
+                Mesh::for_world(world_size, tensor, pipeline)
+                    .is_ok_and(|mesh| mesh.members(Axis::Pipeline, rank) == members)
+            })
+    };
     let buckets = |call: &Call| buckets(call) && !on_tensor_group(call);
     let last_bucket = calls.iter().rposition(buckets);
     let unit = |call: &Call| match call.scope.owner {
@@ -213,9 +223,20 @@ pub(crate) fn by_purpose(
             Any::AllReduce => Collective::AllReduce,
             Any::ReduceScatter => Collective::ReduceScatter,
             Any::AllGather => Collective::AllGather,
+            Any::Send => Collective::Send,
             Any::Broadcast { .. } | Any::Barrier => continue,
         };
         let purpose = match collective {
+            Collective::Send if call.scope.stage == Stage::Backward => {
+                "gradients to the stage before"
+            }
+            Collective::Send => "activations to the next stage",
+            _ if on_pipeline_group(call) => match call.element_bytes {
+                // The last stage's loss, every rank's report; the clip norm's squares.
+                8 if call.scope.stage == Stage::Update => "gradient norm (pipeline)",
+                8 => "loss (pipeline)",
+                _ => "overflow flag (pipeline)",
+            },
             // After the step, over every rank of the run.
             _ if call.scope.label == crate::train::FP8_AMAXES_LABEL => "fp8 amaxes and counts",
             _ if on_tensor_group(call) => match (call.in_backward, call.scope.stage) {

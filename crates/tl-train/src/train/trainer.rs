@@ -529,12 +529,13 @@ impl Trainer {
         // Nothing reads the gradients after the update (the next step drops them first):
         // dropped now, they do not sit under the evaluation or the checkpoint's write.
         self.optimizer.zero_grad();
+        // The check for a damaged weight is the step's last collective, when it has one.
+        self.check_divergence(&report)?;
         let step_s = started.elapsed().as_secs_f64();
         self.traffic.bytes_sent += self.bytes_sent() - sent_before;
         self.traffic.comm_s += (self.communication_time() - busy_before).as_secs_f64();
         self.traffic.step_s += step_s;
         self.traffic.steps += 1;
-        self.check_divergence(&report)?;
         self.step += 1;
         let tokens = self.config.tokens_per_step();
         self.tokens_seen += tokens as u64;
