@@ -223,6 +223,64 @@ fn each_stages_peak_and_traffic_is_the_plans() {
     }
 }
 
+/// A pipeline run leaves its last step as it ran, which `tinyllm schedule --from RUN`
+/// times against the simulator fed with the same actions' times, and draws.
+#[test]
+fn schedule_from_a_run_draws_its_last_step_as_it_ran() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = four_blocks(dir.path());
+    let out = dir.path().join("run");
+    succeed(
+        2,
+        &run(&model, &out, 4, &["--pp", "2", "--schedule", "gpipe"]),
+    );
+    let timeline: tl_train::train::PipelineTimeline = serde_json::from_slice(
+        &fs::read(out.join(tl_train::train::PIPELINE_TIMELINE_FILE)).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(timeline.step, 5);
+    let schedule = read_config(&out).unwrap().pipeline_schedule().unwrap();
+    for (rank, actions) in timeline.ranks.iter().enumerate() {
+        // Every action but the step's last two, in order, each ending after it began.
+        let expected: Vec<String> = schedule.actions(rank)[..schedule.actions(rank).len() - 2]
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        let names: Vec<&str> = actions.iter().map(|t| t.action.as_str()).collect();
+        assert_eq!(names, expected, "rank {rank}");
+        assert!(actions.iter().all(|t| t.end_s >= t.start_s), "rank {rank}");
+        assert!(
+            actions.windows(2).all(|w| w[1].start_s >= w[0].end_s),
+            "rank {rank}: one action at a time"
+        );
+    }
+    let chart = dir.path().join("ran.svg");
+    let printed = common::stdout_of(&[
+        "schedule",
+        "--from",
+        out.to_str().unwrap(),
+        "--chart",
+        chart.to_str().unwrap(),
+    ]);
+    for rank in ["    0 ", "    1 "] {
+        assert!(printed.lines().any(|l| l.starts_with(rank)), "{printed}");
+    }
+    assert!(printed.contains("simulated, these times"), "{printed}");
+    assert!(
+        fs::read_to_string(&chart)
+            .unwrap()
+            .contains("gpipe as it ran")
+    );
+    // A run without a pipeline has no timeline to draw.
+    let plain = dir.path().join("plain");
+    succeed(1, &run(&model, &plain, 4, &[]));
+    let error = common::run_error(&["schedule", "--from", plain.to_str().unwrap()]);
+    assert!(
+        error.to_string().contains("not trained on a pipeline"),
+        "{error}"
+    );
+}
+
 /// Steps of the fp16 run below.
 const STEPS: usize = 8;
 

@@ -16,7 +16,7 @@ pub mod simulate;
 
 pub use execute::{Executed, StageModel, Timed, execute};
 pub use schedule::{Action, Schedule, ScheduleKind};
-pub use simulate::{Costs, RankTimeline, Simulation, simulate};
+pub use simulate::{Costs, RankTimeline, Simulation, simulate, simulate_with};
 
 /// What is wrong with a schedule, or with the sizes asked of a generator.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -119,6 +119,25 @@ enum Message {
 /// # Ok::<(), tl_parallel::pipeline::ScheduleError>(())
 /// ```
 pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Simulation, ScheduleError> {
+    simulate_with(schedule, &|_, action| costs.of(action), costs.latency)
+}
+
+/// [`simulate`] with each action's own time: `cost(rank, action)` (0 for a message, which
+/// takes `latency` to arrive), as a run measured them, so that stages of unequal times
+/// (the first with the embedding, the last with the head and the loss) are timed as they
+/// ran.
+///
+/// # Errors
+/// As [`simulate`].
+pub fn simulate_with(
+    schedule: &Schedule,
+    cost: &dyn Fn(usize, Action) -> u64,
+    latency: u64,
+) -> Result<Simulation, ScheduleError> {
+    let costs = Costs {
+        latency,
+        ..Costs::UNIT
+    };
     check(schedule)?;
     let p = schedule.ranks();
     let mut next = vec![0usize; p];
@@ -137,7 +156,12 @@ pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Simulation, Schedul
                     },
                     None => clock[rank],
                 };
-                let end = start + costs.of(action);
+                let end = start
+                    + if action.computes() {
+                        cost(rank, action)
+                    } else {
+                        0
+                    };
                 if let Some(message) = sends(action) {
                     arrivals.insert(message, end + costs.latency);
                 }

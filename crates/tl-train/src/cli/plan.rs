@@ -68,7 +68,7 @@ pub struct PlanArgs {
     #[arg(long)]
     pub sequence_parallel: bool,
     /// Pipeline parallelism, as `tinyllm train --pp`: the model cut into stages over this
-    /// many ranks (each stage's peak, the messages, the schedule's bubble) [default: 1].
+    /// many ranks (each stage's peak, the messages, the schedule's bubble).
     #[arg(long, value_name = "P", default_value_t = 1)]
     pub pp: usize,
     /// The pipeline's schedule, as `tinyllm train --schedule` [default: 1f1b].

@@ -1,26 +1,35 @@
 //! `tinyllm schedule`: a pipeline schedule drawn as a timeline, from the simulator — each
 //! rank's forwards and backwards in time, its idle share beside the papers' bubble, and the
-//! activations it holds at once.
+//! activations it holds at once — or, with `--from RUN`, a run's last step as it ran, beside
+//! the simulator fed with that step's own compute times.
 
 use std::path::PathBuf;
 
 use clap::Args;
-use tl_parallel::pipeline::{Costs, Schedule, ScheduleKind, Simulation, simulate};
+use tl_parallel::pipeline::{
+    Costs, RankTimeline, Schedule, ScheduleKind, Simulation, simulate, simulate_with,
+};
 
 use super::Exit;
 use crate::chart::render_pipeline_timeline;
 use crate::error::{Result, TrainError};
 use crate::store::write_atomic;
+use crate::train::{PIPELINE_TIMELINE_FILE, PipelineTimeline, read_config};
 
 /// Options of `tinyllm schedule`.
 #[derive(Debug, Args)]
 pub struct ScheduleArgs {
     /// Pipeline stages over ranks (p).
-    #[arg(long, value_name = "P")]
-    pub pp: usize,
+    #[arg(long, value_name = "P", required_unless_present = "from")]
+    pub pp: Option<usize>,
     /// Micro-batches a step (m): the step's --accum, streamed through the pipeline.
-    #[arg(long, value_name = "M")]
-    pub accum: usize,
+    #[arg(long, value_name = "M", required_unless_present = "from")]
+    pub accum: Option<usize>,
+    /// The last step of this run (trained with --pp), as it ran: each rank's measured
+    /// times, and the simulator's idle shares with the step's mean forward and backward
+    /// times fed in.
+    #[arg(long, value_name = "RUN", conflicts_with_all = ["pp", "accum", "forward", "latency"])]
+    pub from: Option<PathBuf>,
     /// gpipe, 1f1b, interleaved or zb-h1.
     #[arg(long, value_name = "NAME", default_value = "1f1b")]
     pub schedule: ScheduleKind,
@@ -99,6 +108,13 @@ fn table(schedule: &Schedule, run: &Simulation) -> String {
 
 /// Runs `tinyllm schedule`.
 pub(super) fn schedule(args: &ScheduleArgs) -> Result<Exit> {
+    if let Some(run) = &args.from {
+        return from_run(run, args.chart.as_deref());
+    }
+    let (pp, accum) = (
+        args.pp.expect("required without --from"),
+        args.accum.expect("required without --from"),
+    );
     let invalid = |name: &'static str, value: usize, limit: usize| {
         Err(TrainError::InvalidArgument {
             name,
@@ -106,11 +122,11 @@ pub(super) fn schedule(args: &ScheduleArgs) -> Result<Exit> {
             reason: format!("at most {limit} are drawn"),
         })
     };
-    if args.pp > MAX_RANKS {
-        return invalid("--pp", args.pp, MAX_RANKS);
+    if pp > MAX_RANKS {
+        return invalid("--pp", pp, MAX_RANKS);
     }
-    if args.accum > MAX_MICRO_BATCHES {
-        return invalid("--accum", args.accum, MAX_MICRO_BATCHES);
+    if accum > MAX_MICRO_BATCHES {
+        return invalid("--accum", accum, MAX_MICRO_BATCHES);
     }
     if args.forward == 0 {
         return Err(TrainError::InvalidArgument {
@@ -119,7 +135,7 @@ pub(super) fn schedule(args: &ScheduleArgs) -> Result<Exit> {
             reason: "a forward takes some time".into(),
         });
     }
-    let schedule = Schedule::new(args.schedule, args.pp, args.accum, args.stages_per_rank)?;
+    let schedule = Schedule::new(args.schedule, pp, accum, args.stages_per_rank)?;
     let costs = Costs {
         forward: args.forward,
         backward: 2 * args.forward,
@@ -133,14 +149,180 @@ pub(super) fn schedule(args: &ScheduleArgs) -> Result<Exit> {
         let title = format!(
             "{}: {} ranks, {} micro-batches{}",
             args.schedule,
-            args.pp,
-            args.accum,
+            pp,
+            accum,
             match args.stages_per_rank {
                 1 => String::new(),
                 v => format!(", {v} stages a rank"),
             }
         );
         let svg = render_pipeline_timeline(&schedule, &run, &title)?;
+        write_atomic(path, svg.as_bytes())?;
+        println!("wrote {}", path.display());
+    }
+    Ok(Exit::Success)
+}
+
+/// Each rank's clock against rank 0's, in seconds, from the activations' messages: a
+/// message cannot be received before it is sent, so rank `r`'s clock is at most
+/// `receive end − send start` ahead of rank `r − 1`'s for every message between them, and a
+/// receive that waited for its message ends just after the send. The least such gap is
+/// taken as the offset (exact to the messages' latency).
+fn clock_offsets(schedule: &Schedule, timeline: &PipelineTimeline) -> Vec<f64> {
+    use tl_parallel::pipeline::Action;
+    let mut offsets = vec![0.0; timeline.ranks.len()];
+    for rank in 1..timeline.ranks.len() {
+        let sent = |stage: usize, micro_batch: usize| {
+            timeline.ranks[rank - 1].iter().find_map(|t| {
+                let action = schedule.actions(rank - 1)[t.index];
+                (action == Action::SendActivation { stage, micro_batch }).then_some(t.start_s)
+            })
+        };
+        let gap = (timeline.ranks[rank].iter())
+            .filter_map(|t| match schedule.actions(rank)[t.index] {
+                Action::RecvActivation { stage, micro_batch }
+                    if stage % schedule.ranks() == rank =>
+                {
+                    sent(stage - 1, micro_batch).map(|start| t.end_s - start)
+                }
+                _ => None,
+            })
+            .fold(f64::INFINITY, f64::min);
+        offsets[rank] = offsets[rank - 1] + if gap.is_finite() { gap } else { 0.0 };
+    }
+    offsets
+}
+
+/// A run's last step as it ran (its `pipeline-timeline.json`), in microseconds on rank 0's
+/// clock ([`clock_offsets`]), as the simulator's result of the same schedule: each rank's
+/// compute time, and its idle time until the last rank ends.
+fn measured(schedule: &Schedule, timeline: &PipelineTimeline) -> Result<Simulation> {
+    let equal = simulate(schedule, Costs::UNIT)?;
+    let offsets = clock_offsets(schedule, timeline);
+    // The step starts with its first forward: a rank waiting before it waits for the rank
+    // before to begin, not in the schedule's bubble.
+    let earliest = (timeline.ranks.iter().zip(&offsets).enumerate())
+        .flat_map(|(rank, (actions, offset))| {
+            (actions.iter())
+                .filter(move |t| schedule.actions(rank)[t.index].computes())
+                .map(move |t| t.start_s - offset)
+        })
+        .fold(f64::INFINITY, f64::min);
+    let mut ranks = Vec::new();
+    for (rank, actions) in timeline.ranks.iter().enumerate() {
+        let micros = |s: f64| ((s - offsets[rank] - earliest) * 1e6).round().max(0.0) as u64;
+        let list = schedule.actions(rank);
+        let mut spans = Vec::with_capacity(actions.len());
+        for timed in actions {
+            let action = *list
+                .get(timed.index)
+                .ok_or_else(|| TrainError::InvalidArgument {
+                    name: "from",
+                    value: PIPELINE_TIMELINE_FILE.into(),
+                    reason: format!(
+                        "rank {rank}'s action {} is not in the run's schedule",
+                        timed.index
+                    ),
+                })?;
+            if action.computes() || micros(timed.end_s) > 0 {
+                spans.push((action, micros(timed.start_s), micros(timed.end_s)));
+            }
+        }
+        let busy = (spans.iter())
+            .filter(|(a, _, _)| a.computes())
+            .map(|(_, s, e)| e - s)
+            .sum();
+        ranks.push(RankTimeline {
+            spans,
+            busy,
+            idle: 0,
+            peak_activations: equal.ranks[rank].peak_activations,
+        });
+    }
+    let makespan = (ranks.iter())
+        .flat_map(|r| r.spans.last().map(|s| s.2))
+        .max()
+        .unwrap_or(0);
+    for rank in &mut ranks {
+        rank.idle = makespan.saturating_sub(rank.busy);
+    }
+    Ok(Simulation { ranks, makespan })
+}
+
+/// `tinyllm schedule --from RUN`.
+fn from_run(run: &std::path::Path, chart: Option<&std::path::Path>) -> Result<Exit> {
+    let config = read_config(run)?;
+    if config.parallel.pipeline < 2 {
+        return Err(TrainError::InvalidArgument {
+            name: "from",
+            value: run.display().to_string(),
+            reason: "the run was not trained on a pipeline (--pp)".into(),
+        });
+    }
+    let path = run.join(PIPELINE_TIMELINE_FILE);
+    let bytes = std::fs::read(&path).map_err(|source| TrainError::io(&path, source))?;
+    let timeline: PipelineTimeline =
+        serde_json::from_slice(&bytes).map_err(|e| TrainError::InvalidArgument {
+            name: "from",
+            value: path.display().to_string(),
+            reason: format!("not a pipeline timeline: {e}"),
+        })?;
+    let schedule = config.pipeline_schedule()?;
+    let measured = measured(&schedule, &timeline)?;
+    // The simulator, fed with each action's own time in this step.
+    let took: std::collections::HashMap<(usize, tl_parallel::pipeline::Action), u64> =
+        (measured.ranks.iter().enumerate())
+            .flat_map(|(rank, r)| r.spans.iter().map(move |&(a, s, e)| ((rank, a), e - s)))
+            .collect();
+    let simulated = simulate_with(
+        &schedule,
+        &|rank, action| took.get(&(rank, action)).copied().unwrap_or(0),
+        0,
+    )?;
+    let mean = |pick: fn(&tl_parallel::pipeline::Action) -> bool| {
+        let times: Vec<u64> = (measured.ranks.iter())
+            .flat_map(|r| r.spans.iter())
+            .filter(|(a, _, _)| pick(a))
+            .map(|(_, s, e)| e - s)
+            .collect();
+        (times.iter().sum::<u64>() / times.len().max(1) as u64).max(1)
+    };
+    let forward = mean(|a| matches!(a, tl_parallel::pipeline::Action::Forward { .. }));
+    let backward = mean(|a| matches!(a, tl_parallel::pipeline::Action::Backward { .. }));
+    let equal = simulate(&schedule, Costs::UNIT)?;
+    println!(
+        "{}: step {} of {}, as it ran (microseconds); a stage's forward took {forward} us \
+         and its backward {backward} us on average\n",
+        config.parallel.schedule,
+        timeline.step,
+        run.display()
+    );
+    println!(
+        "{:>5} {:>12} {:>12} {:>9} {:>22} {:>18}",
+        "rank", "busy", "idle", "idle %", "simulated, these times", "simulated, equal"
+    );
+    for (rank, timeline) in measured.ranks.iter().enumerate() {
+        println!(
+            "{rank:>5} {:>12} {:>12} {:>8.1}% {:>21.1}% {:>17.1}%",
+            timeline.busy,
+            timeline.idle,
+            100.0 * timeline.idle_fraction(),
+            100.0 * simulated.ranks[rank].idle_fraction(),
+            100.0 * equal.ranks[rank].idle_fraction(),
+        );
+    }
+    println!(
+        "\nidle % = idle / (busy + idle) until the last rank ends; the ranks' clocks are \
+         aligned by their messages (none is received before it is sent)."
+    );
+    if let Some(path) = chart {
+        let title = format!(
+            "{} as it ran: {} ranks, {} micro-batches (microseconds)",
+            config.parallel.schedule,
+            schedule.ranks(),
+            schedule.micro_batches()
+        );
+        let svg = render_pipeline_timeline(&schedule, &measured, &title)?;
         write_atomic(path, svg.as_bytes())?;
         println!("wrote {}", path.display());
     }

@@ -507,8 +507,17 @@ fn print_header(trainer: &Trainer) {
 fn report(trainer: &mut Trainer, note: Option<&str>) -> Result<()> {
     let (live, rss) = (memory::peak_bytes() as u64, peak_rss_bytes());
     let ranks = trainer.rank_reports(live, rss)?;
+    let timeline = trainer.pipeline_timelines()?;
     if trainer.rank() != 0 {
         return Ok(());
+    }
+    if let Some(timeline) = timeline {
+        // The last step as it ran, for `tinyllm schedule --from RUN`.
+        let json = serde_json::to_vec_pretty(&timeline).expect("the timeline serializes");
+        write_atomic(
+            &trainer.run_dir().join(crate::train::PIPELINE_TIMELINE_FILE),
+            &json,
+        )?;
     }
     let mut summary = trainer.summary(live, rss)?;
     if ranks.len() > 1 {

@@ -26,6 +26,7 @@ pub(crate) use fp8_ranks::FP8_AMAXES_LABEL;
 pub use memory_check::{MARGIN_PERCENT, ProcessMemory, RUNTIME_BYTES, check_memory};
 pub use metrics::{Fp8Counts, MetricsLog, Record, read_records, rfc3339_utc};
 pub use optimizer::RunOptimizer;
+pub use pipeline::{PIPELINE_TIMELINE_FILE, PipelineTimeline, TimedAction};
 pub use ranks::{RankReport, StepBatch, StepTraffic, dropout_state};
 pub use recipes::{STEP_RECIPES, StepRecipe};
 pub use resume::{load_model, load_model_at, read_config};

@@ -31,6 +31,35 @@ use crate::error::{Result, TrainError};
 use crate::model::Llama;
 use crate::model::pipeline::{rank_stages, stage_blocks};
 
+/// The file in a run's directory that holds the pipeline's last step as it ran.
+pub const PIPELINE_TIMELINE_FILE: &str = "pipeline-timeline.json";
+
+/// A pipeline's last step as it ran, rank by rank: what `tinyllm schedule --from RUN`
+/// draws and times against the simulator.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PipelineTimeline {
+    /// The step.
+    pub step: u64,
+    /// For each rank, its actions up to the gradient reduction: each one's place in the
+    /// rank's list, its name (`0F1`: stage 0's forward of micro-batch 1) and when it began
+    /// and ended, in seconds since the rank's step began on its own clock (the ranks begin a
+    /// step within a collective of each other).
+    pub ranks: Vec<Vec<TimedAction>>,
+}
+
+/// One action of a [`PipelineTimeline`].
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TimedAction {
+    /// Its place in the rank's list of the schedule.
+    pub index: usize,
+    /// Its name, as the schedule prints it.
+    pub action: String,
+    /// When it began, seconds.
+    pub start_s: f64,
+    /// When it ended, seconds.
+    pub end_s: f64,
+}
+
 /// This rank's place in the pipeline.
 pub(super) struct PipelineRank {
     /// The pipeline group: stage `s` is held by its rank `s mod p`.
@@ -177,6 +206,42 @@ impl PipelineRank {
             return Err(error);
         }
         Ok(report?)
+    }
+
+    /// Every rank's last step (see [`PipelineTimeline`]), on every rank: a collective of
+    /// the pipeline. `None` before the first step.
+    ///
+    /// # Errors
+    /// A failed broadcast.
+    pub(super) fn gather_timelines(&self, step: u64) -> Result<Option<PipelineTimeline>> {
+        let own: Vec<f64> = self.last_step().map_or_else(Vec::new, |executed| {
+            (executed.timeline.iter().enumerate())
+                .flat_map(|(i, t)| [i as f64, t.start.as_secs_f64(), t.end.as_secs_f64()])
+                .collect()
+        });
+        let mut ranks = Vec::with_capacity(self.schedule.ranks());
+        for root in 0..self.schedule.ranks() {
+            let mut len = [own.len() as f64];
+            self.call(|comm| comm.broadcast(SliceMut::F64(&mut len), root))?;
+            let mut values = if root == self.rank() {
+                own.clone()
+            } else {
+                vec![0.0; len[0] as usize]
+            };
+            self.call(|comm| comm.broadcast((&mut values[..]).into(), root))?;
+            let actions = self.schedule.actions(root);
+            ranks.push(
+                (values.chunks_exact(3))
+                    .map(|t| TimedAction {
+                        index: t[0] as usize,
+                        action: actions[t[0] as usize].to_string(),
+                        start_s: t[1],
+                        end_s: t[2],
+                    })
+                    .collect::<Vec<_>>(),
+            );
+        }
+        Ok((!own.is_empty()).then_some(PipelineTimeline { step, ranks }))
     }
 
     /// The mean loss of `batches` through the stages, without a graph: every rank returns

@@ -629,6 +629,18 @@ impl Trainer {
         self.pipeline.as_ref().and_then(PipelineRank::last_step)
     }
 
+    /// Every pipeline rank's last step as it ran, when the model is cut into a pipeline and
+    /// has taken a step: a collective every rank of the pipeline calls.
+    ///
+    /// # Errors
+    /// [`TrainError::Parallel`] when the collective fails.
+    pub fn pipeline_timelines(&mut self) -> Result<Option<super::PipelineTimeline>> {
+        match &self.pipeline {
+            Some(pipeline) => pipeline.gather_timelines(self.step),
+            None => Ok(None),
+        }
+    }
+
     /// This rank's communication during the steps this trainer took.
     pub fn traffic(&self) -> StepTraffic {
         self.traffic
