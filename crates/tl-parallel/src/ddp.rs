@@ -306,6 +306,21 @@ impl DataParallel {
         Ok(())
     }
 
+    /// Adds `loss` (this rank's micro-batches' losses, each weighted by its share of the
+    /// global batch's rows) to the step's loss, which the reduction sums over the ranks: for
+    /// a caller that accumulates the gradients its own way (a pipeline's last stage) and
+    /// then ends the step with this observer, after [`begin_step`](Self::begin_step).
+    pub fn record_loss(&mut self, loss: f64) {
+        self.local_loss.set(self.local_loss.get() + loss);
+        self.loss_recorded = true;
+    }
+
+    /// `report`, of a step this observer ended, with the global batch's loss and
+    /// underflows the reduction summed over the ranks.
+    pub fn global_report(&self, report: StepReport) -> StepReport {
+        global_report(report, self.summary)
+    }
+
     /// One data-parallel training step: [`train_step_mixed_observed`] on this rank's
     /// `micro_batches` with `self` as the observer, whose report holds the global batch's
     /// loss and underflows, the same on every rank (and so do `skipped`, `scale` and

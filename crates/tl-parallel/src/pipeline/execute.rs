@@ -312,12 +312,12 @@ fn receive<E: GradElement>(
     from: usize,
     tag: u32,
 ) -> tl_collective::Result<Tensor<E>> {
-    let zeros = Tensor::<E>::zeros(shape);
-    if zeros.is_meta() {
-        comm.recv(SliceMut::shape::<E>(zeros.numel()), from, tag)?;
-        return Ok(zeros);
+    let numel = shape.iter().product();
+    if tl_tensor::meta::is_meta_mode() {
+        comm.recv(SliceMut::shape::<E>(numel), from, tag)?;
+        return Ok(Tensor::zeros(shape));
     }
-    let mut values = vec![E::default(); zeros.numel()];
+    let mut values = vec![E::default(); numel];
     comm.recv((&mut values[..]).into(), from, tag)?;
     Ok(Tensor::from_vec(values, shape).expect("as many values as the shape holds"))
 }

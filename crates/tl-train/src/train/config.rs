@@ -1028,20 +1028,6 @@ impl TrainConfig {
                  sweep): use gpipe, 1f1b or interleaved",
             );
         }
-        if parallel.tensor > 1 {
-            return not_yet("tp", parallel.tensor.to_string(), "with tensor parallelism");
-        }
-        if parallel.data_parallel() > 1 {
-            return not_yet(
-                "pp",
-                pipeline.to_string(),
-                &format!(
-                    "with data parallelism ({} ranks are {} pipelines): launch {pipeline} ranks",
-                    parallel.ranks,
-                    parallel.data_parallel()
-                ),
-            );
-        }
         if parallel.zero > 0 {
             return not_yet("zero", parallel.zero.to_string(), "with ZeRO");
         }

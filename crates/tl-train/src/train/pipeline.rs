@@ -13,14 +13,13 @@ use std::cell::{Cell, RefCell};
 use std::ops::Range;
 
 use tl_collective::{Communicator, ReduceOp, SliceMut};
-use tl_parallel::ParallelError;
 use tl_parallel::pipeline::{Executed, Schedule, StageModel, execute};
+use tl_parallel::{DataParallel, ParallelError};
 use tl_precision::{
     DynamicLossScaler, LOSS_LABEL, StepObserver, StepReport, finish_step_observed, start_step,
 };
 use tl_tensor::memory::{self, Stage as MeterStage};
-use tl_tensor::nn::Module;
-use tl_tensor::optim::{AdamW, AdamWParamState, AdamWState, Optimizer};
+use tl_tensor::optim::{AdamW, AdamWParamState, AdamWState};
 use tl_tensor::{Element, Tensor, no_grad};
 
 use super::config::TrainConfig;
@@ -75,8 +74,10 @@ pub(super) struct PipelineRank {
 }
 
 impl PipelineRank {
-    /// Rank `comm.rank()` of the pipeline of `config`, cutting the whole `model` and its
-    /// `optimizer` (the same on every rank) into this rank's stages.
+    /// Rank `comm.rank()` of the pipeline of `config`, cutting `model` and its `optimizer`
+    /// (the same on every rank of the pipeline: whole, or a tensor-parallel rank's part of
+    /// the whole) into this rank's stages. `whole` is the whole model's parameters' names
+    /// and shapes, in order: what a checkpoint holds.
     ///
     /// # Errors
     /// The config's errors of the schedule and the cut; an optimizer state that does not
@@ -86,6 +87,7 @@ impl PipelineRank {
         model: Llama<f32>,
         optimizer: AdamW<f32>,
         config: &TrainConfig,
+        whole: &[(String, Vec<usize>)],
     ) -> Result<(Self, Llama<f32>, AdamW<f32>)> {
         let parallel = &config.parallel;
         let schedule = config.pipeline_schedule()?;
@@ -110,20 +112,15 @@ impl PipelineRank {
                 None => blocks.len() - 1,
             }
         };
-        let named = model.named_parameters();
-        let whole: Vec<(String, Vec<usize>, usize)> = (named.iter())
-            .map(|(name, tensor)| (name.clone(), tensor.shape(), stage_of(name)))
+        let whole: Vec<(String, Vec<usize>, usize)> = (whole.iter())
+            .map(|(name, shape)| (name.clone(), shape.clone(), stage_of(name)))
             .collect();
         let state = optimizer.state_dict();
-        drop(named);
         let part = model.into_pipeline_part(rank_stages(comm.rank(), schedule.ranks(), &blocks));
         let kept: Vec<String> = (part.named_parameters().into_iter())
             .map(|(name, _)| name)
             .collect();
-        let mut adamw = AdamW::new(part.parameters(), optimizer.learning_rate())?
-            .with_betas(optimizer.betas().0, optimizer.betas().1)?
-            .with_eps(optimizer.eps())?
-            .with_weight_decay(optimizer.weight_decay())?;
+        let mut adamw = super::trainer::optimizer_like(&optimizer, &part)?;
         adamw.load_state_dict(select_state(state, &whole, &kept))?;
         let rank = Self {
             comm: RefCell::new(comm),
@@ -171,20 +168,32 @@ impl PipelineRank {
     /// # Errors
     /// As the trainer's step: a refused update (the weights unchanged), a failed message
     /// or collective.
+    ///
+    /// `ddp` is the rank's data-parallel group (with the tensor-parallel axis of a split
+    /// model): when it spans more than this rank, the step ends with its reduction and its
+    /// decisions, made over the pipeline too.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn train_step(
         &self,
         model: &Llama<f32>,
         optimizer: &mut RunOptimizer,
+        ddp: &mut DataParallel,
         micro_batches: &[StepBatch],
         config: &TrainConfig,
         scaler: Option<&mut DynamicLossScaler>,
     ) -> Result<StepReport> {
         start_step(model, optimizer);
+        let local_rows: usize = micro_batches.iter().map(|m| m.batch.rows).sum();
+        let global_rows = config.sequences_per_step();
+        let replicated = ddp.world_size() > 1 || ddp.spans_tensor();
+        if replicated {
+            ddp.begin_step(local_rows, global_rows)?;
+        }
         let stages = Stages {
             model,
             micro_batches,
-            total_rows: micro_batches.iter().map(|m| m.batch.rows).sum(),
+            total_rows: local_rows,
+            global_rows,
             loss_scale: scaler.as_deref().map_or(1.0, DynamicLossScaler::loss_scale),
             last: self.blocks.len() - 1,
             batch_loss: Cell::new(0.0),
@@ -195,17 +204,29 @@ impl PipelineRank {
             execute(&self.schedule, comm.as_mut(), &stages)?
         };
         *self.last_step.borrow_mut() = Some(executed);
-        // The last stage's loss, every rank's report.
+        // The last stage's loss (this replica's share of the batch's), every stage's.
         let loss = self.sum(stages.batch_loss.get())?;
+        let inner = replicated.then(|| {
+            ddp.record_loss(loss);
+            &mut *ddp
+        });
         let mut observer = Agreement {
             rank: self,
+            inner,
             error: None,
         };
         let report = finish_step_observed(optimizer, loss, scaler, config.clip, &mut observer);
         if let Some(error) = observer.error {
             return Err(error);
         }
-        Ok(report?)
+        if replicated && let Some(error) = ddp.take_error() {
+            return Err(error.into());
+        }
+        Ok(if replicated {
+            ddp.global_report(report?)
+        } else {
+            report?
+        })
     }
 
     /// Every rank's last step (see [`PipelineTimeline`]), on every rank: a collective of
@@ -285,13 +306,16 @@ impl PipelineRank {
     }
 
     /// Every parameter of the whole model, each broadcast from the rank holding it: a
-    /// collective of the pipeline. `local` are this rank's (name, tensor) pairs.
+    /// collective of the pipeline. `local` are this rank's (name, tensor) pairs. Only a rank
+    /// that `keep`s them (the one that writes the checkpoint) holds them all; the others
+    /// hold one at a time, and return none.
     ///
     /// # Errors
     /// A failed broadcast.
     pub(super) fn gather_weights(
         &self,
         local: &[(String, Tensor<f32>)],
+        keep: bool,
     ) -> Result<Vec<(String, Tensor<f32>)>> {
         let p = self.schedule.ranks();
         let mut whole = Vec::with_capacity(self.whole.len());
@@ -302,18 +326,26 @@ impl PipelineRank {
                 None => vec![0.0f32; shape.iter().product()],
             };
             self.call(|comm| comm.broadcast((&mut values[..]).into(), owner))?;
-            whole.push((name.clone(), Tensor::from_vec(values, shape)?));
+            if keep {
+                whole.push((name.clone(), Tensor::from_vec(values, shape)?));
+            }
         }
         Ok(whole)
     }
 
     /// The whole optimizer state from every rank's `state` (of its parameters, in their
     /// order), each parameter's moments broadcast from the rank holding it: a collective of
-    /// the pipeline.
+    /// the pipeline. Only a rank that `keep`s it holds it whole; the others return their
+    /// own `state`.
     ///
     /// # Errors
     /// A failed broadcast.
-    pub(super) fn gather_state(&self, state: AdamWState, local: &[String]) -> Result<AdamWState> {
+    pub(super) fn gather_state(
+        &self,
+        state: AdamWState,
+        local: &[String],
+        keep: bool,
+    ) -> Result<AdamWState> {
         let p = self.schedule.ranks();
         let mut whole = AdamWState {
             shapes: Vec::with_capacity(self.whole.len()),
@@ -343,10 +375,12 @@ impl PipelineRank {
                     exp_avg_sq,
                 })
             };
-            whole.shapes.push(shape.clone());
-            whole.params.push(moments);
+            if keep {
+                whole.shapes.push(shape.clone());
+                whole.params.push(moments);
+            }
         }
-        Ok(whole)
+        Ok(if keep { whole } else { state })
     }
 }
 
@@ -383,7 +417,11 @@ fn select_state(
 struct Stages<'a> {
     model: &'a Llama<f32>,
     micro_batches: &'a [StepBatch],
+    /// Rows of this rank's micro-batches (its data-parallel replica's), which weight each
+    /// micro-batch's gradient, as tl-precision's accumulation weights it.
     total_rows: usize,
+    /// Rows of the step's whole batch, which weight each micro-batch's loss in the batch's.
+    global_rows: usize,
     loss_scale: f64,
     last: usize,
     /// The batch's loss so far: the weighted losses of the micro-batches, on the last
@@ -422,7 +460,8 @@ impl StageModel<f32> for Stages<'_> {
         }
         let weight = batch.rows as f64 / self.total_rows as f64;
         let loss = Element::to_f64(output.item());
-        self.batch_loss.set(self.batch_loss.get() + weight * loss);
+        let share = batch.rows as f64 / self.global_rows as f64;
+        self.batch_loss.set(self.batch_loss.get() + share * loss);
         let _label = memory::label_scope(LOSS_LABEL);
         Ok(output.mul_scalar(<f32 as Element>::from_f64(weight * self.loss_scale)))
     }
@@ -432,12 +471,25 @@ impl StageModel<f32> for Stages<'_> {
 /// and the clip norm is the whole model's.
 struct Agreement<'a> {
     rank: &'a PipelineRank,
+    /// The data-parallel group's own observer (and the tensor-parallel group's), when the
+    /// rank has replicas: it reduces the gradients and makes its decisions first.
+    inner: Option<&'a mut DataParallel>,
     /// The first collective that failed (the decisions then err on the safe side).
     error: Option<TrainError>,
 }
 
 impl StepObserver<f32> for Agreement<'_> {
+    fn gradients_ready(&mut self, params: &[Tensor<f32>]) {
+        if let Some(inner) = self.inner.as_deref_mut() {
+            inner.gradients_ready(params);
+        }
+    }
+
     fn all_finite(&mut self, local: bool) -> bool {
+        let local = match self.inner.as_deref_mut() {
+            Some(inner) => StepObserver::<f32>::all_finite(inner, local),
+            None => local,
+        };
         let flag = if local { 0.0 } else { 1.0 };
         let mut buf = [flag];
         let agreed = self
@@ -453,6 +505,10 @@ impl StepObserver<f32> for Agreement<'_> {
     }
 
     fn total_sum_squares(&mut self, local: f64) -> f64 {
+        let local = match self.inner.as_deref_mut() {
+            Some(inner) => StepObserver::<f32>::total_sum_squares(inner, local),
+            None => local,
+        };
         match self.rank.sum(local) {
             Ok(total) => total,
             Err(error) => {

@@ -496,6 +496,7 @@ impl Trainer {
             Some(pipeline) => pipeline.train_step(
                 &self.model,
                 &mut self.optimizer,
+                &mut self.ddp,
                 &micro_batches,
                 config,
                 self.scaler.as_mut(),
@@ -839,8 +840,8 @@ impl Trainer {
                 Some(state) => state,
                 None => self.optimizer.whole_state(),
             };
-            gathered = Some(pipeline.gather_state(state, &names)?);
-            weights = pipeline.gather_weights(&weights)?;
+            gathered = Some(pipeline.gather_state(state, &names, leader)?);
+            weights = pipeline.gather_weights(&weights, leader)?;
         }
         if !leader {
             weights.clear();
@@ -968,67 +969,69 @@ fn split_mesh(
     optimizer: AdamW<f32>,
     config: &TrainConfig,
 ) -> Result<MeshShare> {
-    let tensor = config.parallel.tensor;
-    let pipeline = config.parallel.pipeline;
-    if pipeline > 1 {
-        // Validated: no tensor parallelism yet, and one data-parallel replica.
-        let mesh = Mesh::for_world(world.world_size(), 1, pipeline).map_err(|source| {
-            tl_parallel::ParallelError::Collective {
-                rank: world.rank(),
-                source,
-            }
-        })?;
-        let rank = world.rank();
-        let pp = world.with_communicator(|comm| comm.split(&mesh.members(Axis::Pipeline, rank)))?;
-        let dp = world.with_communicator(|comm| comm.split(&mesh.members(Axis::Data, rank)))?;
-        let (stages, part, adamw) = PipelineRank::cut(pp, model, optimizer, config)?;
-        return Ok((
-            DataParallel::new(dp),
-            Some(world),
-            part,
-            adamw,
-            Some(stages),
-        ));
-    }
-    if tensor <= 1 {
+    let (tensor, pipeline) = (config.parallel.tensor, config.parallel.pipeline);
+    if tensor <= 1 && pipeline <= 1 {
         return Ok((world, None, model, optimizer, None));
     }
-    let mesh = Mesh::for_world(world.world_size(), tensor, 1).map_err(|source| {
+    let mesh = Mesh::for_world(world.world_size(), tensor, pipeline).map_err(|source| {
         tl_parallel::ParallelError::Collective {
             rank: world.rank(),
             source,
         }
     })?;
     let rank = world.rank();
-    let tp = world.with_communicator(|comm| comm.split(&mesh.members(Axis::Tensor, rank)))?;
-    let dp = world.with_communicator(|comm| comm.split(&mesh.members(Axis::Data, rank)))?;
-    let tp = TensorParallel::new(tp);
-    let part = model.tensor_parallel_with(tp.clone(), config.parallel.sequence_parallel)?;
-    let names: Vec<String> = model
-        .named_parameters()
-        .into_iter()
-        .map(|(n, _)| n)
+    // The same splits in the same order on every rank: each is a collective of the world.
+    let mut group = |axis| world.with_communicator(|comm| comm.split(&mesh.members(axis, rank)));
+    let tp = (tensor > 1).then(|| group(Axis::Tensor)).transpose()?;
+    let pp = (pipeline > 1).then(|| group(Axis::Pipeline)).transpose()?;
+    let dp = group(Axis::Data)?;
+    // The whole model's names and shapes, which checkpoints hold whatever the cut.
+    let whole: Vec<(String, Vec<usize>)> = (model.named_parameters().into_iter())
+        .map(|(name, tensor)| (name, tensor.shape()))
         .collect();
-    let split = part.tensor_split().expect("a split model");
-    let state = split.slice_state(optimizer.state_dict(), &names)?;
-    let mut adamw = AdamW::new(part.parameters(), optimizer.learning_rate())?
-        .with_betas(optimizer.betas().0, optimizer.betas().1)?
-        .with_eps(optimizer.eps())?
-        .with_weight_decay(optimizer.weight_decay())?;
-    adamw.load_state_dict(state)?;
-    let replicated = names
-        .iter()
-        .map(|name| placement(name) == Placement::Replicated)
-        .collect();
-    let mut ddp = DataParallel::new(dp).with_tensor_parallel(tp, replicated);
-    let shares = part.sequence_parallel_parameters();
-    if !shares.is_empty() {
-        let flags = (part.parameters().iter())
-            .map(|param| shares.iter().any(|share| share.same(param)))
+    let (part, adamw) = match tp {
+        Some(tp) => {
+            let tp = TensorParallel::new(tp);
+            let part = model.tensor_parallel_with(tp, config.parallel.sequence_parallel)?;
+            let names: Vec<String> = whole.iter().map(|(n, _)| n.clone()).collect();
+            let split = part.tensor_split().expect("a split model");
+            let state = split.slice_state(optimizer.state_dict(), &names)?;
+            let mut adamw = optimizer_like(&optimizer, &part)?;
+            adamw.load_state_dict(state)?;
+            (part, adamw)
+        }
+        None => (model, optimizer),
+    };
+    let (part, adamw, stages) = match pp {
+        Some(pp) => {
+            let (stages, part, adamw) = PipelineRank::cut(pp, part, adamw, config, &whole)?;
+            (part, adamw, Some(stages))
+        }
+        None => (part, adamw, None),
+    };
+    let mut ddp = DataParallel::new(dp);
+    if let Some(split) = part.tensor_split() {
+        let replicated = (part.named_parameters().iter())
+            .map(|(name, _)| placement(name) == Placement::Replicated)
             .collect();
-        ddp = ddp.with_sequence_parallel(flags);
+        ddp = ddp.with_tensor_parallel(split.group().clone(), replicated);
+        let shares = part.sequence_parallel_parameters();
+        if !shares.is_empty() {
+            let flags = (part.parameters().iter())
+                .map(|param| shares.iter().any(|share| share.same(param)))
+                .collect();
+            ddp = ddp.with_sequence_parallel(flags);
+        }
     }
-    Ok((ddp, Some(world), part, adamw, None))
+    Ok((ddp, Some(world), part, adamw, stages))
+}
+
+/// A fresh AdamW over `model`'s parameters with `like`'s hyperparameters.
+pub(super) fn optimizer_like(like: &AdamW<f32>, model: &Llama<f32>) -> Result<AdamW<f32>> {
+    Ok(AdamW::new(model.parameters(), like.learning_rate())?
+        .with_betas(like.betas().0, like.betas().1)?
+        .with_eps(like.eps())?
+        .with_weight_decay(like.weight_decay())?)
 }
 
 /// The mean loss of `model` on one batch, with the graph recorded: the loss function of
