@@ -16,7 +16,8 @@ pub struct CommStats {
     /// would have written). A sum in a 16-bit format ([`ReduceOp::SumIn`]) sends its values
     /// as 16-bit words, so it counts 2 bytes an element, as a GPU's bf16 all-reduce sends.
     /// A point-to-point message to another rank counts its 40-byte frame header and its
-    /// values on every backend, from the moment it is sent; one to itself moves nothing.
+    /// values on every backend (on the ring as its writer thread writes them: all of them
+    /// once [`flush`](Communicator::flush) returns); one to itself moves nothing.
     pub bytes_sent: u64,
     /// Point-to-point messages sent ([`send`](Communicator::send), counted when called).
     pub sends: u64,

@@ -2,7 +2,7 @@
 
 use crate::error::{CallHeader, CollectiveError, Result};
 use crate::p2p::Inbox;
-use crate::ring::link::{Exchange, Link};
+use crate::ring::link::{Exchange, Link, Side};
 use crate::ring::messages::{Frames, Until};
 use crate::ring::split_pair;
 use crate::schedule::all_gather_step;
@@ -118,7 +118,10 @@ pub(crate) fn exchange_headers(
         let span = |r: usize| r * HEADER_LEN..(r + 1) * HEADER_LEN;
         let (out, into) = split_pair(&mut all, span(send), span(recv));
         if step == 0 {
-            let mut flow = Frames::new(out, link.left_rank, inbox, Until::Header { into });
+            // Our header goes after the messages queued on the right connection.
+            let right = link.writers[Side::Right as usize].watch();
+            let mut flow =
+                Frames::new(out, link.left_rank, inbox, Until::Header { into }).after(right);
             link.pump(own.op, &mut flow)?;
             flow.outcome()?;
         } else {

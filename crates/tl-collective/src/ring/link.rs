@@ -8,7 +8,6 @@
 //! while we add. (A sender thread was the alternative; it needs the outgoing bytes owned or
 //! copied, which poll does not.)
 
-use std::collections::VecDeque;
 use std::io::{ErrorKind, Read};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
@@ -17,6 +16,7 @@ use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 use rustix::net::{SendFlags, send};
 
+use super::writer::Writer;
 use crate::error::{CollectiveError, Result};
 
 /// Largest read or write per system call: small enough that a reduction starts early and
@@ -46,14 +46,6 @@ pub(crate) enum Side {
     Right,
 }
 
-/// A point-to-point message on its way out: its frame header and values, owned, so that
-/// [`send`](crate::Communicator::send) returns before the peer takes them.
-#[derive(Debug)]
-pub(crate) struct Outgoing {
-    pub(crate) bytes: Vec<u8>,
-    pub(crate) done: usize,
-}
-
 /// A rank's two connections: to the left neighbour and the right one. The collectives
 /// receive on the left and send on the right; point-to-point messages go either way (see
 /// `messages.rs`), each after the messages queued before it on the same connection.
@@ -64,28 +56,43 @@ pub(crate) struct Link {
     pub(crate) left_rank: usize,
     pub(crate) right_rank: usize,
     pub(crate) timeout: Duration,
-    /// Bytes written so far.
+    /// Bytes the collectives wrote so far (the messages' writers count their own).
     pub(crate) bytes_sent: u64,
-    /// Messages waiting to go out, left connection then right, oldest first.
-    pub(crate) outbox: [VecDeque<Outgoing>; 2],
+    /// The point-to-point messages' writers, of the left connection then the right one.
+    pub(crate) writers: [Writer; 2],
 }
 
 impl Link {
-    /// A link over two connected, non-blocking sockets.
+    /// A link over two connected, non-blocking sockets, with a writer of messages on each.
+    ///
+    /// # Errors
+    /// [`CollectiveError::Io`] if a socket cannot be shared with its writer.
     pub(crate) fn new(
         (left, left_rank): (UnixStream, usize),
         (right, right_rank): (UnixStream, usize),
         timeout: Duration,
-    ) -> Self {
-        Link {
+    ) -> Result<Self> {
+        let writer = |socket: &UnixStream, peer| {
+            let clone = socket
+                .try_clone()
+                .map_err(|e| CollectiveError::io("share a connection with its writer", e))?;
+            Writer::start(clone, peer, timeout)
+        };
+        let writers = [writer(&left, left_rank)?, writer(&right, right_rank)?];
+        Ok(Link {
             left,
             right,
             left_rank,
             right_rank,
             timeout,
             bytes_sent: 0,
-            outbox: [VecDeque::new(), VecDeque::new()],
-        }
+            writers,
+        })
+    }
+
+    /// Every byte this rank wrote: the collectives' and the messages'.
+    pub(crate) fn total_sent(&self) -> u64 {
+        self.bytes_sent + self.writers.iter().map(Writer::bytes_sent).sum::<u64>()
     }
 
     /// Runs `flow` to completion: its sends go right, its receives come from the left.
@@ -94,12 +101,10 @@ impl Link {
     /// [`CollectiveError::PeerExited`] on end-of-file or a broken pipe,
     /// [`CollectiveError::Timeout`] when no byte moved for `timeout`.
     pub(crate) fn pump(&mut self, op: &'static str, flow: &mut dyn Flow) -> Result<()> {
-        self.transfer(op, flow, Side::Left, false)
+        self.transfer(op, flow, Side::Left)
     }
 
-    /// Runs `flow` to completion, receiving from the connection `from` (its sends go right),
-    /// while the queued messages go out on both connections; with `drain`, until they have
-    /// all gone too.
+    /// Runs `flow` to completion, receiving from the connection `from` (its sends go right).
     ///
     /// # Errors
     /// As [`pump`](Self::pump).
@@ -108,24 +113,30 @@ impl Link {
         op: &'static str,
         flow: &mut dyn Flow,
         from: Side,
-        drain: bool,
     ) -> Result<()> {
         let mut last_progress = Instant::now();
+        let mut written = self.total_sent();
         loop {
+            for writer in &self.writers {
+                writer.check(op)?;
+            }
             let want_recv = !flow.space().is_empty();
-            // Bytes of the flow go right after the messages queued before them.
-            let queued = [!self.outbox[0].is_empty(), !self.outbox[1].is_empty()];
-            let want_send = queued[1] || !flow.pending().is_empty();
-            let drained = !queued[0] && !queued[1];
-            if !want_recv && flow.send_done() && (drained || !drain) {
+            let want_send = !flow.pending().is_empty();
+            if !want_recv && flow.send_done() {
                 return Ok(());
+            }
+            // A flow holding its bytes back (a header behind the messages' writer) waits
+            // for the writer: its bytes count as progress, and the poll wakes up to look.
+            let held_back = !want_send && !flow.send_done();
+            if self.total_sent() != written {
+                (written, last_progress) = (self.total_sent(), Instant::now());
             }
             let waited = last_progress.elapsed();
             if waited >= self.timeout {
                 // Waiting to receive means the peer's bytes never came; otherwise a peer
                 // never took ours.
-                let peer = match (want_recv, from, want_send) {
-                    (true, Side::Left, _) | (false, _, false) => self.left_rank,
+                let peer = match (want_recv, from) {
+                    (true, Side::Left) => self.left_rank,
                     _ => self.right_rank,
                 };
                 return Err(CollectiveError::Timeout {
@@ -145,7 +156,7 @@ impl Link {
                 flags
             };
             let wanted = [
-                events(want_recv && from == Side::Left, queued[0]),
+                events(want_recv && from == Side::Left, false),
                 events(want_recv && from == Side::Right, want_send),
             ];
             // Only watch a socket we need: a closed one reports HUP whether asked or not, and a
@@ -159,7 +170,10 @@ impl Link {
                 (false, true) => &mut fds[..1],
                 (true, _) => &mut fds[1..],
             };
-            let left_tm = self.timeout - waited;
+            let mut left_tm = self.timeout - waited;
+            if held_back {
+                left_tm = left_tm.min(Duration::from_millis(1));
+            }
             let timeout = Timespec {
                 tv_sec: left_tm.as_secs() as _,
                 tv_nsec: left_tm.subsec_nanos() as _,
@@ -172,18 +186,8 @@ impl Link {
             }
             let ready = |i: usize| !wanted[i].is_empty() && !fds[i].revents().is_empty();
             let (left_ready, right_ready) = (ready(0), ready(1));
-            if left_ready && queued[0] && self.write_queued(op, Side::Left)? {
+            if right_ready && want_send && self.write_flow(op, flow)? {
                 last_progress = Instant::now();
-            }
-            if right_ready && want_send {
-                let moved = if queued[1] {
-                    self.write_queued(op, Side::Right)?
-                } else {
-                    self.write_flow(op, flow)?
-                };
-                if moved {
-                    last_progress = Instant::now();
-                }
             }
             let readable = match from {
                 Side::Left => left_ready,
@@ -226,31 +230,6 @@ impl Link {
             flow.sent(n);
         }
         Ok(written.is_some())
-    }
-
-    /// Writes the oldest queued message of a side on: whether any byte went.
-    fn write_queued(&mut self, op: &'static str, side: Side) -> Result<bool> {
-        let queue = side as usize;
-        let Some(mut message) = self.outbox[queue].pop_front() else {
-            return Ok(false);
-        };
-        // On an error the message is lost with the communicator, which closes.
-        let written = self.write(op, side, &message.bytes[message.done..])?;
-        if let Some(n) = written {
-            message.done += n;
-        }
-        if message.done < message.bytes.len() {
-            self.outbox[queue].push_front(message);
-        }
-        Ok(written.is_some())
-    }
-
-    /// Writes what the sockets take of the queued messages now, without waiting.
-    pub(crate) fn progress(&mut self, op: &'static str) -> Result<()> {
-        for side in [Side::Left, Side::Right] {
-            while !self.outbox[side as usize].is_empty() && self.write_queued(op, side)? {}
-        }
-        Ok(())
     }
 
     /// Reads what the socket `from` has into the flow: whether any byte came.

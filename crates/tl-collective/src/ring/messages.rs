@@ -7,15 +7,15 @@
 //! to its neighbours only, which is what a pipeline needs: stage `s` talks to `s − 1` and
 //! `s + 1`, and in the interleaved layout the last rank to the first, its right neighbour.
 //!
-//! **Buffered sends.** A send copies the frame and the values into the connection's queue,
-//! writes what the socket takes at once, and returns. Every later call of the communicator
-//! that waits — a receive, a collective, a flush — writes the queues on while it waits. So
-//! two stages that send each other a message, then receive, never deadlock, whatever the
-//! size: neither waits for the other to read (the 1F1B steady state, where stage `s` sends
-//! an activation forward while stage `s + 1` sends a gradient back).
+//! **Buffered sends.** A send copies the frame and the values into the connection's queue
+//! and returns; the connection's writer thread (`writer.rs`) writes them while this rank
+//! computes. So two stages that send each other a message, then receive, never deadlock,
+//! whatever the size: neither waits for the other to read (the 1F1B steady state, where
+//! stage `s` sends an activation forward while stage `s + 1` sends a gradient back).
 //!
 //! **Sharing the connection with the collectives.** The messages queued on the right
-//! connection go out before the next collective's bytes; the right neighbour, starting the
+//! connection go out before the next collective's bytes (the collective waits for the
+//! writer to drain); the right neighbour, starting the
 //! same collective, reads them (into its [`Inbox`]) before the collective's header. While
 //! a collective runs, no rank sends a message, so nothing else can come between its bytes.
 //! A rank that waits for a message but finds a collective's header instead fails with
@@ -26,7 +26,8 @@ use crate::error::{CollectiveError, Result};
 use crate::p2p::{self, Inbox, Message, SEND_OP};
 use crate::ring::RingComm;
 use crate::ring::header::{HEADER_LEN, decode, encode};
-use crate::ring::link::{Exchange, Flow, Outgoing, Side};
+use crate::ring::link::{Flow, Side};
+use crate::ring::writer::Drained;
 
 /// What a [`Frames`] reads up to.
 pub(crate) enum Until<'a> {
@@ -56,10 +57,12 @@ enum Body {
 }
 
 /// Reads the frames that come on one connection (from rank `from`) until the one it waits
-/// for, keeping the others in the inbox, while sending `out` right.
+/// for, keeping the others in the inbox, while sending `out` right (once `after` says the
+/// messages queued before it are written).
 pub(crate) struct Frames<'a> {
     out: &'a [u8],
     out_done: usize,
+    after: Option<Drained>,
     from: usize,
     inbox: &'a mut Inbox,
     until: Until<'a>,
@@ -74,6 +77,7 @@ impl<'a> Frames<'a> {
         Frames {
             out,
             out_done: 0,
+            after: None,
             from,
             inbox,
             until,
@@ -82,6 +86,12 @@ impl<'a> Frames<'a> {
             body: Body::Header,
             outcome: None,
         }
+    }
+
+    /// Holds `out` back until `writer` has written what it holds.
+    pub(crate) fn after(mut self, writer: Drained) -> Self {
+        self.after = Some(writer);
+        self
     }
 
     /// What reading found: an error if the frames did not fit what was awaited.
@@ -166,6 +176,9 @@ impl<'a> Frames<'a> {
 
 impl Flow for Frames<'_> {
     fn pending(&self) -> &[u8] {
+        if self.after.as_ref().is_some_and(|writer| !writer.done()) {
+            return &[];
+        }
         &self.out[self.out_done..]
     }
 
@@ -273,8 +286,7 @@ impl RingComm {
         let mut bytes = Vec::with_capacity(HEADER_LEN + data.byte_len());
         bytes.extend_from_slice(&encode(&frame));
         bytes.extend_from_slice(data.bytes().expect("checked: not shape-only"));
-        link.outbox[side as usize].push_back(Outgoing { bytes, done: 0 });
-        let outcome = link.progress(SEND_OP);
+        let outcome = link.writers[side as usize].push(SEND_OP, bytes);
         if outcome.is_err() {
             self.close();
         }
@@ -303,7 +315,7 @@ impl RingComm {
                     into,
                 };
                 let mut flow = Frames::new(&[], from, &mut self.inbox, until);
-                link.transfer("recv", &mut flow, side, false)
+                link.transfer("recv", &mut flow, side)
                     .and_then(|()| flow.outcome())
             }
         };
@@ -321,7 +333,7 @@ impl RingComm {
         let Some(link) = self.link.as_mut() else {
             return Ok(());
         };
-        let outcome = link.transfer("flush", &mut Exchange::new(&[], &mut []), Side::Left, true);
+        let outcome = (link.writers.iter()).try_for_each(|writer| writer.drained("flush"));
         if outcome.is_err() {
             self.close();
         }

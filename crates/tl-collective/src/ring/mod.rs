@@ -20,6 +20,7 @@ mod link;
 mod messages;
 pub(crate) mod rendezvous;
 mod setup;
+mod writer;
 
 use std::ops::Range;
 
@@ -505,7 +506,7 @@ impl Communicator for RingComm {
     fn stats(&self) -> CommStats {
         CommStats {
             collectives: self.seq,
-            bytes_sent: self.link.as_ref().map_or(0, |link| link.bytes_sent),
+            bytes_sent: self.link.as_ref().map_or(0, Link::total_sent),
             sends: self.sends,
             receives: self.receives,
         }

@@ -80,7 +80,7 @@ pub(crate) fn connect(config: &RingConfig) -> Result<(Link, Vec<String>)> {
             .and_then(|()| stream.set_read_timeout(None))
             .map_err(|e| CollectiveError::io("set the ring's sockets non-blocking", e))?;
     }
-    let link = Link::new((left, left_rank), (right, right_rank), config.timeout);
+    let link = Link::new((left, left_rank), (right, right_rank), config.timeout)?;
     Ok((link, refused))
 }
 
