@@ -121,6 +121,16 @@ fn a_pipeline_composes_with_data_and_tensor_parallelism() {
         let weights = common::ranks::largest_difference(&common::ranks::weights(&out), &expected.1);
         assert!(weights < 5e-5, "{what}: weights differ by {weights:e}");
     }
+    // ZeRO-1 over the pipelines' data-parallel groups: each rank updates its shard of its
+    // stages' moments, and the run is the DDP pipeline's, weights and moments to the byte.
+    let zero1 = dir.path().join("zero1");
+    succeed(4, &run(&model, &zero1, 2, &["--pp", "2", "--zero", "1"]));
+    let ddp = dir.path().join("--pp2");
+    assert!(weights(&zero1) == weights(&ddp), "ZeRO-1 x pp 2: weights");
+    let moments = |run: &Path| {
+        fs::read(common::latest_checkpoint(run).join("optimizer.safetensors")).unwrap()
+    };
+    assert!(moments(&zero1) == moments(&ddp), "ZeRO-1 x pp 2: moments");
 }
 
 /// A checkpoint written at pp 2 resumes at pp 1, at pp 4 and on two data-parallel ranks,
@@ -194,7 +204,7 @@ fn sizes_a_pipeline_cannot_run_are_refused_before_any_step() {
         ),
         (2, 4, &["--pp", "3"], "must divide"),
         (2, 2, &["--pp", "2", "--pp-split", "4"], "pp-split"),
-        (4, 2, &["--pp", "2", "--zero", "1"], "with ZeRO"),
+        (4, 2, &["--pp", "2", "--zero", "2"], "with ZeRO-2 or 3"),
         (2, 2, &["--pp", "2", "--dropout", "0.1"], "with dropout"),
     ] {
         let out = dir.path().join(format!("bad-{ranks}-{}", flags.join("")));
@@ -221,6 +231,7 @@ fn each_stages_peak_and_traffic_is_the_plans() {
         (2, 2, 4, &["--schedule", "interleaved"]),
         (4, 4, 4, &["--schedule", "1f1b", "--checkpoint-activations"]),
         (4, 2, 2, &[]),
+        (4, 2, 2, &["--zero", "1"]),
         (4, 2, 4, &["--tp", "2"]),
     ] {
         let pp = pp.to_string();

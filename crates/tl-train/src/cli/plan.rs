@@ -113,10 +113,6 @@ fn plan_config(args: &PlanArgs) -> Result<TrainConfig> {
         bucket_mib: args.bucket_mib,
         fp8: args.fp8,
         no_clip: args.no_clip,
-        pp: Some(args.pp),
-        schedule: args.schedule,
-        stages_per_rank: args.stages_per_rank,
-        pp_split: args.pp_split.clone(),
         ..TrainArgs::default()
     };
     let mut config = config_from_flags(&train_args)?;
@@ -125,8 +121,20 @@ fn plan_config(args: &PlanArgs) -> Result<TrainConfig> {
         config.preset = None;
         config.model = shape.config();
         config.model.dropout = dropout;
-        config.validate()?;
     }
+    // The pipeline's flags on the model they cut (a --shape's, not the preset's).
+    let parallel = &mut config.parallel;
+    parallel.pipeline = args.pp;
+    parallel.schedule = args.schedule.unwrap_or(parallel.schedule);
+    let interleaved = parallel.schedule == tl_parallel::pipeline::ScheduleKind::Interleaved;
+    parallel.stages_per_rank = match args.stages_per_rank {
+        Some(v) => v,
+        None if interleaved && args.pp > 1 => 2,
+        None => 1,
+    };
+    parallel.pipeline_split = args.pp_split.clone();
+    parallel.ranks = parallel.ranks.max(parallel.tensor * parallel.pipeline);
+    config.validate()?;
     Ok(config)
 }
 

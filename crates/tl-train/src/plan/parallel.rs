@@ -429,6 +429,46 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
     })
 }
 
+/// For each block, how many micro-batches' forwards its stage on world rank `rank` runs
+/// before the rank's first backward (1 without a pipeline).
+fn pipeline_forwards_before_backward(
+    config: &TrainConfig,
+    rank: usize,
+    parallelism: &DataParallelism,
+) -> Result<impl Fn(usize) -> usize> {
+    use tl_parallel::pipeline::Action;
+    let mut counts: Vec<usize> = Vec::new();
+    let mut stage_of_block: Vec<usize> = Vec::new();
+    if parallelism.pipeline > 1 {
+        let mut config = config.clone();
+        config.parallel.ranks = parallelism.ranks;
+        let schedule = config.pipeline_schedule()?;
+        let blocks = crate::model::pipeline::stage_blocks(
+            &config.model,
+            config.parallel.stages(),
+            config.parallel.pipeline_split.as_deref(),
+        )?;
+        // The mesh's layout: rank = (pp·DP + dp)·TP + tp.
+        let replicas = parallelism.ranks / (parallelism.tensor * parallelism.pipeline);
+        let pp_rank = rank / (parallelism.tensor * replicas);
+        counts = vec![0; blocks.len()];
+        for action in schedule.actions(pp_rank) {
+            match *action {
+                Action::Backward { .. } | Action::BackwardInput { .. } => break,
+                Action::Forward { stage, .. } => counts[stage] += 1,
+                _ => {}
+            }
+        }
+        stage_of_block = (0..config.model.n_layers)
+            .map(|b| blocks.iter().position(|r| r.contains(&b)).unwrap_or(0))
+            .collect();
+    }
+    Ok(move |block: usize| match stage_of_block.get(block) {
+        Some(&stage) => counts[stage],
+        None => 1,
+    })
+}
+
 /// The recipe's config on `parallelism`'s pipeline.
 fn pipeline_config(recipe: &Recipe, parallelism: &DataParallelism) -> TrainConfig {
     let mut config = recipe.config().clone();
@@ -457,7 +497,13 @@ fn plan_rank(recipe: &Recipe, parallelism: &DataParallelism, rank: usize) -> Res
             *by_block.entry(i).or_default() += saved.bytes;
         }
     }
-    let block_activations = by_block.into_values().max().unwrap_or(0);
+    // On a pipeline the first backward comes after the forwards of several micro-batches:
+    // a block's saved bytes are those of each micro-batch its stage ran until then.
+    let in_flight = pipeline_forwards_before_backward(&config, rank, parallelism)?;
+    let block_activations = (by_block.into_iter())
+        .map(|(block, bytes)| bytes / in_flight(block).max(1) as u64)
+        .max()
+        .unwrap_or(0);
     let mut plan = from_prediction(&prediction).into_rank_plan(rank, sent);
     plan.block_activations_bytes = block_activations;
     Ok(plan)

@@ -47,13 +47,13 @@ pub fn render_parallel(plan: &ParallelPlan) -> String {
     let mut out = String::new();
     recipe_line(&mut out, plan);
     let p = &plan.parallelism;
+    let replicas = p.ranks / (p.tensor * p.pipeline);
     let split = match p.tensor {
         1 => String::new(),
-        t if p.sequence_parallel => format!(
-            " as {} data-parallel x {t} tensor-parallel, with sequence parallelism",
-            p.ranks / t
-        ),
-        t => format!(" as {} data-parallel x {t} tensor-parallel", p.ranks / t),
+        t if p.sequence_parallel => {
+            format!(" as {replicas} data-parallel x {t} tensor-parallel, with sequence parallelism")
+        }
+        t => format!(" as {replicas} data-parallel x {t} tensor-parallel"),
     };
     let split = match &plan.pipeline {
         Some(pipe) => format!(

@@ -1028,8 +1028,12 @@ impl TrainConfig {
                  sweep): use gpipe, 1f1b or interleaved",
             );
         }
-        if parallel.zero > 0 {
-            return not_yet("zero", parallel.zero.to_string(), "with ZeRO");
+        if parallel.zero > 1 {
+            return not_yet(
+                "zero",
+                parallel.zero.to_string(),
+                "with ZeRO-2 or 3 (ZeRO-1 runs: the moments sharded over the data-parallel group)",
+            );
         }
         if self.fp8.is_some() {
             return not_yet("fp8", "on".into(), "with fp8's delayed scaling");
