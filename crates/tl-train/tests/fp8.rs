@@ -214,7 +214,7 @@ fn evaluation_records_no_amax() {
     .unwrap();
     config.checkpointing = tl_train::model::Checkpointing::PerBlock;
     let mut trainer = tl_train::train::Trainer::new(config, &dir.path().join("run")).unwrap();
-    let loss = trainer.validation_loss();
+    let loss = trainer.validation_loss().unwrap();
     assert!(loss.is_finite());
     trainer.save().unwrap();
     let state = snapshot::load(&dir.path().join("run"))

@@ -760,7 +760,7 @@ impl Trainer {
     /// # Errors
     /// [`TrainError::Io`] if the record cannot be logged.
     pub fn evaluate(&mut self) -> Result<Record> {
-        let val_loss = self.validation_loss();
+        let val_loss = self.validation_loss()?;
         let record = Record::Eval {
             step: self.step,
             val_loss,
@@ -772,9 +772,9 @@ impl Trainer {
 
     /// The mean validation loss, nats per token, weighting each batch by its rows.
     ///
-    /// # Panics
-    /// On a pipeline, if a message between the stages fails.
-    pub fn validation_loss(&self) -> f64 {
+    /// # Errors
+    /// On a pipeline, [`TrainError::Parallel`] if a message between the stages fails.
+    pub fn validation_loss(&self) -> Result<f64> {
         let _no_graph = no_grad();
         let _autocast = self.config.autocast();
         self.model.set_training(false);
@@ -786,9 +786,7 @@ impl Trainer {
         };
         fp8_observing(false);
         let loss = match &self.pipeline {
-            Some(pipeline) => pipeline
-                .validation_loss(&self.model, &self.validation)
-                .unwrap_or_else(|error| panic!("validation through the pipeline: {error}")),
+            Some(pipeline) => pipeline.validation_loss(&self.model, &self.validation),
             None => {
                 let (mut total, mut rows) = (0.0, 0);
                 for batch in &self.validation {
@@ -799,7 +797,7 @@ impl Trainer {
                     total += f64::from(loss.item()) * batch.rows as f64;
                     rows += batch.rows;
                 }
-                total / rows as f64
+                Ok(total / rows as f64)
             }
         };
         fp8_observing(true);
