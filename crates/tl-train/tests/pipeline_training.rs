@@ -131,6 +131,20 @@ fn a_pipeline_composes_with_data_and_tensor_parallelism() {
         fs::read(common::latest_checkpoint(run).join("optimizer.safetensors")).unwrap()
     };
     assert!(moments(&zero1) == moments(&ddp), "ZeRO-1 x pp 2: moments");
+    // ZeRO-2 reduce-scatters each stage's gradients after the schedule: without clipping
+    // (whose sum of squares ZeRO-2 adds shard by shard), the DDP pipeline's weights.
+    let (zero2, ddp) = (dir.path().join("zero2"), dir.path().join("ddp-no-clip"));
+    succeed(
+        4,
+        &run(
+            &model,
+            &zero2,
+            2,
+            &["--pp", "2", "--zero", "2", "--no-clip"],
+        ),
+    );
+    succeed(4, &run(&model, &ddp, 2, &["--pp", "2", "--no-clip"]));
+    assert!(weights(&zero2) == weights(&ddp), "ZeRO-2 x pp 2: weights");
 }
 
 /// A checkpoint written at pp 2 resumes at pp 1, at pp 4 and on two data-parallel ranks,
@@ -204,7 +218,7 @@ fn sizes_a_pipeline_cannot_run_are_refused_before_any_step() {
         ),
         (2, 4, &["--pp", "3"], "must divide"),
         (2, 2, &["--pp", "2", "--pp-split", "4"], "pp-split"),
-        (4, 2, &["--pp", "2", "--zero", "2"], "with ZeRO-2 or 3"),
+        (4, 2, &["--pp", "2", "--zero", "3"], "with ZeRO-3"),
         (2, 2, &["--pp", "2", "--dropout", "0.1"], "with dropout"),
     ] {
         let out = dir.path().join(format!("bad-{ranks}-{}", flags.join("")));
@@ -232,6 +246,7 @@ fn each_stages_peak_and_traffic_is_the_plans() {
         (4, 4, 4, &["--schedule", "1f1b", "--checkpoint-activations"]),
         (4, 2, 2, &[]),
         (4, 2, 2, &["--zero", "1"]),
+        (4, 2, 2, &["--zero", "2"]),
         (4, 2, 4, &["--tp", "2"]),
     ] {
         let pp = pp.to_string();

@@ -1028,11 +1028,12 @@ impl TrainConfig {
                  sweep): use gpipe, 1f1b or interleaved",
             );
         }
-        if parallel.zero > 1 {
+        if parallel.zero > 2 {
             return not_yet(
                 "zero",
                 parallel.zero.to_string(),
-                "with ZeRO-2 or 3 (ZeRO-1 runs: the moments sharded over the data-parallel group)",
+                "with ZeRO-3 (ZeRO-1 and 2 run: the moments, and the gradients, sharded over \
+                 the data-parallel group)",
             );
         }
         if self.fp8.is_some() {
