@@ -17,7 +17,7 @@ use common::ranks::{largest_relative, run_ranks, succeed, train_losses};
 use tl_collective::{RingComm, RingConfig};
 use tl_precision::Precision;
 use tl_train::model::{Llama, Preset};
-use tl_train::train::{Record, TrainConfig, Trainer, read_config};
+use tl_train::train::{TrainConfig, Trainer, read_config};
 
 /// The tiny model with 4 blocks, so that 4 stages hold one each.
 fn four_blocks(dir: &Path) -> PathBuf {
@@ -363,45 +363,18 @@ fn fp16_config(ranks: usize, pipeline: usize) -> TrainConfig {
     config
 }
 
-/// Makes the last hidden unit of block 0 loud (its `W1` and `W3` columns 40 times larger)
-/// and silent (its `W2` row zero), if `model` holds block 0: the block's output does not
-/// change, but that unit's `W2` gradient overflows fp16 for the first steps. Only the first
-/// stage holds it, so only the first stage overflows.
+/// The 4-block run's first stage alone overflows: the last hidden unit of block 0 made
+/// loud and silent (see `common::overflow`), which only the first stage holds.
 fn make_unit_loud(model: &Llama<f32>) {
-    let unit = model.config().hidden - 1;
-    for (name, param) in model.named_parameters() {
-        match name.as_str() {
-            "blocks.0.w1.weight" | "blocks.0.w3.weight" => param.update_value(|w| {
-                w.index_axis_mut(tl_tensor::ndarray::Axis(1), unit)
-                    .mapv_inplace(|v| 40.0 * v);
-            }),
-            "blocks.0.w2.weight" => param.update_value(|w| {
-                w.index_axis_mut(tl_tensor::ndarray::Axis(0), unit)
-                    .fill(0.0);
-            }),
-            _ => {}
-        }
-    }
+    common::overflow::make_unit_loud(model, model.config().hidden - 1);
 }
 
-/// What a step reported: its loss, whether it was skipped, the loss scale after it.
+/// What a step reported: its loss's bits, whether it was skipped, the loss scale after it.
 type Step = (u64, bool, f64);
 
-fn steps(mut trainer: Trainer) -> Vec<Step> {
-    (0..STEPS)
-        .map(|_| match trainer.train_step().unwrap() {
-            Record::Train {
-                loss,
-                skipped,
-                scale,
-                ..
-            } => (
-                loss.to_bits(),
-                skipped,
-                scale.expect("fp16 scales the loss"),
-            ),
-            other => panic!("not a training step: {other:?}"),
-        })
+fn steps(trainer: Trainer) -> Vec<Step> {
+    (common::overflow::steps(trainer, STEPS).into_iter())
+        .map(|(loss, skipped, scale)| (loss.to_bits(), skipped, scale))
         .collect()
 }
 

@@ -11,14 +11,17 @@
 //!
 //! The ranks are threads of this test joined by the socket ring, with a timeout.
 
+mod common;
+
 use std::path::Path;
 use std::thread;
 use std::time::Duration;
 
+use common::overflow::{self, Step};
 use tl_collective::{RingComm, RingConfig};
 use tl_precision::Precision;
 use tl_train::model::{Llama, Preset};
-use tl_train::train::{Record, TrainConfig, Trainer};
+use tl_train::train::{TrainConfig, Trainer};
 
 /// Steps each run takes.
 const STEPS: usize = 8;
@@ -33,25 +36,8 @@ fn loud_unit(config: &TrainConfig) -> usize {
 fn make_unit_loud(model: &Llama<f32>, config: &TrainConfig, rank: usize, tensor: usize) {
     let per_rank = config.model.hidden / tensor;
     let unit = loud_unit(config);
-    if unit / per_rank != rank {
-        return;
-    }
-    let local = unit % per_rank;
-    for (name, param) in model.named_parameters() {
-        match name.as_str() {
-            // `[d, hidden]`: the unit's column, 40 times louder, so its activation (the
-            // product of the two) grows by 1600.
-            "blocks.0.w1.weight" | "blocks.0.w3.weight" => param.update_value(|w| {
-                w.index_axis_mut(tl_tensor::ndarray::Axis(1), local)
-                    .mapv_inplace(|v| 40.0 * v);
-            }),
-            // `[hidden, d]`: the unit's row, silent.
-            "blocks.0.w2.weight" => param.update_value(|w| {
-                w.index_axis_mut(tl_tensor::ndarray::Axis(0), local)
-                    .fill(0.0);
-            }),
-            _ => {}
-        }
+    if unit / per_rank == rank {
+        overflow::make_unit_loud(model, unit % per_rank);
     }
 }
 
@@ -68,21 +54,8 @@ fn config(ranks: usize, tensor: usize) -> TrainConfig {
     config
 }
 
-/// What a step reported: its loss, whether it was skipped, the loss scale after it.
-type Step = (f64, bool, f64);
-
-fn steps(mut trainer: Trainer) -> Vec<Step> {
-    (0..STEPS)
-        .map(|_| match trainer.train_step().unwrap() {
-            Record::Train {
-                loss,
-                skipped,
-                scale,
-                ..
-            } => (loss, skipped, scale.expect("fp16 scales the loss")),
-            other => panic!("not a training step: {other:?}"),
-        })
-        .collect()
+fn steps(trainer: Trainer) -> Vec<Step> {
+    overflow::steps(trainer, STEPS)
 }
 
 fn one_process(dir: &Path) -> Vec<Step> {

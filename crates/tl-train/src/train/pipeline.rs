@@ -280,7 +280,7 @@ impl PipelineRank {
                 if stage > 0 {
                     let shape = model.stream_shape(batch.rows, batch.context)?;
                     let mut values = vec![0.0f32; shape.iter().product()];
-                    let from = (stage - 1) % p;
+                    let from = self.schedule.rank_of(stage - 1);
                     self.call(|comm| comm.recv((&mut values[..]).into(), from, stage as u32))?;
                     input = Some(Tensor::from_vec(values, &shape)?);
                 }
@@ -295,7 +295,7 @@ impl PipelineRank {
                     total += f64::from(output.item()) * batch.rows as f64;
                 } else {
                     let values = output.to_vec();
-                    let to = (stage + 1) % p;
+                    let to = self.schedule.rank_of(stage + 1);
                     self.call(|comm| comm.send((&values[..]).into(), to, stage as u32 + 1))?;
                 }
             }
@@ -317,10 +317,9 @@ impl PipelineRank {
         local: &[(String, Tensor<f32>)],
         keep: bool,
     ) -> Result<Vec<(String, Tensor<f32>)>> {
-        let p = self.schedule.ranks();
         let mut whole = Vec::with_capacity(self.whole.len());
         for (name, shape, stage) in &self.whole {
-            let owner = stage % p;
+            let owner = self.schedule.rank_of(*stage);
             let mut values = match local.iter().find(|(n, _)| n == name) {
                 Some((_, tensor)) => tensor.to_vec(),
                 None => vec![0.0f32; shape.iter().product()],
@@ -346,14 +345,13 @@ impl PipelineRank {
         local: &[String],
         keep: bool,
     ) -> Result<AdamWState> {
-        let p = self.schedule.ranks();
         let mut whole = AdamWState {
             shapes: Vec::with_capacity(self.whole.len()),
             params: Vec::with_capacity(self.whole.len()),
             ..state.clone()
         };
         for (name, shape, stage) in &self.whole {
-            let owner = stage % p;
+            let owner = self.schedule.rank_of(*stage);
             let mine = local.iter().position(|n| n == name);
             let held = mine.and_then(|i| state.params[i].as_ref());
             // Whether it has stepped, and how often: every rank learns it first.

@@ -10,6 +10,7 @@ use tl_train::TrainError;
 use tl_train::cli::{CliError, Exit, run};
 use tl_train::train::{Record, read_records};
 
+pub mod overflow;
 pub mod ranks;
 
 /// `tinyllm train` on the tiny preset, 2 × 2 sequences of 64 bytes per step on 40 kB of
