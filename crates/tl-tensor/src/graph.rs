@@ -7,7 +7,7 @@
 //! activations are freed as the sweep goes, and a graph can be swept only once.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
 use ndarray::{ArrayD, Zip};
@@ -26,6 +26,15 @@ pub type Vjp<E> = Box<dyn FnOnce(ArrayD<E>) -> Vec<Option<ArrayD<E>>>>;
 /// too.
 pub type TensorVjp<E> = Box<dyn FnOnce(Tensor<E>) -> Vec<Option<Tensor<E>>>>;
 
+/// The backward of an op whose parents' gradients are computed one at a time: given the
+/// output's gradient and the index of a parent that requires grad, that parent's gradient
+/// (see [`Tensor::from_product_by_parent`](crate::Tensor::from_product_by_parent)). A
+/// product is written so: a split sweep ([`Tensor::backward_input_from`]) asks for the
+/// input's side now and the weight's side later, and each is computed only when asked.
+///
+/// [`Tensor::backward_input_from`]: crate::Tensor::backward_input_from
+pub type ParentVjp<E> = Box<dyn Fn(&ArrayD<E>, usize) -> ArrayD<E>>;
+
 /// A callback a leaf runs each time a backward sweep has accumulated its gradient (see
 /// [`Tensor::set_grad_ready_hook`](crate::Tensor::set_grad_ready_hook)).
 pub type GradReadyHook = Rc<dyn Fn()>;
@@ -39,6 +48,9 @@ pub(crate) enum NodeKind<E: Element> {
     /// A tensor made by the user that requires grad: gradients accumulate into `grad`, and
     /// `hook`, if set, runs right after each accumulation.
     Leaf {
+        /// Whether the leaf is a parameter ([`Tensor::param`](crate::Tensor::param)) rather
+        /// than an input that requires grad: a split sweep defers the parameters' gradients.
+        param: bool,
         grad: RefCell<Option<Buffer<E>>>,
         hook: RefCell<Option<GradReadyHook>>,
         /// The model's unit that owns the parameter, for its gradient's tag.
@@ -62,6 +74,9 @@ pub(crate) enum Backward<E: Element> {
     Values(Vjp<E>),
     /// A function of tensors, run for real and meta gradients alike.
     Tensors(TensorVjp<E>),
+    /// A function of values, one parent at a time, skipped for a meta gradient as
+    /// `Values` is.
+    ByParent(ParentVjp<E>),
 }
 
 /// A gradient a VJP hands back: values, or (for a meta gradient) the shape of its parent.
@@ -72,11 +87,13 @@ enum Returned<E: Element> {
 }
 
 impl<E: Element> GradNode<E> {
-    /// A leaf owned by the meter's current owner.
-    pub(crate) fn leaf(shape: Vec<usize>) -> Rc<Self> {
+    /// A leaf owned by the meter's current owner: a parameter's, or (`param` false) an
+    /// input's that requires grad.
+    pub(crate) fn leaf(shape: Vec<usize>, param: bool) -> Rc<Self> {
         Rc::new(Self {
             shape,
             kind: NodeKind::Leaf {
+                param,
                 grad: RefCell::new(None),
                 hook: RefCell::new(None),
                 owner: memory::current_tag().owner,
@@ -272,6 +289,10 @@ impl Drop for Sweep {
 /// parameters after everything below the layer): its gradient is complete then, and the
 /// hook can release or reduce it while the sweep goes on through the rest of the graph.
 /// The sums are the same, only their hand-over is earlier. Without hooks nothing changes.
+///
+/// Inside [`split`] (a split sweep's first half, and any sweep a VJP starts during it, as
+/// a checkpointed segment's rerun does) only the input's half runs now; the rest is handed
+/// to the split's collector (see [`Deferred`]).
 pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: Buffer<E>) {
     assert_eq!(
         grad_out.shape(),
@@ -281,86 +302,370 @@ pub(crate) fn backward<E: Element>(root: &Rc<GradNode<E>>, grad_out: Buffer<E>) 
     let _sweep = Sweep::start();
     let _stage = memory::stage_scope(Stage::Backward);
     let order = topological_order(root);
-    let mut waiting = hooked_consumers(&order);
-    let mut pending: HashMap<usize, Buffer<E>> = HashMap::new();
-    pending.insert(root.key(), grad_out);
-    // Consume the order front to back, dropping each node's entry as soon as it has run.
-    for node in order {
-        let Some(grad) = pending.remove(&node.key()) else {
-            continue;
+    let mut sweep = Sweeping {
+        waiting: hooked_consumers(&order),
+        pending: HashMap::from([(root.key(), grad_out)]),
+    };
+    if !is_splitting() {
+        // Consume the order front to back, dropping each node's entry as soon as it has run.
+        for node in order {
+            sweep.run(&node);
+        }
+        return;
+    }
+    let inputs = reaching_inputs(&order);
+    let mut halves = HashMap::new();
+    for node in &order {
+        if inputs.contains(&node.key()) {
+            sweep.run_input_half(node, &inputs, &mut halves);
+        }
+    }
+    let deferred = Deferred {
+        order,
+        inputs,
+        halves,
+        sweep,
+    };
+    defer(Box::new(move || deferred.run()));
+}
+
+/// A sweep's state: the gradients waiting for their node, and how many results each hooked
+/// leaf still waits for.
+struct Sweeping<E: Element> {
+    pending: HashMap<usize, Buffer<E>>,
+    waiting: HashMap<usize, usize>,
+}
+
+impl<E: Element> Sweeping<E> {
+    /// Runs `node` whole, if a gradient reached it: a leaf accumulates it, an op hands each
+    /// parent its gradient.
+    fn run(&mut self, node: &Rc<GradNode<E>>) {
+        let Some(grad) = self.pending.remove(&node.key()) else {
+            return;
         };
-        match &node.kind {
-            NodeKind::Leaf { .. } => finish_leaf(&node, grad),
-            NodeKind::Op(record) => {
-                let record = record
-                    .borrow_mut()
-                    .take()
-                    .expect("backward through a graph that a previous backward already freed");
-                let OpRecord {
-                    parents,
-                    vjp,
-                    scope,
-                } = record;
-                // The op's backward, and the gradients it makes, belong where its forward ran
-                // (its unit, its micro-batch), in the backward stage.
-                let _scope = memory::tag_scope(Tag {
-                    stage: Stage::Backward,
-                    ..scope
-                });
-                let flight = in_flight();
-                let (parent_grads, incoming) = run_vjp(vjp, grad, &parents);
-                assert_eq!(
-                    parent_grads.len(),
-                    parents.len(),
-                    "a VJP must return one entry per parent"
-                );
-                for (parent, parent_grad) in parents.iter().zip(parent_grads) {
-                    let Some(parent) = parent else {
-                        continue;
-                    };
-                    if let Some(parent_grad) = parent_grad {
-                        let entry = pending.get_mut(&parent.key());
-                        match (parent_grad, entry) {
-                            (Returned::Values(values), Some(acc)) => {
-                                check_shape(values.shape(), parent);
-                                add_into(acc, Some(&values));
-                            }
-                            (Returned::Values(values), None) => {
-                                check_shape(values.shape(), parent);
-                                pending.insert(parent.key(), Buffer::new_tagged(values, flight));
-                            }
-                            (Returned::Meta, Some(acc)) => add_into(acc, None),
-                            (Returned::Meta, None) => {
-                                let meta = Buffer::meta_tagged(&parent.shape, flight);
-                                pending.insert(parent.key(), meta);
-                            }
-                            (Returned::Buffer(buffer), Some(acc)) => {
-                                check_shape(buffer.shape(), parent);
-                                add_into(acc, values_of(&buffer));
-                            }
-                            (Returned::Buffer(mut buffer), None) => {
-                                check_shape(buffer.shape(), parent);
-                                buffer.set_tag(flight);
-                                pending.insert(parent.key(), buffer);
-                            }
-                        }
-                    }
-                    if !waiting.is_empty()
-                        && let Some(count) = waiting.get_mut(&parent.key())
-                    {
-                        *count -= 1;
-                        if *count == 0 {
-                            waiting.remove(&parent.key());
-                            if let Some(grad) = pending.remove(&parent.key()) {
-                                finish_leaf(parent, grad);
-                            }
-                        }
-                    }
-                }
-                drop(incoming);
-                // `parents` and the VJP's saved values drop here.
+        let NodeKind::Op(record) = &node.kind else {
+            finish_leaf(node, grad);
+            return;
+        };
+        let OpRecord {
+            parents,
+            vjp,
+            scope,
+        } = take_record(record);
+        // The op's backward, and the gradients it makes, belong where its forward ran (its
+        // unit, its micro-batch), in the backward stage.
+        let _scope = backward_scope(scope);
+        let flight = in_flight();
+        let (parent_grads, incoming) = run_vjp(vjp, grad, &parents, |_| true);
+        for (parent, parent_grad) in parents.iter().zip(parent_grads) {
+            if let Some(parent) = parent {
+                self.hand(parent, parent_grad, flight);
             }
         }
+        drop(incoming);
+        // `parents` and the VJP's saved values drop here.
+    }
+
+    /// Runs the input's half of `node`, on the path from an input to the output, if a
+    /// gradient reached it: its parents on such a path get their gradients now; what goes
+    /// to the others (towards the parameters only) is kept in `halves`, computed already or,
+    /// for a [`Backward::ByParent`] VJP, still to compute.
+    fn run_input_half(
+        &mut self,
+        node: &Rc<GradNode<E>>,
+        inputs: &HashSet<usize>,
+        halves: &mut HashMap<usize, Half<E>>,
+    ) {
+        let Some(grad) = self.pending.remove(&node.key()) else {
+            return;
+        };
+        let NodeKind::Op(record) = &node.kind else {
+            finish_leaf(node, grad);
+            return;
+        };
+        let OpRecord {
+            parents,
+            vjp,
+            scope,
+        } = take_record(record);
+        let _scope = backward_scope(scope);
+        let flight = in_flight();
+        let now = |i: usize| {
+            parents[i]
+                .as_ref()
+                .is_some_and(|p| inputs.contains(&p.key()))
+        };
+        let rest = (0..parents.len()).any(|i| parents[i].is_some() && !now(i));
+        if let Backward::ByParent(vjp) = vjp {
+            let (parent_grads, incoming) = run_vjp(Backward::ByParent(vjp), grad, &parents, now);
+            let Some(Held::Buffer(grad, Backward::ByParent(vjp))) = incoming else {
+                unreachable!("a by-parent VJP is handed back with its gradient");
+            };
+            for (i, parent_grad) in parent_grads.into_iter().enumerate() {
+                if let (true, Some(parent)) = (now(i), &parents[i]) {
+                    self.hand(parent, parent_grad, flight);
+                }
+            }
+            if rest {
+                let vjp = Backward::ByParent(vjp);
+                let later = Later::Compute(Box::new(Pending { vjp, grad, scope }));
+                halves.insert(node.key(), Half { parents, later });
+            }
+            return;
+        }
+        let (parent_grads, incoming) = run_vjp(vjp, grad, &parents, |_| true);
+        let mut computed = Vec::new();
+        for (i, parent_grad) in parent_grads.into_iter().enumerate() {
+            let Some(parent) = &parents[i] else {
+                continue;
+            };
+            if now(i) {
+                self.hand(parent, parent_grad, flight);
+            } else {
+                // Kept as storage, so the meter counts it while it waits.
+                computed.push((i, parent_grad.map(|g| g.into_buffer(parent, flight))));
+            }
+        }
+        drop(incoming);
+        if rest {
+            halves.insert(
+                node.key(),
+                Half {
+                    parents,
+                    later: Later::Computed(computed),
+                },
+            );
+        }
+    }
+
+    /// Adds a VJP's result for `parent` to the gradient waiting for it, and finishes a
+    /// hooked leaf once its last result is in. Values are counted on the meter only when
+    /// they start a gradient of their own, not when they are added into one.
+    fn hand(&mut self, parent: &Rc<GradNode<E>>, grad: Option<Returned<E>>, flight: Tag) {
+        if let Some(grad) = grad {
+            let entry = self.pending.get_mut(&parent.key());
+            match (grad, entry) {
+                (Returned::Values(values), Some(acc)) => {
+                    check_shape(values.shape(), parent);
+                    add_into(acc, Some(&values));
+                }
+                (Returned::Meta, Some(acc)) => add_into(acc, None),
+                (Returned::Buffer(buffer), Some(acc)) => {
+                    check_shape(buffer.shape(), parent);
+                    add_into(acc, values_of(&buffer));
+                }
+                (grad, None) => {
+                    let buffer = grad.into_buffer(parent, flight);
+                    self.pending.insert(parent.key(), buffer);
+                }
+            }
+        }
+        self.result_in(parent);
+    }
+
+    /// One of `parent`'s consumers has run: a hooked leaf whose last one it was is finished.
+    fn result_in(&mut self, parent: &Rc<GradNode<E>>) {
+        if !self.waiting.is_empty()
+            && let Some(count) = self.waiting.get_mut(&parent.key())
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.waiting.remove(&parent.key());
+                if let Some(grad) = self.pending.remove(&parent.key()) {
+                    finish_leaf(parent, grad);
+                }
+            }
+        }
+    }
+}
+
+/// An op's record, taken out of its node for its backward.
+fn take_record<E: Element>(record: &RefCell<Option<OpRecord<E>>>) -> OpRecord<E> {
+    record
+        .borrow_mut()
+        .take()
+        .expect("backward through a graph that a previous backward already freed")
+}
+
+/// The meter's scope of an op's backward: its forward's, in the backward stage.
+fn backward_scope(scope: Tag) -> memory::TagScope {
+    memory::tag_scope(Tag {
+        stage: Stage::Backward,
+        ..scope
+    })
+}
+
+/// The nodes of `order` on a path from an input to its root: the leaves that require grad
+/// but are not parameters, and every op with such a node among its parents.
+fn reaching_inputs<E: Element>(order: &[Rc<GradNode<E>>]) -> HashSet<usize> {
+    let mut reaching = HashSet::new();
+    // Back to front: each node after everything it consumes.
+    for node in order.iter().rev() {
+        let reaches = match &node.kind {
+            NodeKind::Leaf { param, .. } => !param,
+            NodeKind::Op(record) => record
+                .borrow()
+                .as_ref()
+                .expect("a node in the order has its record")
+                .parents
+                .iter()
+                .flatten()
+                .any(|parent| reaching.contains(&parent.key())),
+        };
+        if reaches {
+            reaching.insert(node.key());
+        }
+    }
+    reaching
+}
+
+/// What an op on an input's path still owes the parameters' side after the input's half.
+struct Half<E: Element> {
+    parents: Vec<Option<Rc<GradNode<E>>>>,
+    later: Later<E>,
+}
+
+enum Later<E: Element> {
+    /// The results for the parents off the input's path, computed with the rest (one per
+    /// parent that requires grad, in order; `None` where the VJP gave none).
+    Computed(Vec<(usize, Option<Buffer<E>>)>),
+    /// A by-parent VJP, with the output's gradient and the forward's scope, to run for
+    /// those parents.
+    Compute(Box<Pending<E>>),
+}
+
+/// A by-parent VJP's second run: the VJP, the output's gradient, and the forward's scope.
+struct Pending<E: Element> {
+    vjp: Backward<E>,
+    grad: Buffer<E>,
+    scope: Tag,
+}
+
+/// The weights' half of a split sweep: the nodes off the inputs' paths and what the ops
+/// on them still owe those nodes, swept in the order of the whole sweep. So every
+/// gradient gets its terms in the order an unsplit sweep adds them, and the saved values
+/// the weights' side needs stay alive until it runs.
+struct Deferred<E: Element> {
+    order: Vec<Rc<GradNode<E>>>,
+    inputs: HashSet<usize>,
+    halves: HashMap<usize, Half<E>>,
+    sweep: Sweeping<E>,
+}
+
+impl<E: Element> Deferred<E> {
+    fn run(self) {
+        let Self {
+            order,
+            inputs,
+            mut halves,
+            mut sweep,
+        } = self;
+        let _sweep = Sweep::start();
+        let _stage = memory::stage_scope(Stage::Backward);
+        for node in order {
+            if !inputs.contains(&node.key()) {
+                sweep.run(&node);
+                continue;
+            }
+            let Some(Half { parents, later }) = halves.remove(&node.key()) else {
+                continue;
+            };
+            let off_path = |i: usize| parents[i].as_ref().filter(|p| !inputs.contains(&p.key()));
+            match later {
+                Later::Computed(computed) => {
+                    for (i, grad) in computed {
+                        let parent = off_path(i).expect("kept for a parent off the path");
+                        let flight = grad.as_ref().map_or_else(in_flight, Buffer::tag);
+                        sweep.hand(parent, grad.map(Returned::Buffer), flight);
+                    }
+                }
+                Later::Compute(pending) => {
+                    let Pending { vjp, grad, scope } = *pending;
+                    let _scope = backward_scope(scope);
+                    let flight = in_flight();
+                    let wanted = |i: usize| off_path(i).is_some();
+                    let (parent_grads, incoming) = run_vjp_held(vjp, grad, &parents, wanted);
+                    for (i, parent_grad) in parent_grads.into_iter().enumerate() {
+                        if let Some(parent) = off_path(i) {
+                            sweep.hand(parent, parent_grad, flight);
+                        }
+                    }
+                    drop(incoming);
+                }
+            }
+        }
+    }
+}
+
+/// A sweep's second half, to run later.
+type SecondHalf = Box<dyn FnOnce()>;
+
+thread_local! {
+    /// While a split sweep's first half runs on this thread: the second halves of the
+    /// sweeps it made (its own and those its VJPs started), in the order they were made.
+    static SPLIT: RefCell<Option<Vec<SecondHalf>>> = const { RefCell::new(None) };
+}
+
+fn is_splitting() -> bool {
+    SPLIT.with(|split| split.borrow().is_some())
+}
+
+fn defer(work: SecondHalf) {
+    SPLIT.with(|split| {
+        split
+            .borrow_mut()
+            .as_mut()
+            .expect("deferred only while splitting")
+            .push(work);
+    });
+}
+
+/// Runs `first` as the first half of a split sweep: every backward sweep inside it
+/// computes only what the inputs' gradients need, and what it leaves for the parameters
+/// comes back as [`WeightGradients`]. Restores the previous state on return and on panic.
+pub(crate) fn split(first: impl FnOnce()) -> WeightGradients {
+    struct Restore(Option<Vec<SecondHalf>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let previous = self.0.take();
+            SPLIT.with(|split| *split.borrow_mut() = previous);
+        }
+    }
+    let previous = SPLIT.with(|split| split.borrow_mut().replace(Vec::new()));
+    let restore = Restore(previous);
+    first();
+    let work = SPLIT
+        .with(|split| split.borrow_mut().take())
+        .unwrap_or_default();
+    drop(restore);
+    WeightGradients { work }
+}
+
+/// The second half of a split backward (see
+/// [`Tensor::backward_input_from`](crate::Tensor::backward_input_from)): the parameters'
+/// gradients, not computed yet. [`run`](Self::run) computes them and accumulates them
+/// into the parameters' `.grad`; dropping it instead frees what it held (the activations
+/// the weights' gradients would have needed) and the parameters get nothing.
+#[must_use = "the parameters get their gradients only when it runs"]
+pub struct WeightGradients {
+    work: Vec<SecondHalf>,
+}
+
+impl WeightGradients {
+    /// Computes the parameters' gradients and accumulates them, each sweep's in the order
+    /// its first half ran (a checkpointed segment's rerun before the sweep that ran it).
+    pub fn run(self) {
+        for work in self.work {
+            work();
+        }
+    }
+}
+
+impl std::fmt::Debug for WeightGradients {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeightGradients")
+            .field("sweeps", &self.work.len())
+            .finish()
     }
 }
 
@@ -382,6 +687,25 @@ fn check_shape<E: Element>(shape: &[usize], parent: &GradNode<E>) {
     );
 }
 
+impl<E: Element> Returned<E> {
+    /// The gradient as storage tagged `flight` (meta storage of `parent`'s shape for a
+    /// meta gradient).
+    fn into_buffer(self, parent: &GradNode<E>, flight: Tag) -> Buffer<E> {
+        match self {
+            Returned::Values(values) => {
+                check_shape(values.shape(), parent);
+                Buffer::new_tagged(values, flight)
+            }
+            Returned::Meta => Buffer::meta_tagged(&parent.shape, flight),
+            Returned::Buffer(mut buffer) => {
+                check_shape(buffer.shape(), parent);
+                buffer.set_tag(flight);
+                buffer
+            }
+        }
+    }
+}
+
 /// The incoming gradient, kept on the meter until the VJP's results are in (it is alive
 /// while the VJP runs, and a VJP may hand it back as one of its results). Counted off the
 /// meter when dropped.
@@ -396,16 +720,26 @@ impl Drop for Incoming {
     }
 }
 
-/// Runs one op's backward on `grad`: the gradient for each parent, and the incoming
-/// gradient's hold on the meter (to drop once the results are placed). A values VJP is
-/// skipped for a meta gradient, every parent in the graph getting a meta gradient; a
-/// tensors VJP runs either way.
+/// What holds the incoming gradient until an op's results are placed.
+enum Held<E: Element> {
+    /// Its values went into a VJP; its bytes are still counted, until this drops.
+    Incoming { _counted: Incoming },
+    /// The gradient itself, with the by-parent VJP that reads it (a split sweep may run it
+    /// again for the other parents).
+    Buffer(Buffer<E>, Backward<E>),
+}
+
+/// Runs one op's backward on `grad`: the gradient for each parent (a by-parent VJP only for
+/// the parents `wanted`), and the incoming gradient's hold on the meter (to drop once the
+/// results are placed). A values VJP is skipped for a meta gradient, every parent in the
+/// graph getting a meta gradient; a tensors VJP runs either way.
 fn run_vjp<E: Element>(
     vjp: Backward<E>,
     grad: Buffer<E>,
     parents: &[Option<Rc<GradNode<E>>>],
-) -> (Vec<Option<Returned<E>>>, Option<Incoming>) {
-    match vjp {
+    wanted: impl Fn(usize) -> bool,
+) -> (Vec<Option<Returned<E>>>, Option<Held<E>>) {
+    let (returned, held) = match vjp {
         Backward::Values(vjp) => {
             // The values leave the buffer (which counts them off) and are counted again
             // until the results are placed: the same events for a meta gradient.
@@ -413,7 +747,7 @@ fn run_vjp<E: Element>(
             let values = (!grad.is_meta()).then(|| grad.into_array());
             memory::on_alloc_tagged(bytes, tag);
             let incoming = Incoming { bytes, tag };
-            let returned = match values {
+            let returned: Vec<_> = match values {
                 Some(values) => vjp(values)
                     .into_iter()
                     .map(|grad| grad.map(Returned::Values))
@@ -426,7 +760,7 @@ fn run_vjp<E: Element>(
                         .collect()
                 }
             };
-            (returned, Some(incoming))
+            (returned, Some(Held::Incoming { _counted: incoming }))
         }
         Backward::Tensors(vjp) => {
             let returned = vjp(Tensor::from_buffer(grad))
@@ -435,5 +769,40 @@ fn run_vjp<E: Element>(
                 .collect();
             (returned, None)
         }
-    }
+        by_parent @ Backward::ByParent(_) => return run_vjp_held(by_parent, grad, parents, wanted),
+    };
+    assert_eq!(
+        returned.len(),
+        parents.len(),
+        "a VJP must return one entry per parent"
+    );
+    (returned, held)
+}
+
+/// [`run_vjp`] of a by-parent VJP: each parent that requires grad and is `wanted` gets its
+/// gradient (meta for a meta gradient); the gradient stays alive, with the VJP, in the
+/// returned hold.
+fn run_vjp_held<E: Element>(
+    vjp: Backward<E>,
+    grad: Buffer<E>,
+    parents: &[Option<Rc<GradNode<E>>>],
+    wanted: impl Fn(usize) -> bool,
+) -> (Vec<Option<Returned<E>>>, Option<Held<E>>) {
+    let Backward::ByParent(by_parent) = &vjp else {
+        unreachable!("only a by-parent VJP runs parent by parent");
+    };
+    let returned = (parents.iter().enumerate())
+        .map(|(i, parent)| {
+            let parent = parent.as_ref().filter(|_| wanted(i))?;
+            Some(match grad.is_meta() {
+                true => Returned::Meta,
+                false => {
+                    let values = by_parent(grad.array(), i);
+                    check_shape(values.shape(), parent);
+                    Returned::Values(values)
+                }
+            })
+        })
+        .collect();
+    (returned, Some(Held::Buffer(grad, vjp)))
 }

@@ -27,7 +27,7 @@ pub mod testing;
 
 pub use element::Element;
 pub use error::{Result, TensorError};
-pub use graph::{GradReadyHook, TensorVjp, Vjp, in_backward};
+pub use graph::{GradReadyHook, ParentVjp, TensorVjp, Vjp, WeightGradients, in_backward};
 pub use meta::{MetaModeGuard, is_meta_mode, meta_mode, set_meta_mode};
 pub use mode::{
     GradModeGuard, ModeSnapshot, ModeSnapshotGuard, NoGradGuard, enable_grad, is_grad_enabled,

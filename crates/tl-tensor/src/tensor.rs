@@ -150,7 +150,7 @@ impl<E: Element> Tensor<E> {
     pub fn meta_param(shape: &[usize]) -> Self {
         Self::on_storage(
             Rc::new(RefCell::new(Buffer::meta_tagged(shape, weights_tag()))),
-            Some(GradNode::leaf(shape.to_vec())),
+            Some(GradNode::leaf(shape.to_vec(), true)),
         )
     }
 
@@ -226,7 +226,7 @@ impl<E: Element> Tensor<E> {
     /// the values).
     pub fn param(array: ArrayD<E>) -> Self {
         let shape = array.shape().to_vec();
-        Self::with_node(array, Some(GradNode::leaf(shape)))
+        Self::with_node(array, Some(GradNode::leaf(shape, true)))
     }
 
     /// A constant tensor of the given shape from row-major data.
@@ -457,7 +457,7 @@ impl<E: Element> Tensor<E> {
     /// and some parent requires grad, and otherwise drops `vjp` unused. Either way after the
     /// output's storage exists, so the memory meter sees the output allocated before what
     /// an unused `vjp` held is freed.
-    fn attach_op(&self, parents: &[&Tensor<E>], vjp: Backward<E>) {
+    pub(crate) fn attach_op(&self, parents: &[&Tensor<E>], vjp: Backward<E>) {
         if !is_grad_enabled() || !parents.iter().any(|p| p.requires_grad()) {
             return;
         }
@@ -559,7 +559,7 @@ impl<E: Element> Tensor<E> {
             self.is_leaf(),
             "set_requires_grad: only a leaf can be switched; use detach() on an op's output"
         );
-        let node = requires_grad.then(|| GradNode::leaf(self.shape()));
+        let node = requires_grad.then(|| GradNode::leaf(self.shape(), false));
         *self.inner.node.borrow_mut() = node;
     }
 
@@ -571,7 +571,7 @@ impl<E: Element> Tensor<E> {
     /// A fresh leaf sharing this tensor's value, requiring grad: the starting point of a
     /// graph separate from the one this tensor belongs to.
     pub fn detach_leaf(&self) -> Self {
-        let leaf = GradNode::leaf(self.shape());
+        let leaf = GradNode::leaf(self.shape(), false);
         Self::on_storage(Rc::clone(&self.inner.value), Some(leaf))
     }
 
@@ -819,6 +819,49 @@ impl<E: Element> Tensor<E> {
             .node()
             .expect("backward: the tensor does not require grad (no parameter reaches it)");
         graph::backward(&node, seed);
+    }
+
+    /// The first half of a split backward from a one-element loss: as
+    /// [`backward`](Self::backward), but only the gradients of the inputs — leaves that
+    /// require grad and are not parameters ([`param`](Self::param)), such as a pipeline
+    /// stage's received activation — are computed now. The parameters' gradients are
+    /// returned as [`WeightGradients`](crate::WeightGradients), to compute later: the
+    /// zero-bubble schedules' `I` and `W` (Qi et al., 2023).
+    ///
+    /// The split is exact: once [`run`](crate::WeightGradients::run), every gradient is
+    /// the one `backward` gives, bit for bit, each sum of terms added in the same order.
+    /// What is deferred is real work: a product's weight gradient is computed only in the
+    /// second half (see [`from_product_by_parent`](Self::from_product_by_parent)), and the
+    /// activations it needs stay alive until then. Other ops compute their parameters' share
+    /// in the first half and keep it until the second. A checkpointed segment's rerun inside
+    /// the first half is split in the same way.
+    ///
+    /// ```
+    /// use tl_tensor::Tensor;
+    /// let x = Tensor::<f64>::from_vec(vec![1.0, 2.0], &[1, 2])?;
+    /// x.set_requires_grad(true); // an input
+    /// let w = Tensor::<f64>::param(tl_tensor::ndarray::arr2(&[[3.0], [4.0]]).into_dyn());
+    /// let weights = x.matmul(&w).sum_all().backward_input();
+    /// assert_eq!(x.grad().unwrap().as_slice().unwrap(), &[3.0, 4.0]);
+    /// assert!(w.grad().is_none(), "not yet");
+    /// weights.run();
+    /// assert_eq!(w.grad().unwrap().as_slice().unwrap(), &[1.0, 2.0]);
+    /// # Ok::<(), tl_tensor::TensorError>(())
+    /// ```
+    ///
+    /// # Panics
+    /// As [`backward`](Self::backward).
+    pub fn backward_input(&self) -> crate::WeightGradients {
+        graph::split(|| self.backward())
+    }
+
+    /// [`backward_input`](Self::backward_input) from `grad_out`, as
+    /// [`backward_from`](Self::backward_from).
+    ///
+    /// # Panics
+    /// As [`backward_from`](Self::backward_from).
+    pub fn backward_input_from(&self, grad_out: &Tensor<E>) -> crate::WeightGradients {
+        graph::split(|| self.backward_from(grad_out))
     }
 
     /// [`backward_with`](Self::backward_with) from a gradient held by a tensor (a copy of

@@ -149,6 +149,10 @@ fn catalogue() -> Vec<Op> {
             let x = &x[0];
             Tensor::from_product(&x.shape(), || x.to_array(), &[x], |g| vec![Some(g)])
         }),
+        op("from_product_by_parent", &[ROW], |x| {
+            let x = &x[0];
+            Tensor::from_product_by_parent(&x.shape(), || x.to_array(), &[x], |g, _| g.clone())
+        }),
         op("exp", &[ROW], |x| x[0].exp()),
         op("log", &[ROW], |x| x[0].log()),
         op("sqrt", &[ROW], |x| x[0].sqrt()),

@@ -8,4 +8,5 @@ mod kept;
 mod memory;
 mod node;
 mod sequential;
+mod split;
 mod verified;

@@ -13,6 +13,7 @@ use std::cell::RefCell;
 
 use ndarray::ArrayD;
 
+use crate::graph::Backward;
 use crate::{Element, Tensor};
 
 thread_local! {
@@ -113,6 +114,39 @@ impl<E: Element> Tensor<E> {
             Some(given) => Tensor::from_op_shared(&given, parents, vjp),
             None => Tensor::from_op_shaped(shape, compute, parents, vjp),
         }
+    }
+}
+
+impl<E: Element> Tensor<E> {
+    /// [`Tensor::from_product`] with a backward written one parent at a time: `vjp(grad, i)`
+    /// is parent `i`'s gradient, called only for parents that require grad. A sweep calls
+    /// it for each of them in order, as a VJP returning them all would; a split sweep
+    /// ([`Tensor::backward_input_from`]) calls it for the input now and for the weight in
+    /// its second half, so the weight's gradient costs nothing until then.
+    ///
+    /// # Panics
+    /// As [`take_given_product`].
+    pub fn from_product_by_parent(
+        shape: &[usize],
+        compute: impl FnOnce() -> ArrayD<E>,
+        parents: &[&Tensor<E>],
+        vjp: impl Fn(&ArrayD<E>, usize) -> ArrayD<E> + 'static,
+    ) -> Self {
+        let output = match take_given_product::<E>(shape) {
+            Some(given) => given.detach(),
+            None if !crate::meta::computes(parents) => Tensor::meta(shape),
+            None => {
+                let value = compute();
+                assert_eq!(
+                    value.shape(),
+                    shape,
+                    "an op's kernel made a result of another shape than its shape rule says"
+                );
+                Tensor::from_array(value)
+            }
+        };
+        output.attach_op(parents, Backward::ByParent(Box::new(vjp)));
+        output
     }
 }
 

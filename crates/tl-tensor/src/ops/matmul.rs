@@ -126,18 +126,16 @@ impl<E: Element> Tensor<E> {
         let value =
             move || batched_product(self.value().view(), rhs.value().view(), &forward_batch);
         let (lhs_saved, rhs_saved) = (self.clone(), rhs.clone());
-        Tensor::from_product(&out_shape, value, &[self, rhs], move |grad| {
-            let lhs_grad = lhs_saved.requires_grad().then(|| {
+        Tensor::from_product_by_parent(&out_shape, value, &[self, rhs], move |grad, parent| {
+            if parent == 0 {
                 let rhs_value = rhs_saved.value();
                 let full = batched_product(grad.view(), swap_last(rhs_value.view()), &batch);
                 unbroadcast(full, &lhs_shape)
-            });
-            let rhs_grad = rhs_saved.requires_grad().then(|| {
+            } else {
                 let lhs_value = lhs_saved.value();
                 let full = batched_product(swap_last(lhs_value.view()), grad.view(), &batch);
                 unbroadcast(full, &rhs_shape)
-            });
-            vec![lhs_grad, rhs_grad]
+            }
         })
     }
 }
@@ -160,19 +158,17 @@ impl<E: Element> Tensor<E> {
             })
         };
         let (lhs_saved, rhs_saved) = (self.clone(), rhs.clone());
-        Tensor::from_product(&out_shape, value, &[self, rhs], move |grad| {
-            as_rows(&grad, |grad| {
-                let lhs_grad = lhs_saved.requires_grad().then(|| {
+        Tensor::from_product_by_parent(&out_shape, value, &[self, rhs], move |grad, parent| {
+            as_rows(grad, |grad| {
+                if parent == 0 {
                     batched_matmul(grad.view(), swap_last(rhs_saved.value().view()))
                         .into_shape_with_order(IxDyn(&lhs_shape))
                         .expect("a fresh product is in standard layout")
-                });
-                let rhs_grad = rhs_saved.requires_grad().then(|| {
+                } else {
                     as_rows(&lhs_saved.value(), |lhs| {
                         batched_matmul(swap_last(lhs), grad.view())
                     })
-                });
-                vec![lhs_grad, rhs_grad]
+                }
             })
         })
     }

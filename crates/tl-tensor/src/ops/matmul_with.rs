@@ -222,21 +222,19 @@ impl<E: Element> Tensor<E> {
             )
         };
         let saved = (self.clone(), rhs.clone(), Arc::clone(kernel));
-        Tensor::from_product(&out_shape, forward, &[self, rhs], move |grad| {
-            let (lhs_saved, rhs_saved, kernel) = saved;
-            let lhs_grad = lhs_saved.requires_grad().then(|| {
+        Tensor::from_product_by_parent(&out_shape, forward, &[self, rhs], move |grad, parent| {
+            let (lhs_saved, rhs_saved, kernel) = &saved;
+            if parent == 0 {
                 let rhs_value = rhs_saved.value();
                 let rhs_view = rhs_value.view();
                 let rhs_t = transposed(with_batch(&rhs_view, &batch));
                 unbroadcast(batched(kernel.as_ref(), grad.view(), rhs_t), &lhs_shape)
-            });
-            let rhs_grad = rhs_saved.requires_grad().then(|| {
+            } else {
                 let lhs_value = lhs_saved.value();
                 let lhs_view = lhs_value.view();
                 let lhs_t = transposed(with_batch(&lhs_view, &batch));
                 unbroadcast(batched(kernel.as_ref(), lhs_t, grad.view()), &rhs_shape)
-            });
-            vec![lhs_grad, rhs_grad]
+            }
         })
     }
 
@@ -257,10 +255,10 @@ impl<E: Element> Tensor<E> {
                 .expect("a fresh product is in standard layout")
         };
         let saved = (self.clone(), rhs.clone(), Arc::clone(kernel));
-        Tensor::from_product(&out_shape, value, &[self, rhs], move |grad| {
-            let (lhs_saved, rhs_saved, kernel) = saved;
+        Tensor::from_product_by_parent(&out_shape, value, &[self, rhs], move |grad, parent| {
+            let (lhs_saved, rhs_saved, kernel) = &saved;
             let grad_rows = as_rows(grad.view());
-            let lhs_grad = lhs_saved.requires_grad().then(|| {
+            if parent == 0 {
                 let rhs_value = rhs_saved.value();
                 batched(
                     kernel.as_ref(),
@@ -269,14 +267,12 @@ impl<E: Element> Tensor<E> {
                 )
                 .into_shape_with_order(IxDyn(&lhs_shape))
                 .expect("a fresh product is in standard layout")
-            });
-            let rhs_grad = rhs_saved.requires_grad().then(|| {
+            } else {
                 let lhs_rows = as_rows(lhs_saved.value().view());
                 let mut lhs_t = lhs_rows.view();
                 lhs_t.swap_axes(0, 1);
                 batched(kernel.as_ref(), lhs_t, grad_rows.view())
-            });
-            vec![lhs_grad, rhs_grad]
+            }
         })
     }
 }
