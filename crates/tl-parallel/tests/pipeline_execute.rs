@@ -1,5 +1,5 @@
 //! The pipeline executor on real ranks: a chain of layers cut into `p · v` stages, every
-//! schedule it runs (GPipe, 1F1B, interleaved) at p = 2 and 4 against one process on the
+//! schedule it runs (GPipe, 1F1B, interleaved, ZB-H1) at p = 2 and 4 against one process on the
 //! same micro-batches, gradients compared bit for bit; the activations each rank held
 //! against the simulator's count; the schedules it refuses, before any message.
 //!
@@ -127,6 +127,7 @@ fn layouts() -> Vec<(ScheduleKind, usize, usize, usize)> {
         }
         for m in [p, p + 1, 2 * p + 1] {
             layouts.push((ScheduleKind::OneFOneB, p, m, 1));
+            layouts.push((ScheduleKind::ZeroBubbleH1, p, m, 1));
         }
         for m in [p, 2 * p] {
             layouts.push((ScheduleKind::Interleaved, p, m, 2));
@@ -171,32 +172,31 @@ fn every_schedule_gives_one_process_gradients_bit_for_bit() {
             assert_eq!(stats.sends, (boundaries * m) as u64, "{what}: rank {rank}");
             assert_eq!(stats.receives, stats.sends, "{what}: rank {rank}");
             assert_eq!(stats.collectives, 0, "{what}");
+            // F and B, or F, I and W, for each micro-batch on each of the rank's stages.
+            let passes = if kind == ScheduleKind::ZeroBubbleH1 {
+                3
+            } else {
+                2
+            };
             let computed = executed.timeline.iter().filter(|t| t.action.computes());
-            assert_eq!(computed.count(), 2 * m * v, "{what}: rank {rank}");
+            assert_eq!(computed.count(), passes * m * v, "{what}: rank {rank}");
         }
     }
 }
 
 #[test]
 fn a_schedule_the_executor_cannot_run_is_refused_before_any_message() {
-    let zero_bubble = Schedule::new(ScheduleKind::ZeroBubbleH1, 2, 2, 1).unwrap();
     let four_ranks = Schedule::new(ScheduleKind::OneFOneB, 4, 4, 1).unwrap();
     let errors = world(2, |mut comm: RingComm| {
         let chain = Chain::new(2, 2);
-        let split = execute(&zero_bubble, &mut comm, &chain).unwrap_err();
         let size = execute(&four_ranks, &mut comm, &chain).unwrap_err();
         assert_eq!(comm.stats().sends, 0);
         // Nothing was sent, so the group is still whole.
         comm.barrier().unwrap();
-        (split.to_string(), size.to_string())
+        size.to_string()
     });
-    let (split, size) = &errors[1];
-    assert!(
-        split.starts_with("pipeline rank 1: 1I0 splits a backward"),
-        "{split}"
-    );
     assert_eq!(
-        size,
+        errors[1],
         "pipeline rank 1: the schedule is for 4 ranks, the pipeline group has 2"
     );
 }

@@ -27,14 +27,18 @@
 //! one process's accumulation over the micro-batches: with the same weighting, the
 //! pipeline's gradients are one process's to the bit.
 //!
-//! A split backward (zero-bubble's `I` and `W`) is refused: it needs autograd to run the
-//! input's gradients of a sweep now and its weights' later, which tl-tensor does not do.
+//! **A split backward** (zero-bubble's `I` and `W`): `I` is tl-tensor's
+//! [`backward_input_from`](Tensor::backward_input_from), which computes the gradient of
+//! the stage's input — what the stage before waits for — and leaves the parameters' for
+//! `W` ([`WeightGradients::run`]). A micro-batch's activations are held from its forward
+//! to its `W`. The two halves give the plain backward's gradients bit for bit, and the
+//! `W`s of a stage run in micro-batch order, so ZB-H1 gives one process's bits too.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use tl_collective::{Communicator, MAX_TAG, Slice, SliceMut};
-use tl_tensor::{Tensor, memory};
+use tl_tensor::{Tensor, WeightGradients, memory};
 
 use super::schedule::{Action, Schedule};
 use crate::GradElement;
@@ -130,8 +134,8 @@ struct Held<E: GradElement> {
 /// `r`). See the [module docs](self).
 ///
 /// # Errors
-/// [`ParallelError::Pipeline`] if the schedule splits a backward, holds a rank that is not
-/// `comm`'s, or has more messages than tags; [`ParallelError::Collective`] if a message
+/// [`ParallelError::Pipeline`] if the schedule holds a rank that is not `comm`'s, or has
+/// more messages than tags; [`ParallelError::Collective`] if a message
 /// fails; the model's errors. The rank's gradients are then partial: the step must not be
 /// applied.
 pub fn execute<E: GradElement, M: StageModel<E> + ?Sized>(
@@ -149,6 +153,8 @@ pub fn execute<E: GradElement, M: StageModel<E> + ?Sized>(
     let mut gradients: HashMap<(usize, usize), Tensor<E>> = HashMap::new();
     let mut held: HashMap<(usize, usize), Held<E>> = HashMap::new();
     let mut outgoing: HashMap<(usize, usize), Tensor<E>> = HashMap::new();
+    // Micro-batches past their `I`, waiting for their `W`.
+    let mut weights: HashMap<(usize, usize), WeightGradients> = HashMap::new();
     let mut executed = Executed::default();
     for &action in schedule.actions(rank) {
         let start = clock.elapsed();
@@ -169,7 +175,8 @@ pub fn execute<E: GradElement, M: StageModel<E> + ?Sized>(
                 let input = inputs.remove(&(stage, micro_batch));
                 let output = model.forward(stage, micro_batch, input.as_ref())?;
                 held.insert((stage, micro_batch), Held { input, output });
-                executed.peak_activations = executed.peak_activations.max(held.len());
+                let holding = held.len() + weights.len();
+                executed.peak_activations = executed.peak_activations.max(holding);
             }
             Action::SendActivation { stage, micro_batch } => {
                 let output = &held[&(stage, micro_batch)].output;
@@ -185,25 +192,43 @@ pub fn execute<E: GradElement, M: StageModel<E> + ?Sized>(
                 let gradient = receive::<E>(comm, &shape, from, tag).map_err(failed)?;
                 gradients.insert((stage, micro_batch), gradient);
             }
-            Action::Backward { stage, micro_batch } => {
+            Action::Backward { stage, micro_batch }
+            | Action::BackwardInput { stage, micro_batch } => {
                 let _micro_batch = memory::micro_batch_scope(Some(micro_batch));
                 let _backward = memory::stage_scope(memory::Stage::Backward);
                 let Held { input, output } = held
                     .remove(&(stage, micro_batch))
                     .expect("a checked schedule runs a forward before its backward");
-                if stage == last {
-                    output.backward();
-                } else {
-                    let gradient = gradients
+                let gradient = (stage != last).then(|| {
+                    gradients
                         .remove(&(stage, micro_batch))
-                        .expect("a checked schedule receives a gradient before its backward");
-                    output.backward_from(&gradient);
+                        .expect("a checked schedule receives a gradient before its backward")
+                });
+                let split = matches!(action, Action::BackwardInput { .. });
+                match (&gradient, split) {
+                    (None, false) => output.backward(),
+                    (Some(gradient), false) => output.backward_from(gradient),
+                    (None, true) => {
+                        weights.insert((stage, micro_batch), output.backward_input());
+                    }
+                    (Some(gradient), true) => {
+                        let rest = output.backward_input_from(gradient);
+                        weights.insert((stage, micro_batch), rest);
+                    }
                 }
-                drop(output);
+                drop((output, gradient));
                 if let Some(input) = input {
                     let _label = memory::label_scope(labels::PIPELINE_GRADIENT);
                     outgoing.insert((stage, micro_batch), input_gradient(&input));
                 }
+            }
+            Action::BackwardWeight { stage, micro_batch } => {
+                let _micro_batch = memory::micro_batch_scope(Some(micro_batch));
+                let _backward = memory::stage_scope(memory::Stage::Backward);
+                weights
+                    .remove(&(stage, micro_batch))
+                    .expect("a checked schedule runs an input's gradient before its weights'")
+                    .run();
             }
             Action::SendGradient { stage, micro_batch } => {
                 let gradient = outgoing
@@ -212,9 +237,6 @@ pub fn execute<E: GradElement, M: StageModel<E> + ?Sized>(
                 let to = schedule.rank_of(stage - 1);
                 let tag = tag(Carries::Gradient, stage - 1, micro_batch, stages);
                 send(comm, &gradient, to, tag).map_err(failed)?;
-            }
-            Action::BackwardInput { .. } | Action::BackwardWeight { .. } => {
-                unreachable!("refused by the check")
             }
         }
         executed.timeline.push(Timed {
@@ -227,8 +249,8 @@ pub fn execute<E: GradElement, M: StageModel<E> + ?Sized>(
     Ok(executed)
 }
 
-/// What the executor refuses before any action: a split backward, a schedule of another
-/// pipeline size, tags that do not fit.
+/// What the executor refuses before any action: a schedule of another pipeline size, tags
+/// that do not fit.
 fn check(schedule: &Schedule, comm: &dyn Communicator) -> Result<()> {
     let invalid = |reason: String| {
         Err(ParallelError::Pipeline {
@@ -241,19 +263,6 @@ fn check(schedule: &Schedule, comm: &dyn Communicator) -> Result<()> {
             "the schedule is for {} ranks, the pipeline group has {}",
             schedule.ranks(),
             comm.world_size()
-        ));
-    }
-    let split = schedule.actions(comm.rank()).iter().find(|a| {
-        matches!(
-            a,
-            Action::BackwardInput { .. } | Action::BackwardWeight { .. }
-        )
-    });
-    if let Some(action) = split {
-        return invalid(format!(
-            "{action} splits a backward into the input's and the weights' gradients, which \
-             the executor cannot run yet (autograd runs both in one sweep); use gpipe, 1f1b \
-             or interleaved"
         ));
     }
     let largest = tag(
