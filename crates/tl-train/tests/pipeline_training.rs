@@ -1,6 +1,6 @@
 //! `tinyllm train --pp P` on ranks (`tinyllm launch -n P -- train ... --pp P`): the model's
-//! blocks cut into stages, the step's micro-batches streamed through them by GPipe, 1F1B or
-//! the interleaved schedule, and the run one process's to the bit (the weights' bytes and
+//! blocks cut into stages, the step's micro-batches streamed through them by GPipe, 1F1B,
+//! the interleaved schedule or ZB-H1, and the run one process's to the bit (the weights' bytes and
 //! every loss); in bf16, with checkpointing and with clipping too; fp16 with an overflow in
 //! one stage skipping the step on every rank; checkpoints that resume at pp 1, pp 4 and on
 //! two data-parallel ranks; sizes that cannot be, refused before any step. Every
@@ -69,6 +69,8 @@ fn every_schedule_trains_as_one_process_bit_for_bit() {
             (2, &["--schedule", "interleaved"]),
             (4, &["--schedule", "1f1b"]),
             (4, &["--schedule", "gpipe", "--checkpoint-activations"]),
+            (2, &["--schedule", "zb-h1"]),
+            (4, &["--schedule", "zb-h1", "--checkpoint-activations"]),
             (2, &["--pp-split", "3"]),
         ] {
             let pp = ranks.to_string();
@@ -210,12 +212,6 @@ fn sizes_a_pipeline_cannot_run_are_refused_before_any_step() {
             &["--pp", "4", "--schedule", "interleaved"],
             "at least 8 blocks",
         ),
-        (
-            2,
-            2,
-            &["--pp", "2", "--schedule", "zb-h1"],
-            "split backward",
-        ),
         (2, 4, &["--pp", "3"], "must divide"),
         (2, 2, &["--pp", "2", "--pp-split", "4"], "pp-split"),
         (4, 2, &["--pp", "2", "--zero", "3"], "with ZeRO-3"),
@@ -244,6 +240,13 @@ fn each_stages_peak_and_traffic_is_the_plans() {
         (2, 2, 4, &["--schedule", "gpipe"]),
         (2, 2, 4, &["--schedule", "interleaved"]),
         (4, 4, 4, &["--schedule", "1f1b", "--checkpoint-activations"]),
+        (2, 2, 4, &["--schedule", "zb-h1"]),
+        (
+            4,
+            4,
+            4,
+            &["--schedule", "zb-h1", "--checkpoint-activations"],
+        ),
         (4, 2, 2, &[]),
         (4, 2, 2, &["--zero", "1"]),
         (4, 2, 2, &["--zero", "2"]),

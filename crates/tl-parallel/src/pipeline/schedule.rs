@@ -57,6 +57,33 @@ impl ScheduleKind {
             ScheduleKind::ZeroBubbleH1 => "zb-h1",
         }
     }
+
+    /// The papers' bubble (idle over compute time) with equal stages and a backward twice
+    /// a forward, split into equal halves (`F = I = W`), for `p` ranks, `m` micro-batches
+    /// and `v` stages a rank; with its source and formula, as printed. Narayanan et al.
+    /// (2021): `(p − 1)/m` for GPipe and 1F1B, `(1/v)(p − 1)/m` interleaved. Qi et al.
+    /// (2023): `(p − 1)(F + I − W)/(m(F + I + W))` for ZB-H1, `(p − 1)/(3m)` here.
+    ///
+    /// ```
+    /// use tl_parallel::pipeline::ScheduleKind;
+    /// assert_eq!(ScheduleKind::Interleaved.paper_bubble(4, 8, 2).0, 3.0 / 16.0);
+    /// assert_eq!(ScheduleKind::ZeroBubbleH1.paper_bubble(4, 8, 1).0, 3.0 / 24.0);
+    /// ```
+    pub fn paper_bubble(self, p: usize, m: usize, v: usize) -> (f64, &'static str) {
+        let (p, m, v) = (p as f64, m as f64, v as f64);
+        match self {
+            ScheduleKind::GPipe | ScheduleKind::OneFOneB => {
+                ((p - 1.0) / m, "Narayanan et al. 2021, (p - 1)/m")
+            }
+            ScheduleKind::Interleaved => {
+                ((p - 1.0) / (v * m), "Narayanan et al. 2021, (1/v)(p - 1)/m")
+            }
+            ScheduleKind::ZeroBubbleH1 => (
+                (p - 1.0) / (3.0 * m),
+                "Qi et al. 2023, (p - 1)(F + I - W)/(m(F + I + W))",
+            ),
+        }
+    }
 }
 
 impl fmt::Display for ScheduleKind {

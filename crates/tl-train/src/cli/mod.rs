@@ -335,8 +335,9 @@ pub struct TrainArgs {
     /// micro-batches streamed through them [default: 1, or the run's with --resume].
     #[arg(long, value_name = "P")]
     pub pp: Option<usize>,
-    /// The pipeline's schedule: gpipe, 1f1b or interleaved (zb-h1 is simulated by `tinyllm
-    /// schedule` but not run yet) [default: 1f1b, or the run's with --resume].
+    /// The pipeline's schedule: gpipe, 1f1b, interleaved or zb-h1 (each backward split into
+    /// the input's gradient and the weights', the latter held back to fill the bubble)
+    /// [default: 1f1b, or the run's with --resume].
     #[arg(long, value_name = "S", requires = "pp")]
     pub schedule: Option<tl_parallel::pipeline::ScheduleKind>,
     /// Stages on each pipeline rank, with --schedule interleaved [default: 2 with it, else

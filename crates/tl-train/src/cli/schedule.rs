@@ -52,18 +52,6 @@ pub struct ScheduleArgs {
 const MAX_RANKS: usize = 64;
 const MAX_MICRO_BATCHES: usize = 1024;
 
-/// The papers' bubble (idle over compute time) for `kind` with equal stage times, where a
-/// formula holds: Narayanan et al.'s `(p − 1)/m`, `(1/v)(p − 1)/m` interleaved; Qi et al.'s
-/// `(p − 1)(F + B − W)` over `m(F + B + W)` for ZB-H1 with `B = W = F`.
-fn paper_bubble(kind: ScheduleKind, p: usize, m: usize, v: usize) -> (f64, &'static str) {
-    let (p, m, v) = (p as f64, m as f64, v as f64);
-    match kind {
-        ScheduleKind::GPipe | ScheduleKind::OneFOneB => ((p - 1.0) / m, "(p-1)/m"),
-        ScheduleKind::Interleaved => ((p - 1.0) / (v * m), "(p-1)/(vm)"),
-        ScheduleKind::ZeroBubbleH1 => ((p - 1.0) / (3.0 * m), "(p-1)(F+B-W)/(3mF)"),
-    }
-}
-
 /// The table `tinyllm schedule` prints: each rank's busy and idle time, its bubble beside the
 /// papers', and the most micro-batches' activations it holds.
 fn table(schedule: &Schedule, run: &Simulation) -> String {
@@ -73,7 +61,7 @@ fn table(schedule: &Schedule, run: &Simulation) -> String {
         schedule.micro_batches(),
         schedule.stages_per_rank(),
     );
-    let (paper, formula) = paper_bubble(kind, p, m, v);
+    let (paper, formula) = kind.paper_bubble(p, m, v);
     let mut out = format!(
         "{kind}: p = {p} ranks, m = {m} micro-batches, v = {v} stage{} a rank; step {} time units\n\n",
         if v == 1 { "" } else { "s" },
@@ -94,7 +82,7 @@ fn table(schedule: &Schedule, run: &Simulation) -> String {
         );
     }
     out += &format!(
-        "\nbubble = idle / busy; the papers' {formula} = {paper:.4} (equal stage times, no \
+        "\nbubble = idle / busy; {formula} = {paper:.4} (equal stage times, no \
          latency). Activations held: micro-batches of one stage{}, from a forward to the end of \
          its backward (of its weight gradient, when split).\n",
         if v == 1 {

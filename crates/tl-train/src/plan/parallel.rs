@@ -286,9 +286,13 @@ pub struct PipelinePlan {
     /// Each rank's bubble, idle time over compute time, simulated with equal stages and a
     /// backward twice a forward (the papers' assumption).
     pub bubble: Vec<f64>,
-    /// Narayanan et al. (2021): `(p − 1)/m` for GPipe and 1F1B, `(1/v)(p − 1)/m`
-    /// interleaved.
+    /// The papers' bubble for equal stages ([`ScheduleKind::paper_bubble`]): Narayanan et
+    /// al. (2021) for GPipe, 1F1B and interleaved, Qi et al. (2023) for ZB-H1.
+    ///
+    /// [`ScheduleKind::paper_bubble`]: tl_parallel::pipeline::ScheduleKind::paper_bubble
     pub bubble_formula: f64,
+    /// Where [`bubble_formula`](Self::bubble_formula) comes from, and the formula.
+    pub bubble_source: String,
     /// The most micro-batches whose activations each rank holds at once (the simulator's
     /// count, which the executor's run matches).
     pub activations_in_flight: Vec<usize>,
@@ -310,13 +314,15 @@ impl PipelinePlan {
             parallel.pipeline_split.as_deref(),
         )?;
         let (p, m, v) = (parallel.pipeline, config.accum, parallel.stages_per_rank);
+        let (bubble_formula, bubble_source) = parallel.schedule.paper_bubble(p, m, v);
         Ok(Self {
             schedule: parallel.schedule.name(),
             micro_batches: m,
             stages_per_rank: v,
             stage_blocks: blocks.iter().map(|b| [b.start, b.end]).collect(),
             bubble: run.ranks.iter().map(|r| r.bubble_ratio()).collect(),
-            bubble_formula: (p - 1) as f64 / (v * m) as f64,
+            bubble_formula,
+            bubble_source: bubble_source.to_owned(),
             activations_in_flight: run.ranks.iter().map(|r| r.peak_activations).collect(),
         })
     }

@@ -209,16 +209,7 @@ pipeline, {}: bubble (idle / compute, equal stages, a backward twice a forward)"
             pipe.activations_in_flight[r]
         );
     }
-    let formula = if pipe.stages_per_rank > 1 {
-        "(1/v)(p - 1)/m"
-    } else {
-        "(p - 1)/m"
-    };
-    let _ = writeln!(
-        out,
-        "Narayanan et al. 2021, {formula}: {:.4}",
-        pipe.bubble_formula
-    );
+    let _ = writeln!(out, "{}: {:.4}", pipe.bubble_source, pipe.bubble_formula);
 }
 
 /// One row per plan (rank 0 of each): the table over ranks and stages.

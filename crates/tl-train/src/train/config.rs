@@ -1020,14 +1020,6 @@ impl TrainConfig {
                 format!("pipeline parallelism does not run {what} yet"),
             )
         };
-        if parallel.schedule == ScheduleKind::ZeroBubbleH1 {
-            return not_yet(
-                "schedule",
-                "zb-h1".into(),
-                "a split backward (autograd runs the input's and the weights' gradients in one \
-                 sweep): use gpipe, 1f1b or interleaved",
-            );
-        }
         if parallel.zero > 2 {
             return not_yet(
                 "zero",
