@@ -406,6 +406,46 @@ fn each_stages_peak_and_traffic_is_the_plans() {
     }
 }
 
+/// On a mesh with data-parallel replicas the plan's pipeline table gives each world rank
+/// the stages its pipeline rank holds (`rank = pp·DP + dp`): ranks 0 and 1 stage 0, ranks 2
+/// and 3 stage 1. (It once indexed the pipeline's ranks by the world rank, and panicked.)
+#[test]
+fn the_plans_pipeline_table_names_each_ranks_stages_on_a_mesh() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = four_blocks(dir.path());
+    let printed = common::stdout_of(&[
+        "plan",
+        "--config",
+        model.to_str().unwrap(),
+        "--micro-batch",
+        "2",
+        "--accum",
+        "2",
+        "--ranks",
+        "4",
+        "--pp",
+        "2",
+        "--zero",
+        "3",
+    ]);
+    let table = printed
+        .split("pipeline, 1f1b")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no pipeline table: {printed}"));
+    for (rank, stage) in [
+        ("0", "0 (0..2)"),
+        ("1", "0 (0..2)"),
+        ("2", "1 (2..4)"),
+        ("3", "1 (2..4)"),
+    ] {
+        let row = format!("{rank:>5} {stage}");
+        assert!(
+            table.lines().any(|l| l.starts_with(&row)),
+            "{row:?} in {table}"
+        );
+    }
+}
+
 /// A pipeline run leaves its last step as it ran, which `tinyllm schedule --from RUN`
 /// times against the simulator fed with the same actions' times, and draws.
 #[test]
