@@ -151,7 +151,8 @@ fn a_pipeline_composes_with_data_and_tensor_parallelism() {
 /// micro-batch's forward and again around its backward, their gradients reduce-scattered in
 /// every micro-batch's backward. The sums are ZeRO-3's own, in its order: the run is `--zero
 /// 3` without a pipeline byte for byte, the DDP pipeline's byte for byte with one
-/// micro-batch a replica, and one process's (and ZeRO-1's) to the rounding of those sums.
+/// micro-batch a replica, and one process's (and ZeRO-1's) to the rounding of those sums;
+/// with tensor-parallel stages too.
 #[test]
 fn zero_3_over_a_pipeline_sums_as_zero_3_without_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -205,6 +206,18 @@ fn zero_3_over_a_pipeline_sums_as_zero_3_without_one() {
     assert_eq!(
         train_losses(&path("gpipe-3")),
         train_losses(&path("gpipe-0"))
+    );
+    // Pipelines of tensor-parallel stages, each its own data-parallel group of one: ZeRO-3's
+    // reduce-scatter over one rank is the share's multiplication, so the run is tp 2 x pp 2's
+    // bits (measured: equal).
+    let mesh = ["--pp", "2", "--tp", "2"];
+    for zero in ["0", "3"] {
+        let flags: Vec<&str> = mesh.iter().copied().chain(["--zero", zero]).collect();
+        succeed(4, &run(&model, &path(&format!("tp-pp-{zero}")), 4, &flags));
+    }
+    assert!(
+        weights(&path("tp-pp-3")) == weights(&path("tp-pp-0")),
+        "tp 2 x pp 2: ZeRO-3's weights are not the run's without it"
     );
 }
 
