@@ -93,7 +93,7 @@ pub use tensor_parallel::{
 };
 pub use zero::ShardedAdamW;
 pub use zero2::Zero2AdamW;
-pub use zero3::{UnitRunner, Zero3};
+pub use zero3::{UnitRunner, Zero3, Zero3Observer};
 
 /// The user guide `docs/data-parallel.md`, compiled as a doctest so its examples stay true.
 #[cfg(doctest)]

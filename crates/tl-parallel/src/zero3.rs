@@ -22,6 +22,10 @@
 //! the loss, the non-finite flag and the underflows global, as in ZeRO-2. Every rank runs
 //! the units in the same order, so every rank issues the same collectives in that order.
 //!
+//! A caller that runs the passes itself (a pipeline's schedule, each micro-batch's forward
+//! and backward apart) brackets them with [`Zero3::begin_step`] and the step's
+//! [`Zero3::observer`]: the units communicate exactly as above.
+//!
 //! Per micro-batch and unit a rank sends `(N−1)/N·U` elements for each of the two gathers
 //! (a checkpointed unit's too) and the reduce-scatter: `3(N−1)/N·P` over a model of `P`
 //! elements, against DDP's `2(N−1)/N·P` per step; the update itself sends nothing.
@@ -329,9 +333,8 @@ pub struct Zero3<E: GradElement> {
     inner: AdamW<E>,
     /// `Σ_i (n_i/B)·L_i` of this rank's micro-batches.
     local_loss: Rc<Cell<f64>>,
-    summary: Option<StepSummary>,
     /// The tensor-parallel group of a split model, from the `DataParallel` this stage was
-    /// made on ([`Zero3::on`]).
+    /// made on ([`Zero3::on`]): each step's observer takes a fresh copy.
     tensor: Option<TensorAxis>,
 }
 
@@ -465,7 +468,6 @@ impl<E: GradElement> Zero3<E> {
             core,
             inner,
             local_loss: Rc::new(Cell::new(0.0)),
-            summary: None,
             tensor,
         })
     }
@@ -543,28 +545,9 @@ impl<E: GradElement> Zero3<E> {
         F: FnMut(&M, &B) -> Tensor<E>,
     {
         let local_rows: usize = micro_batches.iter().map(B::rows).sum();
-        if local_rows == 0 || local_rows > global_rows {
-            return Err(ParallelError::RowsOutsideBatch {
-                rank: self.rank(),
-                local_rows,
-                global_rows,
-            });
-        }
-        {
-            let mut core = self.core.borrow_mut();
-            core.weight = E::from_f64(local_rows as f64 / global_rows as f64);
-            core.finite = true;
-            core.units.iter_mut().for_each(|u| u.ready = 0);
-        }
-        self.local_loss.set(0.0);
-        self.summary = None;
+        self.begin_step(local_rows, global_rows)?;
         let recording_loss = recording_loss(loss_fn, Rc::clone(&self.local_loss), global_rows);
-        let mut observer = Observer {
-            core: &self.core,
-            local_loss: &self.local_loss,
-            summary: &mut self.summary,
-            tensor: self.tensor.as_mut(),
-        };
+        let mut observer = self.observer();
         let result = train_step_mixed_observed(
             model,
             micro_batches,
@@ -575,12 +558,56 @@ impl<E: GradElement> Zero3<E> {
             clip,
             &mut observer,
         );
-        // The tensor-parallel group's sum of shares first, then the data-parallel link's.
-        let tensor_error = self.tensor.as_mut().and_then(TensorAxis::take_error);
-        if let Some(error) = tensor_error.or_else(|| self.take_error()) {
+        if let Some(error) = observer.take_error() {
             return Err(error);
         }
-        Ok(global_report(result?, self.summary))
+        Ok(observer.global_report(result?))
+    }
+
+    /// Begins a step whose forward and backward passes the caller runs itself (a pipeline's
+    /// schedule does), through [`runner`](Self::runner) as [`train_step`](Self::train_step)
+    /// runs them: this rank's micro-batches hold `local_rows` of the global batch's
+    /// `global_rows`, and its gradients enter the reduce-scatters weighted by
+    /// `local_rows/global_rows`. Every micro-batch's backward reduces the units it reaches;
+    /// end the step with [`observer`](Self::observer), after
+    /// [`record_loss`](Self::record_loss).
+    ///
+    /// # Errors
+    /// [`ParallelError::RowsOutsideBatch`] if `local_rows` is zero or greater than
+    /// `global_rows` (nothing changes).
+    pub fn begin_step(&mut self, local_rows: usize, global_rows: usize) -> Result<()> {
+        if local_rows == 0 || local_rows > global_rows {
+            return Err(ParallelError::RowsOutsideBatch {
+                rank: self.rank(),
+                local_rows,
+                global_rows,
+            });
+        }
+        let mut core = self.core.borrow_mut();
+        core.weight = E::from_f64(local_rows as f64 / global_rows as f64);
+        core.finite = true;
+        core.units.iter_mut().for_each(|u| u.ready = 0);
+        self.local_loss.set(0.0);
+        Ok(())
+    }
+
+    /// Adds `loss` (this rank's micro-batches' losses, each weighted by its share of the
+    /// global batch's rows) to the step's loss, which the observer sums over the ranks.
+    pub fn record_loss(&self, loss: f64) {
+        self.local_loss.set(self.local_loss.get() + loss);
+    }
+
+    /// The observer that ends the step begun with [`begin_step`](Self::begin_step), for
+    /// tl-precision's `finish_step_observed` with this `Zero3` as the optimizer: the
+    /// gradients are in the shards already, so it makes the loss, the non-finite flag and
+    /// the underflows global (one all-reduce), and the clip norm (one more).
+    pub fn observer(&self) -> Zero3Observer<E> {
+        Zero3Observer {
+            core: Rc::clone(&self.core),
+            local_loss: Rc::clone(&self.local_loss),
+            summary: None,
+            tensor: self.tensor.as_ref().map(TensorAxis::fresh),
+        }
     }
 
     /// The first collective error met since the last call, if any.
@@ -768,17 +795,40 @@ impl<E: GradElement> Optimizer<E> for Zero3<E> {
     }
 }
 
-/// The observer of a [`Zero3::train_step`]: the gradients are already in the shards when
-/// backward ends, so it only makes the extras, the finiteness and the clip norm global (over
-/// the tensor-parallel group too, for a split model).
-struct Observer<'a, E: GradElement> {
-    core: &'a Rc<RefCell<Core<E>>>,
-    local_loss: &'a Cell<f64>,
-    summary: &'a mut Option<StepSummary>,
-    tensor: Option<&'a mut TensorAxis>,
+/// The observer that ends a ZeRO-3 step ([`Zero3::observer`]): the gradients are already in
+/// the shards when backward ends, so it only makes the extras, the finiteness and the clip
+/// norm global (over the tensor-parallel group too, for a split model). After the step, ask
+/// it for the step's [error](Self::take_error) and its [report](Self::global_report).
+pub struct Zero3Observer<E: GradElement> {
+    core: Rc<RefCell<Core<E>>>,
+    local_loss: Rc<Cell<f64>>,
+    summary: Option<StepSummary>,
+    tensor: Option<TensorAxis>,
 }
 
-impl<E: GradElement> StepObserver<E> for Observer<'_, E> {
+impl<E: GradElement> Zero3Observer<E> {
+    /// The first collective error of the step, if any: the tensor-parallel group's sum of
+    /// shares first, then the data-parallel group's. A step with an error changed no
+    /// parameter, and the communicator is closed.
+    pub fn take_error(&mut self) -> Option<ParallelError> {
+        let tensor_error = self.tensor.as_mut().and_then(TensorAxis::take_error);
+        tensor_error.or_else(|| {
+            let core = self.core.borrow();
+            let mut link = core.link.borrow_mut();
+            let rank = link.rank();
+            link.take_error()
+                .map(|source| ParallelError::Collective { rank, source })
+        })
+    }
+
+    /// `report`, of the step this observer ended, with the global batch's loss and
+    /// underflows summed over the ranks.
+    pub fn global_report(&self, report: StepReport) -> StepReport {
+        global_report(report, self.summary)
+    }
+}
+
+impl<E: GradElement> StepObserver<E> for Zero3Observer<E> {
     fn phase<R>(&mut self, _phase: StepPhase, run: impl FnOnce(&mut Self) -> R) -> R {
         run(self)
     }
@@ -792,8 +842,8 @@ impl<E: GradElement> StepObserver<E> for Observer<'_, E> {
             .link
             .borrow_mut()
             .call(|comm| comm.all_reduce_sum(<E as tl_collective::Element>::view_mut(&mut extras)));
-        *self.summary = sent.map(|()| StepSummary::of_extras(&extras, true));
-        if let Some(tensor) = self.tensor.as_deref_mut() {
+        self.summary = sent.map(|()| StepSummary::of_extras(&extras, true));
+        if let Some(tensor) = self.tensor.as_mut() {
             tensor.gradients_ready(params, |piece| core.pieces[piece].param);
         }
     }
@@ -802,7 +852,7 @@ impl<E: GradElement> StepObserver<E> for Observer<'_, E> {
         let finite = local
             && !self.core.borrow().link.borrow().failed()
             && self.summary.is_some_and(|s| s.nonfinite_ranks == 0);
-        match self.tensor.as_deref() {
+        match self.tensor.as_ref() {
             Some(tensor) => tensor.all_finite(finite),
             None => finite,
         }
@@ -815,7 +865,7 @@ impl<E: GradElement> StepObserver<E> for Observer<'_, E> {
                 .call(|comm| comm.all_reduce_sum_f64(sum))
                 .unwrap_or(f64::NAN)
         };
-        match self.tensor.as_deref() {
+        match self.tensor.as_ref() {
             Some(tensor) => tensor.total_sum_squares(local, over_data),
             None => over_data(local),
         }

@@ -5,7 +5,7 @@ mod common;
 use common::{Batch, Config, Mlp, SEED, loss_fn, weights, world};
 use tl_collective::{Communicator, RingComm};
 use tl_parallel::{DataParallel, UnitRunner, Zero3};
-use tl_precision::{Precision, StepReport};
+use tl_precision::{DynamicLossScaler, Precision, StepReport, finish_step_observed, start_step};
 use tl_recompute::checkpoint;
 use tl_tensor::Tensor;
 use tl_tensor::losses::mse;
@@ -150,6 +150,64 @@ fn zero3_rank(
     ((values, reports, state), sent)
 }
 
+/// ZeRO-3 as [`zero3_rank`] without recomputation, each step's passes run by the caller as a
+/// pipeline's schedule runs them (every micro-batch's forward, then their backwards in
+/// order), begun with `begin_step` and ended by tl-precision's `finish_step_observed` with
+/// the stage's observer; with the bytes the rank sent.
+fn zero3_scheduled_rank(
+    comm: RingComm,
+    config: &Config,
+    steps: std::ops::Range<usize>,
+) -> (Outcome, u64) {
+    let model = Mlp::<f32>::new(SEED);
+    let units = vec![model.hidden.parameters(), model.out.parameters()];
+    let adamw = AdamW::new(model.parameters(), LR).unwrap();
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let mut zero3 = Zero3::new(Box::new(comm), units, &adamw).unwrap();
+    let runner = zero3.runner();
+    let mut scaler = config.scaler();
+    let reports = steps
+        .map(|step| {
+            let batches: Vec<Batch<f32>> = config.micro_batches(step, n, rank);
+            start_step(&model, &mut zero3);
+            let rows = |(x, _): &Batch<f32>| x.shape()[0];
+            let local_rows: usize = batches.iter().map(rows).sum();
+            zero3.begin_step(local_rows, config.global_rows).unwrap();
+            let loss_scale = scaler.as_ref().map_or(1.0, DynamicLossScaler::loss_scale);
+            let (mut local_loss, mut batch_loss) = (0.0, 0.0);
+            {
+                // The passes under the precision's autocast, backwards included, as the
+                // pipeline's executor runs them.
+                let _autocast = config.precision.autocast();
+                let weighted: Vec<Tensor<f32>> = (batches.iter())
+                    .map(|batch @ (x, target)| {
+                        let loss = mse(&forward(&runner, &model, x, false), target);
+                        let value = f64::from(loss.item());
+                        local_loss += rows(batch) as f64 / config.global_rows as f64 * value;
+                        let weight = rows(batch) as f64 / local_rows as f64;
+                        batch_loss += weight * value;
+                        loss.mul_scalar((weight * loss_scale) as f32)
+                    })
+                    .collect();
+                weighted.iter().for_each(Tensor::backward);
+            }
+            zero3.record_loss(local_loss);
+            let mut observer = zero3.observer();
+            let report =
+                finish_step_observed(&mut zero3, batch_loss, scaler.as_mut(), None, &mut observer);
+            assert!(observer.take_error().is_none());
+            assert!(model.parameters().iter().all(Tensor::is_released));
+            observer.global_report(report.unwrap())
+        })
+        .collect();
+    let sent = zero3.stats().bytes_sent;
+    let state = zero3.full_state().unwrap();
+    zero3.gather_full_parameters().unwrap();
+    let values = weights(&model);
+    zero3.release_full_parameters();
+    ((values, reports, state), sent)
+}
+
 fn max_difference(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -229,6 +287,32 @@ fn zero3_with_checkpointed_units_equals_the_plain_run() {
     let ddp = world(2, |comm| ddp_rank(comm, &config, 0..5, None));
     let largest = assert_matches(&plain, &ddp, Some(1e-6), "accumulating");
     println!("two micro-batches a rank: largest weight difference from DDP {largest:e}");
+}
+
+/// A step whose passes the caller runs (a pipeline's schedule: every forward, then every
+/// backward), begun with `begin_step` and ended with the stage's observer, is `train_step`'s
+/// bit for bit with the same bytes sent: the same gathers and reduce-scatters, the shards
+/// adding the micro-batches in the same order; in fp16 with an overflow on rank 0 too.
+#[test]
+fn a_step_whose_passes_the_caller_runs_is_train_steps() {
+    for (precision, overflow) in [(Precision::Fp32, None), (Precision::Fp16, Some((2, 1)))] {
+        let config = config(precision, 2, overflow);
+        let (stepped, stepped_sent): (Vec<_>, Vec<_>) =
+            world(2, |comm| zero3_rank(comm, &config, 0..5, None, false))
+                .into_iter()
+                .unzip();
+        let (scheduled, scheduled_sent): (Vec<_>, Vec<_>) =
+            world(2, |comm| zero3_scheduled_rank(comm, &config, 0..5))
+                .into_iter()
+                .unzip();
+        if overflow.is_some() {
+            assert!(stepped[0].1[2].skipped, "the overflow skips step 2");
+        }
+        let what = format!("{precision:?}, scheduled by the caller");
+        assert_matches(&scheduled, &stepped, None, &what);
+        assert_eq!(scheduled[0].2, stepped[0].2, "{what}: the AdamW state");
+        assert_eq!(scheduled_sent, stepped_sent, "{what}: bytes sent");
+    }
 }
 
 /// A state saved at N = 2 is DDP's whole AdamW state bit for bit, and resumes at N = 4 as

@@ -198,7 +198,8 @@ fn plan_parallel(args: &PlanArgs, config: &TrainConfig) -> Result<Exit> {
         args.ranks.clone()
     };
     let stages = if args.zero.is_empty() && args.pp > 1 {
-        // What the pipeline composes with so far.
+        // One plan, DDP's, so that its table lists every rank's stages; `--zero` asks for
+        // another stage (every one composes with a pipeline).
         vec![0]
     } else if args.zero.is_empty() && args.tp > 1 {
         // The stages composed with tensor parallelism.

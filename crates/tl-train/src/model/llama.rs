@@ -527,6 +527,18 @@ impl<E: GradElement> Llama<E> {
         units
     }
 
+    /// The whole model's index of each of [`units`](Self::units), which the unit hook is
+    /// called with: the embedding 0, block `i` `i + 1`, the final norm with the head
+    /// `n_layers + 1`. A whole model's are `0..n_layers + 2`; a pipeline part's are those of
+    /// the units it holds.
+    pub fn unit_indices(&self) -> Vec<usize> {
+        let mut indices = Vec::new();
+        indices.extend(self.embedding.iter().map(|_| 0));
+        indices.extend(self.blocks.iter().map(|(i, _)| i + 1));
+        indices.extend(self.top.iter().map(|_| self.head_unit()));
+        indices
+    }
+
     /// Runs every unit of the following forward passes (and of checkpointed blocks'
     /// reruns) through `hook`, or plainly with `None`.
     pub fn set_unit_hook(&self, hook: Option<UnitHook<E>>) {

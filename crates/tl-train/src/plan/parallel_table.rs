@@ -191,7 +191,11 @@ pipeline, {}: bubble (idle / compute, equal stages, a backward twice a forward)"
         "{:>5} {:<24} {:>16} {:>12} {:>20}",
         "rank", "stages (blocks)", "meter peak", "bubble", "activations held"
     );
-    for (r, rank) in plan.ranks.iter().enumerate() {
+    // The mesh's layout, rank = (pp·DP + dp)·TP + tp: the pipeline rank of a world rank.
+    let parallelism = &plan.parallelism;
+    let per_pipeline_rank = parallelism.ranks / p;
+    for rank in &plan.ranks {
+        let r = rank.rank / per_pipeline_rank;
         let stages: Vec<String> = (r..pipe.stage_blocks.len())
             .step_by(p)
             .map(|s| {

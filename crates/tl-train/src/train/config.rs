@@ -1020,14 +1020,6 @@ impl TrainConfig {
                 format!("pipeline parallelism does not run {what} yet"),
             )
         };
-        if parallel.zero > 2 {
-            return not_yet(
-                "zero",
-                parallel.zero.to_string(),
-                "with ZeRO-3 (ZeRO-1 and 2 run: the moments, and the gradients, sharded over \
-                 the data-parallel group)",
-            );
-        }
         if self.fp8.is_some() {
             return not_yet("fp8", "on".into(), "with fp8's delayed scaling");
         }

@@ -69,8 +69,13 @@ impl RunOptimizer {
                 let mut zero3 = Zero3::on(ddp, model.units(), &fresh)?;
                 zero3.load_full_state(&state)?;
                 let runner = zero3.runner();
+                // The hook is called with the whole model's unit index; a pipeline part's
+                // units are numbered from 0 in `Zero3`.
+                let indices = model.unit_indices();
                 model.set_unit_hook(Some(Rc::new(move |unit, forward| {
-                    runner.run_unit(unit, forward)
+                    let held = (indices.iter().position(|&i| i == unit))
+                        .expect("a part runs only the units it holds");
+                    runner.run_unit(held, forward)
                 })));
                 Self::Zero3(zero3)
             }

@@ -185,7 +185,16 @@ impl PipelineRank {
         start_step(model, optimizer);
         let local_rows: usize = micro_batches.iter().map(|m| m.batch.rows).sum();
         let global_rows = config.sequences_per_step();
-        let replicated = ddp.world_size() > 1 || ddp.spans_tensor();
+        // ZeRO-3 reduce-scatters each unit in every micro-batch's backward, weighted by this
+        // replica's share: its step begins before the schedule, and ends with its observer.
+        let zero3 = match &mut *optimizer {
+            RunOptimizer::Zero3(zero3) => {
+                zero3.begin_step(local_rows, global_rows)?;
+                true
+            }
+            _ => false,
+        };
+        let replicated = !zero3 && (ddp.world_size() > 1 || ddp.spans_tensor());
         if replicated {
             ddp.begin_step(local_rows, global_rows)?;
         }
@@ -206,19 +215,20 @@ impl PipelineRank {
         *self.last_step.borrow_mut() = Some(executed);
         // The last stage's loss (this replica's share of the batch's), every stage's.
         let loss = self.sum(stages.batch_loss.get())?;
+        if let RunOptimizer::Zero3(zero3) = &mut *optimizer {
+            zero3.record_loss(loss);
+            let mut inner = zero3.observer();
+            let report = self.finish(optimizer, loss, scaler, config, Some(&mut inner))?;
+            if let Some(error) = inner.take_error() {
+                return Err(error.into());
+            }
+            return Ok(inner.global_report(report?));
+        }
         let inner = replicated.then(|| {
             ddp.record_loss(loss);
             &mut *ddp
         });
-        let mut observer = Agreement {
-            rank: self,
-            inner,
-            error: None,
-        };
-        let report = finish_step_observed(optimizer, loss, scaler, config.clip, &mut observer);
-        if let Some(error) = observer.error {
-            return Err(error);
-        }
+        let report = self.finish(optimizer, loss, scaler, config, inner)?;
         if replicated && let Some(error) = ddp.take_error() {
             return Err(error.into());
         }
@@ -227,6 +237,32 @@ impl PipelineRank {
         } else {
             report?
         })
+    }
+
+    /// tl-precision's end of the step, with the update's decisions made over the pipeline
+    /// after those of `inner`, the rank's data-parallel (and tensor-parallel) observer.
+    ///
+    /// # Errors
+    /// A collective of the pipeline that failed (the step then changed nothing); the
+    /// step's own refusal is the inner result.
+    fn finish<O: StepObserver<f32>>(
+        &self,
+        optimizer: &mut RunOptimizer,
+        loss: f64,
+        scaler: Option<&mut DynamicLossScaler>,
+        config: &TrainConfig,
+        inner: Option<&mut O>,
+    ) -> Result<tl_precision::Result<StepReport>> {
+        let mut observer = Agreement {
+            rank: self,
+            inner,
+            error: None,
+        };
+        let report = finish_step_observed(optimizer, loss, scaler, config.clip, &mut observer);
+        match observer.error {
+            Some(error) => Err(error),
+            None => Ok(report),
+        }
     }
 
     /// Every rank's last step (see [`PipelineTimeline`]), on every rank: a collective of
@@ -467,16 +503,17 @@ impl StageModel<f32> for Stages<'_> {
 
 /// The update's decisions made over the pipeline: any stage's overflow is every stage's,
 /// and the clip norm is the whole model's.
-struct Agreement<'a> {
+struct Agreement<'a, O> {
     rank: &'a PipelineRank,
     /// The data-parallel group's own observer (and the tensor-parallel group's), when the
-    /// rank has replicas: it reduces the gradients and makes its decisions first.
-    inner: Option<&'a mut DataParallel>,
+    /// rank has replicas, or ZeRO-3's: it reduces the gradients and makes its decisions
+    /// first.
+    inner: Option<&'a mut O>,
     /// The first collective that failed (the decisions then err on the safe side).
     error: Option<TrainError>,
 }
 
-impl StepObserver<f32> for Agreement<'_> {
+impl<O: StepObserver<f32>> StepObserver<f32> for Agreement<'_, O> {
     fn gradients_ready(&mut self, params: &[Tensor<f32>]) {
         if let Some(inner) = self.inner.as_deref_mut() {
             inner.gradients_ready(params);
@@ -485,7 +522,7 @@ impl StepObserver<f32> for Agreement<'_> {
 
     fn all_finite(&mut self, local: bool) -> bool {
         let local = match self.inner.as_deref_mut() {
-            Some(inner) => StepObserver::<f32>::all_finite(inner, local),
+            Some(inner) => inner.all_finite(local),
             None => local,
         };
         let flag = if local { 0.0 } else { 1.0 };
@@ -504,7 +541,7 @@ impl StepObserver<f32> for Agreement<'_> {
 
     fn total_sum_squares(&mut self, local: f64) -> f64 {
         let local = match self.inner.as_deref_mut() {
-            Some(inner) => StepObserver::<f32>::total_sum_squares(inner, local),
+            Some(inner) => inner.total_sum_squares(local),
             None => local,
         };
         match self.rank.sum(local) {

@@ -716,9 +716,14 @@ impl Trainer {
             )));
         }
         if let RunOptimizer::Zero3(zero3) = &self.optimizer {
-            // Each rank holds a shard: the ranks learn together whether any is damaged.
+            // Each rank holds a shard (of its stages', on a pipeline): the ranks learn
+            // together whether any is damaged.
             let local = zero3.nonfinite_parameter();
-            if ranks::any(&mut self.ddp, local.is_some())? {
+            let ranks = match self.pipeline {
+                Some(_) => self.world(),
+                None => &mut self.ddp,
+            };
+            if ranks::any(ranks, local.is_some())? {
                 return Err(self.diverged(match local {
                     Some(index) => format!(
                         "weight {} holds a value that is not finite",
