@@ -164,20 +164,28 @@ fn zero_3_over_a_pipeline_sums_as_zero_3_without_one() {
     // two replicas of a pipeline of 2.
     succeed(1, &run(&model, &path("one"), 4, &[]));
     succeed(2, &run(&model, &path("zero3"), 2, &["--zero", "3"]));
-    for (name, zero) in [("pp-zero3", "3"), ("pp-zero1", "1")] {
-        succeed(
-            4,
-            &run(&model, &path(name), 2, &["--pp", "2", "--zero", zero]),
-        );
+    for (name, flags) in [
+        ("pp-zero3", &["--zero", "3"][..]),
+        ("pp-zero1", &["--zero", "1"]),
+        ("zb-zero3", &["--zero", "3", "--schedule", "zb-h1"]),
+    ] {
+        let flags: Vec<&str> = ["--pp", "2"]
+            .into_iter()
+            .chain(flags.iter().copied())
+            .collect();
+        succeed(4, &run(&model, &path(name), 2, &flags));
     }
     let pp_zero3 = path("pp-zero3");
     // Each unit's reduce-scatter per micro-batch, the shards adding them in micro-batch
-    // order, with or without the pipeline.
-    assert!(
-        weights(&pp_zero3) == weights(&path("zero3")),
-        "dp 2 x pp 2 at ZeRO-3: the weights are not dp 2's at ZeRO-3"
-    );
-    assert_eq!(train_losses(&pp_zero3), train_losses(&path("zero3")));
+    // order, with or without the pipeline, and with the weights' gradients split off
+    // (ZB-H1: a unit's gradients are complete, and reduce-scattered, in its W).
+    for pipelined in [&pp_zero3, &path("zb-zero3")] {
+        assert!(
+            weights(pipelined) == weights(&path("zero3")),
+            "{pipelined:?}: the weights are not dp 2's at ZeRO-3"
+        );
+        assert_eq!(train_losses(pipelined), train_losses(&path("zero3")));
+    }
     // ZeRO-1 (the DDP pipeline's bits) and one process sum each replica's micro-batches
     // first, then the replicas: measured 2.1e-7 (one process) and 1.6e-7 (ZeRO-1) at most
     // in the weights, 6.9e-8 and 0 in the losses.
@@ -370,6 +378,7 @@ fn each_stages_peak_and_traffic_is_the_plans() {
         (2, 2, 4, &["--schedule", "interleaved"]),
         (4, 4, 4, &["--schedule", "1f1b", "--checkpoint-activations"]),
         (2, 2, 4, &["--schedule", "zb-h1"]),
+        (4, 2, 2, &["--schedule", "zb-h1", "--zero", "3"]),
         (
             4,
             4,
