@@ -8,6 +8,10 @@
 //! cargo build -p tl-collective --features mpi --examples
 //! mpirun --allow-run-as-root -np 4 --oversubscribe target/debug/examples/mpi_check
 //! ```
+//!
+//! With `--hang`, the last rank stops answering (it sleeps past `TINYLLM_COMM_TIMEOUT_MS`
+//! before a collective): every other rank's watchdog must end it with the error naming
+//! the call and the ranks it waited for, with the watchdog's exit status.
 
 use tl_collective::{
     Axis, Collective, CollectiveError, Communicator, Element, Mesh, MpiComm, MpiMode, ReduceOp,
@@ -249,6 +253,16 @@ fn check_messages(comm: &mut MpiComm) {
 fn main() {
     let mut comm = MpiComm::init(MpiMode::Ring).expect("MPI");
     let n = comm.world_size();
+    if std::env::args().any(|arg| arg == "--hang") {
+        if comm.rank() == n - 1 {
+            std::thread::sleep(comm.timeout() * 3);
+        }
+        comm.barrier().unwrap();
+        panic!(
+            "rank {}: the barrier returned without its last rank",
+            comm.rank()
+        );
+    }
     check_messages(&mut comm);
     for mode in [MpiMode::Ring, MpiMode::Native] {
         comm.set_mode(mode);

@@ -62,6 +62,8 @@ pub mod launch;
 mod mesh;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
+#[cfg(feature = "mpi")]
+mod mpi_watchdog;
 mod p2p;
 mod phantom;
 mod ring;
@@ -80,6 +82,8 @@ pub use error::{CallHeader, CollectiveError, Result};
 pub use mesh::{Axis, Coords, Mesh, MeshGroups};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiComm, MpiMode};
+#[cfg(feature = "mpi")]
+pub use mpi_watchdog::{DEFAULT_MPI_TIMEOUT, TIMEOUT_EXIT_STATUS};
 pub use p2p::MAX_TAG;
 pub use phantom::Phantom;
 pub use ring::{

@@ -18,9 +18,13 @@
 //! when the communicator is dropped; a receive probes for the message, checks its frame
 //! against the buffer, and receives it.
 //!
-//! Failures are MPI's: with its default error handler a dead rank aborts the whole job
-//! (mpirun reports it), so this backend has no timeout of its own. A shape-only buffer is
-//! refused ([`CollectiveError::ShapeOnly`]) before the call's header is gathered.
+//! Failures: with MPI's default error handler a dead rank aborts the whole job (mpirun
+//! reports it). A rank that hangs, or a host whose link goes down, tells nobody: every call
+//! is bounded by the backend's watchdog ([`mpi_watchdog`](crate::mpi_watchdog)), which
+//! names the rank, its host, the call and the peers' hosts, and ends the rank. The bound is
+//! `TINYLLM_COMM_TIMEOUT_MS`, else [`DEFAULT_MPI_TIMEOUT`](crate::DEFAULT_MPI_TIMEOUT). A
+//! shape-only buffer is refused ([`CollectiveError::ShapeOnly`]) before the call's header
+//! is gathered.
 
 use std::rc::Rc;
 
@@ -40,6 +44,7 @@ use crate::element::{
 };
 use crate::error::{CallHeader, CollectiveError, Result};
 use crate::group;
+use crate::mpi_watchdog::{DEFAULT_MPI_TIMEOUT, Watchdog, Watched};
 use crate::p2p::{self, SEND_OP};
 use crate::ring::header::{HEADER_LEN, decode, encode};
 use crate::ring::header::{from_words, to_words};
@@ -72,12 +77,20 @@ pub struct MpiComm {
     stats: CommStats,
     /// Sends not known to be complete, oldest first.
     in_flight: Vec<InFlight>,
+    /// Bounds every call (shared by the world and its groups).
+    watchdog: Watchdog,
+    /// The host of each rank of the world, by world rank.
+    hosts: Rc<Vec<String>>,
+    /// The world rank of each of this communicator's ranks.
+    members: Vec<usize>,
 }
 
 /// An `MPI_Isend` under way and the buffer it reads, which must outlive it.
 struct InFlight {
     request: Option<Request<'static, [u8], StaticScope>>,
     buffer: *mut [u8],
+    /// The receiving rank.
+    to: usize,
 }
 
 impl InFlight {
@@ -96,6 +109,7 @@ impl InFlight {
         InFlight {
             request: Some(request),
             buffer: pointer,
+            to,
         }
     }
 
@@ -131,6 +145,8 @@ impl Drop for MpiComm {
     /// Completes the sends under way while the communicator and MPI are still alive (the
     /// fields drop after this, the communicator first).
     fn drop(&mut self) {
+        let destinations = self.destinations();
+        let _watched = self.watch("sent its last messages", &destinations);
         self.in_flight.clear();
     }
 }
@@ -155,6 +171,14 @@ impl MpiComm {
             .ok_or_else(|| CollectiveError::Mpi("MPI is already initialised".into()))?;
         let world = universe.world();
         let (rank, world_size) = (world.rank() as usize, world.size() as usize);
+        let timeout = crate::env::timeout_from_env()?.unwrap_or(DEFAULT_MPI_TIMEOUT);
+        let watchdog = Watchdog::start(timeout);
+        let hosts = {
+            let _watched = watchdog.arm(format!(
+                "rank {rank} of {world_size} waited for the others to join the job"
+            ));
+            Rc::new(gather_hosts(&world))
+        };
         Ok(MpiComm {
             _universe: Rc::new(universe),
             world,
@@ -163,7 +187,71 @@ impl MpiComm {
             world_size,
             stats: CommStats::default(),
             in_flight: Vec::new(),
+            watchdog,
+            hosts,
+            members: (0..world_size).collect(),
         })
+    }
+
+    /// How long a call may take before the rank gives up.
+    pub fn timeout(&self) -> std::time::Duration {
+        self.watchdog.timeout()
+    }
+
+    /// The host each of this communicator's ranks runs on (MPI's processor name).
+    pub fn hosts(&self) -> Vec<String> {
+        self.members
+            .iter()
+            .map(|&w| self.hosts[w].clone())
+            .collect()
+    }
+
+    /// Watches a call that waits for `peers` (ranks of this communicator) until the guard
+    /// drops: see [`mpi_watchdog`](crate::mpi_watchdog).
+    fn watch(&self, call: &str, peers: &[usize]) -> Watched {
+        let host = |rank: usize| &self.hosts[self.members[rank]];
+        let mut waited: Vec<String> = Vec::new();
+        for &peer in peers {
+            let named = format!("{peer} on {}", host(peer));
+            if !waited.contains(&named) {
+                waited.push(named);
+            }
+        }
+        let group = if self.world_size == self.hosts.len() {
+            String::new()
+        } else {
+            format!(" (world rank {})", self.members[self.rank])
+        };
+        self.watchdog.arm(format!(
+            "rank {} of {}{group} on {} {call}, waiting for rank{} {}",
+            self.rank,
+            self.world_size,
+            host(self.rank),
+            if waited.len() == 1 { "" } else { "s" },
+            waited.join(", ")
+        ))
+    }
+
+    /// Every other rank of this communicator: who a collective waits for.
+    fn others(&self) -> Vec<usize> {
+        (0..self.world_size).filter(|&r| r != self.rank).collect()
+    }
+
+    /// The ranks the sends under way go to.
+    fn destinations(&self) -> Vec<usize> {
+        let mut to: Vec<usize> = self.in_flight.iter().map(|send| send.to).collect();
+        to.sort_unstable();
+        to.dedup();
+        to
+    }
+
+    /// Watches collective `op` (its `seq`-th call on this communicator).
+    fn watch_collective(&self, op: &str) -> Watched {
+        let others = self.others();
+        self.watch(
+            &format!("was in {op} (call {} of its group)", self.stats.collectives),
+            &others,
+        )
     }
 
     /// The mode in use.
@@ -415,6 +503,23 @@ impl MpiComm {
     }
 }
 
+/// Every rank's host (MPI's processor name), by rank: an all-gather of fixed-size names.
+fn gather_hosts(world: &SimpleCommunicator) -> Vec<String> {
+    const NAME: usize = 256;
+    let own = mpi::environment::processor_name().unwrap_or_else(|_| "an unnamed host".into());
+    let mut padded = [0u8; NAME];
+    let len = own.len().min(NAME);
+    padded[..len].copy_from_slice(&own.as_bytes()[..len]);
+    let mut all = vec![0u8; NAME * world.size() as usize];
+    world.all_gather_into(&padded[..], &mut all[..]);
+    all.chunks(NAME)
+        .map(|name| {
+            let end = name.iter().position(|&b| b == 0).unwrap_or(NAME);
+            String::from_utf8_lossy(&name[..end]).into_owned()
+        })
+        .collect()
+}
+
 fn system_op(op: ReduceOp) -> SystemOperation {
     match op {
         ReduceOp::Sum => SystemOperation::sum(),
@@ -434,6 +539,7 @@ impl Communicator for MpiComm {
     }
 
     fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> Result<()> {
+        let _watched = self.watch_collective(reduce_name("all_reduce", op));
         match data {
             SliceMut::F32(xs) => self.all_reduce_t(xs, op),
             SliceMut::F64(xs) => self.all_reduce_t(xs, op),
@@ -450,6 +556,7 @@ impl Communicator for MpiComm {
         op: ReduceOp,
     ) -> Result<()> {
         let name = reduce_name("reduce_scatter", op);
+        let _watched = self.watch_collective(name);
         let elements = (input.element(), output.element());
         check_scatter(
             name,
@@ -475,6 +582,7 @@ impl Communicator for MpiComm {
 
     fn all_gather(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> Result<()> {
         let name = "all_gather";
+        let _watched = self.watch_collective(name);
         let elements = (input.element(), output.element());
         check_scatter(
             name,
@@ -500,6 +608,7 @@ impl Communicator for MpiComm {
 
     fn broadcast(&mut self, data: SliceMut<'_>, root: usize) -> Result<()> {
         check_root(root, self.world_size)?;
+        let _watched = self.watch_collective("broadcast");
         match data {
             SliceMut::F32(xs) => self.broadcast_t(xs, root),
             SliceMut::F64(xs) => self.broadcast_t(xs, root),
@@ -508,6 +617,7 @@ impl Communicator for MpiComm {
     }
 
     fn barrier(&mut self) -> Result<()> {
+        let _watched = self.watch_collective("barrier");
         self.agree("barrier", "-", 0, 0)?;
         self.world.barrier();
         Ok(())
@@ -542,6 +652,7 @@ impl Communicator for MpiComm {
         if data.is_shape() {
             return Err(CollectiveError::ShapeOnly { op: "recv" });
         }
+        let _watched = self.watch(&format!("was receiving message {tag}"), &[from]);
         let (message, status) = self
             .world
             .process_at_rank(from as i32)
@@ -576,6 +687,8 @@ impl Communicator for MpiComm {
     }
 
     fn flush(&mut self) -> Result<()> {
+        let destinations = self.destinations();
+        let _watched = self.watch("was completing its sends", &destinations);
         self.in_flight.clear();
         Ok(())
     }
@@ -584,6 +697,7 @@ impl Communicator for MpiComm {
     /// group as the key, after the exchange that checks the ranks agree.
     fn split(&mut self, members: &[usize]) -> Result<Box<dyn Communicator>> {
         let position = group::check_members(members, self.rank, self.world_size)?;
+        let _watched = self.watch_collective("split");
         group::exchange(
             self,
             members,
@@ -603,6 +717,9 @@ impl Communicator for MpiComm {
             world_size,
             stats: CommStats::default(),
             in_flight: Vec::new(),
+            watchdog: self.watchdog.clone(),
+            hosts: Rc::clone(&self.hosts),
+            members: members.iter().map(|&m| self.members[m]).collect(),
         }))
     }
 }
