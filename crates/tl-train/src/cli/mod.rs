@@ -2,6 +2,7 @@
 
 mod backend;
 mod bench;
+mod binding;
 mod comm_bench;
 mod compare;
 mod export;
@@ -166,6 +167,11 @@ pub struct Threads {
 const MAX_THREADS: usize = 4096;
 
 impl Threads {
+    /// Whether the user chose the threads: `--threads`, or `RAYON_NUM_THREADS`.
+    fn chosen(self) -> bool {
+        self.threads.is_some() || std::env::var_os("RAYON_NUM_THREADS").is_some()
+    }
+
     /// Sizes this process's compute pool (rayon's global pool, which the matmuls, attention
     /// and elementwise kernels share), before anything computes.
     fn apply(self) -> crate::Result<()> {

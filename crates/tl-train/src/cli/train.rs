@@ -24,7 +24,10 @@ use crate::train::{
 
 /// Runs `tinyllm train`.
 pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
-    let comm = communicator(args.backend)?;
+    let mut comm = communicator(args.backend)?;
+    if args.backend != super::backend::Backend::Ring {
+        super::binding::warn_if_bound(comm.as_mut(), args.threads.chosen())?;
+    }
     let mut trainer = match &args.resume {
         Some(dir) => {
             let options = ResumeOptions {
