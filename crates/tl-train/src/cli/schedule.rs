@@ -275,12 +275,22 @@ fn from_run(run: &std::path::Path, chart: Option<&std::path::Path>) -> Result<Ex
             .collect();
         (times.iter().sum::<u64>() / times.len().max(1) as u64).max(1)
     };
-    let forward = mean(|a| matches!(a, tl_parallel::pipeline::Action::Forward { .. }));
-    let backward = mean(|a| matches!(a, tl_parallel::pipeline::Action::Backward { .. }));
+    use tl_parallel::pipeline::Action;
+    let forward = mean(|a| matches!(a, Action::Forward { .. }));
+    let backward = if config.parallel.schedule == ScheduleKind::ZeroBubbleH1 {
+        let input = mean(|a| matches!(a, Action::BackwardInput { .. }));
+        let weight = mean(|a| matches!(a, Action::BackwardWeight { .. }));
+        format!("its backward {input} us for the input's gradient and {weight} us for the weights'")
+    } else {
+        format!(
+            "its backward {} us",
+            mean(|a| matches!(a, Action::Backward { .. }))
+        )
+    };
     let equal = simulate(&schedule, Costs::UNIT)?;
     println!(
         "{}: step {} of {}, as it ran (microseconds); a stage's forward took {forward} us \
-         and its backward {backward} us on average\n",
+         and {backward} on average\n",
         config.parallel.schedule,
         timeline.step,
         run.display()
