@@ -397,18 +397,21 @@ impl<E: Element> Sweeping<E> {
         };
         let rest = (0..parents.len()).any(|i| parents[i].is_some() && !now(i));
         if let Backward::ByParent(vjp) = vjp {
-            let (parent_grads, incoming) = run_vjp(Backward::ByParent(vjp), grad, &parents, now);
-            let Some(Held::Buffer(grad, Backward::ByParent(vjp))) = incoming else {
-                unreachable!("a by-parent VJP is handed back with its gradient");
+            let parent_grads = by_parent(&vjp, &grad, &parents, now);
+            // What the VJP saved (the forward's operands) lives on only for the other half.
+            let later = if rest {
+                let vjp = Backward::ByParent(vjp);
+                Some(Later::Compute(Box::new(Pending { vjp, grad, scope })))
+            } else {
+                drop(vjp);
+                None
             };
             for (i, parent_grad) in parent_grads.into_iter().enumerate() {
                 if let (true, Some(parent)) = (now(i), &parents[i]) {
                     self.hand(parent, parent_grad, flight);
                 }
             }
-            if rest {
-                let vjp = Backward::ByParent(vjp);
-                let later = Later::Compute(Box::new(Pending { vjp, grad, scope }));
+            if let Some(later) = later {
                 halves.insert(node.key(), Half { parents, later });
             }
             return;
@@ -583,14 +586,18 @@ impl<E: Element> Deferred<E> {
                     let Pending { vjp, grad, scope } = *pending;
                     let _scope = backward_scope(scope);
                     let flight = in_flight();
+                    let Backward::ByParent(vjp) = vjp else {
+                        unreachable!("only a by-parent VJP is run in halves");
+                    };
                     let wanted = |i: usize| off_path(i).is_some();
-                    let (parent_grads, incoming) = run_vjp_held(vjp, grad, &parents, wanted);
+                    let parent_grads = by_parent(&vjp, &grad, &parents, wanted);
+                    drop(vjp);
                     for (i, parent_grad) in parent_grads.into_iter().enumerate() {
                         if let Some(parent) = off_path(i) {
                             sweep.hand(parent, parent_grad, flight);
                         }
                     }
-                    drop(incoming);
+                    drop(grad);
                 }
             }
         }
@@ -724,9 +731,8 @@ impl Drop for Incoming {
 enum Held<E: Element> {
     /// Its values went into a VJP; its bytes are still counted, until this drops.
     Incoming { _counted: Incoming },
-    /// The gradient itself, with the by-parent VJP that reads it (a split sweep may run it
-    /// again for the other parents).
-    Buffer(Buffer<E>, Backward<E>),
+    /// The gradient itself, which a by-parent VJP read.
+    Gradient { _gradient: Buffer<E> },
 }
 
 /// Runs one op's backward on `grad`: the gradient for each parent (a by-parent VJP only for
@@ -769,7 +775,13 @@ fn run_vjp<E: Element>(
                 .collect();
             (returned, None)
         }
-        by_parent @ Backward::ByParent(_) => return run_vjp_held(by_parent, grad, parents, wanted),
+        Backward::ByParent(vjp) => {
+            let returned = by_parent(&vjp, &grad, parents, wanted);
+            // As a values VJP is consumed by its call: what it saved is freed before the
+            // results are placed.
+            drop(vjp);
+            (returned, Some(Held::Gradient { _gradient: grad }))
+        }
     };
     assert_eq!(
         returned.len(),
@@ -779,30 +791,25 @@ fn run_vjp<E: Element>(
     (returned, held)
 }
 
-/// [`run_vjp`] of a by-parent VJP: each parent that requires grad and is `wanted` gets its
-/// gradient (meta for a meta gradient); the gradient stays alive, with the VJP, in the
-/// returned hold.
-fn run_vjp_held<E: Element>(
-    vjp: Backward<E>,
-    grad: Buffer<E>,
+/// A by-parent VJP's gradients for the parents that require grad and are `wanted` (meta
+/// gradients for a meta `grad`), in the parents' order.
+fn by_parent<E: Element>(
+    vjp: &ParentVjp<E>,
+    grad: &Buffer<E>,
     parents: &[Option<Rc<GradNode<E>>>],
     wanted: impl Fn(usize) -> bool,
-) -> (Vec<Option<Returned<E>>>, Option<Held<E>>) {
-    let Backward::ByParent(by_parent) = &vjp else {
-        unreachable!("only a by-parent VJP runs parent by parent");
-    };
-    let returned = (parents.iter().enumerate())
+) -> Vec<Option<Returned<E>>> {
+    (parents.iter().enumerate())
         .map(|(i, parent)| {
             let parent = parent.as_ref().filter(|_| wanted(i))?;
             Some(match grad.is_meta() {
                 true => Returned::Meta,
                 false => {
-                    let values = by_parent(grad.array(), i);
+                    let values = vjp(grad.array(), i);
                     check_shape(values.shape(), parent);
                     Returned::Values(values)
                 }
             })
         })
-        .collect();
-    (returned, Some(Held::Buffer(grad, vjp)))
+        .collect()
 }
