@@ -421,6 +421,9 @@ fn each_stages_peak_and_traffic_is_the_plans() {
                 p["sent_bytes"].as_u64().unwrap() as f64,
                 "{what}: rank {rank}'s bytes"
             );
+            // Every stage sends and receives: its time communicating is counted.
+            let comm_s = m["comm_s_per_step"].as_f64().unwrap();
+            assert!(comm_s > 0.0, "{what}: rank {rank} communicated {comm_s} s");
         }
         // The bubble of equal stages is the formula's for these schedules.
         let pipeline = &plan["pipeline"];

@@ -563,7 +563,7 @@ fn report(trainer: &mut Trainer, note: Option<&str>) -> Result<()> {
     );
     for rank in &summary.ranks {
         say!(
-            "rank {}: peak live tensors {:.1} MiB{}; sent {:.2} MiB per step, {:.3} s per step in collectives ({:.1}% of its step time)",
+            "rank {}: peak live tensors {:.1} MiB{}; sent {:.2} MiB per step, {:.3} s per step communicating ({:.1}% of its step time)",
             rank.rank,
             mib(rank.peak_live_bytes),
             describe_peak(rank.peak_rss_bytes),

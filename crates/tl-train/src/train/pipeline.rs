@@ -11,6 +11,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use tl_collective::{Communicator, ReduceOp, SliceMut};
 use tl_parallel::pipeline::{Executed, Schedule, StageModel, execute};
@@ -71,6 +72,9 @@ pub(super) struct PipelineRank {
     whole: Vec<(String, Vec<usize>, usize)>,
     /// The last step's timeline on this rank.
     last_step: RefCell<Option<Executed>>,
+    /// Wall-clock time spent sending, receiving (waits included) and in the pipeline's
+    /// collectives.
+    busy: Cell<Duration>,
 }
 
 impl PipelineRank {
@@ -128,6 +132,7 @@ impl PipelineRank {
             blocks,
             whole,
             last_step: RefCell::new(None),
+            busy: Cell::new(Duration::ZERO),
         };
         Ok((rank, part, adamw))
     }
@@ -142,8 +147,16 @@ impl PipelineRank {
         collective: impl FnOnce(&mut dyn Communicator) -> tl_collective::Result<T>,
     ) -> Result<T> {
         let rank = self.rank();
-        collective(self.comm.borrow_mut().as_mut())
-            .map_err(|source| ParallelError::Collective { rank, source }.into())
+        let started = Instant::now();
+        let done = collective(self.comm.borrow_mut().as_mut());
+        self.busy.set(self.busy.get() + started.elapsed());
+        done.map_err(|source| ParallelError::Collective { rank, source }.into())
+    }
+
+    /// Wall-clock time this rank has spent on the pipeline's messages (a receive's wait
+    /// for its sender included) and its collectives.
+    pub(super) fn communication_time(&self) -> Duration {
+        self.busy.get()
     }
 
     /// The sum of `x` over the pipeline's ranks.
@@ -212,6 +225,12 @@ impl PipelineRank {
             let mut comm = self.comm.borrow_mut();
             execute(&self.schedule, comm.as_mut(), &stages)?
         };
+        // Its messages, and the waits in its receives: what is not compute in its timeline.
+        let messages: Duration = (executed.timeline.iter())
+            .filter(|t| !t.action.computes())
+            .map(|t| t.end - t.start)
+            .sum();
+        self.busy.set(self.busy.get() + messages);
         *self.last_step.borrow_mut() = Some(executed);
         // The last stage's loss (this replica's share of the batch's), every stage's.
         let loss = self.sum(stages.batch_loss.get())?;

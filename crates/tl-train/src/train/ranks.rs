@@ -192,7 +192,8 @@ pub struct RankReport {
     pub peak_rss_bytes: Option<u64>,
     /// Bytes it sent to its peers per training step (mean over the run's steps).
     pub bytes_sent_per_step: f64,
-    /// Seconds it spent inside collectives per training step (mean over the run's steps).
+    /// Seconds it spent communicating per training step (mean over the run's steps): in
+    /// collectives, and a pipeline's messages with their waits.
     pub comm_s_per_step: f64,
     /// The share of its own step time spent inside collectives (waiting for a slower rank
     /// included), 0 to 1.
@@ -208,7 +209,8 @@ const REPORT_SLOTS: usize = 5;
 pub struct StepTraffic {
     /// Bytes sent to peers.
     pub bytes_sent: u64,
-    /// Seconds inside collectives.
+    /// Seconds communicating: inside collectives, and a pipeline's messages (a receive's
+    /// wait for its sender included).
     pub comm_s: f64,
     /// Seconds of the steps, collectives included.
     pub step_s: f64,

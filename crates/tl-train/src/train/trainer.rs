@@ -419,7 +419,8 @@ impl Trainer {
     fn communication_time(&self) -> Duration {
         let split = self.model.tensor_split();
         let tensor = split.map_or(Duration::ZERO, |s| s.group().communication_time());
-        self.ddp.communication_time() + tensor
+        let pipeline = (self.pipeline.as_ref()).map_or(Duration::ZERO, |p| p.communication_time());
+        self.ddp.communication_time() + tensor + pipeline
     }
 
     /// Whether the run has done all the steps of its config.
