@@ -91,6 +91,66 @@ fn every_schedule_trains_as_one_process_bit_for_bit() {
     }
 }
 
+/// Dropout on a pipeline. One process draws a micro-batch's masks block after block from
+/// the micro-batch's own stream; a stage starts from the same stream and skips the draws of
+/// the blocks before it, so each block draws one process's masks, whatever the stage, the
+/// schedule's order or a checkpointed block's rerun. The run is one process's to the byte.
+#[test]
+fn dropout_on_a_pipeline_is_one_processes_to_the_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = four_blocks(dir.path());
+    let path = |name: &str| dir.path().join(name);
+    let dropout = ["--dropout", "0.1"];
+    succeed(1, &run(&model, &path("one"), 4, &dropout));
+    succeed(1, &run(&model, &path("plain"), 4, &[]));
+    assert!(
+        weights(&path("one")) != weights(&path("plain")),
+        "dropout changes the run"
+    );
+    succeed(2, &run(&model, &path("dp2"), 2, &dropout));
+    for (ranks, accum, reference, flags) in [
+        (2, 4, "one", &["--pp", "2"][..]),
+        (2, 4, "one", &["--pp", "2", "--checkpoint-activations"]),
+        (
+            2,
+            4,
+            "one",
+            &[
+                "--pp",
+                "2",
+                "--schedule",
+                "interleaved",
+                "--checkpoint-activations",
+            ],
+        ),
+        (4, 4, "one", &["--pp", "4", "--schedule", "gpipe"]),
+        (
+            4,
+            4,
+            "one",
+            &[
+                "--pp",
+                "4",
+                "--schedule",
+                "zb-h1",
+                "--checkpoint-activations",
+            ],
+        ),
+        (4, 2, "dp2", &["--pp", "2"]),
+    ] {
+        let extra: Vec<&str> = flags.iter().copied().chain(dropout).collect();
+        let out = path(&format!("{ranks}{}", extra.join("")));
+        succeed(ranks, &run(&model, &out, accum, &extra));
+        let (expected, what) = (path(reference), format!("{extra:?} on {ranks} ranks"));
+        assert!(weights(&out) == weights(&expected), "{what}: the weights");
+        assert_eq!(
+            train_losses(&out),
+            train_losses(&expected),
+            "{what}: losses"
+        );
+    }
+}
+
 /// The mesh dp × tp × pp: two data-parallel pipelines, and pipelines of tensor-parallel
 /// stages (with sequence parallelism too), train what one process trains on the same global
 /// batch, to the rounding of their sums.
@@ -352,7 +412,6 @@ fn sizes_a_pipeline_cannot_run_are_refused_before_any_step() {
         ),
         (2, 4, &["--pp", "3"], "must divide"),
         (2, 2, &["--pp", "2", "--pp-split", "4"], "pp-split"),
-        (2, 2, &["--pp", "2", "--dropout", "0.1"], "with dropout"),
     ] {
         let out = dir.path().join(format!("bad-{ranks}-{}", flags.join("")));
         let output = run_ranks(ranks, &run(&model, &out, accum, flags));
@@ -391,6 +450,7 @@ fn each_stages_peak_and_traffic_is_the_plans() {
         (4, 2, 2, &["--zero", "3"]),
         (4, 2, 4, &["--zero", "3", "--checkpoint-activations"]),
         (4, 2, 4, &["--tp", "2"]),
+        (2, 2, 4, &["--dropout", "0.1", "--checkpoint-activations"]),
     ] {
         let pp = pp.to_string();
         let extra: Vec<&str> = ["--pp", &pp]

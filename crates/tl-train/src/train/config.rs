@@ -1023,13 +1023,6 @@ impl TrainConfig {
         if self.fp8.is_some() {
             return not_yet("fp8", "on".into(), "with fp8's delayed scaling");
         }
-        if self.model.dropout > 0.0 {
-            return not_yet(
-                "dropout",
-                self.model.dropout.to_string(),
-                "with dropout (its masks are drawn block after block from one stream)",
-            );
-        }
         self.pipeline_schedule()?;
         crate::model::pipeline::stage_blocks(
             &self.model,
