@@ -7,9 +7,11 @@
 //! stages: every stage's backwards run in micro-batch order, so its parameters' gradients
 //! add up in one process's order, and each micro-batch's loss is weighted as tl-precision
 //! weights it. Each stage draws one process's dropout masks (it starts from the
-//! micro-batch's stream and skips the blocks before it, see `Llama::stage_forward`). The
-//! clip norm is the one exception: each stage sums its squares, and the stages' sums are
-//! added over the pipeline, an order one process does not use.
+//! micro-batch's stream and skips the blocks before it, see `Llama::stage_forward`), and
+//! fp8's amaxes need no more than the trainer's reduction over every rank (the stages that
+//! do not hold a layer add nothing to it). The clip norm is the one exception: each stage
+//! sums its squares, and the stages' sums are added over the pipeline, an order one
+//! process does not use.
 
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
