@@ -58,6 +58,27 @@ impl Generator {
         self.stream.borrow_mut().next_u64()
     }
 
+    /// Advances the stream by `draws` draws of [`next_u64`](Self::next_u64), as if they
+    /// were made and discarded: where a caller that needs a later part of the stream (a
+    /// pipeline stage's dropout masks, a rank's rows of one) finds it. Xoshiro has no jump
+    /// by an arbitrary count, so this costs the draws themselves, without their use.
+    ///
+    /// ```
+    /// use tl_tensor::Generator;
+    /// let (drawn, skipped) = (Generator::new(5), Generator::new(5));
+    /// for _ in 0..3 {
+    ///     drawn.next_u64();
+    /// }
+    /// skipped.skip(3);
+    /// assert_eq!(skipped.state(), drawn.state());
+    /// ```
+    pub fn skip(&self, draws: u64) {
+        let mut stream = self.stream.borrow_mut();
+        for _ in 0..draws {
+            stream.next_u64();
+        }
+    }
+
     /// A uniform draw from `[0, 1)` with 53 random bits.
     pub fn next_f64(&self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)

@@ -2,9 +2,10 @@
 //! blocks cut into stages, the step's micro-batches streamed through them by GPipe, 1F1B,
 //! the interleaved schedule or ZB-H1, and the run one process's to the bit (the weights' bytes and
 //! every loss); in bf16, with checkpointing and with clipping too; fp16 with an overflow in
-//! one stage skipping the step on every rank; checkpoints that resume at pp 1, pp 4 and on
-//! two data-parallel ranks; data-parallel pipelines at ZeRO-1, 2 and 3; sizes that cannot
-//! be, refused before any step. Every multi-process run here is bounded in time.
+//! one stage skipping the step on every rank; fp8's delayed scaling (its scales, its range
+//! counts) and dropout's masks one process's too; checkpoints that resume at pp 1, pp 4 and
+//! on two data-parallel ranks; data-parallel pipelines at ZeRO-1, 2 and 3; sizes that
+//! cannot be, refused before any step. Every multi-process run here is bounded in time.
 
 mod common;
 
@@ -15,9 +16,11 @@ use std::time::Duration;
 
 use common::ranks::{largest_relative, run_ranks, succeed, train_losses};
 use tl_collective::{RingComm, RingConfig};
-use tl_precision::Precision;
+use tl_precision::{Fp8Recipe, Fp8State, Precision};
 use tl_train::model::{Llama, Preset};
-use tl_train::train::{TrainConfig, Trainer, read_config};
+use tl_train::train::{
+    Fp8Counts, Record, TrainConfig, Trainer, read_config, read_records, snapshot,
+};
 
 /// The tiny model with 4 blocks, so that 4 stages hold one each.
 fn four_blocks(dir: &Path) -> PathBuf {
@@ -88,6 +91,167 @@ fn every_schedule_trains_as_one_process_bit_for_bit() {
             assert_eq!(train_losses(&out), expected.1, "{what}: losses");
             assert!(weights(&out) == expected.0, "{what}: the weights differ");
         }
+    }
+}
+
+/// The fp8 figures `metrics.jsonl` reports, step by step.
+fn fp8_counts(run: &Path) -> Vec<Fp8Counts> {
+    (read_records(&run.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter())
+    .filter_map(|record| match record {
+        Record::Train { fp8, .. } => Some(fp8.expect("fp8 counts")),
+        Record::Eval { .. } => None,
+    })
+    .collect()
+}
+
+/// The fp8 scales and amax histories of a run's latest checkpoint (rank 0's).
+fn fp8_state(run: &Path) -> Fp8State {
+    snapshot::load(run)
+        .unwrap()
+        .state
+        .fp8
+        .expect("an fp8 state")
+}
+
+/// fp8 on a pipeline. Each rank casts only its stages' layers, but holds every layer's
+/// delayed scales: after each step the amaxes and range counts go through the one
+/// all-reduce that makes them global over the run's ranks, where a stage that does not hold
+/// a layer adds nothing (an amax of 0, no counts). So every rank steps every layer's scales
+/// as one process does, rank 0 reports one process's counts and writes its whole state.
+/// Every schedule's weights, losses, figures and scales are one process's to the byte, and
+/// two data-parallel pipelines are two data-parallel ranks' (fp8 at dp 2 is not one
+/// process's bits: `fp8_ranks.rs`).
+#[test]
+fn fp8_on_a_pipeline_is_one_processes_to_the_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = four_blocks(dir.path());
+    let path = |name: &str| dir.path().join(name);
+    let fp8 = ["--fp8"];
+    succeed(1, &run(&model, &path("one"), 4, &fp8));
+    succeed(2, &run(&model, &path("dp2"), 2, &fp8));
+    let counts = fp8_counts(&path("one"));
+    assert!(
+        counts.iter().all(|c| !c.tensors.is_empty()),
+        "every step flushes or saturates something: {counts:?}"
+    );
+    for (ranks, pp, accum, reference, flags) in [
+        (2, "2", 4, "one", &["--schedule", "1f1b"][..]),
+        (2, "2", 4, "one", &["--schedule", "interleaved"]),
+        (2, "2", 4, "one", &["--schedule", "zb-h1"]),
+        (4, "4", 4, "one", &["--checkpoint-activations"]),
+        (4, "2", 2, "dp2", &[]),
+    ] {
+        let extra: Vec<&str> = ["--pp", pp]
+            .into_iter()
+            .chain(flags.iter().copied())
+            .chain(fp8)
+            .collect();
+        let out = path(&format!("{ranks}{}", extra.join("")));
+        succeed(ranks, &run(&model, &out, accum, &extra));
+        let (expected, what) = (path(reference), format!("{extra:?} on {ranks} ranks"));
+        assert!(weights(&out) == weights(&expected), "{what}: the weights");
+        assert_eq!(
+            train_losses(&out),
+            train_losses(&expected),
+            "{what}: losses"
+        );
+        assert_eq!(
+            fp8_counts(&out),
+            fp8_counts(&expected),
+            "{what}: fp8 counts"
+        );
+        assert_eq!(fp8_state(&out), fp8_state(&expected), "{what}: fp8 scales");
+    }
+}
+
+/// Dropout on a pipeline. One process draws a micro-batch's masks block after block from
+/// the micro-batch's own stream; a stage starts from the same stream and skips the draws of
+/// the blocks before it, so each block draws one process's masks, whatever the stage, the
+/// schedule's order or a checkpointed block's rerun. The run is one process's to the byte.
+#[test]
+fn dropout_on_a_pipeline_is_one_processes_to_the_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = four_blocks(dir.path());
+    let path = |name: &str| dir.path().join(name);
+    let dropout = ["--dropout", "0.1"];
+    succeed(1, &run(&model, &path("one"), 4, &dropout));
+    succeed(1, &run(&model, &path("plain"), 4, &[]));
+    assert!(
+        weights(&path("one")) != weights(&path("plain")),
+        "dropout changes the run"
+    );
+    succeed(2, &run(&model, &path("dp2"), 2, &dropout));
+    for (ranks, accum, reference, flags) in [
+        (2, 4, "one", &["--pp", "2"][..]),
+        (2, 4, "one", &["--pp", "2", "--checkpoint-activations"]),
+        (
+            2,
+            4,
+            "one",
+            &[
+                "--pp",
+                "2",
+                "--schedule",
+                "interleaved",
+                "--checkpoint-activations",
+            ],
+        ),
+        (4, 4, "one", &["--pp", "4", "--schedule", "gpipe"]),
+        (
+            4,
+            4,
+            "one",
+            &[
+                "--pp",
+                "4",
+                "--schedule",
+                "zb-h1",
+                "--checkpoint-activations",
+            ],
+        ),
+        (4, 2, "dp2", &["--pp", "2"]),
+    ] {
+        let extra: Vec<&str> = flags.iter().copied().chain(dropout).collect();
+        let out = path(&format!("{ranks}{}", extra.join("")));
+        succeed(ranks, &run(&model, &out, accum, &extra));
+        let (expected, what) = (path(reference), format!("{extra:?} on {ranks} ranks"));
+        assert!(weights(&out) == weights(&expected), "{what}: the weights");
+        assert_eq!(
+            train_losses(&out),
+            train_losses(&expected),
+            "{what}: losses"
+        );
+    }
+}
+
+/// A pipeline's checkpoint with dropout or fp8 resumes in one process and continues the
+/// uninterrupted one-process run to the byte: the masks come from each micro-batch's
+/// stream, and rank 0's fp8 state holds every stage's layers.
+#[test]
+fn a_pipeline_with_dropout_or_fp8_resumes_in_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = four_blocks(dir.path());
+    for recipe in [&["--dropout", "0.1"][..], &["--fp8"]] {
+        let name = recipe.join("");
+        let one = dir.path().join(format!("one{name}"));
+        succeed(1, &run(&model, &one, 4, recipe));
+        let out = dir.path().join(format!("pp2-to-1{name}"));
+        let until: Vec<&str> = ["--pp", "2", "--until-step", "3"]
+            .into_iter()
+            .chain(recipe.iter().copied())
+            .collect();
+        succeed(2, &run(&model, &out, 4, &until));
+        let resume: Vec<String> = ["train", "--resume", out.to_str().unwrap(), "--quiet"]
+            .into_iter()
+            .chain(["--pp", "1"])
+            .map(String::from)
+            .collect();
+        succeed(1, &resume);
+        assert_eq!(read_config(&out).unwrap().parallel.pipeline, 1);
+        assert!(weights(&out) == weights(&one), "{recipe:?}: the weights");
+        assert_eq!(train_losses(&out), train_losses(&one), "{recipe:?}: losses");
     }
 }
 
@@ -352,7 +516,6 @@ fn sizes_a_pipeline_cannot_run_are_refused_before_any_step() {
         ),
         (2, 4, &["--pp", "3"], "must divide"),
         (2, 2, &["--pp", "2", "--pp-split", "4"], "pp-split"),
-        (2, 2, &["--pp", "2", "--dropout", "0.1"], "with dropout"),
     ] {
         let out = dir.path().join(format!("bad-{ranks}-{}", flags.join("")));
         let output = run_ranks(ranks, &run(&model, &out, accum, flags));
@@ -391,13 +554,17 @@ fn each_stages_peak_and_traffic_is_the_plans() {
         (4, 2, 2, &["--zero", "3"]),
         (4, 2, 4, &["--zero", "3", "--checkpoint-activations"]),
         (4, 2, 4, &["--tp", "2"]),
+        (2, 2, 4, &["--fp8"]),
+        (2, 2, 4, &["--schedule", "interleaved", "--fp8"]),
+        (4, 2, 2, &["--fp8"]),
+        (2, 2, 4, &["--dropout", "0.1", "--checkpoint-activations"]),
     ] {
         let pp = pp.to_string();
         let extra: Vec<&str> = ["--pp", &pp]
             .into_iter()
             .chain(flags.iter().copied())
             .collect();
-        let out = dir.path().join(extra.join(""));
+        let out = dir.path().join(format!("{ranks}{}", extra.join("")));
         succeed(ranks, &run(&model, &out, accum, &extra));
         let summary: serde_json::Value =
             serde_json::from_slice(&fs::read(out.join("summary.json")).unwrap()).unwrap();
@@ -596,4 +763,78 @@ fn an_overflow_in_one_stage_skips_the_step_on_every_rank() {
         // Skipped where one process skipped, the same scales, the same losses.
         assert_eq!(handle.join().unwrap(), one, "rank {rank}");
     }
+}
+
+/// The 4-block run's last stage alone overflows in fp16: unit 0 of the final norm's output
+/// made loud (its gain 1000 times larger) and silent (its row of the head zero). The logits
+/// do not change; the head's gradient in that row, the loud output times the scaled
+/// gradient of the logits, passes fp16's largest value for the first steps. (Block 0's loud
+/// MLP unit above does not overflow in fp8: its products are fp8 values summed in f32.)
+fn make_head_loud(model: &Llama<f32>) {
+    for (name, param) in model.named_parameters() {
+        match name.as_str() {
+            "norm.w" => param.update_value(|w| w[[0]] *= 1000.0),
+            // `[d, vocab]`: unit 0's row.
+            "head.weight" => param.update_value(|w| {
+                w.index_axis_mut(tl_tensor::ndarray::Axis(0), 0).fill(0.0);
+            }),
+            _ => {}
+        }
+    }
+}
+
+/// fp8 under fp16's loss scaling on a pipeline: a step that overflows in the last stage is
+/// skipped on every rank, its amaxes still join every layer's history on every rank, and
+/// the scales step after it as one process's do. The steps, and the fp8 state after them,
+/// are one process's.
+#[test]
+fn a_skipped_fp8_step_steps_the_scales_as_one_process() {
+    let config = |ranks, pipeline| {
+        let mut config = fp16_config(ranks, pipeline);
+        config.fp8 = Some(Fp8Recipe::default());
+        config
+    };
+    // Its steps, then its fp8 state as its checkpoint holds it.
+    let train = |mut trainer: Trainer| {
+        make_head_loud(trainer.model());
+        let run_dir = trainer.run_dir().to_path_buf();
+        let mut steps = Vec::new();
+        for _ in 0..STEPS {
+            match trainer.train_step().unwrap() {
+                Record::Train {
+                    loss,
+                    skipped,
+                    scale,
+                    ..
+                } => steps.push((loss.to_bits(), skipped, scale.unwrap())),
+                other => panic!("not a training step: {other:?}"),
+            }
+        }
+        trainer.save().unwrap();
+        (steps, run_dir)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (one, one_dir) = train(Trainer::new(config(1, 1), &dir.path().join("one")).unwrap());
+    let skipped = one.iter().filter(|s| s.1).count();
+    assert!(
+        (1..STEPS).contains(&skipped),
+        "the loud unit overflows the first steps, then fits: {one:?}"
+    );
+    let sockets = tempfile::tempdir().unwrap();
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let ring = RingConfig::new(rank, 2, sockets.path(), [7; 32])
+                .unwrap()
+                .timeout(Duration::from_secs(60));
+            let (run_dir, config) = (dir.path().join("pp2"), config(2, 2));
+            thread::spawn(move || {
+                let comm = Box::new(RingComm::connect(ring).unwrap());
+                train(Trainer::new_on(config, &run_dir, comm).unwrap())
+            })
+        })
+        .collect();
+    for (rank, handle) in handles.into_iter().enumerate() {
+        assert_eq!(handle.join().unwrap().0, one, "rank {rank}");
+    }
+    assert_eq!(fp8_state(&dir.path().join("pp2")), fp8_state(&one_dir));
 }

@@ -119,15 +119,34 @@ impl Dropout {
             return Module::forward(self, x);
         }
         let row_len: usize = row_shape.iter().product();
-        let skip = |rows: usize| {
-            for _ in 0..rows * row_len {
-                self.rng.next_u64();
-            }
-        };
+        let skip = |rows: usize| self.rng.skip((rows * row_len) as u64);
         skip(first_row);
         let output = Module::forward(self, x);
         skip(total_rows - first_row - rows);
         output
+    }
+
+    /// Advances the stream past the draws a training [`forward`](Module::forward) of a
+    /// tensor of `elements` elements makes, without drawing a mask: nothing in evaluation
+    /// mode, when `p = 0` or in meta mode, one draw per element otherwise. A caller that
+    /// runs only the later layers of a model whose layers share one stream (a pipeline
+    /// stage) so finds the masks those layers draw when the whole model runs.
+    ///
+    /// ```
+    /// use tl_tensor::nn::{Dropout, Module};
+    /// use tl_tensor::{Generator, Tensor};
+    /// let whole = Dropout::new(0.5, Generator::new(3))?;
+    /// let _first: Tensor<f32> = whole.forward(&Tensor::ones(&[4, 2]));
+    /// let second: Tensor<f32> = whole.forward(&Tensor::ones(&[4, 2]));
+    /// let later = Dropout::new(0.5, Generator::new(3))?;
+    /// later.skip(8);
+    /// assert_eq!(later.forward(&Tensor::<f32>::ones(&[4, 2])).to_vec(), second.to_vec());
+    /// # Ok::<(), tl_tensor::TensorError>(())
+    /// ```
+    pub fn skip(&self, elements: usize) {
+        if self.training.get() && self.p > 0.0 && !crate::meta::is_meta_mode() {
+            self.rng.skip(elements as u64);
+        }
     }
 }
 
@@ -255,6 +274,33 @@ mod tests {
         let no_drop = Dropout::new(0.0, rng.clone()).unwrap();
         assert_eq!(forward(&no_drop, &x), vec![1.0, -2.0, 3.0]);
         assert_eq!(rng.state(), before);
+    }
+
+    #[test]
+    fn skipping_draws_what_a_forward_draws_and_only_while_it_would() {
+        let x = Tensor::<f32>::ones(&[3, 7]);
+        let (whole, later) = (
+            Dropout::new(0.4, Generator::new(6)).unwrap(),
+            Dropout::new(0.4, Generator::new(6)).unwrap(),
+        );
+        forward(&whole, &x);
+        later.skip(21);
+        assert_eq!(later.generator().state(), whole.generator().state());
+        assert_eq!(forward(&later, &x), forward(&whole, &x));
+        // In evaluation mode, at p = 0 and in meta mode, a forward draws nothing: neither
+        // does a skip.
+        let before = later.generator().state();
+        Module::<f32>::set_training(&later, false);
+        later.skip(21);
+        Module::<f32>::set_training(&later, true);
+        Dropout::new(0.0, later.generator().clone())
+            .unwrap()
+            .skip(21);
+        {
+            let _meta = crate::meta::meta_mode();
+            later.skip(21);
+        }
+        assert_eq!(later.generator().state(), before);
     }
 
     #[test]

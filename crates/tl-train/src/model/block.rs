@@ -222,6 +222,20 @@ impl<E: GradElement> Block<E> {
         x.add(&output)
     }
 
+    /// Advances the dropout stream past the masks [`forward_batch`](Self::forward_batch)
+    /// draws on a batch shaped `batch`: one mask of the whole `[B, T, d]` output of each
+    /// branch (under sequence parallelism too, whose ranks draw the whole mask and keep
+    /// their rows); nothing without dropout, in evaluation or in meta mode. Every block
+    /// draws the same, so a pipeline stage skips the blocks before it with any of its own.
+    pub(crate) fn skip_dropout(&self, [rows, time]: BatchShape) {
+        if let Some(dropout) = &self.dropout {
+            let d_model = self.norm1.weight().shape()[0];
+            for _branch in ["attention", "mlp"] {
+                dropout.skip(rows * time * d_model);
+            }
+        }
+    }
+
     /// An RMSNorm's output, rounded for the projections that read it.
     fn norm(norm: &RmsNorm<E>, x: &Tensor<E>) -> Tensor<E> {
         let _label = memory::label_scope(roles::NORM);

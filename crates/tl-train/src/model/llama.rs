@@ -411,6 +411,11 @@ impl<E: GradElement> Llama<E> {
     /// cross-entropy against `targets`, as [`loss`](Self::loss) computes it: the stages run
     /// in turn compute the whole model's loss, to the bit.
     ///
+    /// With dropout, every stage expects the dropout stream where the whole model's pass
+    /// would start it (the caller sets it to the micro-batch's state before each stage), and
+    /// skips the draws of the blocks before the stage: each block draws the masks it draws
+    /// in the whole model, whichever part holds it and in whatever order the stages run.
+    ///
     /// # Errors
     /// As [`loss`](Self::loss).
     ///
@@ -437,6 +442,13 @@ impl<E: GradElement> Llama<E> {
         let first = (self.blocks.iter()).position(|(i, _)| held.blocks.contains(i));
         let positions = first.map_or(0..0, |first| first..first + held.blocks.len());
         let batch = [rows, time];
+        if let Some(first) = first {
+            // The masks the whole model's pass draws for these blocks: from where it starts
+            // (the stream is set there for every stage), past its earlier blocks' masks.
+            for _ in 0..held.blocks.start {
+                self.blocks[first].1.skip_dropout(batch);
+            }
+        }
         let x = self.run_blocks(&x, batch, hook, positions)?;
         if !held.last {
             return Ok(x);
@@ -971,11 +983,20 @@ mod tests {
 
     #[test]
     fn stages_run_in_turn_give_the_whole_models_loss_and_gradients_bit_for_bit() {
+        for dropout in [0.0, 0.25] {
+            stages_run_in_turn_with_dropout(dropout);
+        }
+    }
+
+    /// With dropout each stage starts from the stream where the whole model's pass starts
+    /// (as the pipeline sets it for each micro-batch) and draws its blocks' masks there.
+    fn stages_run_in_turn_with_dropout(dropout: f64) {
         let config = ModelConfig {
             n_layers: 4,
-            ..micro_config(0.0)
+            ..micro_config(dropout)
         };
         let whole = Llama::<f32>::new(&config, 3).unwrap();
+        let start = whole.dropout_generator().state();
         let (loss_bits, grads) = loss_and_gradients(&whole);
         let names: Vec<String> = whole
             .named_parameters()
@@ -1005,6 +1026,7 @@ mod tests {
             let mut outputs = Vec::new();
             let mut input: Option<Tensor<f32>> = None;
             for (index, part) in parts.iter().enumerate() {
+                part.dropout_generator().set_state(&start);
                 let output = part
                     .stage_forward(index, input.as_ref(), (&INPUTS, &TARGETS), 2, 4)
                     .unwrap();
@@ -1012,7 +1034,7 @@ mod tests {
                 outputs.push((input.clone().unwrap(), output));
             }
             let (_, loss) = outputs.last().unwrap();
-            assert_eq!(loss.item().to_bits(), loss_bits, "{blocks:?}");
+            assert_eq!(loss.item().to_bits(), loss_bits, "{blocks:?} p {dropout}");
             loss.backward();
             // Each stage's backward from the gradient of the leaf the next stage started on.
             for (leaf, output) in outputs[..last].iter().rev() {
@@ -1025,7 +1047,10 @@ mod tests {
                     let at = names.iter().position(|n| *n == name).unwrap();
                     let bits: Vec<u32> =
                         tensor.grad().unwrap().iter().map(|g| g.to_bits()).collect();
-                    assert_eq!(bits, grads[at], "{blocks:?} {checkpointing}: {name}");
+                    assert_eq!(
+                        bits, grads[at],
+                        "{blocks:?} {checkpointing} p {dropout}: {name}"
+                    );
                     found += 1;
                 }
             }

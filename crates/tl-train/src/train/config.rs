@@ -977,7 +977,7 @@ impl TrainConfig {
     }
 
     /// The pipeline's options, with `pipeline` > 1: a schedule that can be made and run,
-    /// a cut of the blocks, and what the pipeline does not run yet refused by name.
+    /// and a cut of the blocks.
     fn validate_pipeline(&self) -> Result<()> {
         let parallel = &self.parallel;
         let pipeline = parallel.pipeline;
@@ -1012,23 +1012,6 @@ impl TrainConfig {
                 );
             }
             return Ok(());
-        }
-        let not_yet = |name: &'static str, value: String, what: &str| {
-            invalid(
-                name,
-                value,
-                format!("pipeline parallelism does not run {what} yet"),
-            )
-        };
-        if self.fp8.is_some() {
-            return not_yet("fp8", "on".into(), "with fp8's delayed scaling");
-        }
-        if self.model.dropout > 0.0 {
-            return not_yet(
-                "dropout",
-                self.model.dropout.to_string(),
-                "with dropout (its masks are drawn block after block from one stream)",
-            );
         }
         self.pipeline_schedule()?;
         crate::model::pipeline::stage_blocks(

@@ -9,6 +9,13 @@
 //! run, as Transformer Engine's `reduce_amax` does over its data- and tensor-parallel
 //! groups, and then every rank steps the same histories to the same scales.
 //!
+//! On a pipeline a rank casts only its stages' layers, yet holds every layer's state (block
+//! `i`'s layers are `7i..7i + 7` on whichever rank holds the block). The same all-reduce
+//! spans the pipeline's ranks: a rank that does not hold a layer adds an amax of 0 and no
+//! counts, so every rank ends the step with the holder's observations. No stage reads
+//! another's scales; what needs them is rank 0, which logs the counts and writes the whole
+//! state into checkpoints.
+//!
 //! The same all-reduce carries the range counts, so that `metrics.jsonl` reports the whole
 //! step's. A maximum cannot add, so each rank writes its counts into a block of the buffer
 //! that is its alone (zeros in every other rank's block): the maximum of one value and

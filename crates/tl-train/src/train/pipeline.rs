@@ -6,8 +6,12 @@
 //! A step on a pipeline is one process's step to the bit where nothing is summed across
 //! stages: every stage's backwards run in micro-batch order, so its parameters' gradients
 //! add up in one process's order, and each micro-batch's loss is weighted as tl-precision
-//! weights it. The clip norm is the one exception: each stage sums its squares, and the
-//! stages' sums are added over the pipeline, an order one process does not use.
+//! weights it. Each stage draws one process's dropout masks (it starts from the
+//! micro-batch's stream and skips the blocks before it, see `Llama::stage_forward`), and
+//! fp8's amaxes need no more than the trainer's reduction over every rank (the stages that
+//! do not hold a layer add nothing to it). The clip norm is the one exception: each stage
+//! sums its squares, and the stages' sums are added over the pipeline, an order one
+//! process does not use.
 
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
@@ -500,7 +504,9 @@ impl StageModel<f32> for Stages<'_> {
     ) -> Result<Tensor<f32>> {
         let _micro_batch = memory::micro_batch_scope(Some(micro_batch));
         let _forward = memory::stage_scope(MeterStage::Forward);
-        let batch = &self.micro_batches[micro_batch].batch;
+        let StepBatch { batch, dropout, .. } = &self.micro_batches[micro_batch];
+        // Every stage starts from the micro-batch's stream and skips to its blocks' masks.
+        self.model.dropout_generator().set_state(dropout);
         let output = self.model.stage_forward(
             stage,
             input,

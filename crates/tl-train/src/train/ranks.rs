@@ -21,6 +21,9 @@ pub struct StepBatch {
     pub index: usize,
     /// Its rows.
     pub batch: Batch,
+    /// Where dropout's stream starts for it ([`dropout_state`] of the run's seed, the step
+    /// and `index`): set before its forward pass, and before each pipeline stage's.
+    pub dropout: GeneratorState,
 }
 
 impl MicroBatch for StepBatch {

@@ -478,15 +478,11 @@ impl Trainer {
         let lr = self.config.lr.at(self.step);
         self.optimizer.set_learning_rate(lr);
         let micro_batches = self.draw_micro_batches();
-        let (seed, step, config) = (self.config.seed, self.step, &self.config);
+        let config = &self.config;
         // Each micro-batch's dropout masks come from a stream keyed by its place in the
         // global batch, so they are the same whichever rank runs it.
         let loss = |model: &Llama<f32>, micro_batch: &StepBatch| {
-            model.dropout_generator().set_state(&ranks::dropout_state(
-                seed,
-                step,
-                micro_batch.index,
-            ));
+            model.dropout_generator().set_state(&micro_batch.dropout);
             batch_loss(model, &micro_batch.batch)
         };
         let started = Instant::now();
@@ -584,7 +580,12 @@ impl Trainer {
             .filter_map(|index| {
                 if index / per_rank == rank {
                     let batch = sample_batch(train, rows, context, &self.data_rng);
-                    Some(StepBatch { index, batch })
+                    let dropout = ranks::dropout_state(self.config.seed, self.step, index);
+                    Some(StepBatch {
+                        index,
+                        batch,
+                        dropout,
+                    })
                 } else {
                     skip_batch(train, rows, context, &self.data_rng);
                     None
