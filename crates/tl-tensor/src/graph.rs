@@ -340,18 +340,17 @@ impl<E: Element> Sweeping<E> {
     /// Runs `node` whole, if a gradient reached it: a leaf accumulates it, an op hands each
     /// parent its gradient.
     fn run(&mut self, node: &Rc<GradNode<E>>) {
-        let Some(grad) = self.pending.remove(&node.key()) else {
+        let Some((
+            grad,
+            OpRecord {
+                parents,
+                vjp,
+                scope,
+            },
+        )) = self.reach(node)
+        else {
             return;
         };
-        let NodeKind::Op(record) = &node.kind else {
-            finish_leaf(node, grad);
-            return;
-        };
-        let OpRecord {
-            parents,
-            vjp,
-            scope,
-        } = take_record(record);
         // The op's backward, and the gradients it makes, belong where its forward ran (its
         // unit, its micro-batch), in the backward stage.
         let _scope = backward_scope(scope);
@@ -376,18 +375,17 @@ impl<E: Element> Sweeping<E> {
         inputs: &HashSet<usize>,
         halves: &mut HashMap<usize, Half<E>>,
     ) {
-        let Some(grad) = self.pending.remove(&node.key()) else {
+        let Some((
+            grad,
+            OpRecord {
+                parents,
+                vjp,
+                scope,
+            },
+        )) = self.reach(node)
+        else {
             return;
         };
-        let NodeKind::Op(record) = &node.kind else {
-            finish_leaf(node, grad);
-            return;
-        };
-        let OpRecord {
-            parents,
-            vjp,
-            scope,
-        } = take_record(record);
         let _scope = backward_scope(scope);
         let flight = in_flight();
         let now = |i: usize| {
@@ -438,6 +436,20 @@ impl<E: Element> Sweeping<E> {
                     later: Later::Computed(computed),
                 },
             );
+        }
+    }
+
+    /// The gradient waiting for `node` and, for an op, its record to run; a leaf takes its
+    /// gradient here. `None` when nothing more is to be done: no gradient reached the node,
+    /// or it was a leaf.
+    fn reach(&mut self, node: &Rc<GradNode<E>>) -> Option<(Buffer<E>, OpRecord<E>)> {
+        let grad = self.pending.remove(&node.key())?;
+        match &node.kind {
+            NodeKind::Leaf { .. } => {
+                finish_leaf(node, grad);
+                None
+            }
+            NodeKind::Op(record) => Some((grad, take_record(record))),
         }
     }
 
