@@ -20,6 +20,23 @@ use tl_collective::shard_range;
 
 use crate::error::{ParallelError, Result};
 
+/// The weight of a replica's gradient in the global batch's: its rows over the batch's,
+/// `n_r/B`.
+///
+/// # Errors
+/// [`ParallelError::RowsOutsideBatch`] naming `rank` if `local_rows` is zero or greater than
+/// `global_rows`.
+pub(crate) fn replica_weight(rank: usize, local_rows: usize, global_rows: usize) -> Result<f64> {
+    if local_rows == 0 || local_rows > global_rows {
+        return Err(ParallelError::RowsOutsideBatch {
+            rank,
+            local_rows,
+            global_rows,
+        });
+    }
+    Ok(local_rows as f64 / global_rows as f64)
+}
+
 /// Rank `rank`'s part of one step's global batch: which rows, cut into which micro-batches.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BatchShare {

@@ -292,14 +292,7 @@ impl DataParallel {
     /// [`ParallelError::RowsOutsideBatch`] if `local_rows` is zero or greater than
     /// `global_rows` (nothing changes).
     pub fn begin_step(&mut self, local_rows: usize, global_rows: usize) -> Result<()> {
-        if local_rows == 0 || local_rows > global_rows {
-            return Err(ParallelError::RowsOutsideBatch {
-                rank: self.rank(),
-                local_rows,
-                global_rows,
-            });
-        }
-        self.weight = local_rows as f64 / global_rows as f64;
+        self.weight = crate::batch::replica_weight(self.rank(), local_rows, global_rows)?;
         self.local_loss.set(0.0);
         self.loss_recorded = false;
         self.summary = None;

@@ -576,15 +576,9 @@ impl<E: GradElement> Zero3<E> {
     /// [`ParallelError::RowsOutsideBatch`] if `local_rows` is zero or greater than
     /// `global_rows` (nothing changes).
     pub fn begin_step(&mut self, local_rows: usize, global_rows: usize) -> Result<()> {
-        if local_rows == 0 || local_rows > global_rows {
-            return Err(ParallelError::RowsOutsideBatch {
-                rank: self.rank(),
-                local_rows,
-                global_rows,
-            });
-        }
+        let weight = crate::batch::replica_weight(self.rank(), local_rows, global_rows)?;
         let mut core = self.core.borrow_mut();
-        core.weight = E::from_f64(local_rows as f64 / global_rows as f64);
+        core.weight = E::from_f64(weight);
         core.finite = true;
         core.units.iter_mut().for_each(|u| u.ready = 0);
         self.local_loss.set(0.0);
