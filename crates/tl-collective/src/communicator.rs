@@ -43,6 +43,10 @@ impl std::ops::Sub for CommStats {
 /// the same calls, in the same order, with the same lengths (a disagreement is detected and
 /// reported on every rank as [`CollectiveError::Mismatch`]).
 ///
+/// A communicator is [`Send`]: a rank may hand it to a communication thread that runs its
+/// calls while the rank computes (the overlap of the gradients' reduction with backward),
+/// one call at a time and in the order the rank made them.
+///
 /// Buffers are type-erased [`Slice`]/[`SliceMut`] views of `&[f32]`/`&[f64]`, made with
 /// `.into()`, so that the trait is object-safe and a run can hold a `Box<dyn Communicator>`
 /// whatever the backend.
@@ -61,9 +65,18 @@ impl std::ops::Sub for CommStats {
 /// assert_eq!(comm.all_reduce_sum_f64(0.5)?, 0.5);
 /// # Ok::<(), tl_collective::CollectiveError>(())
 /// ```
-pub trait Communicator {
+pub trait Communicator: Send {
     /// This process's rank, in `0..world_size()`.
     fn rank(&self) -> usize;
+
+    /// Whether this communicator's calls may run on another thread at the same time as
+    /// other communicators of this process run theirs on the thread that made them (a
+    /// tensor-parallel group's beside a data-parallel one's): true of the socket ring, whose
+    /// groups own their sockets; for MPI, whether the library granted
+    /// `MPI_THREAD_MULTIPLE`. When false, a rank keeps every call on its own thread.
+    fn concurrent_calls(&self) -> bool {
+        true
+    }
 
     /// Number of processes in the group.
     fn world_size(&self) -> usize;

@@ -12,7 +12,8 @@
 //! MPI's algorithm adds, while the op is defined by the ring's order (the reference's). Its
 //! values travel as 16-bit words (`MPI_UINT16_T`), two bytes each, as on the socket ring.
 //!
-//! Point-to-point messages are MPI's own, matched by MPI's tags: a send is an `MPI_Isend` of
+//! Point-to-point messages are MPI's own, on a duplicate of the communicator (so that no
+//! collective's traffic can match them), matched by MPI's tags: a send is an `MPI_Isend` of
 //! an owned copy of the frame header and the values (so it returns at once, as the ring's
 //! buffered send does), completed by [`flush`](Communicator::flush), by a later send, or
 //! when the communicator is dropped; a receive probes for the message, checks its frame
@@ -25,15 +26,23 @@
 //! `TINYLLM_COMM_TIMEOUT_MS`, else [`DEFAULT_MPI_TIMEOUT`](crate::DEFAULT_MPI_TIMEOUT). A
 //! shape-only buffer is refused ([`CollectiveError::ShapeOnly`]) before the call's header
 //! is gathered.
+//!
+//! Threads: MPI is initialised with `MPI_THREAD_MULTIPLE`, so that a communicator may run
+//! its calls on a communication thread (tl-parallel's overlap of the gradients' reduction
+//! with backward) while the main thread calls another (a tensor-parallel group's). Where the
+//! library grants less, the communicator says so ([`Communicator::concurrent_calls`]) and
+//! its calls stay on the thread that made it. Every call runs MPI's non-blocking form and
+//! waits for it as the thread asks ([`waits`](crate::waits)): spinning, or, on a
+//! communication thread, testing it between short sleeps, where MPI's own blocking call
+//! would spin on a core the rank's computation needs.
 
-use std::rc::Rc;
+use std::sync::Arc;
 
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Equivalence, PartitionMut};
-use mpi::environment::Universe;
-use mpi::point_to_point::send_receive_into;
-use mpi::request::{Request, StaticScope};
-use mpi::topology::{Color, SimpleCommunicator};
+use mpi::environment::{Threading, Universe};
+use mpi::request::{Request, Scope, StaticScope};
+use mpi::topology::{Color, Process, SimpleCommunicator};
 use mpi::traits::{Communicator as _, CommunicatorCollectives as _, Root as _};
 use mpi::traits::{Destination as _, Source as _};
 use tl_numerics::Format;
@@ -51,6 +60,7 @@ use crate::ring::header::{from_words, to_words};
 use crate::ring::split_pair;
 use crate::schedule::{all_gather_step, reduce_scatter_step};
 use crate::shard::shard_range;
+use crate::waits::{self, PATIENT_POLL};
 use crate::wire::{self, Finish, Schedule};
 
 /// Which algorithms [`MpiComm`] uses.
@@ -68,9 +78,11 @@ pub struct MpiComm {
     /// `MPI_COMM_WORLD`, or a group split from it. Declared before the universe: a group's
     /// communicator is freed before MPI is finalised.
     world: SimpleCommunicator,
+    /// A duplicate of `world` for the point-to-point messages.
+    messages: SimpleCommunicator,
     // Dropping the universe finalises MPI, so it lives as long as the last communicator
     // (the world's and the groups split from it share it).
-    _universe: Rc<Universe>,
+    _universe: Arc<Universe>,
     mode: MpiMode,
     rank: usize,
     world_size: usize,
@@ -80,7 +92,9 @@ pub struct MpiComm {
     /// Bounds every call (shared by the world and its groups).
     watchdog: Watchdog,
     /// The host of each rank of the world, by world rank.
-    hosts: Rc<Vec<String>>,
+    hosts: Arc<Vec<String>>,
+    /// Whether MPI granted `MPI_THREAD_MULTIPLE`.
+    multiple: bool,
     /// The world rank of each of this communicator's ranks.
     members: Vec<usize>,
 }
@@ -151,6 +165,13 @@ impl Drop for MpiComm {
     }
 }
 
+// SAFETY: MPI's handles (the communicator, the requests of the sends under way) are plain
+// values that any thread may pass to MPI once MPI is initialised with MPI_THREAD_MULTIPLE.
+// Where it granted less, `concurrent_calls` answers false, and tl-parallel keeps the
+// communicator on the thread that made it; nothing else in tinyllm moves one. The buffers
+// of the sends under way are owned by their `InFlight` and freed only once MPI is done.
+unsafe impl Send for MpiComm {}
+
 impl std::fmt::Debug for MpiComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MpiComm")
@@ -167,7 +188,7 @@ impl MpiComm {
     /// # Errors
     /// [`CollectiveError::Mpi`] if MPI was already initialised in this process.
     pub fn init(mode: MpiMode) -> Result<Self> {
-        let universe = mpi::initialize()
+        let (universe, granted) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| CollectiveError::Mpi("MPI is already initialised".into()))?;
         let world = universe.world();
         let (rank, world_size) = (world.rank() as usize, world.size() as usize);
@@ -177,10 +198,11 @@ impl MpiComm {
             let _watched = watchdog.arm(format!(
                 "rank {rank} of {world_size} waited for the others to join the job"
             ));
-            Rc::new(gather_hosts(&world))
+            Arc::new(gather_hosts(&world))
         };
         Ok(MpiComm {
-            _universe: Rc::new(universe),
+            _universe: Arc::new(universe),
+            messages: world.duplicate(),
             world,
             mode,
             rank,
@@ -189,6 +211,7 @@ impl MpiComm {
             in_flight: Vec::new(),
             watchdog,
             hosts,
+            multiple: granted == Threading::Multiple,
             members: (0..world_size).collect(),
         })
     }
@@ -292,7 +315,12 @@ impl MpiComm {
         }
         let own = to_words(&header);
         let mut all = vec![0u64; 5 * self.world_size];
-        self.world.all_gather_into(&own[..], &mut all[..]);
+        mpi::request::scope(|scope| {
+            finish(
+                self.world
+                    .immediate_all_gather_into(scope, &own[..], &mut all[..]),
+            );
+        });
         self.stats.bytes_sent += (40 * (self.world_size - 1)) as u64;
         let calls: Vec<CallHeader> = all.chunks(5).map(from_words).collect();
         if calls.iter().any(|c| *c != calls[0]) {
@@ -322,7 +350,10 @@ impl MpiComm {
         match self.mode_for(op) {
             MpiMode::Native => {
                 let input = data.to_vec();
-                self.world.all_reduce_into(&input[..], data, system_op(op));
+                mpi::request::scope(|scope| {
+                    let world = &self.world;
+                    finish(world.immediate_all_reduce_into(scope, &input[..], data, system_op(op)));
+                });
                 self.optimal_bytes::<T>(data.len(), 2);
             }
             MpiMode::Ring => {
@@ -359,8 +390,14 @@ impl MpiComm {
                 }
                 let mut mine = vec![T::zeroed(); block];
                 if block > 0 {
-                    self.world
-                        .reduce_scatter_block_into(&padded[..], &mut mine[..], system_op(op));
+                    mpi::request::scope(|scope| {
+                        finish(self.world.immediate_reduce_scatter_block_into(
+                            scope,
+                            &padded[..],
+                            &mut mine[..],
+                            system_op(op),
+                        ));
+                    });
                 }
                 output.copy_from_slice(&mine[..output.len()]);
                 self.optimal_bytes::<T>(len, 1);
@@ -391,7 +428,13 @@ impl MpiComm {
                     .map(|q| shard_range(len, n, q).start as mpi::Count)
                     .collect();
                 let mut partition = PartitionMut::new(output, counts, displs);
-                self.world.all_gather_varcount_into(input, &mut partition);
+                mpi::request::scope(|scope| {
+                    finish(self.world.immediate_all_gather_varcount_into(
+                        scope,
+                        input,
+                        &mut partition,
+                    ));
+                });
                 self.optimal_bytes::<T>(len, 1);
             }
             _ => {
@@ -408,7 +451,10 @@ impl MpiComm {
         self.agree("broadcast", T::NAME, data.len(), root)?;
         if self.world_size > 1 && !data.is_empty() {
             // A broadcast only copies, so MPI's algorithm is deterministic in either mode.
-            self.world.process_at_rank(root as i32).broadcast_into(data);
+            let root_process = self.world.process_at_rank(root as i32);
+            mpi::request::scope(|scope| {
+                finish(root_process.immediate_broadcast_into(scope, data));
+            });
             if self.rank == root {
                 self.stats.bytes_sent += std::mem::size_of_val(data) as u64;
             }
@@ -445,7 +491,7 @@ impl MpiComm {
             self.stats.bytes_sent += (send.len() * size_of::<T>()) as u64;
             let into = &mut scratch[..recv.len()];
             let (out, target) = split_pair(data, send, recv);
-            send_receive_into(out, &right, &mut *into, &left);
+            exchange(out, &right, &mut *into, &left);
             reduce_into(op, target, into);
         }
         Ok(())
@@ -469,7 +515,7 @@ impl MpiComm {
             let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
             self.stats.bytes_sent += (send.len() * size_of::<T>()) as u64;
             let (out, into) = split_pair(data, send, recv);
-            send_receive_into(out, &right, into, &left);
+            exchange(out, &right, into, &left);
         }
         Ok(())
     }
@@ -495,13 +541,44 @@ impl MpiComm {
             finish,
             |out, into, words| {
                 stats.bytes_sent += size_of_val(out) as u64;
-                send_receive_into(out, &right, &mut *into, &left);
+                exchange(out, &right, &mut *into, &left);
                 words(0..into.len(), into);
                 Ok(())
             },
         )
     }
 }
+
+/// Waits for a non-blocking MPI call as this thread asks ([`waits`](crate::waits)):
+/// spinning in `MPI_Wait`, or testing it between sleeps of [`PATIENT_POLL`].
+fn finish<'a, B: ?Sized, S: Scope<'a>>(request: Request<'a, B, S>) {
+    if !waits::is_patient() {
+        request.wait_without_status();
+        return;
+    }
+    let mut request = request;
+    loop {
+        match request.test() {
+            Ok(_) => return,
+            Err(under_way) => request = under_way,
+        }
+        std::thread::sleep(PATIENT_POLL);
+    }
+}
+
+/// One step of a ring: sends `out` to `right` while receiving `into` from `left`.
+fn exchange<T: Equivalence>(out: &[T], right: &Process<'_>, into: &mut [T], left: &Process<'_>) {
+    mpi::request::scope(|scope| {
+        let received = left.immediate_receive_into_with_tag(scope, into, RING_TAG);
+        let sent = right.immediate_send_with_tag(scope, out, RING_TAG);
+        finish(received);
+        finish(sent);
+    });
+}
+
+/// The tag of the ring's messages (the point-to-point messages have a communicator of their
+/// own).
+const RING_TAG: mpi::Tag = 0;
 
 /// Every rank's host (MPI's processor name), by rank: an all-gather of fixed-size names.
 fn gather_hosts(world: &SimpleCommunicator) -> Vec<String> {
@@ -532,6 +609,11 @@ fn system_op(op: ReduceOp) -> SystemOperation {
 impl Communicator for MpiComm {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// Whether MPI granted `MPI_THREAD_MULTIPLE` (Open MPI does).
+    fn concurrent_calls(&self) -> bool {
+        self.multiple
     }
 
     fn world_size(&self) -> usize {
@@ -619,7 +701,7 @@ impl Communicator for MpiComm {
     fn barrier(&mut self) -> Result<()> {
         let _watched = self.watch_collective("barrier");
         self.agree("barrier", "-", 0, 0)?;
-        self.world.barrier();
+        finish(self.world.immediate_barrier());
         Ok(())
     }
 
@@ -643,7 +725,7 @@ impl Communicator for MpiComm {
         // Completed sends free their buffers here, so a long run holds only those under way.
         self.in_flight.retain_mut(|send| !send.done());
         self.in_flight
-            .push(InFlight::start(&self.world, bytes, to, tag));
+            .push(InFlight::start(&self.messages, bytes, to, tag));
         Ok(())
     }
 
@@ -654,7 +736,7 @@ impl Communicator for MpiComm {
         }
         let _watched = self.watch(&format!("was receiving message {tag}"), &[from]);
         let (message, status) = self
-            .world
+            .messages
             .process_at_rank(from as i32)
             .matched_probe_with_tag(tag as i32);
         let count = status.count(u8::equivalent_datatype()).max(0) as usize;
@@ -710,15 +792,17 @@ impl Communicator for MpiComm {
             .ok_or_else(|| CollectiveError::Mpi("MPI_Comm_split gave no communicator".into()))?;
         let (rank, world_size) = (group.rank() as usize, group.size() as usize);
         Ok(Box::new(MpiComm {
+            messages: group.duplicate(),
             world: group,
-            _universe: Rc::clone(&self._universe),
+            _universe: Arc::clone(&self._universe),
             mode: self.mode,
             rank,
             world_size,
             stats: CommStats::default(),
             in_flight: Vec::new(),
             watchdog: self.watchdog.clone(),
-            hosts: Rc::clone(&self.hosts),
+            hosts: Arc::clone(&self.hosts),
+            multiple: self.multiple,
             members: members.iter().map(|&m| self.members[m]).collect(),
         }))
     }

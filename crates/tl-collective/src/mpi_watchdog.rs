@@ -15,7 +15,7 @@
 //! ring's bound, which is on a call *without progress*.
 
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread;
+use std::thread::{self, ThreadId};
 use std::time::{Duration, Instant};
 
 /// How long one MPI call may take unless `TINYLLM_COMM_TIMEOUT_MS` says otherwise.
@@ -24,10 +24,22 @@ pub const DEFAULT_MPI_TIMEOUT: Duration = Duration::from_secs(60);
 /// The status a rank exits with when an MPI call times out.
 pub const TIMEOUT_EXIT_STATUS: i32 = 1;
 
-/// The calls under way, innermost last.
+/// The calls under way, oldest first. Calls may nest on one thread (a collective's own
+/// agreement inside it) and run on two at once (a communication thread's beside the main
+/// thread's, each on its own communicator).
 #[derive(Default)]
 struct Armed {
-    calls: Vec<(Instant, String)>,
+    calls: Vec<Call>,
+    /// The number the next call gets.
+    next: u64,
+}
+
+/// One call under way.
+struct Call {
+    id: u64,
+    thread: ThreadId,
+    since: Instant,
+    what: String,
 }
 
 /// The watchdog of one process's MPI calls; cheap to clone (every group split from the
@@ -42,12 +54,14 @@ pub(crate) struct Watchdog {
 #[must_use = "the call is watched only while the guard lives"]
 pub(crate) struct Watched {
     shared: Arc<(Mutex<Armed>, Condvar)>,
+    id: u64,
 }
 
 impl Drop for Watched {
     fn drop(&mut self) {
         let (lock, _) = &*self.shared;
-        lock.lock().unwrap_or_else(|p| p.into_inner()).calls.pop();
+        let mut armed = lock.lock().unwrap_or_else(|p| p.into_inner());
+        armed.calls.retain(|call| call.id != self.id);
     }
 }
 
@@ -73,21 +87,30 @@ impl Watchdog {
     pub(crate) fn arm(&self, what: String) -> Watched {
         let (lock, wake) = &*self.shared;
         let mut armed = lock.lock().unwrap_or_else(|p| p.into_inner());
-        armed.calls.push((Instant::now(), what));
+        let id = armed.next;
+        armed.next += 1;
+        armed.calls.push(Call {
+            id,
+            thread: thread::current().id(),
+            since: Instant::now(),
+            what,
+        });
         wake.notify_one();
         Watched {
             shared: Arc::clone(&self.shared),
+            id,
         }
     }
 }
 
-/// The watchdog's loop: sleeps until the outermost call under way would time out, then
-/// checks it again; reports and ends the process if it has.
+/// The watchdog's loop: sleeps until the oldest call under way would time out, then checks
+/// it again; reports and ends the process if it has, naming the innermost call of the
+/// thread that made it (the most precise account of what it waits for).
 fn watch(shared: &(Mutex<Armed>, Condvar), timeout: Duration) {
     let (lock, wake) = shared;
     let mut armed = lock.lock().unwrap_or_else(|p| p.into_inner());
     loop {
-        let Some((since, _)) = armed.calls.first() else {
+        let Some(since) = armed.calls.first().map(|call| call.since) else {
             armed = wake.wait(armed).unwrap_or_else(|p| p.into_inner());
             continue;
         };
@@ -100,7 +123,11 @@ fn watch(shared: &(Mutex<Armed>, Condvar), timeout: Duration) {
                 .0;
             continue;
         }
-        let (_, what) = armed.calls.last().expect("a call is armed");
+        let thread = armed.calls[0].thread;
+        let what = &(armed.calls.iter().rev())
+            .find(|call| call.thread == thread)
+            .expect("the oldest call is armed")
+            .what;
         eprintln!(
             "error: {what}, and no answer came within {:.1} s (TINYLLM_COMM_TIMEOUT_MS): a \
              peer hangs, or died without MPI noticing, or the network between these hosts \

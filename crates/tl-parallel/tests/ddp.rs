@@ -7,13 +7,11 @@ mod common;
 #[path = "../../tl-collective/tests/support/mod.rs"]
 mod support;
 
-use std::cell::Cell;
-use std::rc::Rc;
 use std::time::Duration;
 
-use common::{Batch, Config, Mlp, PARAMS, SEED, STEPS, Spy, loss_fn, result, weights};
+use common::{Batch, Config, Mlp, PARAMS, SEED, STEPS, SeenStats, Spy, loss_fn, result, weights};
 use support::{SCENARIO, assert_all_succeeded, hash_bits, run_world};
-use tl_collective::{CommStats, Communicator, RingComm, RingConfig, shard_range};
+use tl_collective::{Communicator, RingComm, RingConfig, shard_range};
 use tl_parallel::{DataParallel, GradElement, ParallelError, ShardedAdamW};
 use tl_precision::{Precision, StepReport, train_step_mixed};
 use tl_tensor::Module;
@@ -50,7 +48,7 @@ fn train<E: GradElement, O: Optimizer<E>>(
     model: &Mlp<E>,
     opt: &mut O,
     config: &Config,
-    stats: &Cell<CommStats>,
+    stats: &SeenStats,
 ) -> Run {
     let (rank, world) = (ddp.rank(), ddp.world_size());
     let mut scaler = config.scaler();
@@ -111,10 +109,10 @@ fn scenario_train<E: GradElement>(comm: RingComm) {
         })
         .collect();
 
-    let stats = Rc::new(Cell::new(comm.stats()));
+    let stats = SeenStats::new(comm.stats());
     let spy = Spy {
         inner: comm,
-        stats: Rc::clone(&stats),
+        stats: stats.clone(),
     };
     let mut ddp = DataParallel::new(Box::new(spy)).with_bucket_bytes(config.bucket_bytes);
     // Different initial weights on every rank: the broadcast must make them rank 0's.

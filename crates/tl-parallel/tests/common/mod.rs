@@ -4,10 +4,9 @@
 
 #![allow(dead_code)]
 
-use std::cell::Cell;
 use std::io::Write;
 use std::ops::Range;
-use std::rc::Rc;
+use std::sync::{Arc, Mutex};
 
 use std::time::Duration;
 
@@ -133,16 +132,31 @@ impl Config {
     }
 }
 
-/// A communicator that mirrors its counters into a cell the loss function can read in the
+/// Counters shared between a [`Spy`] and the code that reads them mid-step.
+#[derive(Clone)]
+pub struct SeenStats(Arc<Mutex<CommStats>>);
+
+impl SeenStats {
+    pub fn new(stats: CommStats) -> Self {
+        Self(Arc::new(Mutex::new(stats)))
+    }
+
+    /// The counters after the spy's last call.
+    pub fn get(&self) -> CommStats {
+        *self.0.lock().unwrap()
+    }
+}
+
+/// A communicator that mirrors its counters where the loss function can read them in the
 /// middle of a step.
 pub struct Spy {
     pub inner: RingComm,
-    pub stats: Rc<Cell<CommStats>>,
+    pub stats: SeenStats,
 }
 
 impl Spy {
     fn seen<T>(&mut self, result: tl_collective::Result<T>) -> tl_collective::Result<T> {
-        self.stats.set(self.inner.stats());
+        *self.stats.0.lock().unwrap() = self.inner.stats();
         result
     }
 }

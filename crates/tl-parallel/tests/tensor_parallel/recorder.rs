@@ -1,7 +1,6 @@
 //! A communicator that logs its calls.
 
-use std::cell::RefCell;
-use std::rc::Rc;
+use std::sync::{Arc, Mutex};
 
 use tl_collective::{Collective, CommStats, Communicator, ReduceOp, Slice, SliceMut};
 
@@ -10,16 +9,16 @@ use tl_collective::{Collective, CommStats, Communicator, ReduceOp, Slice, SliceM
 pub(super) type Calls = Vec<(Collective, usize)>;
 
 #[derive(Clone, Default)]
-pub(super) struct Log(Rc<RefCell<Calls>>);
+pub(super) struct Log(Arc<Mutex<Calls>>);
 
 impl Log {
     /// The calls since the last take.
     pub(super) fn take(&self) -> Calls {
-        std::mem::take(&mut self.0.borrow_mut())
+        std::mem::take(&mut self.0.lock().unwrap())
     }
 
     fn push(&self, collective: Collective, elements: usize) {
-        self.0.borrow_mut().push((collective, elements));
+        self.0.lock().unwrap().push((collective, elements));
     }
 }
 

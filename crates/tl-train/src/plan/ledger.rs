@@ -322,7 +322,7 @@ pub(crate) fn predict_rank(
         let run = scope.spawn(|| {
             let (recorder, calls) = Recorder::new(Box::new(Phantom::new(rank, world_size)?));
             let prediction = predict_here(config, Box::new(recorder), &calls)?;
-            let calls = calls.borrow().clone();
+            let calls = calls.lock().expect("the plan's log").clone();
             Ok((prediction, calls))
         });
         run.join()
@@ -345,7 +345,7 @@ fn predict_here(
     let mut trainer = trainer?;
     let (stepped, first, live) = record_step(n, 1, accum, live, || trainer.train_step());
     stepped?;
-    calls.borrow_mut().clear();
+    calls.lock().expect("the plan's log").clear();
     let (stepped, second, _) = record_step(n, 2, accum, live, || trainer.train_step());
     stepped?;
     let mut by_kind = BTreeMap::new();

@@ -182,9 +182,9 @@ pub fn measure_meta_rank(
 /// Steps `trainer` as [`measure_steps`] does, with what its communicator's recorder saw
 /// meanwhile.
 fn measure_recorded(trainer: Trainer, base: usize, calls: &Calls) -> Result<RankMeasurement> {
-    let before = calls.borrow().len();
+    let before = calls.lock().expect("the plan's log").len();
     let memory = measure_trainer(trainer, base)?;
-    let calls = calls.borrow();
+    let calls = calls.lock().expect("the plan's log");
     let stepped = &calls[before..];
     Ok(RankMeasurement {
         memory,

@@ -4,9 +4,7 @@
 //! model's unit) — so the plan can list a rank's traffic by purpose, and a measurement can
 //! count what a rank sent between two moments.
 
-use std::cell::RefCell;
-use std::rc::Rc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tl_collective::Collective as Any;
 use tl_collective::{Axis, CommStats, Communicator, Mesh, ReduceOp, Result, Slice, SliceMut};
@@ -37,7 +35,7 @@ pub(crate) struct Call {
 }
 
 /// The calls a [`Recorder`] noted, shared with whoever reads them.
-pub(crate) type Calls = Rc<RefCell<Vec<Call>>>;
+pub(crate) type Calls = Arc<Mutex<Vec<Call>>>;
 
 /// Passes every collective on to `inner` and notes it in `calls`.
 pub(crate) struct Recorder {
@@ -56,7 +54,7 @@ impl Recorder {
         let recorder = Self {
             world: (inner.rank(), inner.world_size()),
             inner,
-            calls: Rc::clone(&calls),
+            calls: Arc::clone(&calls),
             group: None,
         };
         (recorder, calls)
@@ -71,7 +69,7 @@ impl Recorder {
     ) -> Result<T> {
         let before = self.inner.stats().bytes_sent;
         let out = call(self.inner.as_mut())?;
-        self.calls.borrow_mut().push(Call {
+        self.calls.lock().expect("the plan's log").push(Call {
             collective,
             elements: elements as u64,
             element_bytes: element_bytes as u64,
@@ -155,7 +153,7 @@ impl Communicator for Recorder {
             None => members.into(),
         };
         Ok(Box::new(Recorder {
-            calls: Rc::clone(&self.calls),
+            calls: Arc::clone(&self.calls),
             inner,
             group: Some(in_world),
             world: self.world,

@@ -3,8 +3,7 @@
 //! summed, dropout's masks), against the plain split (checkpointing, bit for bit), and the
 //! collectives it makes, counted by kind and costed by the ring's formula.
 
-use std::cell::RefCell;
-use std::rc::Rc;
+use std::sync::{Arc, Mutex};
 
 use tl_collective::{
     Collective, CommStats, Communicator, ReduceOp, Slice, SliceMut, ring_bytes_sent,
@@ -27,13 +26,13 @@ type Call = (Collective, u64, u64);
 /// A communicator that logs each call, with the element size the wire carries.
 struct Logged {
     inner: Box<dyn Communicator>,
-    calls: Rc<RefCell<Vec<Call>>>,
+    calls: Arc<Mutex<Vec<Call>>>,
 }
 
 impl Logged {
     fn push(&self, collective: Collective, elements: usize, bytes: usize) {
         let call = (collective, elements as u64, bytes as u64);
-        self.calls.borrow_mut().push(call);
+        self.calls.lock().unwrap().push(call);
     }
 }
 
@@ -96,18 +95,18 @@ struct SequencePass {
 fn sequence_pass<E: GradElement>(
     model: &Llama<E>,
     tp: &TensorParallel,
-    log: &Rc<RefCell<Vec<Call>>>,
+    log: &Arc<Mutex<Vec<Call>>>,
 ) -> SequencePass {
     model.zero_grad();
     let (rank, t) = (tp.rank(), tp.world_size());
     let before = tp.stats().bytes_sent;
     let loss = model.loss(&INPUTS, &TARGETS, ROWS, TIME).unwrap();
-    let forward = std::mem::take(&mut *log.borrow_mut());
+    let forward = std::mem::take(&mut *log.lock().unwrap());
     loss.backward();
-    let backward = std::mem::take(&mut *log.borrow_mut());
+    let backward = std::mem::take(&mut *log.lock().unwrap());
     tp.all_reduce_gradients(&model.sequence_parallel_parameters())
         .unwrap();
-    let shares = std::mem::take(&mut *log.borrow_mut());
+    let shares = std::mem::take(&mut *log.lock().unwrap());
     assert!(model.tensor_split().unwrap().take_error().is_none());
     // The bytes this rank sent are the ring's, call by call.
     let formula: u64 = [&forward, &backward, &shares]
@@ -146,10 +145,10 @@ fn sequence_run<E: GradElement>(
     checkpointing: Checkpointing,
 ) -> Vec<SequencePass> {
     world(t, |comm| {
-        let calls = Rc::default();
+        let calls = Arc::default();
         let logged = Logged {
             inner: Box::new(comm),
-            calls: Rc::clone(&calls),
+            calls: Arc::clone(&calls),
         };
         let tp = TensorParallel::new(Box::new(logged));
         let whole = Llama::<E>::new(config, 3).unwrap();
