@@ -16,12 +16,13 @@
 //! answers "finite on every rank" from the flags summed in the last bucket). An inf on one
 //! rank therefore skips the step on every rank, and every rank's scale stays equal.
 //!
-//! Overlap with backward: not for DDP, whose reduction runs once, after the last backward.
-//! When a [`Zero2AdamW`](crate::Zero2AdamW) shards the gradients, this observer arms the
-//! parameters' gradient-ready hooks around the last micro-batch's backward and reduces each
-//! bucket as soon as its gradients are complete (see [`Zero2AdamW`](crate::Zero2AdamW)):
-//! interleaved with backward, so the gradients can be freed, but blocking while it runs —
-//! no collective runs concurrently with computation.
+//! Overlap with backward ([`DataParallel::with_overlap`]): the observer arms the
+//! parameters' gradient-ready hooks around the last micro-batch's backward and starts each
+//! bucket's all-reduce on a communication thread as soon as its gradients are complete,
+//! while backward goes on ([`overlap`](crate::overlap)). Without it the reduction runs once,
+//! after the last backward. When a [`Zero2AdamW`](crate::Zero2AdamW) shards the gradients,
+//! the hooks reduce-scatter each bucket as soon as its gradients are complete, so that they
+//! can be freed: on the communication thread with overlap, blocking the rank without.
 
 use std::cell::Cell;
 use std::rc::{Rc, Weak};
@@ -43,15 +44,17 @@ use crate::bucket::{
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
 use crate::metered::{Metered, communication, labels};
+use crate::overlap::{Overlap, OverlappedReduction};
 use crate::tensor_parallel::TensorParallel;
 use crate::tensor_parallel::axis::TensorAxis;
 use crate::zero2::GradientShards;
 
 /// An element type whose gradients [`DataParallel`] can reduce: `f32` or `f64`, a tensor
-/// element that is also a collective's element.
-pub trait GradElement: Element + tl_collective::Element {}
+/// element that is also a collective's element (and may travel to the communication
+/// thread).
+pub trait GradElement: Element + tl_collective::Element + Send + 'static {}
 
-impl<T: Element + tl_collective::Element> GradElement for T {}
+impl<T: Element + tl_collective::Element + Send + 'static> GradElement for T {}
 
 /// What the last step's reduction established, the same on every rank.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -93,6 +96,10 @@ pub struct DataParallel {
     micro_batches: Option<usize>,
     /// The tensor-parallel group beside this data-parallel one, if the model is split.
     tensor: Option<TensorAxis>,
+    /// Whether steps reduce their buckets while backward goes on.
+    overlap: bool,
+    /// The overlapped reduction of the step `train_step` is running.
+    overlapped: Option<Rc<dyn OverlappedReduction>>,
 }
 
 impl DataParallel {
@@ -110,7 +117,41 @@ impl DataParallel {
             sharded: None,
             micro_batches: None,
             tensor: None,
+            overlap: false,
+            overlapped: None,
         }
+    }
+
+    /// Reduces each bucket of a step run by [`train_step`](Self::train_step) as soon as the
+    /// last backward has produced its gradients, on a communication thread, while backward
+    /// goes on (`true`); or all of them after backward (`false`, the default). The sums are
+    /// the same bits either way (see [`overlap`](crate::overlap)). ZeRO-2 reduce-scatters
+    /// its buckets on the thread too. A rank holds up to
+    /// [`MAX_IN_FLIGHT`](crate::MAX_IN_FLIGHT) bucket buffers more while they are under
+    /// way.
+    ///
+    /// The thread runs only where it can: more than one rank, a communicator whose calls may
+    /// run beside others' ([`Communicator::concurrent_calls`]), outside meta mode; elsewhere
+    /// the collectives start at the same points and run at once (the same buffers held as
+    /// long, so `tinyllm plan` still equals the meter). Not with a tensor-parallel group
+    /// ([`with_tensor_parallel`](Self::with_tensor_parallel)): its sums of shares come
+    /// before the reduction, which then runs after backward as without overlap.
+    pub fn with_overlap(mut self, overlap: bool) -> Self {
+        self.link.borrow_mut().set_threaded(overlap);
+        self.overlap = overlap;
+        self
+    }
+
+    /// Whether steps overlap their reduction with backward ([`with_overlap`]
+    /// (Self::with_overlap)); `threaded()` says whether on a thread of its own.
+    pub fn overlaps(&self) -> bool {
+        self.overlap
+    }
+
+    /// Wall-clock time the communication thread has spent in collectives while the rank
+    /// computed (zero without one): what overlap hid, where the rank did not wait for it.
+    pub fn overlapped_communication_time(&self) -> std::time::Duration {
+        self.link.borrow().overlapped()
     }
 
     /// Makes the step's decisions span the tensor-parallel group `tp` too (a model split
@@ -348,6 +389,10 @@ impl DataParallel {
         self.loss_recorded = true;
         let recording_loss = recording_loss(loss_fn, Rc::clone(&self.local_loss), global_rows);
         self.micro_batches = Some(micro_batches.len());
+        if self.overlap && self.tensor.is_none() && self.sharded().is_none() {
+            let overlap = Overlap::new(self.link(), opt.parameters(), self.capacity::<E>());
+            self.overlapped = Some(overlap);
+        }
         let result = train_step_mixed_observed(
             model,
             micro_batches,
@@ -359,6 +404,7 @@ impl DataParallel {
             self,
         );
         self.micro_batches = None;
+        self.overlapped = None;
         if let Some(error) = self.take_error() {
             return Err(error);
         }
@@ -461,9 +507,17 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
         let StepPhase::Backward { micro_batch } = phase else {
             return run(self);
         };
+        if let Some(overlapped) = self.overlapped.clone()
+            && self.micro_batches == Some(micro_batch + 1)
+        {
+            overlapped.arm(self.weight);
+            let out = run(self);
+            overlapped.disarm();
+            return out;
+        }
         match self.sharded() {
             Some(shards) if self.micro_batches == Some(micro_batch + 1) => {
-                shards.arm(self.weight);
+                shards.arm(self.weight, self.overlap);
                 let out = run(self);
                 shards.disarm();
                 out
@@ -485,6 +539,17 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
             }
             if let Some(tensor) = &mut self.tensor {
                 tensor.gradients_ready(params, |piece| shards.parameter_of_piece(piece));
+            }
+            return;
+        }
+        if let Some(overlapped) = self.overlapped.take() {
+            let local_loss = self.local_loss.get();
+            self.summary = overlapped.finish(self.weight, local_loss, self.loss_recorded);
+            if self.summary.is_none() {
+                for param in params {
+                    ensure_grad(param);
+                    param.update_grad(|g| g.fill(E::nan()));
+                }
             }
             return;
         }

@@ -73,6 +73,7 @@ mod ddp;
 mod error;
 mod link;
 mod metered;
+pub mod overlap;
 pub mod pipeline;
 mod stage;
 pub mod tensor_parallel;
@@ -87,6 +88,7 @@ pub use bucket::{
 pub use ddp::{DataParallel, GradElement, StepSummary};
 pub use error::{ParallelError, Result};
 pub use metered::labels;
+pub use overlap::MAX_IN_FLIGHT;
 pub use stage::ZeroStage;
 pub use tensor_parallel::{
     ColumnParallelLinear, ReduceIn, RowParallelLinear, TensorParallel, VocabParallelEmbedding,

@@ -169,8 +169,53 @@ impl<E: GradElement> Metered<E> {
         }
     }
 
+    /// The buffer's contents, to be moved into a collective that runs on another thread;
+    /// it stays on the meter at its length until [`Metered::restore`] or its drop.
+    pub(crate) fn take(&mut self) -> Wire<E> {
+        Wire {
+            values: std::mem::take(&mut self.values),
+            len: self.len,
+            meta: self.meta,
+        }
+    }
+
+    /// Puts back what [`take`](Self::take) moved out.
+    ///
+    /// # Panics
+    /// If `wire` is not this buffer's length.
+    pub(crate) fn restore(&mut self, wire: Wire<E>) {
+        assert_eq!(wire.len, self.len, "a buffer comes back at its own length");
+        self.values = wire.values;
+    }
+
     fn bytes(&self) -> usize {
         self.len * size_of::<E>()
+    }
+}
+
+/// A [`Metered`] buffer's contents on their way through a collective on the communication
+/// thread (shape-only for a meta run, as the buffer is).
+pub(crate) struct Wire<E> {
+    values: Vec<E>,
+    len: usize,
+    meta: bool,
+}
+
+impl<E: GradElement> Wire<E> {
+    /// The contents as a collective's input.
+    pub(crate) fn view(&self) -> Slice<'_> {
+        match self.meta {
+            false => <E as tl_collective::Element>::view(&self.values),
+            true => Slice::shape::<E>(self.len),
+        }
+    }
+
+    /// The contents as a collective's output.
+    pub(crate) fn view_mut(&mut self) -> SliceMut<'_> {
+        match self.meta {
+            false => <E as tl_collective::Element>::view_mut(&mut self.values),
+            true => SliceMut::shape::<E>(self.len),
+        }
     }
 }
 

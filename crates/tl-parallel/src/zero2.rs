@@ -37,6 +37,7 @@
 //! that arrives after its bucket was reduced would be lost, so it panics.
 
 use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::rc::{Rc, Weak};
 
@@ -51,8 +52,9 @@ use tl_tensor::{Element, Tensor};
 use crate::bucket::{STEP_EXTRAS, Segment, bucket_len, plan, read_run, set_grad_with, write_run};
 use crate::ddp::{DataParallel, GradElement, StepSummary, step_extras};
 use crate::error::{ParallelError, Result};
-use crate::link::SharedLink;
-use crate::metered::{Metered, common_owner, communication, labels};
+use crate::link::{Pending, SharedLink};
+use crate::metered::{Metered, Wire, common_owner, communication, labels};
+use crate::overlap::MAX_IN_FLIGHT;
 use crate::zero::{adamw_like, load_shard, master_shard, moment_elements, whole_state};
 
 /// One bucket: its segments, its length on the wire and this rank's chunk of it.
@@ -100,6 +102,10 @@ pub(crate) struct Core<E: GradElement> {
     finite: bool,
     /// Whether the parameters are [meta](tl_tensor::meta): the buffers hold no values.
     meta: bool,
+    /// Whether this step's reduce-scatters may stay under way while backward goes on.
+    overlap: bool,
+    /// Reduce-scatters under way, oldest first.
+    in_flight: VecDeque<ShardInFlight<E>>,
 }
 
 impl<E: GradElement> Core<E> {
@@ -109,6 +115,7 @@ impl<E: GradElement> Core<E> {
         self.ready.iter_mut().for_each(|r| *r = false);
         self.next = 0;
         self.finite = true;
+        self.in_flight.clear();
     }
 
     /// Reduces every bucket from `next` on whose parameters are all ready (all of them when
@@ -128,14 +135,20 @@ impl<E: GradElement> Core<E> {
     }
 
     /// Copies bucket `index`'s weighted gradients into a buffer, drops the gradients that
-    /// are fully copied, reduce-scatters, and gives the pieces their shard.
+    /// are fully copied, and starts the reduce-scatter; without overlap, completes it at
+    /// once, so that the rank holds one bucket at a time. With overlap, at most
+    /// [`MAX_IN_FLIGHT`] are under way: the oldest is completed before another starts.
     fn reduce(&mut self, index: usize) {
         let _reduction = memory::stage_scope(Stage::Reduction);
+        if self.overlap {
+            while self.in_flight.len() >= MAX_IN_FLIGHT {
+                self.complete_oldest();
+            }
+        }
         let Core {
             link,
             parameters,
             buckets,
-            pieces,
             remaining,
             weight,
             finite,
@@ -144,7 +157,7 @@ impl<E: GradElement> Core<E> {
         } = self;
         let bucket = &buckets[index];
         let owner = common_owner(bucket.segments.iter().map(|s| &parameters[s.param]));
-        let mut buf = Metered::zeros(
+        let mut input = Metered::zeros(
             bucket.wire_len,
             *meta,
             communication(labels::GRADIENT_BUCKET, owner),
@@ -152,7 +165,7 @@ impl<E: GradElement> Core<E> {
         let mut offset = 0;
         for s in &bucket.segments {
             let param = &parameters[s.param];
-            if let Some(values) = buf.values_mut() {
+            if let Some(values) = input.values_mut() {
                 let run = &mut values[offset..offset + s.len];
                 // A parameter without a gradient contributes zeros.
                 param.with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
@@ -170,16 +183,46 @@ impl<E: GradElement> Core<E> {
             *meta,
             communication(labels::REDUCED_SHARD, owner),
         );
-        let sent = link
+        let pending = link
             .borrow_mut()
-            .call(|comm| comm.reduce_scatter_sum(buf.view(), shard.view_mut()));
-        drop(buf);
-        for &p in &bucket.pieces {
-            let piece = &pieces[p];
+            .start((input.take(), shard.take()), |comm, (input, shard)| {
+                comm.reduce_scatter_sum(input.view(), shard.view_mut())
+            });
+        self.in_flight.push_back(ShardInFlight {
+            index,
+            input,
+            shard,
+            pending,
+        });
+        if !self.overlap {
+            self.complete_oldest();
+        }
+    }
+
+    /// Waits for the oldest reduce-scatter under way and gives its pieces their shard of
+    /// it (NaN if it failed).
+    fn complete_oldest(&mut self) {
+        let ShardInFlight {
+            index,
+            mut input,
+            mut shard,
+            pending,
+        } = self.in_flight.pop_front().expect("a bucket is under way");
+        let sent = match self.link.borrow_mut().wait(pending) {
+            Some(((wire_in, wire_shard), ok)) => {
+                input.restore(wire_in);
+                shard.restore(wire_shard);
+                ok
+            }
+            None => false,
+        };
+        drop(input);
+        for &p in &self.buckets[index].pieces {
+            let piece = &self.pieces[p];
             let len = piece.values.numel();
             set_grad_with(&piece.values, || {
                 let grad = match (sent, shard.values()) {
-                    (Some(()), Some(shard)) => {
+                    (true, Some(shard)) => {
                         shard[piece.chunk_offset..piece.chunk_offset + len].to_vec()
                     }
                     // Half-reduced gradients must not reach the optimizer.
@@ -191,13 +234,21 @@ impl<E: GradElement> Core<E> {
     }
 }
 
+/// A bucket whose reduce-scatter is under way: its input and this rank's shard of the sum.
+struct ShardInFlight<E: GradElement> {
+    index: usize,
+    input: Metered<E>,
+    shard: Metered<E>,
+    pending: Pending<(Wire<E>, Wire<E>)>,
+}
+
 /// What [`DataParallel`] asks of a stage that shards the gradients of its steps (ZeRO-2's
 /// [`Zero2AdamW`], through its core): the step's reduction, taken over.
 pub(crate) trait GradientShards {
     /// Arms the gradient-ready hooks for one backward (the last micro-batch's), with this
     /// rank's weight `n_r/B`, so that each bucket is reduce-scattered as soon as its
-    /// gradients are complete.
-    fn arm(&self, weight: f64);
+    /// gradients are complete: left under way while backward goes on when `overlap`.
+    fn arm(&self, weight: f64, overlap: bool);
 
     /// Removes the hooks [`arm`](Self::arm) set.
     fn disarm(&self);
@@ -215,13 +266,14 @@ pub(crate) trait GradientShards {
 }
 
 impl<E: GradElement> GradientShards for RefCell<Core<E>> {
-    fn arm(&self, weight: f64) {
+    fn arm(&self, weight: f64, overlap: bool) {
         {
             // A step that failed before its gradients were reduced may have left state
             // behind.
             let mut core = self.borrow_mut();
             core.reset();
             core.weight = E::from_f64(weight);
+            core.overlap = overlap;
         }
         let core = self.borrow();
         for (index, param) in core.parameters.iter().enumerate() {
@@ -253,6 +305,10 @@ impl<E: GradElement> GradientShards for RefCell<Core<E>> {
         let mut core = self.borrow_mut();
         core.weight = E::from_f64(weight);
         core.advance(true);
+        while !core.in_flight.is_empty() {
+            core.complete_oldest();
+        }
+        core.overlap = false;
         let shard_finite = core.pieces.iter().all(|p| grad_is_finite(&p.values));
         let flag = !(core.finite && shard_finite);
         core.reset();
@@ -373,6 +429,8 @@ impl<E: GradElement> Zero2AdamW<E> {
                 weight: E::zero(),
                 finite: true,
                 meta,
+                overlap: false,
+                in_flight: VecDeque::new(),
             })
         });
         let sharding: Rc<dyn GradientShards> = Rc::clone(&core) as _;
