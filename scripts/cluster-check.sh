@@ -56,9 +56,11 @@ last=checkpoint-000003/model.safetensors
 # Each layout on two hosts against the same run elsewhere, byte for byte: one process on the
 # same global batch (accum 2 in one process is accum 1 on each of two data-parallel ranks),
 # or, for tensor parallelism, whose sums are split across the ranks, the same two ranks on
-# one machine over the socket ring.
+# one machine over the socket ring. The reduction overlaps backward (the default) but in the
+# second line, which reduces after backward.
 layouts=(
     "--accum 1|--accum 2"
+    "--accum 1 --overlap=false|--accum 2"
     "--accum 1 --zero 1|--accum 2"
     "--accum 1 --zero 2 --no-clip|--accum 2 --no-clip"
     "--accum 1 --zero 3 --no-clip|--accum 2 --no-clip"

@@ -317,6 +317,18 @@ pub struct TrainArgs {
     /// [default: 25, or the run's with --resume].
     #[arg(long, value_name = "MIB")]
     pub bucket_mib: Option<f64>,
+    /// Reduce each bucket of gradients on a communication thread as soon as the last
+    /// micro-batch's backward has produced it, while backward goes on (as PyTorch DDP
+    /// does); --overlap=false reduces them all after backward. The same bits either way
+    /// [default: on, or the run's with --resume].
+    #[arg(
+        long,
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    pub overlap: Option<bool>,
     /// Tensor parallelism: split each layer over this many consecutive ranks (attention
     /// heads, MLP units and the vocabulary divided among them, as Megatron-LM does); the
     /// world's ranks form data-parallel replicas of T ranks each [default: 1, or the run's

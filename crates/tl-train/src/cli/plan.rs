@@ -54,6 +54,16 @@ pub struct PlanArgs {
     /// takes it [default: 25].
     #[arg(long, value_name = "MIB")]
     pub bucket_mib: Option<f64>,
+    /// Whether the reduction overlaps backward, as `tinyllm train --overlap` takes it: a
+    /// rank holds up to two buckets more while they are under way [default: on].
+    #[arg(
+        long,
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    pub overlap: Option<bool>,
     /// The blocks' linear layers in fp8 with delayed scaling, as `tinyllm train --fp8`.
     #[arg(long)]
     pub fp8: bool,
@@ -111,6 +121,7 @@ fn plan_config(args: &PlanArgs) -> Result<TrainConfig> {
         recipe,
         config: args.config.clone(),
         bucket_mib: args.bucket_mib,
+        overlap: args.overlap,
         fp8: args.fp8,
         no_clip: args.no_clip,
         ..TrainArgs::default()

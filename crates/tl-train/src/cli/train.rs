@@ -34,6 +34,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
                 data_changed_ok: args.data_changed_ok,
                 zero: args.zero,
                 bucket_bytes: bucket_bytes(args)?,
+                overlap: args.overlap,
                 tensor: args.tp,
                 sequence_parallel: args.sequence_parallel,
                 pipeline: args.pp,
@@ -332,6 +333,7 @@ pub(super) fn config_from_args(
     apply_fp8_flags(args, &mut config)?;
     config.parallel.zero = args.zero.unwrap_or(config.parallel.zero);
     config.parallel.bucket_bytes = bucket_bytes(args)?.unwrap_or(config.parallel.bucket_bytes);
+    config.parallel.overlap = args.overlap.unwrap_or(config.parallel.overlap);
     config.parallel.tensor = args.tp.unwrap_or(config.parallel.tensor);
     config.parallel.sequence_parallel = args
         .sequence_parallel
@@ -563,13 +565,21 @@ fn report(trainer: &mut Trainer, note: Option<&str>) -> Result<()> {
     );
     for rank in &summary.ranks {
         say!(
-            "rank {}: peak live tensors {:.1} MiB{}; sent {:.2} MiB per step, {:.3} s per step communicating ({:.1}% of its step time)",
+            "rank {}: peak live tensors {:.1} MiB{}; sent {:.2} MiB per step, {:.3} s per step communicating ({:.1}% of its step time){}",
             rank.rank,
             mib(rank.peak_live_bytes),
             describe_peak(rank.peak_rss_bytes),
             rank.bytes_sent_per_step / f64::from(1u32 << 20),
             rank.comm_s_per_step,
             100.0 * rank.comm_share,
+            if rank.overlapped_comm_s_per_step > 0.0 {
+                format!(
+                    ", {:.3} s on its communication thread",
+                    rank.overlapped_comm_s_per_step
+                )
+            } else {
+                String::new()
+            },
         );
     }
     say!("loss chart: {}", chart_path.display());

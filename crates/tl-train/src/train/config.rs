@@ -112,6 +112,13 @@ pub struct Parallel {
     /// `bucket_cap_mb`): fewer, larger messages, or gradients freed sooner under ZeRO-2.
     #[serde(default = "default_bucket_bytes")]
     pub bucket_bytes: usize,
+    /// Whether the gradients' reduction overlaps the last micro-batch's backward: each
+    /// bucket reduced on a communication thread as soon as backward has produced it (as
+    /// PyTorch DDP does), instead of all of them after backward. The same bits either way;
+    /// a rank holds up to two buckets more while they are under way. `true` (the default)
+    /// is not written.
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub overlap: bool,
     /// Ranks each layer is split over (tensor parallelism, Megatron's layout): the `ranks`
     /// form `ranks / tensor` data-parallel replicas of `tensor` consecutive ranks each. 1
     /// (the default, not written) splits nothing.
@@ -173,6 +180,14 @@ fn is_false(on: &bool) -> bool {
     !on
 }
 
+fn is_true(on: &bool) -> bool {
+    *on
+}
+
+fn yes() -> bool {
+    true
+}
+
 fn default_bucket_bytes() -> usize {
     tl_parallel::DEFAULT_BUCKET_BYTES
 }
@@ -204,6 +219,7 @@ impl Default for Parallel {
             ranks: 1,
             zero: 0,
             bucket_bytes: default_bucket_bytes(),
+            overlap: true,
             tensor: 1,
             sequence_parallel: false,
             pipeline: 1,

@@ -201,10 +201,15 @@ pub struct RankReport {
     /// The share of its own step time spent inside collectives (waiting for a slower rank
     /// included), 0 to 1.
     pub comm_share: f64,
+    /// Seconds per training step its communication thread spent reducing gradients while
+    /// the rank computed (`--overlap`): communication the step did not wait for, except
+    /// where it is also in `comm_s_per_step` (the rank waiting for the thread).
+    #[serde(default)]
+    pub overlapped_comm_s_per_step: f64,
 }
 
 /// Slots of [`RankReport`] exchanged per rank.
-const REPORT_SLOTS: usize = 5;
+const REPORT_SLOTS: usize = 6;
 
 /// This rank's communication over the steps of a run: bytes sent, seconds in collectives,
 /// and the number of steps.
@@ -217,6 +222,9 @@ pub struct StepTraffic {
     pub comm_s: f64,
     /// Seconds of the steps, collectives included.
     pub step_s: f64,
+    /// Seconds the communication thread spent in collectives, while the rank computed or
+    /// waited for it.
+    pub overlapped_s: f64,
     /// Steps they were spent on.
     pub steps: u64,
 }
@@ -240,6 +248,7 @@ pub fn gather_reports(
         traffic.bytes_sent as f64,
         traffic.comm_s,
         traffic.step_s,
+        traffic.overlapped_s,
     ]);
     if world > 1 {
         ddp.with_communicator(|comm| {
@@ -260,6 +269,7 @@ pub fn gather_reports(
             bytes_sent_per_step: per_step(s[2]),
             comm_s_per_step: per_step(s[3]),
             comm_share: if s[4] > 0.0 { s[3] / s[4] } else { 0.0 },
+            overlapped_comm_s_per_step: per_step(s[5]),
         })
         .collect())
 }

@@ -163,6 +163,9 @@ fn config_at_world(
     if let Some(bytes) = options.bucket_bytes {
         config.parallel.bucket_bytes = bytes;
     }
+    if let Some(overlap) = options.overlap {
+        config.parallel.overlap = overlap;
+    }
     if let Some(on) = options.sequence_parallel {
         config.parallel.sequence_parallel = on;
     }
@@ -248,6 +251,7 @@ pub(super) fn resume_state(
     config.parallel.pipeline_split = parallel.pipeline_split.clone();
     config.parallel.zero = run_config.parallel.zero;
     config.parallel.bucket_bytes = run_config.parallel.bucket_bytes;
+    config.parallel.overlap = run_config.parallel.overlap;
     config.parallel.sequence_parallel = run_config.parallel.sequence_parallel;
     if let Some(difference) = config_difference(&config, &run_config) {
         return Err(TrainError::checkpoint(

@@ -133,6 +133,8 @@ pub struct ResumeOptions {
     pub zero: Option<u8>,
     /// Continue with buckets of this many bytes.
     pub bucket_bytes: Option<usize>,
+    /// Continue with the reduction overlapping backward or not.
+    pub overlap: Option<bool>,
     /// Continue with the layers split over tensor-parallel groups of this many ranks
     /// instead of the run's (a checkpoint holds whole tensors whatever the split).
     pub tensor: Option<usize>,
@@ -315,7 +317,9 @@ impl Trainer {
             tokens_seen,
         } = parts;
         let (ddp, world, model, optimizer, pipeline) = split_mesh(ddp, model, optimizer, &config)?;
-        let mut ddp = ddp.with_bucket_bytes(config.parallel.bucket_bytes);
+        let mut ddp = ddp
+            .with_bucket_bytes(config.parallel.bucket_bytes)
+            .with_overlap(config.parallel.overlap);
         model.set_checkpointing(config.checkpointing);
         let fp8 = fp8.map(|state| Rc::new(RefCell::new(state)));
         model.set_fp8(fp8.clone())?;
@@ -487,6 +491,7 @@ impl Trainer {
         };
         let started = Instant::now();
         let (sent_before, busy_before) = (self.bytes_sent(), self.communication_time());
+        let overlapped_before = self.ddp.overlapped_communication_time();
         // The run's hardware: the step turns on its precision inside and keeps the model.
         let hardware = config.autocast();
         let stepped = match &self.pipeline {
@@ -532,6 +537,8 @@ impl Trainer {
         let step_s = started.elapsed().as_secs_f64();
         self.traffic.bytes_sent += self.bytes_sent() - sent_before;
         self.traffic.comm_s += (self.communication_time() - busy_before).as_secs_f64();
+        self.traffic.overlapped_s +=
+            (self.ddp.overlapped_communication_time() - overlapped_before).as_secs_f64();
         self.traffic.step_s += step_s;
         self.traffic.steps += 1;
         self.step += 1;
