@@ -89,7 +89,11 @@ pub struct PlanArgs {
     /// Predict each rank's step time on this link: its rate in Gbit/s, its latency in µs
     /// (default 0; each message also costs 10 µs of software), and the share of the rate
     /// the collectives reach (default 1), e.g. `400,5`. Needs --compute-rate or --bench.
-    #[arg(long, value_name = "GBIT[,LATENCY_US[,EFFICIENCY]]")]
+    #[arg(
+        long,
+        value_name = "GBIT[,LATENCY_US[,EFFICIENCY]]",
+        allow_hyphen_values = true
+    )]
     pub link: Option<String>,
     /// With --link: the FLOP/s a rank's products run at, a number or a product such as
     /// `989e12*0.4` (a GPU's peak times the efficiency you expect).
@@ -97,7 +101,8 @@ pub struct PlanArgs {
         long,
         value_name = "FLOPS",
         requires = "link",
-        conflicts_with = "bench"
+        conflicts_with = "bench",
+        allow_hyphen_values = true
     )]
     pub compute_rate: Option<String>,
     /// With --link: measure this node's rate by running two steps of one rank's recipe here

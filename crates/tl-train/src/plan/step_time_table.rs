@@ -24,14 +24,23 @@ fn header(out: &mut String, time: &StepTimePlan) {
     let _ = writeln!(
         out,
         "\nstep time on a {} Gbit/s link{efficiency}: α = {} + {} µs a message = {:.1} µs, \
-         β = {:.1} MB/s; compute at {:.3} TFLOP/s ({rate})",
+         β = {:.1} MB/s; compute at {} ({rate})",
         link.gbit_per_s,
         link.latency_us,
         SOFTWARE_US_PER_MESSAGE,
         time.alpha_s * 1e6,
         time.beta_bytes_per_s / 1e6,
-        time.compute.flops_per_s / 1e12,
+        flops_per_s(time.compute.flops_per_s),
     );
+}
+
+/// A rate in GFLOP/s, or TFLOP/s from 10¹² on.
+fn flops_per_s(rate: f64) -> String {
+    if rate >= 1e12 {
+        format!("{:.1} TFLOP/s", rate / 1e12)
+    } else {
+        format!("{:.1} GFLOP/s", rate / 1e9)
+    }
 }
 
 const OVERLAP_NOTE: &str = "communication after backward, nothing overlapped (as built): \
