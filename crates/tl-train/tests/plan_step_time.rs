@@ -110,4 +110,15 @@ fn bad_links_and_rates_are_refused_naming_the_option() {
     // errors.
     assert!(tinyllm(&["plan", "--preset", "tiny", "--compute-rate", "1e9"]).is_err());
     assert!(tinyllm(&["plan", "--shape", "7b", "--link", "400", "--bench"]).is_err());
+    // --measure trains one process and plans no ranks: no link to time.
+    let measure = [
+        "plan",
+        "--preset",
+        "tiny",
+        "--measure",
+        "--link",
+        "1",
+        "--bench",
+    ];
+    assert!(tinyllm(&measure).is_err());
 }

@@ -34,7 +34,7 @@ pub struct PlanArgs {
     pub config: Option<PathBuf>,
     /// Also train a fresh model for two steps and compare the memory meter's peak with the
     /// prediction.
-    #[arg(long, conflicts_with_all = ["ranks", "zero", "shape"])]
+    #[arg(long, conflicts_with_all = ["ranks", "zero", "shape", "link"])]
     pub measure: bool,
     /// Print the plan (and measurement) as JSON instead of tables.
     #[arg(long)]
