@@ -10,10 +10,12 @@ use std::path::PathBuf;
 use super::train::config_from_flags;
 use super::{Exit, RecipeArgs, TrainArgs};
 use crate::error::Result;
+use crate::error::TrainError;
 use crate::plan::{
-    DataParallelism, Measurement, MemoryPlan, ParallelPlan, PlanShape, Recipe, ZeroStage,
-    measure_steps, plan_ranks, relative_error, render, render_measurement, render_parallel,
-    render_sweep,
+    ComputeRate, DataParallelism, Link, Measurement, MemoryPlan, ParallelPlan, PlanShape, Recipe,
+    ZeroStage, measure_steps, plan_ranks, predict_step_time, relative_error, render,
+    render_measurement, render_parallel, render_step_time, render_step_time_sweep, render_sweep,
+    step_flops,
 };
 use crate::train::TrainConfig;
 
@@ -32,7 +34,7 @@ pub struct PlanArgs {
     pub config: Option<PathBuf>,
     /// Also train a fresh model for two steps and compare the memory meter's peak with the
     /// prediction.
-    #[arg(long, conflicts_with_all = ["ranks", "zero", "shape"])]
+    #[arg(long, conflicts_with_all = ["ranks", "zero", "shape", "link"])]
     pub measure: bool,
     /// Print the plan (and measurement) as JSON instead of tables.
     #[arg(long)]
@@ -94,6 +96,29 @@ pub struct PlanArgs {
     /// adds an all-reduce of the norm).
     #[arg(long)]
     pub no_clip: bool,
+    /// Predict each rank's step time on this link: its rate in Gbit/s, its latency in µs
+    /// (default 0; each message also costs 10 µs of software), and the share of the rate
+    /// the collectives reach (default 1), e.g. `400,5`. Needs --compute-rate or --bench.
+    #[arg(
+        long,
+        value_name = "GBIT[,LATENCY_US[,EFFICIENCY]]",
+        allow_hyphen_values = true
+    )]
+    pub link: Option<String>,
+    /// With --link: the FLOP/s a rank's products run at, a number or a product such as
+    /// `989e12*0.4` (a GPU's peak times the efficiency you expect).
+    #[arg(
+        long,
+        value_name = "FLOPS",
+        requires = "link",
+        conflicts_with = "bench",
+        allow_hyphen_values = true
+    )]
+    pub compute_rate: Option<String>,
+    /// With --link: measure this node's rate by running two steps of one rank's recipe here
+    /// (after one untimed), as `tinyllm bench` does.
+    #[arg(long, requires = "link", conflicts_with = "shape")]
+    pub bench: bool,
     /// Compute threads.
     #[command(flatten)]
     pub threads: super::Threads,
@@ -158,6 +183,7 @@ pub(super) fn plan(args: &PlanArgs) -> Result<Exit> {
         || args.tp > 1
         || args.sequence_parallel
         || args.pp > 1
+        || args.link.is_some()
     {
         return plan_parallel(args, &config);
     }
@@ -201,6 +227,22 @@ fn plan_parallel(args: &PlanArgs, config: &TrainConfig) -> Result<Exit> {
         );
     }
     let recipe = &Recipe::from(config);
+    // Refuse a bad link before any plan runs, and measure the rate once for every plan.
+    let link: Option<Link> = args.link.as_deref().map(str::parse).transpose()?;
+    let rate = match (&link, &args.compute_rate, args.bench) {
+        (None, _, _) => None,
+        (Some(_), Some(rate), _) => Some(rate.parse::<ComputeRate>()?),
+        (Some(_), None, true) => Some(bench_rate(config)?),
+        (Some(_), None, false) => {
+            return Err(TrainError::InvalidArgument {
+                name: "link",
+                value: args.link.clone().unwrap_or_default(),
+                reason: "a step time needs a compute rate: --compute-rate FLOPS, or --bench \
+                         to measure this node's"
+                    .into(),
+            });
+        }
+    };
     let ranks = if args.ranks.is_empty() && args.pp > 1 {
         vec![args.pp * args.tp]
     } else if args.ranks.is_empty() {
@@ -230,7 +272,11 @@ fn plan_parallel(args: &PlanArgs, config: &TrainConfig) -> Result<Exit> {
             .with_tensor(args.tp)?
             .with_sequence_parallel(args.sequence_parallel)?
             .with_pipeline(args.pp)?;
-            plans.push(plan_ranks(recipe, &parallelism)?);
+            let mut plan = plan_ranks(recipe, &parallelism)?;
+            if let (Some(link), Some(rate)) = (&link, &rate) {
+                plan.step_time = Some(predict_step_time(&plan, config, link, rate)?);
+            }
+            plans.push(plan);
         }
     }
     if args.json {
@@ -242,8 +288,42 @@ fn plan_parallel(args: &PlanArgs, config: &TrainConfig) -> Result<Exit> {
         println!("{}", json.expect("the plan serializes"));
     } else if let [plan] = plans.as_slice() {
         print!("{}", render_parallel(plan));
+        print!("{}", render_step_time(plan));
     } else {
         print!("{}", render_sweep(&plans));
+        print!("{}", render_step_time_sweep(&plans));
     }
     Ok(Exit::Success)
 }
+
+/// This node's compute rate on one rank's recipe: the products' FLOPs of one step over the
+/// median of two steps of it (after one untimed), trained here as one process, on the
+/// trainer `tinyllm bench` times. A whole step's rate rather than a GEMM's: the step's
+/// elementwise work, optimizer and rounding take time no FLOP count sees, and a rate
+/// measured on the step itself carries them (a capstone step is about two thirds GEMM).
+fn bench_rate(config: &TrainConfig) -> Result<ComputeRate> {
+    use crate::bench::{BenchPlan, bench_one};
+    let mut one = config.clone();
+    one.parallel = crate::train::Parallel::default();
+    super::train::shrink_builtin_corpus(&mut one, BENCH_CORPUS_BYTES);
+    let dir =
+        tempfile::tempdir().map_err(|source| TrainError::io("a temporary directory", source))?;
+    let plan = BenchPlan {
+        dir: dir.path(),
+        warmup_steps: 1,
+        steps: 2,
+    };
+    say!("measuring this node's compute rate: one untimed and two timed steps of the recipe...");
+    let report = bench_one(
+        &one,
+        &plan,
+        &mut |config, dir| crate::train::Trainer::new(config, dir),
+        &mut |step, seconds| say!("step {step}: {seconds:.3} s"),
+    )?;
+    let step_s = report.recipes[0].seconds.median;
+    let flops = step_flops(&one, &DataParallelism::new(1, 0)?, 0)?.total();
+    ComputeRate::measured(flops, step_s)
+}
+
+/// The built-in corpus `--bench` trains on: enough windows for three steps.
+const BENCH_CORPUS_BYTES: usize = 200_000;

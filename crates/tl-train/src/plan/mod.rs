@@ -84,6 +84,7 @@
 //! ```
 
 mod collectives;
+mod flops;
 mod kind;
 mod ledger;
 mod measure;
@@ -93,10 +94,13 @@ mod recipe;
 mod recorder;
 mod report;
 mod shapes;
+mod step_time;
+mod step_time_table;
 mod table;
 mod zero;
 
 pub use collectives::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
+pub use flops::{StepFlops, attention_pairs, step_flops};
 pub use kind::{Layer, Phase, Stage, TensorKind};
 pub(crate) use ledger::predict_rank;
 pub use ledger::{SavedBytes, StepPrediction, predict_step};
@@ -112,6 +116,11 @@ pub use parallel_table::{render_parallel, render_sweep};
 pub use recipe::Recipe;
 pub use report::{FLOOR_BYTES_PER_PARAMETER, KindBytes, LayerBytes, MemoryPlan, PolicyPlan};
 pub use shapes::PlanShape;
+pub use step_time::{
+    ComputeRate, Link, RankStepTime, RateSource, SOFTWARE_US_PER_MESSAGE, StepTimePlan,
+    communication_s, overlapped_s, predict_step_time, ring_messages,
+};
+pub use step_time_table::{render_step_time, render_step_time_sweep};
 pub use table::{render, render_measurement, schedule_label, thousands};
 pub use zero::{
     BUCKET_BYTES, CollectiveCalls, MAX_RANKS, ModelSizes, PaperFigures, STEP_EXTRAS, ZeroStage,

@@ -269,6 +269,9 @@ pub struct ParallelPlan {
     /// The pipeline's schedule and its bubble, with `--pp` > 1.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelinePlan>,
+    /// Each rank's step time on a link, when one is given (`tinyllm plan --link`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step_time: Option<super::step_time::StepTimePlan>,
 }
 
 /// A pipeline's schedule as the plan sees it: the simulator's bubble and activations in
@@ -432,6 +435,7 @@ pub fn plan_ranks(recipe: &Recipe, parallelism: &DataParallelism) -> Result<Para
         pipeline: (parallelism.pipeline > 1)
             .then(|| PipelinePlan::of(&pipeline_config(recipe, parallelism)))
             .transpose()?,
+        step_time: None,
     })
 }
 

@@ -285,6 +285,7 @@ pub(crate) fn by_purpose(
             elements: call.elements,
             element_bytes: call.element_bytes,
             calls: 1,
+            group_ranks: call.group.as_deref().map_or(call.world.1, <[usize]>::len),
         };
         match merged
             .iter_mut()

@@ -78,6 +78,10 @@ pub struct CollectiveCalls {
     pub element_bytes: u64,
     /// Calls per step.
     pub calls: u64,
+    /// Ranks of the group the calls run over (the world, or a tensor-, pipeline- or
+    /// data-parallel group): the ring's length, which sets its number of hops.
+    #[serde(skip)]
+    pub group_ranks: usize,
 }
 
 /// ZeRO's own arithmetic for one rank (Rajbhandari et al., 2020), and tinyllm's f32
