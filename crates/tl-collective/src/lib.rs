@@ -70,7 +70,6 @@ mod ring;
 mod schedule;
 mod shard;
 mod single;
-pub mod waits;
 mod wire;
 
 pub use communicator::{CommStats, Communicator};
@@ -93,7 +92,6 @@ pub use ring::{
 pub use schedule::reference_all_reduce;
 pub use shard::shard_range;
 pub use single::Single;
-pub use waits::wait_patiently;
 
 /// The user guide `docs/collectives.md`, compiled as a doctest so its examples stay true.
 #[cfg(doctest)]

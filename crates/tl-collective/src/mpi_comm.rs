@@ -12,8 +12,9 @@
 //! MPI's algorithm adds, while the op is defined by the ring's order (the reference's). Its
 //! values travel as 16-bit words (`MPI_UINT16_T`), two bytes each, as on the socket ring.
 //!
-//! Point-to-point messages are MPI's own, on a duplicate of the communicator (so that no
-//! collective's traffic can match them), matched by MPI's tags: a send is an `MPI_Isend` of
+//! Point-to-point messages are MPI's own, on a duplicate of the communicator (so that a
+//! collective's ring step, which receives any tag, never takes one), matched by MPI's tags:
+//! a send is an `MPI_Isend` of
 //! an owned copy of the frame header and the values (so it returns at once, as the ring's
 //! buffered send does), completed by [`flush`](Communicator::flush), by a later send, or
 //! when the communicator is dropped; a receive probes for the message, checks its frame
@@ -31,18 +32,20 @@
 //! its calls on a communication thread (tl-parallel's overlap of the gradients' reduction
 //! with backward) while the main thread calls another (a tensor-parallel group's). Where the
 //! library grants less, the communicator says so ([`Communicator::concurrent_calls`]) and
-//! its calls stay on the thread that made it. Every call runs MPI's non-blocking form and
-//! waits for it as the thread asks ([`waits`](crate::waits)): spinning, or, on a
-//! communication thread, testing it between short sleeps, where MPI's own blocking call
-//! would spin on a core the rank's computation needs.
+//! its calls stay on the thread that made it. The calls are MPI's blocking ones on every
+//! thread: MPI's non-blocking all-reduce (Open MPI's libnbc) moved the capstone's 39 MiB
+//! a step over a 1 Gbit/s link in 0.71 s against the blocking one's 0.49 s. A blocking call
+//! spins while it waits; where ranks share cores, `--mca mpi_yield_when_idle 1` makes it
+//! yield (docs/data-parallel.md has the figures).
 
 use std::sync::Arc;
 
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Equivalence, PartitionMut};
 use mpi::environment::{Threading, Universe};
-use mpi::request::{Request, Scope, StaticScope};
-use mpi::topology::{Color, Process, SimpleCommunicator};
+use mpi::point_to_point::send_receive_into;
+use mpi::request::{Request, StaticScope};
+use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator as _, CommunicatorCollectives as _, Root as _};
 use mpi::traits::{Destination as _, Source as _};
 use tl_numerics::Format;
@@ -60,7 +63,6 @@ use crate::ring::header::{from_words, to_words};
 use crate::ring::split_pair;
 use crate::schedule::{all_gather_step, reduce_scatter_step};
 use crate::shard::shard_range;
-use crate::waits::{self, PATIENT_POLL};
 use crate::wire::{self, Finish, Schedule};
 
 /// Which algorithms [`MpiComm`] uses.
@@ -165,7 +167,7 @@ impl Drop for MpiComm {
     }
 }
 
-// SAFETY: MPI's handles (the communicator, the requests of the sends under way) are plain
+// SAFETY: MPI's handles (the communicators, the requests of the sends under way) are plain
 // values that any thread may pass to MPI once MPI is initialised with MPI_THREAD_MULTIPLE.
 // Where it granted less, `concurrent_calls` answers false, and tl-parallel keeps the
 // communicator on the thread that made it; nothing else in tinyllm moves one. The buffers
@@ -315,12 +317,7 @@ impl MpiComm {
         }
         let own = to_words(&header);
         let mut all = vec![0u64; 5 * self.world_size];
-        mpi::request::scope(|scope| {
-            finish(
-                self.world
-                    .immediate_all_gather_into(scope, &own[..], &mut all[..]),
-            );
-        });
+        self.world.all_gather_into(&own[..], &mut all[..]);
         self.stats.bytes_sent += (40 * (self.world_size - 1)) as u64;
         let calls: Vec<CallHeader> = all.chunks(5).map(from_words).collect();
         if calls.iter().any(|c| *c != calls[0]) {
@@ -350,10 +347,7 @@ impl MpiComm {
         match self.mode_for(op) {
             MpiMode::Native => {
                 let input = data.to_vec();
-                mpi::request::scope(|scope| {
-                    let world = &self.world;
-                    finish(world.immediate_all_reduce_into(scope, &input[..], data, system_op(op)));
-                });
+                self.world.all_reduce_into(&input[..], data, system_op(op));
                 self.optimal_bytes::<T>(data.len(), 2);
             }
             MpiMode::Ring => {
@@ -390,14 +384,8 @@ impl MpiComm {
                 }
                 let mut mine = vec![T::zeroed(); block];
                 if block > 0 {
-                    mpi::request::scope(|scope| {
-                        finish(self.world.immediate_reduce_scatter_block_into(
-                            scope,
-                            &padded[..],
-                            &mut mine[..],
-                            system_op(op),
-                        ));
-                    });
+                    self.world
+                        .reduce_scatter_block_into(&padded[..], &mut mine[..], system_op(op));
                 }
                 output.copy_from_slice(&mine[..output.len()]);
                 self.optimal_bytes::<T>(len, 1);
@@ -428,13 +416,7 @@ impl MpiComm {
                     .map(|q| shard_range(len, n, q).start as mpi::Count)
                     .collect();
                 let mut partition = PartitionMut::new(output, counts, displs);
-                mpi::request::scope(|scope| {
-                    finish(self.world.immediate_all_gather_varcount_into(
-                        scope,
-                        input,
-                        &mut partition,
-                    ));
-                });
+                self.world.all_gather_varcount_into(input, &mut partition);
                 self.optimal_bytes::<T>(len, 1);
             }
             _ => {
@@ -451,10 +433,7 @@ impl MpiComm {
         self.agree("broadcast", T::NAME, data.len(), root)?;
         if self.world_size > 1 && !data.is_empty() {
             // A broadcast only copies, so MPI's algorithm is deterministic in either mode.
-            let root_process = self.world.process_at_rank(root as i32);
-            mpi::request::scope(|scope| {
-                finish(root_process.immediate_broadcast_into(scope, data));
-            });
+            self.world.process_at_rank(root as i32).broadcast_into(data);
             if self.rank == root {
                 self.stats.bytes_sent += std::mem::size_of_val(data) as u64;
             }
@@ -491,7 +470,7 @@ impl MpiComm {
             self.stats.bytes_sent += (send.len() * size_of::<T>()) as u64;
             let into = &mut scratch[..recv.len()];
             let (out, target) = split_pair(data, send, recv);
-            exchange(out, &right, &mut *into, &left);
+            send_receive_into(out, &right, &mut *into, &left);
             reduce_into(op, target, into);
         }
         Ok(())
@@ -515,7 +494,7 @@ impl MpiComm {
             let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
             self.stats.bytes_sent += (send.len() * size_of::<T>()) as u64;
             let (out, into) = split_pair(data, send, recv);
-            exchange(out, &right, into, &left);
+            send_receive_into(out, &right, into, &left);
         }
         Ok(())
     }
@@ -541,44 +520,13 @@ impl MpiComm {
             finish,
             |out, into, words| {
                 stats.bytes_sent += size_of_val(out) as u64;
-                exchange(out, &right, &mut *into, &left);
+                send_receive_into(out, &right, &mut *into, &left);
                 words(0..into.len(), into);
                 Ok(())
             },
         )
     }
 }
-
-/// Waits for a non-blocking MPI call as this thread asks ([`waits`](crate::waits)):
-/// spinning in `MPI_Wait`, or testing it between sleeps of [`PATIENT_POLL`].
-fn finish<'a, B: ?Sized, S: Scope<'a>>(request: Request<'a, B, S>) {
-    if !waits::is_patient() {
-        request.wait_without_status();
-        return;
-    }
-    let mut request = request;
-    loop {
-        match request.test() {
-            Ok(_) => return,
-            Err(under_way) => request = under_way,
-        }
-        std::thread::sleep(PATIENT_POLL);
-    }
-}
-
-/// One step of a ring: sends `out` to `right` while receiving `into` from `left`.
-fn exchange<T: Equivalence>(out: &[T], right: &Process<'_>, into: &mut [T], left: &Process<'_>) {
-    mpi::request::scope(|scope| {
-        let received = left.immediate_receive_into_with_tag(scope, into, RING_TAG);
-        let sent = right.immediate_send_with_tag(scope, out, RING_TAG);
-        finish(received);
-        finish(sent);
-    });
-}
-
-/// The tag of the ring's messages (the point-to-point messages have a communicator of their
-/// own).
-const RING_TAG: mpi::Tag = 0;
 
 /// Every rank's host (MPI's processor name), by rank: an all-gather of fixed-size names.
 fn gather_hosts(world: &SimpleCommunicator) -> Vec<String> {
@@ -701,7 +649,7 @@ impl Communicator for MpiComm {
     fn barrier(&mut self) -> Result<()> {
         let _watched = self.watch_collective("barrier");
         self.agree("barrier", "-", 0, 0)?;
-        finish(self.world.immediate_barrier());
+        self.world.barrier();
         Ok(())
     }
 

@@ -44,15 +44,17 @@ pub(crate) struct Link {
 /// never borrowed twice.
 pub(crate) type SharedLink = Rc<RefCell<Link>>;
 
-/// What the rank's thread and the communication thread share.
+/// What the rank's thread and the communication thread share. The communicator has a lock
+/// of its own, held for a whole collective, so that the rank's thread can queue the next
+/// one meanwhile: it takes only the bookkeeping's.
 struct Shared {
+    comm: Mutex<Box<dyn Communicator>>,
     state: Mutex<State>,
     /// Signalled when a started collective is done.
     done: Condvar,
 }
 
 struct State {
-    comm: Box<dyn Communicator>,
     /// The first error, until taken: while it is kept, nothing more runs.
     error: Option<CollectiveError>,
     /// Collectives started and not yet done.
@@ -61,18 +63,32 @@ struct State {
     worked: Duration,
 }
 
-impl State {
+impl Shared {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn comm(&self) -> MutexGuard<'_, Box<dyn Communicator>> {
+        self.comm
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     /// Runs `collective` unless one already failed, keeping the first error.
     fn run<T>(
-        &mut self,
+        &self,
         collective: impl FnOnce(&mut dyn Communicator) -> tl_collective::Result<T>,
     ) -> Option<T> {
-        if self.error.is_some() {
+        if self.state().error.is_some() {
             return None;
         }
-        collective(self.comm.as_mut())
-            .map_err(|error| self.error = Some(error))
-            .ok()
+        let done = collective(self.comm().as_mut());
+        done.map_err(|error| {
+            self.state().error.get_or_insert(error);
+        })
+        .ok()
     }
 }
 
@@ -98,8 +114,8 @@ impl Link {
         let (rank, world_size) = (comm.rank(), comm.world_size());
         Rc::new(RefCell::new(Link {
             shared: Arc::new(Shared {
+                comm: Mutex::new(comm),
                 state: Mutex::new(State {
-                    comm,
                     error: None,
                     queued: 0,
                     worked: Duration::ZERO,
@@ -114,10 +130,7 @@ impl Link {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.shared
-            .state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.shared.state()
     }
 
     /// Runs started collectives on a communication thread (`true`) or at once on the rank's
@@ -129,7 +142,7 @@ impl Link {
     pub(crate) fn set_threaded(&mut self, threaded: bool) -> bool {
         let possible = self.world_size > 1
             && !tl_tensor::is_meta_mode()
-            && self.state().comm.concurrent_calls();
+            && self.shared.comm().concurrent_calls();
         match (threaded && possible, self.worker.is_some()) {
             (true, false) => self.worker = Some(self.spawn()),
             (false, true) => self.stop_worker(),
@@ -144,8 +157,6 @@ impl Link {
         let thread = std::thread::Builder::new()
             .name(format!("tl-comm-{}", self.rank))
             .spawn(move || {
-                // It shares the rank's cores: waits sleep between polls instead of spinning.
-                tl_collective::wait_patiently(true);
                 for job in queue {
                     job(&shared);
                 }
@@ -174,7 +185,8 @@ impl Link {
 
     /// The communicator's counters (after the collectives started so far are done).
     pub(crate) fn stats(&self) -> CommStats {
-        self.idle_state().comm.stats()
+        self.wait_idle();
+        self.shared.comm().stats()
     }
 
     /// Wall-clock time this rank's own thread spent in collectives or waiting for them:
@@ -194,13 +206,12 @@ impl Link {
         self.state().error.is_some()
     }
 
-    /// The state once every started collective is done.
-    fn idle_state(&self) -> MutexGuard<'_, State> {
+    /// Returns once every started collective is done.
+    fn wait_idle(&self) {
         let mut state = self.state();
         while state.queued > 0 {
             state = (self.shared.done.wait(state)).unwrap_or_else(|p| p.into_inner());
         }
-        state
     }
 
     /// Runs `collective` on this thread once the collectives started before it are done,
@@ -211,7 +222,8 @@ impl Link {
         collective: impl FnOnce(&mut dyn Communicator) -> tl_collective::Result<T>,
     ) -> Option<T> {
         let started = Instant::now();
-        let done = self.idle_state().run(collective);
+        self.wait_idle();
+        let done = self.shared.run(collective);
         self.busy += started.elapsed();
         done
     }
@@ -233,9 +245,9 @@ impl Link {
         let (reply, pending) = mpsc::channel();
         self.state().queued += 1;
         let job: Job = Box::new(move |shared: &Shared| {
-            let mut state = shared.state.lock().unwrap_or_else(|p| p.into_inner());
             let started = Instant::now();
-            let ok = state.run(|comm| collective(comm, &mut buffers)).is_some();
+            let ok = shared.run(|comm| collective(comm, &mut buffers)).is_some();
+            let mut state = shared.state();
             state.worked += started.elapsed();
             state.queued -= 1;
             drop(state);
@@ -325,6 +337,27 @@ mod tests {
         }
         assert_eq!(link.borrow().stats().collectives, 4);
         assert!(link.borrow().overlapped() >= Duration::from_millis(15));
+    }
+
+    #[test]
+    fn starting_a_collective_does_not_wait_for_the_one_under_way() {
+        // The first collective runs until the rank has started the second; were `start`
+        // to wait for it, it would give up after 10 s and say so.
+        let link = Link::shared(Box::new(Phantom::new(0, 2).unwrap()));
+        assert!(link.borrow_mut().set_threaded(true));
+        let (release, released) = mpsc::channel::<()>();
+        let first = link.borrow_mut().start((), move |comm, _| {
+            let waited = released.recv_timeout(Duration::from_secs(10));
+            assert!(
+                waited.is_ok(),
+                "the rank could not start the next collective"
+            );
+            comm.barrier()
+        });
+        let second = link.borrow_mut().start((), |comm, _| comm.barrier());
+        release.send(()).unwrap();
+        assert_eq!(link.borrow_mut().wait(first), Some(((), true)));
+        assert_eq!(link.borrow_mut().wait(second), Some(((), true)));
     }
 
     #[test]
