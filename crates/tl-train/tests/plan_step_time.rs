@@ -72,7 +72,8 @@ fn the_text_plan_prints_a_line_per_rank_and_a_sweep_prints_rank_0() {
     let text = stdout_of(&args);
     assert!(text.contains("step time on a 10 Gbit/s link"), "{text}");
     assert!(text.contains("compute at 2.0 GFLOP/s (given)"), "{text}");
-    assert!(text.contains("nothing overlapped (as built)"), "{text}");
+    // The tiny model's gradients fill one bucket: nothing to reduce during backward.
+    assert!(text.contains("nothing overlapped"), "{text}");
     let mut sweep = TINY_DDP.to_vec();
     sweep.extend(["0,1", "--link", "10", "--compute-rate", "2e9"]);
     let text = stdout_of(&sweep);

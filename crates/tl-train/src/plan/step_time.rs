@@ -253,11 +253,55 @@ pub fn communication_s(calls: &[(u64, u64, u64)], link: &Link) -> (f64, f64) {
     )
 }
 
-/// Seconds of communication hidden behind compute: none as built (DDP reduces after
-/// backward; ZeRO's collectives inside backward block the rank). The one term a
-/// concurrent overlap of the buckets with backward would change.
-pub fn overlapped_s(_communication_s: f64, _compute_s: f64) -> f64 {
-    0.0
+/// Seconds of communication hidden behind the last micro-batch's backward, as
+/// `--overlap` runs it: `buckets` are the gradient buckets in the order they are reduced,
+/// each as (elements, seconds of communication), over a backward of `backward_s` seconds.
+///
+/// Backward produces the gradients in the buckets' order, at a pace taken proportional to
+/// their elements, so bucket `i` is ready at the share of `backward_s` that the elements up
+/// to its end make of all of them. The communication thread reduces the buckets one at a
+/// time, each once it is ready and the one before is done; the last bucket (which carries
+/// the step's loss and flags) starts only when backward is over. What ends after backward
+/// is what the rank waits for; the rest was hidden.
+///
+/// ```
+/// use tl_train::plan::overlapped_s;
+/// // Two equal buckets of 0.3 s over a 1 s backward: the first is ready at 0.5 s and done
+/// // at 0.8 s; the last starts at 1.0 s, so 0.3 s of 0.6 s was hidden.
+/// assert!((overlapped_s(&[(10, 0.3), (10, 0.3)], 1.0) - 0.3).abs() < 1e-12);
+/// // Communication slower than backward: the first bucket is done at 0.5 + 0.8 = 1.3 s,
+/// // so the last starts there and only 0.5 s of the first was hidden.
+/// assert!((overlapped_s(&[(10, 0.8), (10, 0.3)], 1.0) - 0.5).abs() < 1e-12);
+/// assert_eq!(overlapped_s(&[(10, 0.3)], 1.0), 0.0); // one bucket: nothing to hide
+/// ```
+pub fn overlapped_s(buckets: &[(u64, f64)], backward_s: f64) -> f64 {
+    let Some((_, reduced_during)) = buckets.split_last() else {
+        return 0.0;
+    };
+    let elements: u64 = buckets.iter().map(|&(n, _)| n).sum();
+    let mut produced = 0;
+    let mut free_at: f64 = 0.0;
+    for &(n, seconds) in reduced_during {
+        produced += n;
+        let ready = backward_s * produced as f64 / elements.max(1) as f64;
+        free_at = free_at.max(ready) + seconds;
+    }
+    // What the buckets before the last still take after backward is waited for, and so is
+    // the whole last bucket.
+    let during: f64 = reduced_during.iter().map(|&(_, seconds)| seconds).sum();
+    (during - (free_at - backward_s).max(0.0)).max(0.0)
+}
+
+/// The plan's names of the gradient buckets' calls, in the order a step makes them.
+const GRADIENT_BUCKETS: [&str; 2] = ["gradient buckets", "last gradient bucket"];
+
+/// Whether the step reduces its gradient buckets while backward goes on: `--overlap`, on
+/// data parallelism alone at ZeRO 0 to 2 (see the [module docs](self)).
+fn overlaps(config: &TrainConfig, parallelism: &DataParallelism) -> bool {
+    config.parallel.overlap
+        && parallelism.tensor == 1
+        && parallelism.pipeline == 1
+        && parallelism.stage.index() <= 2
 }
 
 /// One rank's step, predicted.
@@ -277,7 +321,7 @@ pub struct RankStepTime {
     pub bandwidth_s: f64,
     /// The two together, s.
     pub communication_s: f64,
-    /// Communication hidden behind compute ([`overlapped_s`]): 0 as built.
+    /// Communication hidden behind the last backward ([`overlapped_s`]); 0 without overlap.
     pub overlapped_s: f64,
     /// `compute + communication − overlapped`, s.
     pub step_s: f64,
@@ -336,7 +380,28 @@ pub fn predict_step_time(
                 .collect();
             let (latency_s, bandwidth_s) = communication_s(&calls, link);
             let communication_s = latency_s + bandwidth_s;
-            let overlapped_s = overlapped_s(communication_s, compute_s);
+            let overlapped_s = if overlaps(&config, parallelism) {
+                // The gradient buckets, each call with its own share of the bytes.
+                let buckets: Vec<(u64, f64)> = (rank.sent.iter())
+                    .filter(|s| GRADIENT_BUCKETS.contains(&s.calls.purpose))
+                    .flat_map(|s| {
+                        let hops = ring_messages(s.calls.collective, s.calls.group_ranks);
+                        let per_call = s.bytes / s.calls.calls.max(1);
+                        let (latency, bandwidth) =
+                            self::communication_s(&[(1, hops, per_call)], link);
+                        std::iter::repeat_n(
+                            (s.calls.elements, latency + bandwidth),
+                            s.calls.calls as usize,
+                        )
+                    })
+                    .collect();
+                let last_backward = (flops.backward + flops.recompute) as f64
+                    / config.accum.max(1) as f64
+                    / rate.flops_per_s;
+                overlapped_s(&buckets, last_backward)
+            } else {
+                0.0
+            };
             let step_s = compute_s + communication_s - overlapped_s;
             Ok(RankStepTime {
                 rank: rank.rank,
@@ -460,9 +525,25 @@ mod tests {
         // 4 sequences of 36,742,103,040 FLOPs (`flops.rs`).
         assert_eq!(r0.flops.total(), 146_968_412_160);
         assert!((r0.compute_s - r0.flops.total() as f64 / 1e10).abs() < 1e-12);
-        assert_eq!(r0.overlapped_s, 0.0);
-        assert!((r0.step_s - (r0.compute_s + r0.communication_s)).abs() < 1e-12);
-        assert!((r0.communication_share - r0.communication_s / r0.step_s).abs() < 1e-12);
+        // The first bucket (25 MiB, ready at 64% of backward) is reduced during backward,
+        // well within it; the last one after it.
+        let first = rank
+            .sent
+            .iter()
+            .find(|s| s.calls.purpose == "gradient buckets");
+        let first = first.unwrap().bytes as f64;
+        assert!((r0.overlapped_s - (3.0 * 60e-6 + first / 125e6)).abs() < 1e-12);
+        let backward = r0.flops.backward as f64 / 1e10;
+        assert!(r0.overlapped_s < backward);
+        let step = r0.compute_s + r0.communication_s - r0.overlapped_s;
+        assert!((r0.step_s - step).abs() < 1e-12);
+        let exposed = r0.communication_s - r0.overlapped_s;
+        assert!((r0.communication_share - exposed / r0.step_s).abs() < 1e-12);
+        // Without overlap, nothing is hidden.
+        config.parallel.overlap = false;
+        let after = predict_step_time(&plan, &config, &link, &rate).unwrap();
+        assert_eq!(after.ranks[0].overlapped_s, 0.0);
+        assert!((after.ranks[0].step_s - (r0.compute_s + r0.communication_s)).abs() < 1e-12);
         assert_eq!(time.ranks.len(), 2);
     }
 }

@@ -43,8 +43,16 @@ fn flops_per_s(rate: f64) -> String {
     }
 }
 
-const OVERLAP_NOTE: &str = "communication after backward, nothing overlapped (as built): \
-                            step = compute + communication";
+/// How communication and compute combine in `time`'s lines.
+fn overlap_note(time: &StepTimePlan) -> &'static str {
+    if time.ranks.iter().any(|r| r.overlapped_s > 0.0) {
+        "gradient buckets reduced during the last backward (--overlap), the last one after \
+         it: step = compute + communication - overlapped"
+    } else {
+        "nothing overlapped (communication after backward, or blocking it): \
+         step = compute + communication"
+    }
+}
 
 /// Every rank of one plan's step time.
 pub fn render_step_time(plan: &ParallelPlan) -> String {
@@ -55,26 +63,28 @@ pub fn render_step_time(plan: &ParallelPlan) -> String {
     header(&mut out, time);
     let _ = writeln!(
         out,
-        "{:>5} {:>18} {:>10} {:>12} {:>12} {:>14} {:>10} {:>14}",
+        "{:>5} {:>18} {:>10} {:>12} {:>12} {:>14} {:>12} {:>10} {:>14}",
         "rank",
         "FLOPs",
         "compute s",
         "latency s",
         "bandwidth s",
         "communic. s",
+        "overlapped s",
         "step s",
         "communication"
     );
     for rank in &time.ranks {
         let _ = writeln!(
             out,
-            "{:>5} {:>18} {:>10.4} {:>12.6} {:>12.4} {:>14.4} {:>10.4} {:>13.1}%",
+            "{:>5} {:>18} {:>10.4} {:>12.6} {:>12.4} {:>14.4} {:>12.4} {:>10.4} {:>13.1}%",
             rank.rank,
             thousands(rank.flops.total()),
             rank.compute_s,
             rank.latency_s,
             rank.bandwidth_s,
             rank.communication_s,
+            rank.overlapped_s,
             rank.step_s,
             100.0 * rank.communication_share,
         );
@@ -85,7 +95,7 @@ pub fn render_step_time(plan: &ParallelPlan) -> String {
             "compute includes each rank's share of the pipeline's bubble: FLOPs / rate x (1 + bubble)"
         );
     }
-    let _ = writeln!(out, "{OVERLAP_NOTE}");
+    let _ = writeln!(out, "{}", overlap_note(time));
     out
 }
 
@@ -98,23 +108,29 @@ pub fn render_step_time_sweep(plans: &[ParallelPlan]) -> String {
     header(&mut out, first);
     let _ = writeln!(
         out,
-        "{:>5} {:>4} {:>10} {:>14} {:>10} {:>14}",
-        "ranks", "ZeRO", "compute s", "communic. s", "step s", "communication"
+        "{:>5} {:>4} {:>10} {:>14} {:>12} {:>10} {:>14}",
+        "ranks", "ZeRO", "compute s", "communic. s", "overlapped s", "step s", "communication"
     );
     for plan in plans {
         if let Some(rank) = plan.step_time.as_ref().map(|t| &t.ranks[0]) {
             let _ = writeln!(
                 out,
-                "{:>5} {:>4} {:>10.4} {:>14.4} {:>10.4} {:>13.1}%",
+                "{:>5} {:>4} {:>10.4} {:>14.4} {:>12.4} {:>10.4} {:>13.1}%",
                 plan.parallelism.ranks,
                 plan.parallelism.stage.index(),
                 rank.compute_s,
                 rank.communication_s,
+                rank.overlapped_s,
                 rank.step_s,
                 100.0 * rank.communication_share,
             );
         }
     }
-    let _ = writeln!(out, "rank 0 of each; {OVERLAP_NOTE}");
+    let note = plans
+        .iter()
+        .filter_map(|p| p.step_time.as_ref())
+        .find(|t| t.ranks.iter().any(|r| r.overlapped_s > 0.0))
+        .map_or_else(|| overlap_note(first), overlap_note);
+    let _ = writeln!(out, "rank 0 of each; {note}");
     out
 }
