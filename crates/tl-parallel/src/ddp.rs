@@ -126,7 +126,8 @@ impl DataParallel {
     /// last backward has produced its gradients, on a communication thread, while backward
     /// goes on (`true`); or all of them after backward (`false`, the default). The sums are
     /// the same bits either way (see [`overlap`](crate::overlap)). ZeRO-2 reduce-scatters
-    /// its buckets on the thread too. A rank holds up to
+    /// its buckets on the thread too, and a [`Zero3`](crate::Zero3) made on this
+    /// `DataParallel` gathers the next unit there while a unit computes. A rank holds up to
     /// [`MAX_IN_FLIGHT`](crate::MAX_IN_FLIGHT) bucket buffers more while they are under
     /// way.
     ///

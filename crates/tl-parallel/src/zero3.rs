@@ -22,6 +22,15 @@
 //! the loss, the non-finite flag and the underflows global, as in ZeRO-2. Every rank runs
 //! the units in the same order, so every rank issues the same collectives in that order.
 //!
+//! **Prefetch** (on a [`DataParallel`] that overlaps, [`DataParallel::with_overlap`]): while
+//! a unit computes, the gather of the next one is under way on the communication thread —
+//! the unit after it in a forward pass, the unit before it in backward (whether its
+//! backward or its checkpointed rerun comes first). One gather is ahead at a time; a
+//! prefetch that the next gather does not want is waited for and dropped, and so is one
+//! still there when the shards change (the update, a loaded state). A rank then holds two
+//! units' whole values at once where it held one; a gather copies, so the values, and the
+//! training, are the same bits.
+//!
 //! A caller that runs the passes itself (a pipeline's schedule, each micro-batch's forward
 //! and backward apart) brackets them with [`Zero3::begin_step`] and the step's
 //! [`Zero3::observer`]: the units communicate exactly as above.
@@ -63,8 +72,8 @@ use crate::ddp::{
     DataParallel, GradElement, StepSummary, global_report, recording_loss, step_extras,
 };
 use crate::error::{ParallelError, Result};
-use crate::link::{Link, SharedLink};
-use crate::metered::{Metered, common_owner, communication, labels};
+use crate::link::{Link, Pending, SharedLink};
+use crate::metered::{Metered, Wire, common_owner, communication, labels};
 use crate::tensor_parallel::axis::TensorAxis;
 use crate::zero::{adamw_like, load_shard, whole_state};
 
@@ -107,10 +116,24 @@ struct Core<E: GradElement> {
     finite: bool,
     /// Whether the parameters are [meta](tl_tensor::meta): the buffers hold no values.
     meta: bool,
+    /// Whether the next unit's gather starts while a unit computes.
+    prefetch: bool,
+    /// That gather, while it is under way or not yet used.
+    prefetched: Option<Gathering<E>>,
+}
+
+/// A unit's all-gather: this rank's shard, the whole values as they arrive, the call.
+struct Gathering<E: GradElement> {
+    unit: usize,
+    local: Metered<E>,
+    gathered: Metered<E>,
+    pending: Pending<(Wire<E>, Wire<E>)>,
 }
 
 impl<E: GradElement> Core<E> {
-    /// All-gathers unit `index`'s values into its parameters, unless they are there.
+    /// All-gathers unit `index`'s values into its parameters, unless they are there: from
+    /// the prefetch if it is this unit's (a prefetch of another unit is waited for and
+    /// dropped), or at once.
     fn gather(&mut self, index: usize) {
         let unit = &self.units[index];
         if unit
@@ -120,7 +143,42 @@ impl<E: GradElement> Core<E> {
         {
             return;
         }
+        let gathering = match self.prefetched.take() {
+            Some(prefetched) if prefetched.unit == index => prefetched,
+            other => {
+                if let Some(other) = other {
+                    self.finish_gather(other, false);
+                }
+                self.start_gather(index)
+            }
+        };
+        self.finish_gather(gathering, true);
+    }
+
+    /// Starts gathering unit `index + 1` or `index - 1` (`next`) while unit `index`
+    /// computes, when prefetching, unless its values are there or a prefetch is under way.
+    fn prefetch(&mut self, next: Option<usize>) {
+        let Some(next) = next.filter(|&n| self.prefetch && n < self.units.len()) else {
+            return;
+        };
+        let released = (self.units[next].params.iter()).any(|&p| self.parameters[p].is_released());
+        if self.prefetched.is_none() && released {
+            self.prefetched = Some(self.start_gather(next));
+        }
+    }
+
+    /// Waits for a prefetch under way and drops it: before the shards change (an update, a
+    /// loaded state), so that no gather of the old values is used after.
+    fn drop_prefetch(&mut self) {
+        if let Some(prefetched) = self.prefetched.take() {
+            self.finish_gather(prefetched, false);
+        }
+    }
+
+    /// Copies this rank's shard of unit `index` into a buffer and starts the all-gather.
+    fn start_gather(&mut self, index: usize) -> Gathering<E> {
         let _gather = memory::stage_scope(Stage::Gather);
+        let unit = &self.units[index];
         let owner = common_owner(unit.params.iter().map(|&p| &self.parameters[p]));
         let tag = |label| communication(label, owner);
         let mut local = Metered::zeros(unit.shard.len(), self.meta, tag(labels::SHARD_TO_GATHER));
@@ -132,18 +190,50 @@ impl<E: GradElement> Core<E> {
             }
         }
         let mut gathered = Metered::zeros(unit.len, self.meta, tag(labels::GATHERED_WEIGHTS));
-        let sent = self
-            .link
-            .borrow_mut()
-            .call(|comm| comm.all_gather(local.view(), gathered.view_mut()));
-        if sent.is_none()
-            && let Some(values) = gathered.values_mut()
-        {
+        // The call is the unit's, even when it starts while another unit computes.
+        let _unit = memory::tag_scope(Tag {
+            owner,
+            ..memory::current_tag()
+        });
+        let pending = (self.link.borrow_mut()).start(
+            (local.take(), gathered.take()),
+            |comm, (local, gathered)| comm.all_gather(local.view(), gathered.view_mut()),
+        );
+        Gathering {
+            unit: index,
+            local,
+            gathered,
+            pending,
+        }
+    }
+
+    /// Waits for a gather and, when `restore`, gives the unit's released parameters their
+    /// values (NaN if it failed).
+    fn finish_gather(&mut self, gathering: Gathering<E>, restore: bool) {
+        let _gather = memory::stage_scope(Stage::Gather);
+        let Gathering {
+            unit: index,
+            mut local,
+            mut gathered,
+            pending,
+        } = gathering;
+        let sent = match self.link.borrow_mut().wait(pending) {
+            Some(((wire_local, wire_gathered), ok)) => {
+                local.restore(wire_local);
+                gathered.restore(wire_gathered);
+                ok
+            }
+            None => false,
+        };
+        if !sent && let Some(values) = gathered.values_mut() {
             // NaN values keep the shapes right and make the step refuse what follows.
             values.iter_mut().for_each(|v| *v = E::nan());
         }
+        if !restore {
+            return;
+        }
         let mut offset = 0;
-        for &p in &unit.params {
+        for &p in &self.units[index].params {
             let param = &self.parameters[p];
             let len = param.numel();
             if param.is_released() {
@@ -196,6 +286,7 @@ impl<E: GradElement> Core<E> {
             weight,
             finite,
             meta,
+            ..
         } = self;
         let unit = &units[index];
         let owner = common_owner(unit.params.iter().map(|&p| &parameters[p]));
@@ -259,7 +350,17 @@ impl<E: GradElement> UnitRunner<E> {
     /// # Panics
     /// If `unit` is not the index of a unit.
     pub fn run_unit(&self, unit: usize, f: impl FnOnce() -> Tensor<E>) -> Tensor<E> {
-        self.core.borrow_mut().gather(unit);
+        {
+            let mut core = self.core.borrow_mut();
+            core.gather(unit);
+            // The next unit forward; a rerun's next is the unit before, in backward.
+            let rerun = is_grad_enabled() && in_backward();
+            core.prefetch(if rerun {
+                unit.checked_sub(1)
+            } else {
+                Some(unit + 1)
+            });
+        }
         let output = f();
         // A rerun inside backward (a checkpointed unit's) keeps the values for the unit's
         // backward, which follows at once; the gradient-ready hooks release them after it.
@@ -275,7 +376,9 @@ impl<E: GradElement> UnitRunner<E> {
         Tensor::from_op_tensors(&output, &[&output], move |grad_out| {
             let held = hold(grad_out);
             if let Some(core) = weak.upgrade() {
-                core.borrow_mut().gather(unit);
+                let mut core = core.borrow_mut();
+                core.gather(unit);
+                core.prefetch(unit.checked_sub(1));
             }
             vec![Some(in_flight_copy(&held))]
         })
@@ -391,7 +494,9 @@ impl<E: GradElement> Zero3<E> {
     /// # Errors
     /// As [`Zero3::new`].
     pub fn on(ddp: &DataParallel, units: Vec<Vec<Tensor<E>>>, adamw: &AdamW<E>) -> Result<Self> {
-        Self::on_link(ddp.link(), units, adamw, ddp.tensor_axis())
+        let zero3 = Self::on_link(ddp.link(), units, adamw, ddp.tensor_axis())?;
+        zero3.core.borrow_mut().prefetch = ddp.overlaps();
+        Ok(zero3)
     }
 
     fn on_link(
@@ -448,6 +553,8 @@ impl<E: GradElement> Zero3<E> {
             weight: E::from_f64(1.0 / world_size as f64),
             finite: true,
             meta,
+            prefetch: false,
+            prefetched: None,
         }));
         let weak = Rc::downgrade(&core);
         {
@@ -731,6 +838,7 @@ impl<E: GradElement> Zero3<E> {
     /// # Errors
     /// As [`ShardedAdamW::load_full_state`](crate::ShardedAdamW::load_full_state).
     pub fn load_full_state(&mut self, state: &AdamWState) -> Result<()> {
+        self.core.borrow_mut().drop_prefetch();
         let core = self.core.borrow();
         let layout = core
             .pieces
@@ -745,6 +853,7 @@ impl<E: GradElement> Zero3<E> {
     /// # Panics
     /// If `values` does not hold one array per parameter, shaped like it.
     pub fn load_full_parameters(&self, values: &[ArrayD<E>]) {
+        self.core.borrow_mut().drop_prefetch();
         let core = self.core.borrow();
         assert_eq!(
             values.len(),
@@ -769,6 +878,7 @@ impl<E: GradElement> Zero3<E> {
 /// new values at their next gather.
 impl<E: GradElement> Optimizer<E> for Zero3<E> {
     fn step(&mut self) {
+        self.core.borrow_mut().drop_prefetch();
         self.inner.step();
     }
 

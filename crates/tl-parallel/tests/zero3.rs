@@ -109,6 +109,19 @@ fn zero3_rank(
     start: Option<&(Vec<f64>, AdamWState)>,
     recompute: bool,
 ) -> (Outcome, u64) {
+    zero3_rank_prefetching(comm, config, steps, start, recompute, false)
+}
+
+/// [`zero3_rank`] on a `DataParallel` whose reduction overlaps backward when `prefetch`,
+/// so that the next unit's gather is under way while a unit computes.
+fn zero3_rank_prefetching(
+    comm: RingComm,
+    config: &Config,
+    steps: std::ops::Range<usize>,
+    start: Option<&(Vec<f64>, AdamWState)>,
+    recompute: bool,
+    prefetch: bool,
+) -> (Outcome, u64) {
     let model = Mlp::<f32>::new(SEED);
     if let Some((values, _)) = start {
         set_weights(&model, values);
@@ -116,7 +129,8 @@ fn zero3_rank(
     let units = vec![model.hidden.parameters(), model.out.parameters()];
     let adamw = AdamW::new(model.parameters(), LR).unwrap();
     let (rank, n) = (comm.rank(), comm.world_size());
-    let mut zero3 = Zero3::new(Box::new(comm), units, &adamw).unwrap();
+    let ddp = DataParallel::new(Box::new(comm)).with_overlap(prefetch);
+    let mut zero3 = Zero3::on(&ddp, units, &adamw).unwrap();
     if let Some((_, state)) = start {
         zero3.load_full_state(state).unwrap();
     }
@@ -153,7 +167,7 @@ fn zero3_rank(
 /// ZeRO-3 as [`zero3_rank`] without recomputation, each step's passes run by the caller as a
 /// pipeline's schedule runs them (every micro-batch's forward, then their backwards in
 /// order), begun with `begin_step` and ended by tl-precision's `finish_step_observed` with
-/// the stage's observer; with the bytes the rank sent.
+/// the stage's observer, prefetching the next unit; with the bytes the rank sent.
 fn zero3_scheduled_rank(
     comm: RingComm,
     config: &Config,
@@ -163,7 +177,8 @@ fn zero3_scheduled_rank(
     let units = vec![model.hidden.parameters(), model.out.parameters()];
     let adamw = AdamW::new(model.parameters(), LR).unwrap();
     let (rank, n) = (comm.rank(), comm.world_size());
-    let mut zero3 = Zero3::new(Box::new(comm), units, &adamw).unwrap();
+    let ddp = DataParallel::new(Box::new(comm)).with_overlap(true);
+    let mut zero3 = Zero3::on(&ddp, units, &adamw).unwrap();
     let runner = zero3.runner();
     let mut scaler = config.scaler();
     let reports = steps
@@ -293,6 +308,167 @@ fn zero3_with_checkpointed_units_equals_the_plain_run() {
 /// backward), begun with `begin_step` and ended with the stage's observer, is `train_step`'s
 /// bit for bit with the same bytes sent: the same gathers and reduce-scatters, the shards
 /// adding the micro-batches in the same order; in fp16 with an overflow on rank 0 too.
+/// The next unit's gather started ahead (on the communication thread) gives the same
+/// training, bit for bit, and sends the same bytes: a gather copies. At N = 3 with three
+/// one-row micro-batches a rank (the shards accumulate), plain and checkpointed, in fp32,
+/// bf16 and fp16 with an overflow. A prefetch used after the update would show here: the
+/// weights would be the step before's.
+#[test]
+fn zero3_prefetching_the_next_unit_changes_no_bit() {
+    for (precision, overflow) in [
+        (Precision::Fp32, None),
+        (Precision::Bf16, None),
+        (Precision::Fp16, Some((2, 7))),
+    ] {
+        let config = Config {
+            global_rows: 9,
+            ..config(precision, 1, overflow)
+        };
+        for recompute in [false, true] {
+            let run = |prefetch| {
+                world(3, |comm| {
+                    zero3_rank_prefetching(comm, &config, 0..5, None, recompute, prefetch)
+                })
+            };
+            let (plain, ahead) = (run(false), run(true));
+            let what = format!("{precision:?} recompute {recompute}");
+            for ((a, sent_a), (b, sent_b)) in ahead.iter().zip(&plain) {
+                assert_eq!(a.0, b.0, "{what}: weights");
+                assert_eq!(a.2, b.2, "{what}: AdamW's state");
+                let bits = |o: &Outcome| -> Vec<(u64, bool)> {
+                    o.1.iter().map(|r| (r.loss.to_bits(), r.skipped)).collect()
+                };
+                assert_eq!(bits(a), bits(b), "{what}: reports");
+                assert_eq!(sent_a, sent_b, "{what}: bytes");
+            }
+            if overflow.is_some() {
+                assert!(ahead[0].0.1[2].skipped);
+            }
+        }
+    }
+}
+
+/// A communicator whose second all-gather of a step (the output layer's, prefetched) waits
+/// until the hidden layer's forward has run, or gives up after 10 s and says so.
+struct GatherGate {
+    inner: RingComm,
+    gathers: usize,
+    open: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+    timed_out: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Communicator for GatherGate {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce(
+        &mut self,
+        data: tl_collective::SliceMut<'_>,
+        op: tl_collective::ReduceOp,
+    ) -> tl_collective::Result<()> {
+        self.inner.all_reduce(data, op)
+    }
+    fn reduce_scatter(
+        &mut self,
+        input: tl_collective::Slice<'_>,
+        output: tl_collective::SliceMut<'_>,
+        op: tl_collective::ReduceOp,
+    ) -> tl_collective::Result<()> {
+        self.inner.reduce_scatter(input, output, op)
+    }
+    fn all_gather(
+        &mut self,
+        input: tl_collective::Slice<'_>,
+        output: tl_collective::SliceMut<'_>,
+    ) -> tl_collective::Result<()> {
+        self.gathers += 1;
+        if self.gathers == 2 {
+            let (lock, opened) = &*self.open;
+            let (open, _) = opened
+                .wait_timeout_while(
+                    lock.lock().unwrap(),
+                    std::time::Duration::from_secs(10),
+                    |o| !*o,
+                )
+                .unwrap();
+            if !*open {
+                self.timed_out
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        self.inner.all_gather(input, output)
+    }
+    fn broadcast(
+        &mut self,
+        data: tl_collective::SliceMut<'_>,
+        root: usize,
+    ) -> tl_collective::Result<()> {
+        self.inner.broadcast(data, root)
+    }
+    fn barrier(&mut self) -> tl_collective::Result<()> {
+        self.inner.barrier()
+    }
+    fn stats(&self) -> tl_collective::CommStats {
+        self.inner.stats()
+    }
+    fn split(&mut self, members: &[usize]) -> tl_collective::Result<Box<dyn Communicator>> {
+        self.inner.split(members)
+    }
+}
+
+/// The output layer's gather runs while the hidden layer computes: the gate holds it until
+/// the hidden layer's forward has run, which it could not if the gather ran first on the
+/// rank's own thread.
+#[test]
+fn zero3_gathers_the_next_unit_while_a_unit_computes() {
+    let config = config(Precision::Fp32, 4, None);
+    let outcomes = world(2, |comm| {
+        let open = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let timed_out = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let gate = GatherGate {
+            inner: comm,
+            gathers: 0,
+            open: std::sync::Arc::clone(&open),
+            timed_out: std::sync::Arc::clone(&timed_out),
+        };
+        let ddp = DataParallel::new(Box::new(gate)).with_overlap(true);
+        let (rank, n) = (ddp.rank(), ddp.world_size());
+        let model = Mlp::<f32>::new(SEED);
+        let units = vec![model.hidden.parameters(), model.out.parameters()];
+        let adamw = AdamW::new(model.parameters(), LR).unwrap();
+        let mut zero3 = Zero3::on(&ddp, units, &adamw).unwrap();
+        let runner = zero3.runner();
+        let loss = |model: &Mlp<f32>, (x, target): &Batch<f32>| {
+            let hidden = runner.run_unit(0, || {
+                let (lock, opened) = &*open;
+                *lock.lock().unwrap() = true;
+                opened.notify_all();
+                model.hidden.forward(x)
+            });
+            mse(
+                &runner.run_unit(1, || model.out.forward(&hidden.tanh())),
+                target,
+            )
+        };
+        let batches: Vec<Batch<f32>> = config.micro_batches(0, n, rank);
+        assert_eq!(batches.len(), 1);
+        let report = zero3.train_step(&model, &batches, 8, loss, config.precision, None, None);
+        (
+            report.is_ok(),
+            timed_out.load(std::sync::atomic::Ordering::SeqCst),
+        )
+    });
+    for (ok, timed_out) in outcomes {
+        assert!(
+            ok && !timed_out,
+            "the prefetch ran before the unit it overlaps"
+        );
+    }
+}
+
 #[test]
 fn a_step_whose_passes_the_caller_runs_is_train_steps() {
     for (precision, overflow) in [(Precision::Fp32, None), (Precision::Fp16, Some((2, 1)))] {

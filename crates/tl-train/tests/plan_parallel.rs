@@ -224,12 +224,13 @@ const SMALL_BUCKET: usize = 52_428;
 
 #[test]
 fn a_state_dominated_recipe_peaks_lower_at_each_stage_as_planned() {
-    // At N = 2 the steps peak at 2,349,984 / 2,083,104 / 1,963,900 / 1,651,976 bytes on
+    // At N = 2 the steps peak at 2,349,984 / 2,083,104 / 1,963,900 / 1,804,552 bytes on
     // rank 0 at stages 0 to 3 (with the reduction overlapping backward, the default: DDP
-    // and ZeRO-1 then hold two buckets under way at the peak; 2,245,128 / 1,978,248 /
-    // 1,895,088 without), and so does `tinyllm train --accum 1` over a whole run:
-    // it drops the gradients after each update, so the evaluation does not ride on them,
-    // and at stage 3 it saves the weights one unit at a time (training_on_ranks.rs).
+    // and ZeRO-1 then hold two buckets under way at the peak, ZeRO-3 a second unit
+    // gathered ahead; 2,245,128 / 1,978,248 / 1,895,088 / 1,651,976 without), and so
+    // does `tinyllm train --accum 1` over a whole run: it drops the gradients after each
+    // update, so the evaluation does not ride on them, and at stage 3 it saves the weights
+    // one unit at a time (training_on_ranks.rs).
     for world in [2, 4] {
         let peaks: Vec<(u64, u64)> = (0..4)
             .map(|stage| check_recipe(&state_dominated_config(), SMALL_BUCKET, world, stage))

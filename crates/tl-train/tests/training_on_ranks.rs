@@ -400,8 +400,9 @@ fn zero_stages_train_what_ddp_trains_and_resume_at_any_world_size() {
             .collect::<Vec<_>>()
     };
     let (zero0, zero1, zero2, zero3) = (peaks("0"), peaks("1"), peaks("2"), peaks("3"));
-    // Measured (bytes, both ranks), equal to the plan's: 2,245,128; 1,978,248; 1,895,088
-    // and 1,894,900; 1,651,976.
+    // Measured (bytes, both ranks), equal to the plan's, before the reduction overlapped
+    // backward: 2,245,128; 1,978,248; 1,895,088 and 1,894,900; 1,651,976 (with it, the
+    // default, see plan_parallel.rs).
     for rank in 0..2 {
         assert!(
             zero0[rank] > zero1[rank] && zero1[rank] > zero2[rank] && zero2[rank] > zero3[rank],
