@@ -189,13 +189,15 @@ fn scenario_train<E: GradElement>(comm: RingComm) {
 /// step must fail with the collective's error and leave the weights alone.
 fn scenario_peer_exits(comm: RingComm) {
     let (rank, world) = (comm.rank(), comm.world_size());
-    let mut ddp = DataParallel::new(Box::new(comm));
+    let config = Config::from_env();
+    let mut ddp = DataParallel::new(Box::new(comm))
+        .with_bucket_bytes(config.bucket_bytes)
+        .with_overlap(std::env::var_os("TL_OVERLAP").is_some());
     let model = Mlp::<f32>::new(SEED);
     ddp.broadcast_parameters(&model.parameters()).unwrap();
     if rank + 1 == world {
         std::process::exit(0);
     }
-    let config = Config::from_env();
     let before = weights(&model);
     let mut opt = AdamW::new(model.parameters(), 1e-2).unwrap();
     let batches = config.micro_batches::<f32>(0, world, rank);
@@ -351,6 +353,23 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
 #[test]
 fn a_failed_collective_fails_the_step_and_changes_no_weight() {
     let runs = run_world(2, "peer_exits", &[], DEADLINE);
+    assert_all_succeeded(&runs);
+    let survivor = &runs[0];
+    assert_eq!(survivor.get("unchanged"), Some("true"), "{survivor:?}");
+    assert_eq!(survivor.get("error_taken"), Some("true"));
+    assert!(
+        survivor.get("error").unwrap().starts_with("rank 0:"),
+        "{survivor:?}"
+    );
+}
+
+/// The same with the reduction overlapping backward, in buckets of 16 elements: the first
+/// bucket fails on the communication thread during backward, every later one is refused,
+/// and the step still fails with the ring's error and changes no weight.
+#[test]
+fn a_collective_that_fails_on_the_communication_thread_fails_the_step() {
+    let env = [("TL_OVERLAP", "1".into()), ("TL_BUCKET_BYTES", "64".into())];
+    let runs = run_world(2, "peer_exits", &env, DEADLINE);
     assert_all_succeeded(&runs);
     let survivor = &runs[0];
     assert_eq!(survivor.get("unchanged"), Some("true"), "{survivor:?}");
