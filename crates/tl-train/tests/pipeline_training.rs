@@ -744,25 +744,33 @@ fn an_overflow_in_one_stage_skips_the_step_on_every_rank() {
         (1..STEPS).contains(&skipped),
         "the loud unit overflows the first steps, then fits: {one:?}"
     );
-    let sockets = tempfile::tempdir().unwrap();
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            let ring = RingConfig::new(rank, 2, sockets.path(), [7; 32])
-                .unwrap()
-                .timeout(Duration::from_secs(60));
-            let run_dir = dir.path().join("pp2");
-            thread::spawn(move || {
-                let comm = Box::new(RingComm::connect(ring).unwrap());
-                let trainer = Trainer::new_on(fp16_config(2, 2), &run_dir, comm).unwrap();
-                make_unit_loud(trainer.model());
-                steps(trainer)
-            })
-        })
-        .collect();
-    for (rank, handle) in handles.into_iter().enumerate() {
+    let run_dir = dir.path().join("pp2");
+    let ranks = on_two_ranks(|comm| {
+        let trainer = Trainer::new_on(fp16_config(2, 2), &run_dir, comm).unwrap();
+        make_unit_loud(trainer.model());
+        steps(trainer)
+    });
+    for (rank, steps) in ranks.into_iter().enumerate() {
         // Skipped where one process skipped, the same scales, the same losses.
-        assert_eq!(handle.join().unwrap(), one, "rank {rank}");
+        assert_eq!(steps, one, "rank {rank}");
     }
+}
+
+/// `rank_program` on the two ranks of a ring, threads of this process, in rank order.
+fn on_two_ranks<T: Send>(rank_program: impl Fn(Box<RingComm>) -> T + Sync) -> Vec<T> {
+    let sockets = tempfile::tempdir().unwrap();
+    thread::scope(|scope| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let ring = RingConfig::new(rank, 2, sockets.path(), [7; 32])
+                    .unwrap()
+                    .timeout(Duration::from_secs(60));
+                let program = &rank_program;
+                scope.spawn(move || program(Box::new(RingComm::connect(ring).unwrap())))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }
 
 /// The 4-block run's last stage alone overflows in fp16: unit 0 of the final norm's output
@@ -820,21 +828,10 @@ fn a_skipped_fp8_step_steps_the_scales_as_one_process() {
         (1..STEPS).contains(&skipped),
         "the loud unit overflows the first steps, then fits: {one:?}"
     );
-    let sockets = tempfile::tempdir().unwrap();
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            let ring = RingConfig::new(rank, 2, sockets.path(), [7; 32])
-                .unwrap()
-                .timeout(Duration::from_secs(60));
-            let (run_dir, config) = (dir.path().join("pp2"), config(2, 2));
-            thread::spawn(move || {
-                let comm = Box::new(RingComm::connect(ring).unwrap());
-                train(Trainer::new_on(config, &run_dir, comm).unwrap())
-            })
-        })
-        .collect();
-    for (rank, handle) in handles.into_iter().enumerate() {
-        assert_eq!(handle.join().unwrap().0, one, "rank {rank}");
+    let run_dir = dir.path().join("pp2");
+    let ranks = on_two_ranks(|comm| train(Trainer::new_on(config(2, 2), &run_dir, comm).unwrap()));
+    for (rank, (steps, _)) in ranks.into_iter().enumerate() {
+        assert_eq!(steps, one, "rank {rank}");
     }
     assert_eq!(fp8_state(&dir.path().join("pp2")), fp8_state(&one_dir));
 }
