@@ -8,11 +8,10 @@ mod common;
 
 use std::cell::Cell;
 use std::rc::Rc;
-use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Batch, Config, Mlp, SEED, SeenStats, Spy, loss_fn, world};
-use tl_collective::{CommStats, Communicator, ReduceOp, Slice, SliceMut};
+use common::{Batch, Config, Gate, Gated, Held, Mlp, SEED, SeenStats, Spy, loss_fn, world};
+use tl_collective::Communicator;
 use tl_parallel::{DataParallel, Zero2AdamW};
 use tl_precision::Precision;
 use tl_tensor::Module;
@@ -126,57 +125,6 @@ fn zero2_buckets_are_reduced_while_backward_goes_on() {
     }
 }
 
-/// A communicator whose all-reduces wait until the rank's last backward is over (or
-/// [`PATIENCE`] has passed, which it records).
-struct Gate {
-    inner: tl_collective::RingComm,
-    open: Arc<(Mutex<bool>, Condvar)>,
-    timed_out: Arc<Mutex<bool>>,
-}
-
-impl Communicator for Gate {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> tl_collective::Result<()> {
-        let (lock, opened) = &*self.open;
-        let (open, wait) = opened
-            .wait_timeout_while(lock.lock().unwrap(), PATIENCE, |open| !*open)
-            .unwrap();
-        if !*open && wait.timed_out() {
-            *self.timed_out.lock().unwrap() = true;
-        }
-        drop(open);
-        self.inner.all_reduce(data, op)
-    }
-    fn reduce_scatter(
-        &mut self,
-        input: Slice<'_>,
-        output: SliceMut<'_>,
-        op: ReduceOp,
-    ) -> tl_collective::Result<()> {
-        self.inner.reduce_scatter(input, output, op)
-    }
-    fn all_gather(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> tl_collective::Result<()> {
-        self.inner.all_gather(input, output)
-    }
-    fn broadcast(&mut self, data: SliceMut<'_>, root: usize) -> tl_collective::Result<()> {
-        self.inner.broadcast(data, root)
-    }
-    fn barrier(&mut self) -> tl_collective::Result<()> {
-        self.inner.barrier()
-    }
-    fn stats(&self) -> CommStats {
-        self.inner.stats()
-    }
-    fn split(&mut self, members: &[usize]) -> tl_collective::Result<Box<dyn Communicator>> {
-        self.inner.split(members)
-    }
-}
-
 /// The all-reduces run concurrently with backward, not inside it: the gate holds the first
 /// one until the rank's backward has reached the last micro-batch's input. Were the
 /// collective run on the rank's own thread, backward would wait for it and it for
@@ -191,14 +139,14 @@ fn the_reduction_runs_on_its_own_thread_while_backward_computes() {
         overflow: None,
     };
     let outcomes = world(2, |comm| {
-        let open = Arc::new((Mutex::new(false), Condvar::new()));
-        let timed_out = Arc::new(Mutex::new(false));
-        let gate = Gate {
+        let gate = Gate::default();
+        let gated = Gated {
             inner: comm,
-            open: Arc::clone(&open),
-            timed_out: Arc::clone(&timed_out),
+            held: Held::AllReduces,
+            gate: gate.clone(),
+            gathers: 0,
         };
-        let mut ddp = DataParallel::new(Box::new(gate))
+        let mut ddp = DataParallel::new(Box::new(gated))
             .with_bucket_bytes(config.bucket_bytes)
             .with_overlap(true);
         let model = Mlp::<f32>::new(SEED);
@@ -209,11 +157,8 @@ fn the_reduction_runs_on_its_own_thread_while_backward_computes() {
         let opening_loss = |m: &Mlp<f32>, b: &Batch<f32>| {
             let (x, _) = b;
             x.set_requires_grad(true);
-            let open = Arc::clone(&open);
-            x.set_grad_ready_hook(Some(Rc::new(move || {
-                *open.0.lock().unwrap() = true;
-                open.1.notify_all();
-            })));
+            let gate = gate.clone();
+            x.set_grad_ready_hook(Some(Rc::new(move || gate.open())));
             loss_fn(m, b)
         };
         let report = ddp.train_step(
@@ -226,10 +171,9 @@ fn the_reduction_runs_on_its_own_thread_while_backward_computes() {
             None,
             None,
         );
-        let timed_out = *timed_out.lock().unwrap();
         (
             report.is_ok(),
-            timed_out,
+            gate.timed_out(),
             ddp.overlapped_communication_time(),
         )
     });

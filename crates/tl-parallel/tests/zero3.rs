@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{Batch, Config, Mlp, SEED, loss_fn, weights, world};
+use common::{Batch, Config, Gate, Gated, Held, Mlp, SEED, loss_fn, weights, world};
 use tl_collective::{Communicator, RingComm};
 use tl_parallel::{DataParallel, UnitRunner, Zero3};
 use tl_precision::{DynamicLossScaler, Precision, StepReport, finish_step_observed, start_step};
@@ -348,77 +348,6 @@ fn zero3_prefetching_the_next_unit_changes_no_bit() {
     }
 }
 
-/// A communicator whose second all-gather of a step (the output layer's, prefetched) waits
-/// until the hidden layer's forward has run, or gives up after 10 s and says so.
-struct GatherGate {
-    inner: RingComm,
-    gathers: usize,
-    open: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
-    timed_out: std::sync::Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Communicator for GatherGate {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_reduce(
-        &mut self,
-        data: tl_collective::SliceMut<'_>,
-        op: tl_collective::ReduceOp,
-    ) -> tl_collective::Result<()> {
-        self.inner.all_reduce(data, op)
-    }
-    fn reduce_scatter(
-        &mut self,
-        input: tl_collective::Slice<'_>,
-        output: tl_collective::SliceMut<'_>,
-        op: tl_collective::ReduceOp,
-    ) -> tl_collective::Result<()> {
-        self.inner.reduce_scatter(input, output, op)
-    }
-    fn all_gather(
-        &mut self,
-        input: tl_collective::Slice<'_>,
-        output: tl_collective::SliceMut<'_>,
-    ) -> tl_collective::Result<()> {
-        self.gathers += 1;
-        if self.gathers == 2 {
-            let (lock, opened) = &*self.open;
-            let (open, _) = opened
-                .wait_timeout_while(
-                    lock.lock().unwrap(),
-                    std::time::Duration::from_secs(10),
-                    |o| !*o,
-                )
-                .unwrap();
-            if !*open {
-                self.timed_out
-                    .store(true, std::sync::atomic::Ordering::SeqCst);
-            }
-        }
-        self.inner.all_gather(input, output)
-    }
-    fn broadcast(
-        &mut self,
-        data: tl_collective::SliceMut<'_>,
-        root: usize,
-    ) -> tl_collective::Result<()> {
-        self.inner.broadcast(data, root)
-    }
-    fn barrier(&mut self) -> tl_collective::Result<()> {
-        self.inner.barrier()
-    }
-    fn stats(&self) -> tl_collective::CommStats {
-        self.inner.stats()
-    }
-    fn split(&mut self, members: &[usize]) -> tl_collective::Result<Box<dyn Communicator>> {
-        self.inner.split(members)
-    }
-}
-
 /// The output layer's gather runs while the hidden layer computes: the gate holds it until
 /// the hidden layer's forward has run, which it could not if the gather ran first on the
 /// rank's own thread.
@@ -426,15 +355,15 @@ impl Communicator for GatherGate {
 fn zero3_gathers_the_next_unit_while_a_unit_computes() {
     let config = config(Precision::Fp32, 4, None);
     let outcomes = world(2, |comm| {
-        let open = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
-        let timed_out = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let gate = GatherGate {
+        let gate = Gate::default();
+        // The second all-gather of the step: the output layer's, prefetched.
+        let gated = Gated {
             inner: comm,
+            held: Held::AllGather(2),
+            gate: gate.clone(),
             gathers: 0,
-            open: std::sync::Arc::clone(&open),
-            timed_out: std::sync::Arc::clone(&timed_out),
         };
-        let ddp = DataParallel::new(Box::new(gate)).with_overlap(true);
+        let ddp = DataParallel::new(Box::new(gated)).with_overlap(true);
         let (rank, n) = (ddp.rank(), ddp.world_size());
         let model = Mlp::<f32>::new(SEED);
         let units = vec![model.hidden.parameters(), model.out.parameters()];
@@ -443,9 +372,7 @@ fn zero3_gathers_the_next_unit_while_a_unit_computes() {
         let runner = zero3.runner();
         let loss = |model: &Mlp<f32>, (x, target): &Batch<f32>| {
             let hidden = runner.run_unit(0, || {
-                let (lock, opened) = &*open;
-                *lock.lock().unwrap() = true;
-                opened.notify_all();
+                gate.open();
                 model.hidden.forward(x)
             });
             mse(
@@ -456,10 +383,7 @@ fn zero3_gathers_the_next_unit_while_a_unit_computes() {
         let batches: Vec<Batch<f32>> = config.micro_batches(0, n, rank);
         assert_eq!(batches.len(), 1);
         let report = zero3.train_step(&model, &batches, 8, loss, config.precision, None, None);
-        (
-            report.is_ok(),
-            timed_out.load(std::sync::atomic::Ordering::SeqCst),
-        )
+        (report.is_ok(), gate.timed_out())
     });
     for (ok, timed_out) in outcomes {
         assert!(

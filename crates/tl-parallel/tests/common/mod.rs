@@ -6,7 +6,7 @@
 
 use std::io::Write;
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use std::time::Duration;
 
@@ -129,6 +129,99 @@ impl Config {
             .into_iter()
             .map(|rows| self.rows(step, rows))
             .collect()
+    }
+}
+
+/// A latch a [`Gated`] communicator waits on: opened by the test when the computation the
+/// gated call must overlap has run.
+#[derive(Clone, Default)]
+pub struct Gate {
+    open: Arc<(Mutex<bool>, Condvar)>,
+    timed_out: Arc<Mutex<bool>>,
+}
+
+impl Gate {
+    pub fn open(&self) {
+        let (open, opened) = &*self.open;
+        *open.lock().unwrap() = true;
+        opened.notify_all();
+    }
+
+    /// Waits until the gate opens, or for 10 s, which it records.
+    fn pass(&self) {
+        let (open, opened) = &*self.open;
+        let open = opened
+            .wait_timeout_while(open.lock().unwrap(), Duration::from_secs(10), |open| !*open)
+            .unwrap()
+            .0;
+        if !*open {
+            *self.timed_out.lock().unwrap() = true;
+        }
+    }
+
+    /// Whether a gated call gave up waiting.
+    pub fn timed_out(&self) -> bool {
+        *self.timed_out.lock().unwrap()
+    }
+}
+
+/// Which calls a [`Gated`] communicator holds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// Every all-reduce.
+    AllReduces,
+    /// The all-gather of this number (from 1).
+    AllGather(usize),
+}
+
+/// A ring communicator whose `held` calls wait at `gate` first: a call that must run while
+/// the rank computes, and would wait for ever if it ran on the rank's own thread.
+pub struct Gated {
+    pub inner: RingComm,
+    pub held: Held,
+    pub gate: Gate,
+    pub gathers: usize,
+}
+
+impl Communicator for Gated {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce(&mut self, data: SliceMut<'_>, op: ReduceOp) -> tl_collective::Result<()> {
+        if self.held == Held::AllReduces {
+            self.gate.pass();
+        }
+        self.inner.all_reduce(data, op)
+    }
+    fn reduce_scatter(
+        &mut self,
+        input: Slice<'_>,
+        output: SliceMut<'_>,
+        op: ReduceOp,
+    ) -> tl_collective::Result<()> {
+        self.inner.reduce_scatter(input, output, op)
+    }
+    fn all_gather(&mut self, input: Slice<'_>, output: SliceMut<'_>) -> tl_collective::Result<()> {
+        self.gathers += 1;
+        if self.held == Held::AllGather(self.gathers) {
+            self.gate.pass();
+        }
+        self.inner.all_gather(input, output)
+    }
+    fn broadcast(&mut self, data: SliceMut<'_>, root: usize) -> tl_collective::Result<()> {
+        self.inner.broadcast(data, root)
+    }
+    fn barrier(&mut self) -> tl_collective::Result<()> {
+        self.inner.barrier()
+    }
+    fn stats(&self) -> CommStats {
+        self.inner.stats()
+    }
+    fn split(&mut self, members: &[usize]) -> tl_collective::Result<Box<dyn Communicator>> {
+        self.inner.split(members)
     }
 }
 
