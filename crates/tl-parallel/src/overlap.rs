@@ -222,7 +222,7 @@ impl<E: GradElement> OverlappedReduction for RefCell<Overlap<E>> {
                         !overlap.ready[index],
                         "DDP overlap: parameter {index} got a second gradient in the last \
                          backward, after its bucket may have started (shared weights are \
-                         not supported; pass --no-overlap)"
+                         not supported; train with --overlap=false)"
                     );
                     overlap.ready[index] = true;
                     overlap.advance();
