@@ -1,15 +1,14 @@
-//! The mutation grade: cargo-mutants over tl-precision and tl-recompute with their own tests.
+//! The mutation grade: cargo-mutants over the chapter's crates (or the files of them the
+//! learner writes) with their own tests.
 //!
 //! Score = (caught + timeout) / (caught + missed + timeout); unviable mutants do not count.
 
 use std::path::Path;
 use std::time::Duration;
 
+use crate::chapters::LearnerCrate;
 use crate::run;
 use crate::scratch::Scratch;
-
-/// The crates whose own tests are graded.
-pub(crate) const GRADED: &[&str] = &["tl-precision", "tl-recompute"];
 
 /// The score a crate's tests must reach.
 pub(crate) const THRESHOLD: f64 = 0.80;
@@ -75,15 +74,25 @@ fn lines_of(dir: &Path, name: &str) -> Vec<String> {
         .collect()
 }
 
-/// The mutants cargo-mutants finds in `package` of the tree at `root` (`--list`: no build).
-fn count_mutants(root: &str, package: &str) -> Result<usize, String> {
-    let outcome = run::cargo(
-        Path::new(root),
-        None,
-        &["mutants", "--list", "--dir", root, "--package", package],
-        Duration::from_secs(300),
-    )
-    .map_err(|e| format!("cannot run cargo-mutants: {e}"))?;
+/// cargo-mutants' arguments that choose what `learner`'s grade mutates: its package, and
+/// the files the learner writes when that is not the whole crate.
+fn selection(learner: &LearnerCrate) -> Vec<String> {
+    let mut args = vec!["--package".to_string(), learner.package().to_string()];
+    for file in learner.graded_files().unwrap_or_default() {
+        args.extend(["--file".to_string(), file]);
+    }
+    args
+}
+
+/// The mutants cargo-mutants finds in `learner`'s code in the tree at `root` (`--list`:
+/// no build).
+fn count_mutants(root: &str, learner: &LearnerCrate) -> Result<usize, String> {
+    let package = learner.package();
+    let selection = selection(learner);
+    let mut args = vec!["mutants", "--list", "--dir", root];
+    args.extend(selection.iter().map(String::as_str));
+    let outcome = run::cargo(Path::new(root), None, &args, Duration::from_secs(300))
+        .map_err(|e| format!("cannot run cargo-mutants: {e}"))?;
     if !outcome.success {
         return Err(format!(
             "cargo mutants --list failed for {package}:\n{}",
@@ -117,10 +126,12 @@ fn read_grade(package: &'static str, out: &Path) -> CrateGrade {
 pub(crate) fn grade_crate(
     workspace: &Path,
     scratches: &[Scratch],
-    package: &'static str,
+    learner: &'static LearnerCrate,
     shard: Option<&str>,
     tool: run::TestTool,
 ) -> Result<CrateGrade, String> {
+    let package = learner.package();
+    let selection = selection(learner);
     let out_dir = workspace
         .join("target")
         .join("xtask")
@@ -140,7 +151,7 @@ pub(crate) fn grade_crate(
         (Some(_), []) => return Err("no scratch copy to mutate in".into()),
     };
     let root0 = shards[0].1.root.to_string_lossy().into_owned();
-    let total = count_mutants(&root0, package)?;
+    let total = count_mutants(&root0, learner)?;
     let total = match shard {
         // One shard of n holds about 1/n of them.
         Some(shard) => {
@@ -158,6 +169,7 @@ pub(crate) fn grade_crate(
         if shards.len() == 1 { "" } else { "s" }
     );
     let progress = run::Progress::new(total);
+    let selection = &selection;
     let outcomes: Vec<run::Outcome> = std::thread::scope(|s| {
         let handles: Vec<_> = shards
             .iter()
@@ -168,17 +180,9 @@ pub(crate) fn grade_crate(
                     std::fs::create_dir_all(out).map_err(|e| e.to_string())?;
                     let root = scratch.root.to_string_lossy().into_owned();
                     let out_text = out.to_string_lossy().into_owned();
-                    let mut args = vec![
-                        "mutants",
-                        "--in-place",
-                        "--dir",
-                        &root,
-                        "--package",
-                        package,
-                        "--output",
-                        &out_text,
-                        "--no-shuffle",
-                    ];
+                    let mut args = vec!["mutants", "--in-place", "--dir", &root];
+                    args.extend(selection.iter().map(String::as_str));
+                    args.extend(["--output", &out_text, "--no-shuffle"]);
                     if !shard.is_empty() {
                         args.extend(["--shard", shard]);
                     }

@@ -1,22 +1,23 @@
 //! The course harness for this workspace.
 //!
 //! ```text
-//! cargo xtask start L11.1 [--into DIR]               a learner's workspace: the stubs
-//! cargo xtask tests L11.1                            the course test catalog
-//! cargo xtask check L11.1 [--ref-deps] [--pitfalls-only] [--jobs N]   course tests, then the grade
-//! cargo xtask mutate [L11.1] [--ref-deps] [--pitfalls-only] [--jobs N] the grade alone
-//! cargo xtask diff L11.1                             after a passing check: yours against the reference
+//! cargo xtask start MODULE [--into DIR]               a learner's workspace: the stubs
+//! cargo xtask tests MODULE                            the course test catalog
+//! cargo xtask check MODULE [--ref-deps] [--pitfalls-only] [--jobs N]   course tests, then the grade
+//! cargo xtask mutate [MODULE] [--ref-deps] [--pitfalls-only] [--jobs N] the grade alone
+//! cargo xtask diff MODULE                             after a passing check: yours against the reference
 //! ```
 //!
-//! The grade has two parts: the 24 pitfall mutants of the chapter, each planted in a scratch
-//! copy of the workspace and required to be caught by the crate's own tests (and by its named
-//! course test); and cargo-mutants' score over tl-precision and tl-recompute, which must reach
-//! 0.80 per crate.
+//! MODULE is a chapter: L11.1 (mixed precision, loss scaling, accumulation, checkpointing),
+//! L11.2 (the ring all-reduce), L11.3 (data parallelism and ZeRO). Each is a table in
+//! `chapters/`. The grade has two parts: the chapter's pitfall mutants, each planted in a
+//! scratch copy of the workspace and required to be caught by the crate's own tests (and by
+//! its named course test); and cargo-mutants' score over the code the learner writes, which
+//! must reach 0.80 per crate.
 
 mod anchor;
-mod catalog;
+mod chapters;
 mod grade;
-mod pitfalls;
 mod planted;
 mod report;
 mod run;
@@ -35,7 +36,7 @@ const USAGE: &str = "usage:
   cargo xtask mutate [<MODULE>] [--ref-deps] [--pitfalls-only] [--jobs N] [--only s04,s17] [--shard K/N]  the grade alone
   (--ref-deps: in a learner's workspace, the reference stands in for a crate with todo!s left)
   cargo xtask diff <MODULE>                                a learner's code against the reference, once check passes
-modules: L11.1";
+modules: L11.1, L11.2, L11.3 (a learner's workspace: mutate defaults to its own)";
 
 /// The workspace the harness works on: the nearest directory at or above the current one
 /// that holds this course's layout (`Cargo.toml`, `xtask/`, the chapter's crates), as cargo
@@ -45,9 +46,9 @@ pub(crate) fn workspace_root() -> PathBuf {
     let course = |dir: &std::path::Path| {
         dir.join("Cargo.toml").is_file()
             && dir.join("xtask").join("Cargo.toml").is_file()
-            && start::LEARNER_CRATES
+            && chapters::all_packages()
                 .iter()
-                .all(|c| dir.join(c.dir).join("Cargo.toml").is_file())
+                .all(|p| dir.join("crates").join(p).join("Cargo.toml").is_file())
     };
     std::env::current_dir()
         .ok()
@@ -135,14 +136,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
                 let value = rest
                     .next()
                     .ok_or("--only needs pitfall ids, e.g. s04,s17")?;
-                for id in value.split(',') {
-                    if !pitfalls::PITFALLS.iter().any(|p| p.id == id) {
-                        return Err(format!(
-                            "--only: unknown pitfall '{id}'; ids are s01 to s24"
-                        ));
-                    }
-                    options.only.push(id.to_string());
-                }
+                options.only.extend(value.split(',').map(str::to_string));
             }
             "--shard" if !matches!(command.as_str(), "tests" | "start" | "diff") => {
                 let value = rest.next().ok_or("--shard needs K/N, e.g. 0/4")?;
@@ -168,11 +162,32 @@ fn parse(args: &[String]) -> Result<Command, String> {
                     "unknown flag '{flag}' for '{command}'; flags: {known}"
                 ));
             }
-            name if module.is_none() => module = Some(catalog::module(name)?.name.to_string()),
+            name if module.is_none() => module = Some(chapters::chapter(name)?.name.to_string()),
             extra => return Err(format!("unexpected argument '{extra}'")),
         }
     }
-    let default_module = || catalog::MODULES[0].name.to_string();
+    let default_module = || {
+        start::learner_module(&workspace_root())
+            .filter(|m| chapters::chapter(m).is_ok())
+            .unwrap_or_else(|| chapters::CHAPTERS[0].name.to_string())
+    };
+    let module = match (module, command.as_str()) {
+        (None, "mutate") => Some(default_module()),
+        (module, _) => module,
+    };
+    if let Some(name) = &module {
+        let chapter = chapters::chapter(name)?;
+        for id in &options.only {
+            if !chapter.pitfalls.iter().any(|p| p.id == id) {
+                let ids: Vec<&str> = chapter.pitfalls.iter().map(|p| p.id).collect();
+                return Err(format!(
+                    "--only: {name} has no pitfall '{id}'; its ids are {} to {}",
+                    ids.first().unwrap_or(&"-"),
+                    ids.last().unwrap_or(&"-")
+                ));
+            }
+        }
+    }
     match command.as_str() {
         "start" => Ok(Command::Start {
             module: module.ok_or("'start' needs a module, e.g. L11.1")?,
@@ -189,7 +204,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
             options,
         }),
         "mutate" => Ok(Command::Mutate {
-            module: module.unwrap_or_else(default_module),
+            module: module.expect("mutate has a default"),
             options,
         }),
         "help" | "--help" | "-h" => Ok(Command::Help),
@@ -213,24 +228,30 @@ fn main() -> ExitCode {
             println!("{USAGE}");
             Ok(true)
         }
-        Command::Start { module, into } => start::cache_root()
-            .and_then(|cache| start::start(&module, &workspace_root(), into.as_deref(), &cache))
-            .map(|started| {
-                report::print_started(&module, &started);
-                true
-            }),
+        Command::Start { module, into } => {
+            let chapter = chapters::chapter(&module).expect("parsed");
+            start::cache_root()
+                .and_then(|cache| start::start(chapter, &workspace_root(), into.as_deref(), &cache))
+                .map(|started| {
+                    report::print_started(chapter, &started);
+                    true
+                })
+        }
         Command::Diff { module } => diff(&module, &workspace_root()),
         Command::Tests { module } => {
-            report::print_catalog(catalog::module(&module).expect("parsed"));
+            report::print_catalog(chapters::chapter(&module).expect("parsed"));
             Ok(true)
         }
         Command::Check { module, options } => check(&module, options),
-        Command::Mutate { module, options } => start::unfinished(&module, &workspace_root())
-            .and_then(|unfinished| mutate(options, unfinished))
-            .map(|grade| {
-                report::print_grade(&grade);
-                grade.passes()
-            }),
+        Command::Mutate { module, options } => {
+            let chapter = chapters::chapter(&module).expect("parsed");
+            start::unfinished(chapter, &workspace_root())
+                .and_then(|unfinished| mutate(chapter, options, unfinished))
+                .map(|grade| {
+                    report::print_grade(&grade);
+                    grade.passes()
+                })
+        }
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,
@@ -244,6 +265,8 @@ fn main() -> ExitCode {
 
 /// Everything the grade found.
 pub(crate) struct Grade {
+    /// The chapter graded.
+    pub(crate) chapter: &'static chapters::Chapter,
     pub(crate) planted: Vec<planted::PlantedResult>,
     /// `None` with --pitfalls-only.
     pub(crate) crates: Option<Vec<grade::CrateGrade>>,
@@ -268,7 +291,11 @@ impl Grade {
 }
 
 /// The grade of `options`, given the learner's crates still `unfinished` (none here).
-fn mutate(options: GradeOptions, unfinished: Vec<start::Unfinished>) -> Result<Grade, String> {
+fn mutate(
+    chapter: &'static chapters::Chapter,
+    options: GradeOptions,
+    unfinished: Vec<start::Unfinished>,
+) -> Result<Grade, String> {
     let start = Instant::now();
     let workspace = workspace_root();
     if !options.pitfalls_only && !run::has_subcommand("mutants") {
@@ -280,9 +307,10 @@ fn mutate(options: GradeOptions, unfinished: Vec<start::Unfinished>) -> Result<G
     {
         return Err(format!(
             "this learner's workspace names its reference at {}, which is gone; run `cargo \
-             xtask start L11.1 --into NEW_DIR` from the course repository again and copy your \
+             xtask start {} --into NEW_DIR` from the course repository again and copy your \
              crates' src/ and tests/ over",
-            reference.display()
+            reference.display(),
+            chapter.name
         ));
     }
     let mode = match &reference {
@@ -290,9 +318,9 @@ fn mutate(options: GradeOptions, unfinished: Vec<start::Unfinished>) -> Result<G
         None => planted::Mode::Reference,
     };
     // With --ref-deps, an unfinished crate is not graded at all: the reference stands in.
-    let graded: Vec<&'static str> = grade::GRADED
-        .iter()
-        .copied()
+    let graded: Vec<&'static str> = chapter
+        .packages()
+        .into_iter()
         .filter(|p| !options.ref_deps || unfinished.iter().all(|u| u.package != *p))
         .collect();
     if graded.is_empty() {
@@ -304,6 +332,7 @@ fn mutate(options: GradeOptions, unfinished: Vec<start::Unfinished>) -> Result<G
     }
     let tool = run::TestTool::detect();
     let plan = planted::Plan {
+        chapter,
         jobs: options.jobs,
         only: &options.only,
         packages: &graded,
@@ -348,10 +377,15 @@ fn mutate(options: GradeOptions, unfinished: Vec<start::Unfinished>) -> Result<G
             .filter(|p| unfinished.iter().all(|u| u.package != **p))
             .map(|package| {
                 eprintln!("xtask: cargo-mutants over {package}…");
+                let learner = chapter
+                    .crates
+                    .iter()
+                    .find(|c| c.package() == *package)
+                    .expect("a chapter's package");
                 grade::grade_crate(
                     &workspace,
                     &scratches,
-                    package,
+                    learner,
                     options.shard.as_deref(),
                     tool,
                 )
@@ -360,6 +394,7 @@ fn mutate(options: GradeOptions, unfinished: Vec<start::Unfinished>) -> Result<G
         Some(grades)
     };
     Ok(Grade {
+        chapter,
         planted,
         crates,
         elapsed: start.elapsed(),
@@ -370,7 +405,7 @@ fn mutate(options: GradeOptions, unfinished: Vec<start::Unfinished>) -> Result<G
 }
 
 fn check(module: &str, options: GradeOptions) -> Result<bool, String> {
-    let module = catalog::module(module)?;
+    let module = chapters::chapter(module)?;
     let workspace = workspace_root();
     let full = !options.pitfalls_only && options.only.is_empty() && options.shard.is_none();
     if !options.pitfalls_only && !run::has_subcommand("mutants") {
@@ -382,8 +417,8 @@ fn check(module: &str, options: GradeOptions) -> Result<bool, String> {
             module.name
         ));
     }
-    let before = start::learner_sources_hash(&workspace)?;
-    let unfinished = start::unfinished(module.name, &workspace)?;
+    let before = start::learner_sources_hash(module, &workspace)?;
+    let unfinished = start::unfinished(module, &workspace)?;
     let stand_ins: Vec<&'static str> = if options.ref_deps {
         unfinished.iter().map(|u| u.package).collect()
     } else {
@@ -403,7 +438,7 @@ fn check(module: &str, options: GradeOptions) -> Result<bool, String> {
             &workspace,
             "scratch-course",
             scratch::Slot::COURSE_REF,
-            Some((&reference, &stand_ins)),
+            Some((&reference, module, &stand_ins)),
         )
         .map_err(|e| format!("cannot prepare the scratch copy: {e}"))?;
         report::run_course_tests(
@@ -413,14 +448,14 @@ fn check(module: &str, options: GradeOptions) -> Result<bool, String> {
             scratch.slot,
         )?
     };
-    let grade = mutate(options, unfinished)?;
+    let grade = mutate(module, options, unfinished)?;
     let full = full && stand_ins.is_empty();
     let passed = report::print_check(module, &course, &grade);
     if grade.learner {
         // `diff` shows the reference only once a full check passed on these very sources.
         let stamp = start::passed_stamp(&workspace);
         let _ = std::fs::remove_file(&stamp);
-        if passed && full && start::learner_sources_hash(&workspace)? == before {
+        if passed && full && start::learner_sources_hash(module, &workspace)? == before {
             std::fs::create_dir_all(stamp.parent().expect("under target"))
                 .and_then(|()| std::fs::write(&stamp, format!("{before:016x}\n")))
                 .map_err(|e| format!("{}: {e}", stamp.display()))?;
@@ -436,6 +471,7 @@ fn check(module: &str, options: GradeOptions) -> Result<bool, String> {
 /// `diff`: the learner's crates in `workspace` against the reference, once a full check has
 /// passed on them; `Ok(false)` (and nothing shown) before.
 fn diff(module: &str, workspace: &std::path::Path) -> Result<bool, String> {
+    let chapter = chapters::chapter(module)?;
     let Some(reference) = start::learner_reference(workspace) else {
         return Err(format!(
             "diff compares a learner's workspace with the reference; this is the reference \
@@ -443,7 +479,7 @@ fn diff(module: &str, workspace: &std::path::Path) -> Result<bool, String> {
         ));
     };
     let stamp = std::fs::read_to_string(start::passed_stamp(workspace)).unwrap_or_default();
-    let now = format!("{:016x}", start::learner_sources_hash(workspace)?);
+    let now = format!("{:016x}", start::learner_sources_hash(chapter, workspace)?);
     if stamp.trim() != now {
         println!(
             "The reference is shown once `cargo xtask check {module}` passes in full on your \
@@ -456,7 +492,7 @@ fn diff(module: &str, workspace: &std::path::Path) -> Result<bool, String> {
         );
         return Ok(false);
     }
-    for learner in &start::LEARNER_CRATES {
+    for learner in chapter.crates {
         let (theirs, yours) = (
             reference.join(learner.dir).join("src"),
             workspace.join(learner.dir).join("src"),
@@ -542,7 +578,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&base);
         let (learner, reference) = (base.join("learner"), base.join("reference"));
         for root in [&learner, &reference] {
-            for krate in &start::LEARNER_CRATES {
+            for krate in chapters::chapter("L11.1").unwrap().crates {
                 let src = root.join(krate.dir).join("src");
                 std::fs::create_dir_all(&src).unwrap();
                 std::fs::write(src.join("lib.rs"), format!("// {}\n", root.display())).unwrap();
@@ -561,7 +597,8 @@ mod tests {
         assert_eq!(diff("L11.1", &learner), Ok(false), "no check has passed");
         let stamp = start::passed_stamp(&learner);
         std::fs::create_dir_all(stamp.parent().unwrap()).unwrap();
-        let hash = start::learner_sources_hash(&learner).unwrap();
+        let l11_1 = chapters::chapter("L11.1").unwrap();
+        let hash = start::learner_sources_hash(l11_1, &learner).unwrap();
         std::fs::write(&stamp, format!("{hash:016x}\n")).unwrap();
         assert_eq!(diff("L11.1", &learner), Ok(true));
         // Changed after passing: check again first.

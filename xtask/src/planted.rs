@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::pitfalls::{PITFALLS, Pitfall};
+use crate::chapters::{Chapter, LearnerCrate, Pitfall};
 use crate::run::{self, Outcome, TestTool};
 use crate::scratch::Scratch;
 
@@ -78,16 +78,17 @@ impl Mode<'_> {
 }
 
 /// A scratch copy of `workspace`, with the reference's sources in place of the learner's
-/// in the crates named by `overlay` (`(reference, packages)`); the learner's tests stay.
+/// in the crates of the chapter named by `overlay` (`(reference, chapter, packages)`); the
+/// learner's tests stay.
 pub(crate) fn prepare_scratch(
     workspace: &Path,
     name: &str,
     slot: crate::scratch::Slot,
-    overlay: Option<(&Path, &[&'static str])>,
+    overlay: Option<(&Path, &Chapter, &[&'static str])>,
 ) -> std::io::Result<Scratch> {
     let scratch = Scratch::sync(workspace, name, slot)?;
-    if let Some((reference, packages)) = overlay {
-        for learner in &crate::start::LEARNER_CRATES {
+    if let Some((reference, chapter, packages)) = overlay {
+        for learner in chapter.crates {
             if packages.contains(&learner.package()) {
                 let src = reference.join(learner.dir).join("src");
                 crate::scratch::sync_dir(&src, &scratch.root.join(learner.dir).join("src"), false)?;
@@ -100,9 +101,9 @@ pub(crate) fn prepare_scratch(
 const BUILD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// The cargo arguments that build (`no_run`) or run the tests that must catch a pitfall of
-/// `package`.
+/// the crate `learner`.
 fn own_test_args(
-    package: &'static str,
+    learner: &'static LearnerCrate,
     mode: Mode<'_>,
     tool: TestTool,
     no_run: bool,
@@ -111,15 +112,30 @@ fn own_test_args(
         // The learner's integration tests only: the reference's unit tests are not theirs.
         &["--test", "*"]
     } else {
-        &["--lib", "--tests"]
+        learner.own_tests
     };
-    tool.args(package, targets, no_run)
+    tool.args(learner.package(), targets, no_run)
 }
 
-fn course_test_args(test_path: &str, no_run: bool) -> Vec<String> {
-    let mut args: Vec<String> = ["test", "-p", "tl-course", "--test", "l11_1"]
-        .map(String::from)
-        .to_vec();
+/// The chapter's crate whose package is `package`.
+fn learner_crate(chapter: &'static Chapter, package: &str) -> &'static LearnerCrate {
+    chapter
+        .crates
+        .iter()
+        .find(|c| c.package() == package)
+        .expect("a pitfall of one of the chapter's crates")
+}
+
+fn course_test_args(chapter: &Chapter, test_path: &str, no_run: bool) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "test",
+        "-p",
+        chapter.course_package,
+        "--test",
+        chapter.test_binary,
+    ]
+    .map(String::from)
+    .to_vec();
     if no_run {
         args.push("--no-run".into());
     } else {
@@ -139,13 +155,15 @@ fn cargo_in(scratch: &Scratch, args: &[&str], timeout: Duration) -> std::io::Res
 /// which each mutant's timeout is set.
 pub(crate) fn baseline(
     scratch: &Scratch,
+    chapter: &'static Chapter,
     packages: &[&'static str],
     mode: Mode<'_>,
     tool: TestTool,
 ) -> Result<Duration, String> {
     let mut slowest = Duration::ZERO;
     for &package in packages {
-        let build = own_test_args(package, mode, tool, true);
+        let learner = learner_crate(chapter, package);
+        let build = own_test_args(learner, mode, tool, true);
         let built = cargo_in(scratch, &build, BUILD_TIMEOUT).map_err(|e| e.to_string())?;
         if !built.success {
             return Err(format!(
@@ -158,7 +176,7 @@ pub(crate) fn baseline(
                 run::tail(&built.output, 30)
             ));
         }
-        let run_args = own_test_args(package, mode, tool, false);
+        let run_args = own_test_args(learner, mode, tool, false);
         let tested = cargo_in(scratch, &run_args, BUILD_TIMEOUT).map_err(|e| e.to_string())?;
         if !tested.success {
             return Err(if mode.is_learner() {
@@ -179,7 +197,7 @@ pub(crate) fn baseline(
     if mode.is_learner() {
         return Ok(slowest);
     }
-    let course: Vec<String> = course_test_args("", true);
+    let course: Vec<String> = course_test_args(chapter, "", true);
     let course: Vec<&str> = course.iter().map(String::as_str).collect();
     let built = cargo_in(scratch, &course, BUILD_TIMEOUT).map_err(|e| e.to_string())?;
     if !built.success {
@@ -194,6 +212,7 @@ pub(crate) fn baseline(
 /// Plants one pitfall in the scratch copy, runs the tests, and restores the file.
 pub(crate) fn run_one(
     scratch: &Scratch,
+    chapter: &'static Chapter,
     pitfall: &'static Pitfall,
     test_timeout: Duration,
     mode: Mode<'_>,
@@ -217,12 +236,16 @@ pub(crate) fn run_one(
     };
     scratch.write(pitfall.file, &mutated)?;
     let outcome = (|| {
-        let own_args = |no_run| own_test_args(pitfall.package, mode, tool, no_run);
+        let learner = learner_crate(chapter, pitfall.package);
+        let own_args = |no_run| own_test_args(learner, mode, tool, no_run);
         // One build for everything this mutant runs: cargo compiles the crate's test
         // binaries and the course tests side by side on both cores.
         let mut build = own_args(true);
         if !mode.is_learner() {
-            build.splice(build.len() - 1..build.len() - 1, ["-p", "tl-course"]);
+            build.splice(
+                build.len() - 1..build.len() - 1,
+                ["-p", chapter.course_package],
+            );
         }
         if !cargo_in(scratch, &build, BUILD_TIMEOUT)?.success {
             return Ok((Verdict::Unviable, None));
@@ -236,12 +259,8 @@ pub(crate) fn run_one(
         if mode.is_learner() {
             return Ok((own, None));
         }
-        let test_path = crate::catalog::L11_1
-            .iter()
-            .find(|t| t.name == pitfall.course_test)
-            .map(|t| t.path())
-            .unwrap_or_else(|| pitfall.course_test.to_string());
-        let course: Vec<String> = course_test_args(&test_path, false);
+        let test_path = chapter.test_path(pitfall.course_test);
+        let course: Vec<String> = course_test_args(chapter, &test_path, false);
         let course: Vec<&str> = course.iter().map(String::as_str).collect();
         let course = cargo_in(scratch, &course, test_timeout)?;
         let ran_one = course.output.contains("running 1 test");
@@ -254,6 +273,8 @@ pub(crate) fn run_one(
 
 /// Which pitfall mutants to run, and how.
 pub(crate) struct Plan<'a> {
+    /// The chapter whose pitfalls are planted.
+    pub(crate) chapter: &'static Chapter,
     /// Copies of the workspace tested in parallel.
     pub(crate) jobs: usize,
     /// The pitfall ids asked for (`--only`); empty for all.
@@ -268,7 +289,9 @@ pub(crate) struct Plan<'a> {
 /// result as it comes with the time elapsed and an estimate of the time left.
 pub(crate) fn run_all(workspace: &Path, plan: &Plan<'_>) -> Result<Vec<PlantedResult>, String> {
     let mode = plan.mode;
-    let selected: Vec<&'static Pitfall> = PITFALLS
+    let chapter = plan.chapter;
+    let selected: Vec<&'static Pitfall> = chapter
+        .pitfalls
         .iter()
         .filter(|p| plan.only.is_empty() || plan.only.iter().any(|id| id == p.id))
         .filter(|p| plan.packages.contains(&p.package))
@@ -277,11 +300,13 @@ pub(crate) fn run_all(workspace: &Path, plan: &Plan<'_>) -> Result<Vec<PlantedRe
         return Ok(Vec::new());
     }
     let jobs = plan.jobs.clamp(1, selected.len());
+    // For a learner, every crate of the chapter is the reference's in the copies.
+    let every = chapter.packages();
     let scratches: Vec<Scratch> = (0..jobs)
         .map(|i| {
             // For a learner, the pitfalls are planted in the reference's code.
             let overlay = match mode {
-                Mode::Learner { reference } => Some((reference, crate::grade::GRADED)),
+                Mode::Learner { reference } => Some((reference, chapter, &every[..])),
                 Mode::Reference => None,
             };
             let slot = crate::scratch::Slot::pitfalls(i);
@@ -301,7 +326,7 @@ pub(crate) fn run_all(workspace: &Path, plan: &Plan<'_>) -> Result<Vec<PlantedRe
     let baselines: Vec<Duration> = std::thread::scope(|s| {
         let handles: Vec<_> = scratches
             .iter()
-            .map(|sc| s.spawn(move || baseline(sc, packages, mode, plan.tool)))
+            .map(|sc| s.spawn(move || baseline(sc, chapter, packages, mode, plan.tool)))
             .collect();
         handles
             .into_iter()
@@ -324,7 +349,8 @@ pub(crate) fn run_all(workspace: &Path, plan: &Plan<'_>) -> Result<Vec<PlantedRe
                         .skip(job)
                         .step_by(jobs)
                         .map(|pitfall| {
-                            let r = run_one(scratch, pitfall, test_timeout, mode, plan.tool);
+                            let r =
+                                run_one(scratch, chapter, pitfall, test_timeout, mode, plan.tool);
                             if let Ok(r) = &r {
                                 progress.done(&format!(
                                     "{} {:<8} course test {:<6} ({:.0} s)",

@@ -2,9 +2,8 @@
 
 use std::time::Duration;
 
-use crate::catalog::Module;
+use crate::chapters::Chapter as Module;
 use crate::grade::THRESHOLD;
-use crate::pitfalls::PITFALLS;
 use crate::{Grade, run};
 
 /// Prints each course test with its kind, what it checks, why it matters, and the pitfalls
@@ -12,7 +11,8 @@ use crate::{Grade, run};
 pub(crate) fn print_catalog(module: &Module) {
     println!("{} — {}\n", module.name, module.title);
     for test in module.tests {
-        let pitfalls: Vec<String> = PITFALLS
+        let pitfalls: Vec<String> = module
+            .pitfalls
             .iter()
             .filter(|p| p.course_test == test.name)
             .map(|p| format!("{} ({})", p.id, p.description))
@@ -28,20 +28,32 @@ pub(crate) fn print_catalog(module: &Module) {
         println!();
     }
     println!(
-        "{} tests; run them with: cargo test -p tl-course --test l11_1",
-        module.tests.len()
+        "{} tests; run them with: {}",
+        module.tests.len(),
+        module.course_command()
     );
 }
 
 /// What `start` made, and what to do next.
-pub(crate) fn print_started(module: &str, started: &crate::start::Started) {
+pub(crate) fn print_started(chapter: &Module, started: &crate::start::Started) {
     let dir = started.workspace.display();
+    let module = chapter.name;
     println!("{module}: your workspace is {dir}\n");
-    for learner in &crate::start::LEARNER_CRATES {
-        println!(
-            "  {}/src     the stubs: every body is a todo! naming what to write and the guide to read",
-            learner.dir
-        );
+    for learner in chapter.crates {
+        match learner.sources {
+            crate::chapters::Sources::AllBut(_) => println!(
+                "  {}/src     the stubs: every body is a todo! naming what to write and the guide to read",
+                learner.dir
+            ),
+            crate::chapters::Sources::Only(files) => {
+                for file in files {
+                    println!(
+                        "  {}/src/{file}     the stubs: every body is a todo! naming what to write and the guide to read",
+                        learner.dir
+                    );
+                }
+            }
+        }
         println!(
             "  {}/tests   your tests (one worked example to start from)",
             learner.dir
@@ -54,7 +66,10 @@ pub(crate) fn print_started(module: &str, started: &crate::start::Started) {
     println!("\nNext:");
     println!("  cd {dir}");
     println!("  cargo xtask tests {module}     # the course tests: read the catalog first");
-    println!("  cargo test -p tl-course --test l11_1   # they fail, naming the function to write");
+    println!(
+        "  {}   # they fail, naming the function to write",
+        chapter.course_command()
+    );
     println!("  cargo xtask check {module}     # the course tests, then your tests graded");
     println!(
         "  cargo xtask check {module} --ref-deps   # one crate done: the reference stands in for the other"
@@ -86,9 +101,9 @@ pub(crate) fn run_course_tests(
         &[
             "test",
             "-p",
-            "tl-course",
+            module.course_package,
             "--test",
-            "l11_1",
+            module.test_binary,
             "--no-fail-fast",
         ],
         &slot,
@@ -195,10 +210,11 @@ pub(crate) fn print_grade(grade: &Grade) {
 /// What the learner has left to write, crate by crate, and what the check did about it.
 fn print_unfinished(grade: &Grade) {
     let others = |package: &str| -> String {
-        crate::grade::GRADED
-            .iter()
-            .filter(|p| **p != package && grade.unfinished.iter().all(|u| u.package != **p))
-            .copied()
+        grade
+            .chapter
+            .packages()
+            .into_iter()
+            .filter(|p| *p != package && grade.unfinished.iter().all(|u| u.package != *p))
             .collect::<Vec<_>>()
             .join(" and ")
     };
@@ -226,8 +242,8 @@ fn print_unfinished(grade: &Grade) {
                 } else {
                     format!(
                         " To check {alone} meanwhile, with the reference standing in for {}: \
-                         cargo xtask check L11.1 --ref-deps",
-                        u.package
+                         cargo xtask check {} --ref-deps",
+                        u.package, grade.chapter.name
                     )
                 }
             );
@@ -245,7 +261,8 @@ pub(crate) fn print_check(module: &Module, course: &CourseResults, grade: &Grade
             None => "NOT RUN",
         };
         // What a failing course test guards against, so the learner knows where to look.
-        let guards: Vec<String> = PITFALLS
+        let guards: Vec<String> = module
+            .pitfalls
             .iter()
             .filter(|p| p.course_test == *name && *result != Some(true))
             .map(|p| format!("{}: {}", p.id, p.description))

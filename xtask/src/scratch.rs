@@ -18,11 +18,18 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-/// The crates whose builds depend on the slot: the chapter's two, which are mutated (or
+/// The crates whose builds depend on the slot: the chapters' crates, which are mutated (or
 /// are the learner's), and the course tests built on them. The others (tl-numerics,
 /// tl-tensor) are the same bytes in the workspace and each of its copies, so sharing their
-/// artifacts is sound.
-const SLOTTED: [&str; 3] = ["tl-precision", "tl-recompute", "tl-course"];
+/// artifacts is sound. (A crate that depends on a slotted one, tl-train say, gets another
+/// hash through it: cargo folds the dependencies' metadata into a crate's.)
+fn slotted() -> Vec<&'static str> {
+    let mut crates = crate::chapters::all_packages();
+    crates.extend(crate::chapters::CHAPTERS.iter().map(|c| c.course_package));
+    crates.sort_unstable();
+    crates.dedup();
+    crates
+}
 
 /// A set of artifacts of the chapter's crates in the shared target directory: one for the
 /// course tests of `check`, one per scratch copy.
@@ -63,8 +70,8 @@ impl Slot {
     /// their kernels live in tl-tensor, which keeps the workspace's opt-level). Their
     /// number of codegen units, harmless at opt-level 0, is what tells the slots apart.
     pub(crate) fn config(self) -> Vec<String> {
-        SLOTTED
-            .iter()
+        slotted()
+            .into_iter()
             .flat_map(|krate| {
                 [
                     format!("profile.dev.package.{krate}.opt-level=0"),

@@ -1,14 +1,18 @@
-//! `cargo xtask start L11.1 [--into DIR]`: a learner's workspace for the chapter.
+//! `cargo xtask start MODULE [--into DIR]`: a learner's workspace for a chapter.
 //!
-//! The learner's tree is this workspace with the chapter's two crates, tl-precision and
-//! tl-recompute, turned into stubs (see `stub.rs`): the contract's types, signatures and
-//! doc comments, every body a `todo!` naming the function and the guide to read, and one
-//! starter test file per crate in place of the reference's own tests. Everything the
-//! chapter builds on (tl-numerics, tl-tensor), everything built on it (tl-parallel,
-//! tl-train), the course tests, the harness and the guides stay as they are.
+//! The learner's tree is this workspace with the chapter's crates turned into stubs (see
+//! `stub.rs` and the chapter's [`Sources`]): the whole crate for L11.1 (tl-precision and
+//! tl-recompute, but for what lies beyond the chapter), the files of the ring's steps in
+//! tl-collective for L11.2, those of data parallelism's pieces in tl-parallel for L11.3. A
+//! stubbed file keeps the contract's types, signatures and doc comments, every body a
+//! `todo!` naming the function and the guide to read; each learner's crate gets one
+//! starter test file in place of the reference's own tests. Everything else (what the
+//! chapter builds on, the rest of a crate, what is built on it, the course tests, the
+//! harness and the guides) stays as it is, so the learner's functions run inside the real
+//! thing: a learner's ring carries real processes' gradients.
 //!
-//! The reference implementation is not in the learner's tree. `start` copies the two crates
-//! into the course cache (`$TINYLLM_COURSE_CACHE`, else `$XDG_CACHE_HOME/tinyllm-course`,
+//! The reference implementation is not in the learner's tree. `start` copies the chapter's
+//! crates into the course cache (`$TINYLLM_COURSE_CACHE`, else `$XDG_CACHE_HOME/tinyllm-course`,
 //! else `~/.cache/tinyllm-course`), under a name that holds a hash of their sources, and
 //! the learner's tree names that copy in its `.course` file; the harness grades against it
 //! and `diff` compares with it. `cargo clean` does not lose it.
@@ -22,114 +26,16 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::chapters::{Chapter, LearnerCrate, Sources};
 use crate::scratch::sync_dir;
 use crate::stub::{StubContext, stub_source};
 
 /// The name of the file that marks a learner's workspace and says where its reference is.
 pub(crate) const MARKER: &str = ".course";
 
-/// A crate the learner writes, and the guide each of its source files sends them to.
-pub(crate) struct LearnerCrate {
-    /// Its directory, relative to the workspace root.
-    pub(crate) dir: &'static str,
-    /// `(file name, guide)`: the guide of the functions of a source file; the last entry,
-    /// with an empty name, is the crate's default.
-    guides: &'static [(&'static str, &'static str)],
-    /// The starter test file written into the learner's `tests/`.
-    starter: &'static str,
-    /// Source files beyond the chapter, kept as the reference wrote them: the learner's
-    /// crate needs them, but they are not the chapter's to write (nor its grade's; see
-    /// `.cargo/mutants.toml`).
-    pub(crate) kept: &'static [&'static str],
-}
-
-/// The crates of L11.1 that the learner writes.
-pub(crate) const LEARNER_CRATES: [LearnerCrate; 2] = [
-    LearnerCrate {
-        dir: "crates/tl-precision",
-        guides: &[
-            ("scaler.rs", "docs/loss-scaling.md"),
-            ("scaler_state.rs", "docs/loss-scaling.md"),
-            ("observer.rs", "docs/loss-scaling.md"),
-            ("accumulate.rs", "docs/gradient-accumulation.md"),
-            ("step.rs", "docs/gradient-accumulation.md"),
-            ("", "docs/mixed-precision.md"),
-        ],
-        starter: PRECISION_STARTER,
-        // The tensor cores' accumulation models and fp8 training (issue 23).
-        kept: &["tensor_core.rs", "fp8.rs"],
-    },
-    LearnerCrate {
-        dir: "crates/tl-recompute",
-        guides: &[("", "docs/activation-checkpointing.md")],
-        starter: RECOMPUTE_STARTER,
-        // The keep policies of selective checkpointing (issue 24).
-        kept: &["policy.rs"],
-    },
-];
-
-impl LearnerCrate {
-    /// Its package name (the directory's last part).
-    pub(crate) fn package(&self) -> &'static str {
-        self.dir.rsplit('/').next().expect("a directory")
-    }
-
-    fn guide(&self, file: &str) -> &'static str {
-        self.guides
-            .iter()
-            .find(|(name, _)| *name == file || name.is_empty())
-            .map(|(_, guide)| *guide)
-            .expect("a default guide")
-    }
-}
-
-/// The starter tests of tl-precision: one worked example of the chapter, to copy from.
-const PRECISION_STARTER: &str = r#"//! Your tests of tl-precision. `cargo xtask check L11.1` grades them: each of the chapter's
-//! planted pitfalls must make at least one of them fail, and cargo-mutants must find them
-//! catching at least 80% of the mutants of your code. Add a test for every rule of
-//! docs/mixed-precision.md, docs/loss-scaling.md and docs/gradient-accumulation.md.
-
-use tl_precision::{Format, cast};
-use tl_tensor::Tensor;
-
-/// A worked example of the chapter: 1 + 2⁻⁸ lies halfway between bf16's neighbours 1 and
-/// 1 + 2⁻⁷, and a tie rounds to the even one, 1. fp16, with three more mantissa bits,
-/// keeps it.
-#[test]
-fn a_tie_rounds_to_even_in_bf16_and_fp16_keeps_it() {
-    let x = Tensor::<f32>::from_vec(vec![1.0 + 2f32.powi(-8)], &[1]).unwrap();
-    assert_eq!(cast(&x, Format::Bf16).to_vec(), [1.0]);
-    assert_eq!(cast(&x, Format::Fp16).to_vec(), [1.0 + 2f32.powi(-8)]);
-}
-"#;
-
-/// The starter tests of tl-recompute.
-const RECOMPUTE_STARTER: &str = r#"//! Your tests of tl-recompute. `cargo xtask check L11.1` grades them: each of the chapter's
-//! planted pitfalls must make at least one of them fail, and cargo-mutants must find them
-//! catching at least 80% of the mutants of your code. Add a test for every rule of
-//! docs/activation-checkpointing.md.
-
-use tl_recompute::checkpoint;
-use tl_tensor::{Tensor, ndarray::arr2};
-
-/// A worked example of the chapter: a checkpointed function gives the value and the
-/// gradient of the plain one. Here y = (x·w)² with x = 3, w = 2: y = 36, dy/dw = 2·6·3 = 36.
-#[test]
-fn a_checkpointed_square_gives_the_plain_value_and_gradient() {
-    let w = Tensor::<f64>::param(arr2(&[[2.0]]).into_dyn());
-    let x = Tensor::<f64>::full(&[1, 1], 3.0);
-    let weight = w.clone();
-    let square = move |xs: &[Tensor<f64>]| xs[0].matmul(&weight).powi(2);
-    let y = checkpoint(square, &[x], &[w.clone()], &[]);
-    assert_eq!(y.item(), 36.0);
-    y.sum_all().backward();
-    assert_eq!(w.grad().unwrap()[[0, 0]], 36.0);
-}
-"#;
-
 /// What the learner's `lib.rs` says first, so that the stubs build without a wall of
 /// warnings.
-const STUB_ALLOW: &str = "// L11.1 stubs: the bodies are yours to write. Remove this line when you are done.\n#![allow(unused_variables, unused_imports, unused_mut, dead_code)]\n";
+const STUB_ALLOW: &str = "// Stubs: the bodies are yours to write. Remove this line when you are done.\n#![allow(unused_variables, unused_imports, unused_mut, dead_code)]\n";
 
 /// Where `start` wrote the learner's workspace and the reference.
 #[derive(Debug)]
@@ -140,13 +46,13 @@ pub(crate) struct Started {
     pub(crate) reference: PathBuf,
 }
 
-/// Runs `start` for `module` from the reference workspace `source`, into `into` (or
+/// Runs `start` for `chapter` from the reference workspace `source`, into `into` (or
 /// `source` itself, in place), keeping the reference under `cache` ([`cache_root`]).
 ///
 /// # Errors
 /// A message saying what was refused or failed; nothing is overwritten.
 pub(crate) fn start(
-    module: &str,
+    chapter: &Chapter,
     source: &Path,
     into: Option<&Path>,
     cache: &Path,
@@ -180,12 +86,13 @@ pub(crate) fn start(
             source.to_path_buf()
         }
     };
-    let reference = cache_reference(module, source, cache)?;
+    let module = chapter.name;
+    let reference = cache_reference(chapter, source, cache)?;
     if workspace != source {
         fs::create_dir_all(&workspace).map_err(|e| format!("{}: {e}", workspace.display()))?;
         sync_dir(source, &workspace, true).map_err(|e| format!("copying the workspace: {e}"))?;
     }
-    for learner in &LEARNER_CRATES {
+    for learner in chapter.crates {
         stub_crate(module, &workspace.join(learner.dir), learner)?;
     }
     let marker = format!(
@@ -246,19 +153,23 @@ pub(crate) fn cache_root() -> Result<PathBuf, String> {
 
 /// Copies the reference of the learner's crates into the course cache (once per version of
 /// their sources) and returns where.
-fn cache_reference(module: &str, source: &Path, cache: &Path) -> Result<PathBuf, String> {
+fn cache_reference(chapter: &Chapter, source: &Path, cache: &Path) -> Result<PathBuf, String> {
     let mut files = Vec::new();
-    for learner in &LEARNER_CRATES {
+    for learner in chapter.crates {
         collect_files(&source.join(learner.dir), &mut files)
             .map_err(|e| format!("reading {}: {e}", learner.dir))?;
     }
-    let dir = cache.join(format!("{module}-{:016x}", hash_files(source, files)?));
+    let dir = cache.join(format!(
+        "{}-{:016x}",
+        chapter.name,
+        hash_files(source, files)?
+    ));
     if dir.join("COMPLETE").exists() {
         return Ok(dir);
     }
     let partial = dir.with_extension("partial");
     let _ = fs::remove_dir_all(&partial);
-    for learner in &LEARNER_CRATES {
+    for learner in chapter.crates {
         let to = partial.join(learner.dir);
         fs::create_dir_all(&to).map_err(|e| format!("{}: {e}", to.display()))?;
         sync_dir(&source.join(learner.dir), &to, false)
@@ -275,9 +186,9 @@ fn cache_reference(module: &str, source: &Path, cache: &Path) -> Result<PathBuf,
 ///
 /// # Errors
 /// When a file cannot be read.
-pub(crate) fn learner_sources_hash(workspace: &Path) -> Result<u64, String> {
+pub(crate) fn learner_sources_hash(chapter: &Chapter, workspace: &Path) -> Result<u64, String> {
     let mut files = Vec::new();
-    for learner in &LEARNER_CRATES {
+    for learner in chapter.crates {
         for part in ["src", "tests"] {
             let dir = workspace.join(learner.dir).join(part);
             if dir.exists() {
@@ -311,18 +222,19 @@ pub(crate) struct Unfinished {
     pub(crate) first: (String, String),
 }
 
-/// The learner's crates under `workspace` whose sources still hold a stub of `module`
-/// (a body `start` wrote and the learner has not replaced), in [`LEARNER_CRATES`] order.
+/// The learner's crates under `workspace` whose sources still hold a stub of `chapter`
+/// (a body `start` wrote and the learner has not replaced), in the chapter's order.
 ///
 /// # Errors
 /// When a source file cannot be read.
-pub(crate) fn unfinished(module: &str, workspace: &Path) -> Result<Vec<Unfinished>, String> {
+pub(crate) fn unfinished(chapter: &Chapter, workspace: &Path) -> Result<Vec<Unfinished>, String> {
+    let module = chapter.name;
     let markers = [
         format!("todo!(\"{module}: "),
         format!("panic!(\"not yet implemented: {module}: "),
     ];
     let mut out = Vec::new();
-    for learner in &LEARNER_CRATES {
+    for learner in chapter.crates {
         let mut files = Vec::new();
         let src = workspace.join(learner.dir).join("src");
         collect_files(&src, &mut files).map_err(|e| format!("{}: {e}", src.display()))?;
@@ -395,26 +307,45 @@ impl Fnv {
 /// Turns the crate at `dir` into the learner's: stubbed sources, no reference tests, the
 /// starter tests.
 fn stub_crate(module: &str, dir: &Path, learner: &LearnerCrate) -> Result<(), String> {
+    let src = dir.join("src");
     let mut sources = Vec::new();
-    collect_files(&dir.join("src"), &mut sources).map_err(|e| format!("{}: {e}", dir.display()))?;
+    collect_files(&src, &mut sources).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let under_src = |path: &Path| {
+        let relative = path.strip_prefix(&src).unwrap_or(path);
+        relative.to_string_lossy().replace('\\', "/")
+    };
     for path in sources {
+        let file = under_src(&path);
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
         if name == "tests.rs" {
-            // A `#[cfg(test)] mod tests;` of the reference: the stub drops the declaration.
-            fs::remove_file(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            // A `#[cfg(test)] mod tests;` of the reference: the stub of its module drops the
+            // declaration, so the file goes with it (a kept module keeps both).
+            let parent = file.strip_suffix("tests.rs").unwrap_or("");
+            let module = parent.trim_end_matches('/');
+            let stubbed = if module.is_empty() {
+                learner.writes("lib.rs")
+            } else {
+                learner.writes(&format!("{module}.rs"))
+                    || learner.writes(&format!("{module}/mod.rs"))
+            };
+            if stubbed {
+                fs::remove_file(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            }
             continue;
         }
-        if path.extension().is_none_or(|e| e != "rs") || learner.kept.contains(&name) {
+        if path.extension().is_none_or(|e| e != "rs") || !learner.writes(&file) {
             continue;
         }
         let text = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         let context = StubContext {
             module,
-            guide: learner.guide(name),
+            guide: learner.guide(&file),
         };
         let mut stub =
             stub_source(&text, &context).map_err(|e| format!("{}: {e}", path.display()))?;
-        if name == "lib.rs" {
+        // The stubs leave imports and helpers' types unused: said once, where the crate
+        // starts, or in each file when only some are the learner's.
+        if name == "lib.rs" || matches!(learner.sources, Sources::Only(_)) {
             stub = with_allow(&stub);
         }
         write(&path, &stub)?;
@@ -461,6 +392,15 @@ fn git_init(dir: &Path, module: &str) {
         && git(&["commit", "-q", "-m", &format!("Start {module}: the stubs")]);
 }
 
+/// The chapter a learner's workspace was started for, from its [`MARKER`], if it is one.
+pub(crate) fn learner_module(workspace: &Path) -> Option<String> {
+    let marker = fs::read_to_string(workspace.join(MARKER)).ok()?;
+    marker
+        .lines()
+        .find_map(|line| line.strip_prefix("module = "))
+        .map(str::to_string)
+}
+
 /// The reference a learner's workspace names in its [`MARKER`], if it is one.
 pub(crate) fn learner_reference(workspace: &Path) -> Option<PathBuf> {
     let marker = fs::read_to_string(workspace.join(MARKER)).ok()?;
@@ -474,6 +414,10 @@ pub(crate) fn learner_reference(workspace: &Path) -> Option<PathBuf> {
 mod tests {
     use super::*;
 
+    fn l11_1() -> &'static Chapter {
+        crate::chapters::chapter("L11.1").unwrap()
+    }
+
     /// A throwaway directory under the system's temporary directory.
     fn temp(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("xtask-start-{}-{name}", std::process::id()));
@@ -485,7 +429,7 @@ mod tests {
     fn start_writes_stubs_keeps_the_reference_outside_and_refuses_to_overwrite() {
         let (into, cache) = (temp("learner"), temp("cache"));
         let source = crate::workspace_root();
-        let started = start("L11.1", &source, Some(&into), &cache).unwrap();
+        let started = start(l11_1(), &source, Some(&into), &cache).unwrap();
         assert_eq!(learner_reference(&into), Some(started.reference.clone()));
         assert!(
             started.reference.starts_with(&cache),
@@ -534,9 +478,9 @@ mod tests {
         assert!(!into.join("target").exists());
 
         // Twice into the same place, or from the learner's tree: refused.
-        let again = start("L11.1", &source, Some(&into), &cache).unwrap_err();
+        let again = start(l11_1(), &source, Some(&into), &cache).unwrap_err();
         assert!(again.contains("not empty"), "{again}");
-        let nested = start("L11.1", &into, Some(&temp("nested")), &cache).unwrap_err();
+        let nested = start(l11_1(), &into, Some(&temp("nested")), &cache).unwrap_err();
         assert!(nested.contains("already a learner's workspace"), "{nested}");
         let _ = fs::remove_dir_all(&into);
         let _ = fs::remove_dir_all(&cache);
@@ -546,8 +490,8 @@ mod tests {
     fn unfinished_counts_the_stubs_left_and_names_the_first() {
         let (into, cache) = (temp("unfinished"), temp("unfinished-cache"));
         let source = crate::workspace_root();
-        let started = start("L11.1", &source, Some(&into), &cache).unwrap();
-        let left = unfinished("L11.1", &into).unwrap();
+        let started = start(l11_1(), &source, Some(&into), &cache).unwrap();
+        let left = unfinished(l11_1(), &into).unwrap();
         assert_eq!(
             left.iter().map(|u| u.package).collect::<Vec<_>>(),
             ["tl-precision", "tl-recompute"]
@@ -569,11 +513,11 @@ mod tests {
             false,
         )
         .unwrap();
-        let left = unfinished("L11.1", &into).unwrap();
+        let left = unfinished(l11_1(), &into).unwrap();
         assert_eq!(left.len(), 1);
         assert_eq!(left[0].package, "tl-precision");
         assert!(
-            unfinished("L11.1", &source).unwrap().is_empty(),
+            unfinished(l11_1(), &source).unwrap().is_empty(),
             "the reference"
         );
         let _ = fs::remove_dir_all(&into);
@@ -583,10 +527,7 @@ mod tests {
     #[test]
     fn lib_rs_gets_the_allow_after_its_doc_comment() {
         let lib = with_allow("//! Docs.\n//! More.\n\nmod a;\n");
-        assert!(
-            lib.starts_with("//! Docs.\n//! More.\n\n// L11.1 stubs"),
-            "{lib}"
-        );
+        assert!(lib.starts_with("//! Docs.\n//! More.\n\n// Stubs"), "{lib}");
         assert!(lib.ends_with("dead_code)]\n\nmod a;\n"), "{lib}");
     }
 }
