@@ -25,7 +25,7 @@ struct Ran {
 fn on_ring(
     inputs: &[Vec<f32>],
     piece: usize,
-    collective: impl Fn(&mut tl_collective::ChannelLink, usize, usize, &mut Vec<f32>) + Sync,
+    collective: impl Fn(&mut tl_collective::ChannelLink, usize, usize, &mut [f32]) + Sync,
 ) -> Vec<Ran> {
     let n = inputs.len();
     let links = channel_ring(n, piece, TIMEOUT);
@@ -61,7 +61,7 @@ fn inputs(n: usize, len: usize) -> Vec<Vec<f32>> {
         .collect()
 }
 
-fn all_reduce(link: &mut tl_collective::ChannelLink, rank: usize, n: usize, d: &mut Vec<f32>) {
+fn all_reduce(link: &mut tl_collective::ChannelLink, rank: usize, n: usize, d: &mut [f32]) {
     ring_all_reduce(link, rank, n, d, ReduceOp::Sum).unwrap();
 }
 
