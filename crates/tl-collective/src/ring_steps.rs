@@ -51,7 +51,7 @@ pub trait RingLink {
 /// ```
 pub fn reduce_scatter_step(rank: usize, step: usize, world_size: usize) -> (usize, usize) {
     let n = world_size;
-    let behind = |back: usize| (rank + 2 * n - back % n) % n;
+    let behind = |back: usize| (rank + 2 * n - back) % n;
     (behind(step + 1), behind(step + 2))
 }
 
@@ -68,7 +68,7 @@ pub fn reduce_scatter_step(rank: usize, step: usize, world_size: usize) -> (usiz
 /// ```
 pub fn all_gather_step(rank: usize, step: usize, world_size: usize) -> (usize, usize) {
     let n = world_size;
-    let behind = |back: usize| (rank + 2 * n - back % n) % n;
+    let behind = |back: usize| (rank + 2 * n - back) % n;
     (behind(step), behind(step + 1))
 }
 

@@ -187,7 +187,7 @@ const PITFALLS: &[Pitfall] = &[
         package: COLLECTIVE,
         file: STEPS,
         function: "reduce_scatter_step",
-        pattern: "(rank + 2 * n - back % n) % n",
+        pattern: "(rank + 2 * n - back) % n",
         replacement: "(rank + back) % n",
         course_test: "test_every_rank_receives_what_its_left_neighbour_sends",
     },
