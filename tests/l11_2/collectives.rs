@@ -197,7 +197,9 @@ fn test_the_order_shows_in_bf16_and_fp16() {
         assert_eq!(data, [1.0, 1.015625, 1.015625, 1.0]);
     }
     for data in case(Format::Fp16, 2f32.powi(-11)) {
-        assert_eq!(data, [1.0, 1.001953125, 1.001953125, 1.0]);
+        // 1 + 2^-9 = 1.001953125: the even neighbour of the tie 1 + 3·2^-11.
+        let up = 1.0 + 2f32.powi(-9);
+        assert_eq!(data, [1.0, up, up, 1.0]);
     }
 }
 
