@@ -157,6 +157,21 @@ mod tests {
     }
 
     #[test]
+    fn a_replica_weighs_its_share_of_the_rows_not_one_over_the_ranks() {
+        // 3 rows and 1 of 4: 3/4 and 1/4, not 1/2 each.
+        assert_eq!(replica_weight(0, 2, 3, 4).unwrap(), 0.75);
+        assert_eq!(replica_weight(1, 2, 1, 4).unwrap(), 0.25);
+        assert_eq!(replica_weight(0, 1, 4, 4).unwrap(), 1.0);
+        for (local, global) in [(0, 4), (5, 4)] {
+            let error = replica_weight(1, 2, local, global).unwrap_err();
+            assert!(
+                matches!(error, ParallelError::RowsOutsideBatch { rank: 1, .. }),
+                "{error}"
+            );
+        }
+    }
+
+    #[test]
     fn impossible_shares_are_errors_naming_the_reason() {
         for (args, reason) in [
             ((4, 1, 0, 0), "no rank"),

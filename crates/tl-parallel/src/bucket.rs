@@ -141,6 +141,7 @@ pub(crate) fn reduces_in_backward(micro_batch: usize, micro_batches: usize) -> b
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tl_tensor::ndarray::ArrayD;
 
     fn seg(param: usize, start: usize, len: usize) -> Segment {
         Segment { param, start, len }
@@ -164,5 +165,44 @@ mod tests {
     fn a_model_smaller_than_a_bucket_is_one_bucket() {
         assert_eq!(plan(&[2, 3], 100), [vec![seg(1, 0, 3), seg(0, 0, 2)]]);
         assert_eq!(plan(&[], 100), [Vec::<Segment>::new()]);
+    }
+
+    #[test]
+    fn a_bucket_is_filled_weighted_and_written_back_in_place() {
+        // Parameters of 3 and 5 elements in buckets of 4: the second split over two
+        // buckets, the first parameter without a gradient.
+        let a = Tensor::<f64>::param(ArrayD::zeros(vec![3]));
+        let b = Tensor::<f64>::param(ArrayD::zeros(vec![5]));
+        b.set_grad(Some(
+            ArrayD::from_shape_vec(vec![5], vec![1., 2., 3., 4., 5.]).unwrap(),
+        ));
+        let params = [a.clone(), b.clone()];
+        let buckets = plan(&[3, 5], 4);
+        let mut filled = Vec::new();
+        for bucket in &buckets {
+            let mut out = vec![0.0; bucket.iter().map(|s| s.len).sum()];
+            assert!(fill_bucket(&params, bucket, 0.5, &mut out));
+            filled.push(out);
+        }
+        // Weighted by 0.5, parameter 1 first; a parameter without a gradient gives zeros.
+        assert_eq!(filled, [vec![0.5, 1., 1.5, 2.], vec![2.5, 0., 0., 0.]]);
+        for (bucket, sums) in buckets.iter().zip(&filled) {
+            let mut summed = sums.iter().map(|v| v * 4.0).collect::<Vec<_>>();
+            summed.extend([7.0; STEP_EXTRAS]); // the last bucket's extras are not gradients
+            write_bucket(&params, bucket, &summed);
+        }
+        assert_eq!(b.grad().unwrap().as_slice().unwrap(), [2., 4., 6., 8., 10.]);
+        assert_eq!(a.grad().unwrap().as_slice().unwrap(), [0., 0., 0.]);
+        // An inf is reported, before the weighting could hide it.
+        b.set_grad(Some(ArrayD::from_elem(vec![5], f64::INFINITY)));
+        let mut out = vec![0.0; 4];
+        assert!(!fill_bucket(&params, &buckets[0], 0.0, &mut out));
+    }
+
+    #[test]
+    fn only_the_last_micro_batch_reduces_in_backward() {
+        assert!(reduces_in_backward(0, 1));
+        assert!(!reduces_in_backward(0, 3) && !reduces_in_backward(1, 3));
+        assert!(reduces_in_backward(2, 3));
     }
 }

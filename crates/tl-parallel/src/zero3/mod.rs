@@ -70,6 +70,7 @@ use tl_tensor::{Element, Tensor};
 use crate::ddp::{
     DataParallel, GradElement, StepSummary, global_report, recording_loss, step_extras,
 };
+use crate::decide::{all_ranks_finite, global_sum_squares};
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, Pending, SharedLink};
 use crate::metered::{Metered, Wire, common_owner, communication, labels};
@@ -917,9 +918,8 @@ impl<E: GradElement> StepObserver<E> for Zero3Observer<E> {
     }
 
     fn all_finite(&mut self, local: bool) -> bool {
-        let finite = local
-            && !self.core.borrow().link.borrow().failed()
-            && self.summary.is_some_and(|s| s.nonfinite_ranks == 0);
+        let failed = self.core.borrow().link.borrow().failed();
+        let finite = all_ranks_finite(local, failed, self.summary);
         match self.tensor.as_ref() {
             Some(tensor) => tensor.all_finite(finite),
             None => finite,
@@ -928,10 +928,13 @@ impl<E: GradElement> StepObserver<E> for Zero3Observer<E> {
 
     fn total_sum_squares(&mut self, local: f64) -> f64 {
         let core = self.core.borrow();
+        // Each rank holds a shard of the gradients.
         let over_data = |sum: f64| {
-            (core.link.borrow_mut())
-                .call(|comm| comm.all_reduce_sum_f64(sum))
-                .unwrap_or(f64::NAN)
+            global_sum_squares(sum, true, |sum| {
+                (core.link.borrow_mut())
+                    .call(|comm| comm.all_reduce_sum_f64(sum))
+                    .unwrap_or(f64::NAN)
+            })
         };
         match self.tensor.as_ref() {
             Some(tensor) => tensor.total_sum_squares(local, over_data),
