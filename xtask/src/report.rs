@@ -71,9 +71,11 @@ pub(crate) fn print_started(chapter: &Module, started: &crate::start::Started) {
         chapter.course_command()
     );
     println!("  cargo xtask check {module}     # the course tests, then your tests graded");
-    println!(
-        "  cargo xtask check {module} --ref-deps   # one crate done: the reference stands in for the other"
-    );
+    if chapter.crates.len() > 1 {
+        println!(
+            "  cargo xtask check {module} --ref-deps   # one crate done: the reference stands in for the other"
+        );
+    }
 }
 
 /// Pass/fail of each course test, by name.

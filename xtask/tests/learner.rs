@@ -40,15 +40,22 @@ fn output(mut command: Command, cache: &Path) -> (bool, String) {
     (status.success(), text)
 }
 
-/// `cargo test -p tl-course --test l11_1` in the learner's workspace `dir`, building into
-/// this workspace's target directory, so that the dependencies built for this workspace
-/// are reused. Cargo would give the learner's `crates/tl-precision` the file names of this
-/// workspace's own (it hashes a path crate's path relative to its workspace), so these
-/// builds set a value that tells them apart, as the harness's slots do.
-fn course_tests(dir: &Path, cache: &Path) -> (bool, String) {
+/// `cargo test -p PACKAGE --test BINARY` (a chapter's course tests) in the learner's
+/// workspace `dir`, building into this workspace's target directory, so that the
+/// dependencies built for this workspace are reused. Cargo would give the learner's
+/// `crates/tl-precision` the file names of this workspace's own (it hashes a path crate's
+/// path relative to its workspace), so these builds set a value that tells them apart, as
+/// the harness's slots do, on every crate the chapter's tests build.
+fn course_tests_of(dir: &Path, cache: &Path, package: &str, binary: &str) -> (bool, String) {
     let mut command = Command::new(env!("CARGO"));
-    command.args(["test", "-p", "tl-course", "--test", "l11_1"]);
-    for krate in ["tl-precision", "tl-recompute", "tl-course"] {
+    command.args(["test", "-p", package, "--test", binary]);
+    for krate in [
+        "tl-precision",
+        "tl-recompute",
+        "tl-collective",
+        "tl-parallel",
+        package,
+    ] {
         command.args([
             "--config",
             &format!("profile.dev.package.{krate}.codegen-units=250"),
@@ -58,6 +65,10 @@ fn course_tests(dir: &Path, cache: &Path) -> (bool, String) {
         .current_dir(dir)
         .env("CARGO_TARGET_DIR", target_dir());
     output(command, cache)
+}
+
+fn course_tests(dir: &Path, cache: &Path) -> (bool, String) {
+    course_tests_of(dir, cache, "tl-course", "l11_1")
 }
 
 /// The harness run in `dir`, as `cargo xtask ARGS..` would run it there, building into this
@@ -201,6 +212,108 @@ fn a_learner_goes_from_start_to_a_passing_check_and_check_names_what_falls_short
     assert!(!ok, "{out}");
     assert!(
         out.contains("s07 not caught: none of your tests of tl-precision fails when micro-batches weighted 1/k"),
+        "{out}"
+    );
+    let _ = fs::remove_dir_all(&base);
+}
+
+/// The reference's `files` (paths under the crate) written into the learner's crate.
+fn copy_reference_files(reference: &Path, learner: &Path, krate: &str, files: &[&str]) {
+    for file in files {
+        let to = learner.join(krate).join(file);
+        fs::create_dir_all(to.parent().unwrap()).unwrap();
+        fs::copy(reference.join(krate).join(file), to).unwrap();
+    }
+}
+
+/// A chapter whose learner writes some files of a crate (L11.2: the ring's steps): start
+/// stubs them alone, the course tests name the first function to write, the reference's
+/// bodies and own tests pass `check`, a pitfall written back is named, and emptied tests
+/// leave the pitfalls uncaught.
+#[test]
+#[ignore = "minutes: builds a learner's workspace and plants pitfalls (CI runs it)"]
+fn a_learner_of_l11_2_writes_the_rings_steps_and_check_grades_them() {
+    let base = std::env::temp_dir().join(format!("xtask-learner-l112-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&base);
+    let (learner, cache) = (base.join("learner"), base.join("cache"));
+    let (ok, out) = xtask(
+        &workspace(),
+        &cache,
+        &["start", "L11.2", "--into", learner.to_str().unwrap()],
+    );
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("crates/tl-collective/src/ring_steps.rs"),
+        "{out}"
+    );
+    let krate = "crates/tl-collective";
+    let steps = fs::read_to_string(learner.join(krate).join("src/ring_steps.rs")).unwrap();
+    assert!(
+        steps.contains("todo!(\"L11.2: ring_reduce_scatter — see docs/course/L11.2.md\")"),
+        "{steps}"
+    );
+    // The rest of the crate is the reference's, as written.
+    for kept in ["src/ring/mod.rs", "src/shard.rs", "src/channel_ring.rs"] {
+        assert_eq!(
+            fs::read(learner.join(krate).join(kept)).unwrap(),
+            fs::read(workspace().join(krate).join(kept)).unwrap(),
+            "{kept} is kept"
+        );
+    }
+    let marker = fs::read_to_string(learner.join(".course")).unwrap();
+    let reference = PathBuf::from(
+        marker
+            .lines()
+            .find_map(|l| l.strip_prefix("reference = "))
+            .expect("the marker names the reference"),
+    );
+
+    let (ok, out) = course_tests_of(&learner, &cache, "tl-course-l11-2", "l11_2");
+    assert!(!ok, "the stubs pass the course tests?");
+    assert!(out.contains("not yet implemented: L11.2: "), "{out}");
+
+    // The reference's steps and its own tests of them: check passes.
+    copy_reference_files(
+        &reference,
+        &learner,
+        krate,
+        &["src/ring_steps.rs", "tests/ring_steps.rs"],
+    );
+    let check = ["check", "L11.2", "--pitfalls-only", "--only", "c01,c08"];
+    let (ok, out) = xtask(&learner, &cache, &check);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("pitfalls caught by your tests                    2/2  ok"),
+        "{out}"
+    );
+
+    // c08 written back into the learner's steps: its course test fails and says so.
+    let path = learner.join(krate).join("src/ring_steps.rs");
+    let good = fs::read_to_string(&path).unwrap();
+    let bug = "reduce_into(op, &mut target[at], piece);";
+    assert_eq!(good.matches(bug).count(), 1);
+    fs::write(
+        &path,
+        good.replace(bug, "target[at].copy_from_slice(piece);"),
+    )
+    .unwrap();
+    let (ok, out) = xtask(&learner, &cache, &check);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("FAIL     test_hand_example_three_ranks_step_by_step  (it catches c02"),
+        "{out}"
+    );
+    fs::write(&path, good).unwrap();
+
+    // Tests emptied: the pitfalls are named as uncaught.
+    let tests = learner.join(krate).join("tests");
+    fs::remove_dir_all(&tests).unwrap();
+    fs::create_dir_all(&tests).unwrap();
+    fs::write(tests.join("my_tests.rs"), "#[test]\nfn nothing_yet() {}\n").unwrap();
+    let (ok, out) = xtask(&learner, &cache, &check);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("c08 not caught: none of your tests of tl-collective fails when"),
         "{out}"
     );
     let _ = fs::remove_dir_all(&base);

@@ -53,6 +53,7 @@
 //! ```
 
 pub mod bandwidth;
+mod channel_ring;
 mod communicator;
 mod element;
 mod env;
@@ -67,11 +68,13 @@ mod mpi_watchdog;
 mod p2p;
 mod phantom;
 mod ring;
+mod ring_steps;
 mod schedule;
 mod shard;
 mod single;
 mod wire;
 
+pub use channel_ring::{ChannelLink, channel_ring};
 pub use communicator::{CommStats, Communicator};
 pub use element::{Element, ElementType, ReduceOp, Slice, SliceMut, sum_in};
 pub use env::{
@@ -88,6 +91,10 @@ pub use p2p::MAX_TAG;
 pub use phantom::Phantom;
 pub use ring::{
     Collective, MAX_SOCKET_PATH, RING_HEADER_BYTES, RingComm, ring_bytes_sent, socket_path,
+};
+pub use ring_steps::{
+    RingLink, all_gather_step, reduce_scatter_step, ring_all_gather, ring_all_reduce,
+    ring_reduce_scatter,
 };
 pub use schedule::reference_all_reduce;
 pub use shard::shard_range;

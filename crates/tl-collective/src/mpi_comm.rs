@@ -51,17 +51,16 @@ use mpi::traits::{Destination as _, Source as _};
 use tl_numerics::Format;
 
 use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
-use crate::element::{
-    Element, ReduceOp, Slice, SliceMut, check_op, prepare, reduce_into, reduce_name,
-};
+use crate::element::{Element, ReduceOp, Slice, SliceMut, check_op, prepare, reduce_name};
 use crate::error::{CallHeader, CollectiveError, Result};
 use crate::group;
 use crate::mpi_watchdog::{DEFAULT_MPI_TIMEOUT, Watchdog, Watched};
 use crate::p2p::{self, SEND_OP};
 use crate::ring::header::{HEADER_LEN, decode, encode};
 use crate::ring::header::{from_words, to_words};
-use crate::ring::split_pair;
-use crate::schedule::{all_gather_step, reduce_scatter_step};
+use crate::ring_steps::{
+    RingLink, all_gather_step, reduce_scatter_step, ring_all_gather, ring_reduce_scatter,
+};
 use crate::shard::shard_range;
 use crate::wire::{self, Finish, Schedule};
 
@@ -460,20 +459,8 @@ impl MpiComm {
             // rounded from its 16-bit words.
             return self.packed_phase(data, reduce_scatter_step, format, Finish::AddAndRound);
         }
-        let (n, rank, len) = (self.world_size, self.rank, data.len());
-        let right = self.world.process_at_rank(((rank + 1) % n) as i32);
-        let left = self.world.process_at_rank(((rank + n - 1) % n) as i32);
-        let mut scratch = vec![T::zeroed(); shard_range(len, n, 0).len()];
-        for step in 0..n - 1 {
-            let (send, recv) = reduce_scatter_step(rank, step, n);
-            let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
-            self.stats.bytes_sent += (send.len() * size_of::<T>()) as u64;
-            let into = &mut scratch[..recv.len()];
-            let (out, target) = split_pair(data, send, recv);
-            send_receive_into(out, &right, &mut *into, &left);
-            reduce_into(op, target, into);
-        }
-        Ok(())
+        let (n, rank) = (self.world_size, self.rank);
+        ring_reduce_scatter(&mut self.sendrecv(), rank, n, data, op)
     }
 
     /// The ring's all-gather of `data`'s shards, as 16-bit words of `format` if given (the
@@ -486,17 +473,19 @@ impl MpiComm {
         if let Some(format) = format {
             return self.packed_phase(data, all_gather_step, format, Finish::Unpack);
         }
-        let (n, rank, len) = (self.world_size, self.rank, data.len());
-        let right = self.world.process_at_rank(((rank + 1) % n) as i32);
-        let left = self.world.process_at_rank(((rank + n - 1) % n) as i32);
-        for step in 0..n - 1 {
-            let (send, recv) = all_gather_step(rank, step, n);
-            let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
-            self.stats.bytes_sent += (send.len() * size_of::<T>()) as u64;
-            let (out, into) = split_pair(data, send, recv);
-            send_receive_into(out, &right, into, &left);
+        let (n, rank) = (self.world_size, self.rank);
+        ring_all_gather(&mut self.sendrecv(), rank, n, data)
+    }
+
+    /// The ring's steps over `MPI_Sendrecv` with the two neighbours.
+    fn sendrecv(&mut self) -> SendRecv<'_> {
+        let (n, rank) = (self.world_size, self.rank);
+        SendRecv {
+            world: &self.world,
+            right: ((rank + 1) % n) as i32,
+            left: ((rank + n - 1) % n) as i32,
+            bytes_sent: &mut self.stats.bytes_sent,
         }
-        Ok(())
     }
 
     /// One phase of a sum in `format` over `MPI_Sendrecv` ([`wire::packed_ring_phase`]):
@@ -753,5 +742,33 @@ impl Communicator for MpiComm {
             multiple: self.multiple,
             members: members.iter().map(|&m| self.members[m]).collect(),
         }))
+    }
+}
+
+/// MPI's [`RingLink`]: one `MPI_Sendrecv` a step, the shard's bytes as `MPI_BYTE`s, handed
+/// on whole once they have arrived.
+struct SendRecv<'a> {
+    world: &'a SimpleCommunicator,
+    right: i32,
+    left: i32,
+    bytes_sent: &'a mut u64,
+}
+
+impl RingLink for SendRecv<'_> {
+    fn exchange<T: Element>(
+        &mut self,
+        out: &[T],
+        into: &mut [T],
+        arrived: &mut dyn FnMut(std::ops::Range<usize>, &[T]),
+    ) -> Result<()> {
+        *self.bytes_sent += std::mem::size_of_val(out) as u64;
+        let (right, left) = (
+            self.world.process_at_rank(self.right),
+            self.world.process_at_rank(self.left),
+        );
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut *into);
+        send_receive_into(bytemuck::cast_slice::<T, u8>(out), &right, bytes, &left);
+        arrived(0..into.len(), into);
+        Ok(())
     }
 }

@@ -1,5 +1,6 @@
-//! The ring's schedule (which shard each rank sends and receives at each step), shared by
-//! the socket ring and the ring over MPI, and the sequential reference it must match.
+//! The sequential reference the ring must match. The ring's schedule itself (which shard
+//! each rank sends and receives at each step), shared by the socket ring and the ring over
+//! MPI, is in [`ring_steps`](crate::ring_steps).
 //!
 //! Ranks sit in a ring, each sending to `rank + 1` and receiving from `rank - 1` (mod N).
 //! Reduce-scatter takes N−1 steps: at step k rank r sends shard r−k−1 and receives shard
@@ -11,27 +12,6 @@
 
 use crate::element::{Element, ReduceOp, prepare};
 use crate::shard::shard_range;
-
-/// `(rank + world_size - back) mod world_size`.
-fn behind(rank: usize, back: usize, world_size: usize) -> usize {
-    (rank + world_size * 2 - back % world_size) % world_size
-}
-
-/// The shard rank `rank` sends at reduce-scatter step `step`, and the one it receives.
-pub(crate) fn reduce_scatter_step(rank: usize, step: usize, world_size: usize) -> (usize, usize) {
-    (
-        behind(rank, step + 1, world_size),
-        behind(rank, step + 2, world_size),
-    )
-}
-
-/// The shard rank `rank` sends at all-gather step `step`, and the one it receives.
-pub(crate) fn all_gather_step(rank: usize, step: usize, world_size: usize) -> (usize, usize) {
-    (
-        behind(rank, step, world_size),
-        behind(rank, step + 1, world_size),
-    )
-}
 
 /// What the ring's all-reduce computes from every rank's input, computed sequentially in the
 /// same order: element i of shard c is `x[c] ⊕ (… ⊕ (x[c+2] ⊕ x[c+1]))`, ranks taken
@@ -103,37 +83,6 @@ pub fn reference_all_reduce<T: Element>(inputs: &[&[T]], op: ReduceOp) -> Vec<T>
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn every_rank_receives_what_its_left_neighbour_sends() {
-        for n in 1usize..9 {
-            for step in 0..n.saturating_sub(1) {
-                for r in 0..n {
-                    let left = behind(r, 1, n);
-                    assert_eq!(
-                        reduce_scatter_step(r, step, n).1,
-                        reduce_scatter_step(left, step, n).0
-                    );
-                    assert_eq!(
-                        all_gather_step(r, step, n).1,
-                        all_gather_step(left, step, n).0
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn reduce_scatter_ends_with_each_rank_owning_its_shard() {
-        for n in 2..9 {
-            for r in 0..n {
-                // The shard received at the last step is the one whose reduction completes here.
-                assert_eq!(reduce_scatter_step(r, n - 2, n).1, r);
-                // And a rank's first send is the shard it forwards onward.
-                assert_eq!(all_gather_step(r, 0, n).0, r);
-            }
-        }
-    }
 
     #[test]
     fn reference_sums_shard_c_starting_at_rank_c_plus_one() {

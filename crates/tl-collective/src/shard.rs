@@ -31,6 +31,22 @@ pub fn shard_range(len: usize, world_size: usize, rank: usize) -> Range<usize> {
     start..end
 }
 
+/// Two disjoint parts of `data`: one to read, one to write.
+pub(crate) fn split_pair<T>(
+    data: &mut [T],
+    read: Range<usize>,
+    write: Range<usize>,
+) -> (&[T], &mut [T]) {
+    if read.end <= write.start {
+        let (low, high) = data.split_at_mut(write.start);
+        (&low[read], &mut high[..write.len()])
+    } else {
+        debug_assert!(write.end <= read.start, "ring ranges overlap");
+        let (low, high) = data.split_at_mut(read.start);
+        (&high[..read.len()], &mut low[write])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -92,8 +92,8 @@ impl Finish {
 }
 
 /// A phase's schedule: for `(rank, step, world_size)`, the shard that rank sends at that
-/// step and the one it receives ([`reduce_scatter_step`](crate::schedule::reduce_scatter_step)
-/// or [`all_gather_step`](crate::schedule::all_gather_step)).
+/// step and the one it receives ([`reduce_scatter_step`](crate::ring_steps::reduce_scatter_step)
+/// or [`all_gather_step`](crate::ring_steps::all_gather_step)).
 pub(crate) type Schedule = fn(usize, usize, usize) -> (usize, usize);
 
 /// The received words `words` of a step's shard, to finish into that shard's elements

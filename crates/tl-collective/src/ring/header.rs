@@ -4,8 +4,8 @@ use crate::error::{CallHeader, CollectiveError, Result};
 use crate::p2p::Inbox;
 use crate::ring::link::{Exchange, Link, Side};
 use crate::ring::messages::{Frames, Until};
-use crate::ring::split_pair;
-use crate::schedule::all_gather_step;
+use crate::ring_steps::all_gather_step;
+use crate::shard::split_pair;
 
 /// Bytes of one encoded header (its fields and the magic word).
 pub(crate) const HEADER_LEN: usize = 40;

@@ -27,14 +27,15 @@ use std::ops::Range;
 use tl_numerics::Format;
 
 use crate::communicator::{CommStats, Communicator, check_root, check_scatter};
-use crate::element::{
-    Element, ReduceOp, Slice, SliceMut, check_op, prepare, reduce_into, reduce_name,
-};
+use crate::element::{Element, ReduceOp, Slice, SliceMut, check_op, prepare, reduce_name};
 use crate::env::RingConfig;
 use crate::error::{CallHeader, CollectiveError, Result};
 use crate::group;
 use crate::p2p::Inbox;
-use crate::schedule::{all_gather_step, reduce_scatter_step};
+use crate::ring_steps::{
+    RingLink, all_gather_step, reduce_scatter_step, ring_all_gather, ring_all_reduce,
+    ring_reduce_scatter,
+};
 use crate::shard::shard_range;
 use crate::wire::{self, Finish, Schedule};
 pub use cost::{Collective, RING_HEADER_BYTES, ring_bytes_sent};
@@ -220,19 +221,35 @@ impl RingComm {
     }
 }
 
-/// Two disjoint parts of `data`: one to read, one to write.
-pub(crate) fn split_pair<T>(
-    data: &mut [T],
-    read: Range<usize>,
-    write: Range<usize>,
-) -> (&[T], &mut [T]) {
-    if read.end <= write.start {
-        let (low, high) = data.split_at_mut(write.start);
-        (&low[read], &mut high[..write.len()])
-    } else {
-        debug_assert!(write.end <= read.start, "ring ranges overlap");
-        let (low, high) = data.split_at_mut(read.start);
-        (&high[..read.len()], &mut low[write])
+/// The socket ring's [`RingLink`]: a step streams over the link's two connections, and
+/// the received bytes are handed on in whole elements as they arrive (`PIECE` at a time),
+/// so that a reduction runs while the rest of the shard is still on the wire.
+struct Sockets<'a> {
+    link: &'a mut Link,
+    name: &'static str,
+}
+
+impl RingLink for Sockets<'_> {
+    fn exchange<T: Element>(
+        &mut self,
+        out: &[T],
+        into: &mut [T],
+        arrived: &mut dyn FnMut(Range<usize>, &[T]),
+    ) -> Result<()> {
+        let size = std::mem::size_of::<T>();
+        let mut flow = ReduceExchange {
+            inner: Exchange::new(bytemuck::cast_slice(out), bytemuck::cast_slice_mut(into)),
+            element: size,
+            reduced: 0,
+            reduce: |bytes: Range<usize>, received: &[u8]| {
+                // `received` starts at a whole element of a `T` buffer: aligned.
+                arrived(
+                    bytes.start / size..bytes.end / size,
+                    bytemuck::cast_slice(received),
+                );
+            },
+        };
+        self.link.pump(self.name, &mut flow)
     }
 }
 
@@ -257,26 +274,7 @@ fn reduce_scatter_in_place<T: Element>(
             name,
         );
     }
-    let len = data.len();
-    let size = std::mem::size_of::<T>();
-    let mut scratch: Vec<T> = vec![T::zeroed(); shard_range(len, n, 0).len()];
-    for step in 0..n - 1 {
-        let (send, recv) = reduce_scatter_step(rank, step, n);
-        let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
-        let into = &mut scratch[..recv.len()];
-        let (out, target) = split_pair(data, send, recv);
-        let mut flow = ReduceExchange {
-            inner: Exchange::new(bytemuck::cast_slice(out), bytemuck::cast_slice_mut(into)),
-            element: size,
-            reduced: 0,
-            reduce: |bytes: Range<usize>, received: &[u8]| {
-                let dst = &mut target[bytes.start / size..bytes.end / size];
-                reduce_into(op, dst, bytemuck::cast_slice(received));
-            },
-        };
-        link.pump(name, &mut flow)?;
-    }
-    Ok(())
+    ring_reduce_scatter(&mut Sockets { link, name }, rank, n, data, op)
 }
 
 /// One phase of a sum in `format` over the link ([`wire::packed_ring_phase`]): the received
@@ -341,15 +339,7 @@ fn all_gather_in_place<T: Element>(
     data: &mut [T],
     name: &'static str,
 ) -> Result<()> {
-    let len = data.len();
-    for step in 0..n - 1 {
-        let (send, recv) = all_gather_step(rank, step, n);
-        let (send, recv) = (shard_range(len, n, send), shard_range(len, n, recv));
-        let (out, into) = split_pair(data, send, recv);
-        let mut flow = Exchange::new(bytemuck::cast_slice(out), bytemuck::cast_slice_mut(into));
-        link.pump(name, &mut flow)?;
-    }
-    Ok(())
+    ring_all_gather(&mut Sockets { link, name }, rank, n, data)
 }
 
 impl RingComm {
@@ -358,6 +348,9 @@ impl RingComm {
         let header = self.header(name, T::NAME, data.len(), 0);
         self.collective(header, |link, rank, n| {
             prepare(op, data);
+            if op.format().is_none() {
+                return ring_all_reduce(&mut Sockets { link, name }, rank, n, data, op);
+            }
             reduce_scatter_in_place(link, rank, n, data, op, name)?;
             all_gather_wire(link, rank, n, data, op.format(), name)
         })?;
