@@ -11,7 +11,7 @@ pub(crate) const L11_3: Chapter = Chapter {
     name: "L11.3",
     title: "Data parallelism and ZeRO stages 1 to 3",
     crates: CRATES,
-    course_package: "tl-course",
+    course_package: "tl-course-l11-3",
     test_binary: "l11_3",
     tests: TESTS,
     pitfalls: PITFALLS,
