@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use tl_collective::{
-    ChannelLink, ReduceOp, channel_ring, reference_all_reduce, ring_all_gather, ring_all_reduce,
+    ChannelLink, ReduceOp, on_channel_ring, reference_all_reduce, ring_all_gather, ring_all_reduce,
     ring_reduce_scatter, shard_range,
 };
 use tl_numerics::Format;
@@ -24,28 +24,13 @@ fn on_ring<T: tl_collective::Element + Send + Sync>(
     collective: impl Fn(&mut ChannelLink, usize, usize, &mut [T]) + Sync,
 ) -> Vec<Ran<T>> {
     let n = inputs.len();
-    let links = channel_ring(n, piece, Duration::from_secs(20));
-    std::thread::scope(|s| {
-        let handles: Vec<_> = links
-            .into_iter()
-            .zip(inputs)
-            .enumerate()
-            .map(|(rank, (mut link, input))| {
-                let collective = &collective;
-                s.spawn(move || {
-                    let mut data = input.clone();
-                    collective(&mut link, rank, n, &mut data);
-                    Ran {
-                        data,
-                        bytes_sent: link.bytes_sent,
-                    }
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("a rank"))
-            .collect()
+    on_channel_ring(n, piece, Duration::from_secs(20), |link, rank| {
+        let mut data = inputs[rank].clone();
+        collective(link, rank, n, &mut data);
+        Ran {
+            data,
+            bytes_sent: link.bytes_sent,
+        }
     })
 }
 

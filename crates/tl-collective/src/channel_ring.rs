@@ -76,6 +76,35 @@ pub fn channel_ring(world_size: usize, piece: usize, timeout: Duration) -> Vec<C
         .collect()
 }
 
+/// Runs `rank_program(link, rank)` for each of `world_size` ranks on threads joined by a
+/// [`channel_ring`], and returns what each returned, in rank order. A rank that panics drops
+/// its link, so its neighbours fail at once instead of waiting out `timeout`.
+///
+/// # Panics
+/// If a rank panics (with its message), or `world_size` is 0.
+pub fn on_channel_ring<R: Send>(
+    world_size: usize,
+    piece: usize,
+    timeout: Duration,
+    rank_program: impl Fn(&mut ChannelLink, usize) -> R + Sync,
+) -> Vec<R> {
+    let links = channel_ring(world_size, piece, timeout);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = links
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut link)| {
+                let rank_program = &rank_program;
+                s.spawn(move || rank_program(&mut link, rank))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank panicked"))
+            .collect()
+    })
+}
+
 impl RingLink for ChannelLink {
     fn exchange<T: Element>(
         &mut self,

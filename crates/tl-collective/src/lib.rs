@@ -74,7 +74,7 @@ mod shard;
 mod single;
 mod wire;
 
-pub use channel_ring::{ChannelLink, channel_ring};
+pub use channel_ring::{ChannelLink, channel_ring, on_channel_ring};
 pub use communicator::{CommStats, Communicator};
 pub use element::{Element, ElementType, ReduceOp, Slice, SliceMut, sum_in};
 pub use env::{

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use tl_collective::{
-    ReduceOp, all_gather_step, channel_ring, reduce_scatter_step, reference_all_reduce,
+    ReduceOp, all_gather_step, on_channel_ring, reduce_scatter_step, reference_all_reduce,
     ring_all_gather, ring_all_reduce, ring_reduce_scatter, shard_range,
 };
 
@@ -28,29 +28,14 @@ fn on_ring(
     collective: impl Fn(&mut tl_collective::ChannelLink, usize, usize, &mut [f32]) + Sync,
 ) -> Vec<Ran> {
     let n = inputs.len();
-    let links = channel_ring(n, piece, TIMEOUT);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = links
-            .into_iter()
-            .zip(inputs)
-            .enumerate()
-            .map(|(rank, (mut link, input))| {
-                let collective = &collective;
-                s.spawn(move || {
-                    let mut data = input.clone();
-                    collective(&mut link, rank, n, &mut data);
-                    Ran {
-                        data,
-                        bytes_sent: link.bytes_sent,
-                        steps: link.steps,
-                    }
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("a rank"))
-            .collect()
+    on_channel_ring(n, piece, TIMEOUT, |link, rank| {
+        let mut data = inputs[rank].clone();
+        collective(link, rank, n, &mut data);
+        Ran {
+            data,
+            bytes_sent: link.bytes_sent,
+            steps: link.steps,
+        }
     })
 }
 
