@@ -318,3 +318,100 @@ fn a_learner_of_l11_2_writes_the_rings_steps_and_check_grades_them() {
     );
     let _ = fs::remove_dir_all(&base);
 }
+
+/// L11.3, whose learner writes five files of tl-parallel: start stubs them alone, the course
+/// tests name a function to write, the reference's bodies and the reference's own test of
+/// them pass `check`, a pitfall written back is named by its course test, and emptied
+/// tests leave the pitfalls uncaught.
+#[test]
+#[ignore = "minutes: builds a learner's workspace and plants pitfalls (CI runs it)"]
+fn a_learner_of_l11_3_writes_data_parallelisms_pieces_and_check_grades_them() {
+    let base = std::env::temp_dir().join(format!("xtask-learner-l113-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&base);
+    let (learner, cache) = (base.join("learner"), base.join("cache"));
+    let (ok, out) = xtask(
+        &workspace(),
+        &cache,
+        &["start", "L11.3", "--into", learner.to_str().unwrap()],
+    );
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("crates/tl-parallel/src/zero3/unit.rs"),
+        "{out}"
+    );
+    let krate = "crates/tl-parallel";
+    let unit = fs::read_to_string(learner.join(krate).join("src/zero3/unit.rs")).unwrap();
+    assert!(
+        unit.contains("todo!(\"L11.3: run_unit — see docs/course/L11.3.md\")"),
+        "{unit}"
+    );
+    // The rest of the crate is the reference's, as written.
+    for kept in ["src/ddp.rs", "src/zero3/mod.rs", "src/runs.rs"] {
+        assert_eq!(
+            fs::read(learner.join(krate).join(kept)).unwrap(),
+            fs::read(workspace().join(krate).join(kept)).unwrap(),
+            "{kept} is kept"
+        );
+    }
+    let marker = fs::read_to_string(learner.join(".course")).unwrap();
+    let reference = PathBuf::from(
+        marker
+            .lines()
+            .find_map(|l| l.strip_prefix("reference = "))
+            .expect("the marker names the reference"),
+    );
+
+    let (ok, out) = course_tests_of(&learner, &cache, "tl-course-l11-3", "l11_3");
+    assert!(!ok, "the stubs pass the course tests?");
+    assert!(out.contains("not yet implemented: L11.3: "), "{out}");
+
+    // The reference's five files and its own test of them: check passes.
+    copy_reference_files(
+        &reference,
+        &learner,
+        krate,
+        &[
+            "src/batch.rs",
+            "src/bucket.rs",
+            "src/decide.rs",
+            "src/shard_step.rs",
+            "src/zero3/unit.rs",
+            "tests/learner_surface.rs",
+            "tests/common/mod.rs",
+        ],
+    );
+    let check = ["check", "L11.3", "--pitfalls-only", "--only", "d12,d14"];
+    let (ok, out) = xtask(&learner, &cache, &check);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("pitfalls caught by your tests                    2/2  ok"),
+        "{out}"
+    );
+
+    // d14 written back into the learner's unit: its course test fails and says so.
+    let path = learner.join(krate).join("src/zero3/unit.rs");
+    let good = fs::read_to_string(&path).unwrap();
+    let release = "self.core.borrow().release(unit);";
+    assert_eq!(good.matches(release).count(), 1);
+    fs::write(&path, good.replace(release, "")).unwrap();
+    let (ok, out) = xtask(&learner, &cache, &check);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("FAIL     test_zero3_releases_after_forward_and_backward  (it catches d14"),
+        "{out}"
+    );
+    fs::write(&path, good).unwrap();
+
+    // Tests emptied: the pitfalls are named as uncaught.
+    let tests = learner.join(krate).join("tests");
+    fs::remove_dir_all(&tests).unwrap();
+    fs::create_dir_all(&tests).unwrap();
+    fs::write(tests.join("my_tests.rs"), "#[test]\nfn nothing_yet() {}\n").unwrap();
+    let (ok, out) = xtask(&learner, &cache, &check);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("d12 not caught: none of your tests of tl-parallel fails when"),
+        "{out}"
+    );
+    let _ = fs::remove_dir_all(&base);
+}

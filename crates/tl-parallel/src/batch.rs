@@ -20,13 +20,32 @@ use tl_collective::shard_range;
 
 use crate::error::{ParallelError, Result};
 
-/// The weight of a replica's gradient in the global batch's: its rows over the batch's,
-/// `n_r/B`.
+/// The weight of rank `rank`'s gradient in the sum over the `world_size` ranks: its rows
+/// over the global batch's, `n_r/B` (docs/course/L11.3.md § 2, *The weighted sum*).
+///
+/// A rank's step weights its micro-batches by their share of its own rows, so its gradient
+/// is the gradient of the mean over its `n_r` rows. Multiplied by `n_r/B` before the sum,
+/// the ranks' gradients add up to the gradient of the mean over all `B` rows, whatever the
+/// shares. `1/world_size` is the same number only when the shares are equal: with 3 rows
+/// on rank 0 and 1 on rank 1 the weights are 3/4 and 1/4, not 1/2 and 1/2. The weight
+/// does not depend on `world_size`; the ranks' weights sum to one.
 ///
 /// # Errors
 /// [`ParallelError::RowsOutsideBatch`] naming `rank` if `local_rows` is zero or greater than
 /// `global_rows`.
-pub(crate) fn replica_weight(rank: usize, local_rows: usize, global_rows: usize) -> Result<f64> {
+///
+/// # Panics
+/// In debug builds, if `rank` is not below `world_size`.
+pub(crate) fn replica_weight(
+    rank: usize,
+    world_size: usize,
+    local_rows: usize,
+    global_rows: usize,
+) -> Result<f64> {
+    debug_assert!(
+        rank < world_size,
+        "rank {rank} outside a world of {world_size}"
+    );
     if local_rows == 0 || local_rows > global_rows {
         return Err(ParallelError::RowsOutsideBatch {
             rank,
@@ -50,14 +69,22 @@ pub struct BatchShare {
 }
 
 impl BatchShare {
-    /// This rank's weight in the sum of the ranks' gradients: its rows over the global rows.
+    /// This rank's weight in the sum of the ranks' gradients: its rows over the global rows,
+    /// `n_r/B` (docs/course/L11.3.md § 2, *The weighted sum*).
     pub fn weight(&self) -> f64 {
         self.rows.len() as f64 / self.global_rows as f64
     }
 }
 
 /// Rank `rank`'s share of a step's `global_rows` rows, cut into micro-batches of at most
-/// `micro_batch_rows` rows (see the [module docs](self) for the layout and the weights).
+/// `micro_batch_rows` rows (see the [module docs](self) for the layout and the weights, and
+/// docs/course/L11.3.md § 2, *The weighted sum*).
+///
+/// Rank `r` takes the contiguous rows [`shard_range`]`(global_rows, world_size, r)`: when
+/// the rows do not divide, the first `global_rows % world_size` ranks take one row more
+/// (5 rows over 2 ranks: `0..3` and `3..5`). It cuts them, in order, into micro-batches of
+/// `micro_batch_rows` rows, the last one shorter if they do not divide; no micro-batch
+/// reaches past the rank's rows.
 ///
 /// With `global_rows = m · accum · world_size` and `micro_batch_rows = m`, rank `r` gets the
 /// single process's micro-batches `r·accum .. (r+1)·accum`, each `m` rows.
@@ -127,6 +154,21 @@ mod tests {
         // 4..6, 6..8; rank 0 takes the first two, rank 1 the last two.
         assert_eq!(batch_share(8, 2, 2, 0).unwrap().micro_batches, [0..2, 2..4]);
         assert_eq!(batch_share(8, 2, 2, 1).unwrap().micro_batches, [4..6, 6..8]);
+    }
+
+    #[test]
+    fn a_replica_weighs_its_share_of_the_rows_not_one_over_the_ranks() {
+        // 3 rows and 1 of 4: 3/4 and 1/4, not 1/2 each.
+        assert_eq!(replica_weight(0, 2, 3, 4).unwrap(), 0.75);
+        assert_eq!(replica_weight(1, 2, 1, 4).unwrap(), 0.25);
+        assert_eq!(replica_weight(0, 1, 4, 4).unwrap(), 1.0);
+        for (local, global) in [(0, 4), (5, 4)] {
+            let error = replica_weight(1, 2, local, global).unwrap_err();
+            assert!(
+                matches!(error, ParallelError::RowsOutsideBatch { rank: 1, .. }),
+                "{error}"
+            );
+        }
     }
 
     #[test]

@@ -6,9 +6,10 @@
 //! bucket is split across two, so every bucket but the last holds exactly `capacity`
 //! elements.
 
-use tl_tensor::memory::{self, Kind, Tag};
-use tl_tensor::ndarray::ArrayD;
+use tl_tensor::kernels::finite::all_finite;
 use tl_tensor::{Element, Tensor};
+
+use crate::runs::{ensure_grad, read_run, write_run};
 
 /// Bytes per bucket unless a [`DataParallel`](crate::DataParallel) is given others
 /// (`with_bucket_bytes`): PyTorch DDP's default, 25 MiB. The one definition of the default:
@@ -35,7 +36,15 @@ pub struct Segment {
 }
 
 /// The buckets for parameters of `numels` elements, at most `capacity` elements each, filled
-/// from the last parameter to the first. Empty parameters take no segment.
+/// from the last parameter to the first. Empty parameters take no segment. See
+/// docs/course/L11.3.md § 2, *Buckets*.
+///
+/// Backward produces the gradients from the last parameter to the first, so the first
+/// bucket holds the last parameters and is complete first. A parameter that does not fit in
+/// what is left of the current bucket is split: its first elements fill the bucket, the rest
+/// go on in the next one (a parameter larger than a bucket spans several). Every bucket but
+/// the last holds exactly `capacity` elements, and within a bucket the segments keep the
+/// order they were filled in. An empty model is one empty bucket.
 ///
 /// # Panics
 /// If `capacity` is zero.
@@ -63,64 +72,76 @@ pub fn plan(numels: &[usize], capacity: usize) -> Vec<Vec<Segment>> {
     buckets
 }
 
-/// Elements a bucket of these segments holds.
-pub(crate) fn bucket_len(segments: &[Segment]) -> usize {
-    segments.iter().map(|s| s.len).sum()
+/// Copies the gradients of `segments` (one bucket of a [`plan`]) into `out`, one run after
+/// the other in the segments' order, each multiplied by this rank's `weight` `n_r/B`
+/// ([`replica_weight`](crate::batch::replica_weight)); returns whether every value copied was
+/// finite (before the multiplication). `out` holds [`bucket_len`](crate::runs::bucket_len)
+/// zeros: a parameter without a gradient (one this rank's micro-batches did not reach)
+/// contributes zeros. See docs/course/L11.3.md § 2, *The weighted sum* and *Buckets*.
+///
+/// The weight is applied here, once, before the sum: after the all-reduce the bucket holds
+/// `Σ_r (n_r/B)·g_r`, the batch's gradient, and nothing divides it by the number of ranks
+/// again.
+///
+/// A segment `{param, start, len}` is elements `start..start + len` of the parameter's
+/// gradient in its logical (row-major) order; read them with
+/// [`read_run`](crate::runs::read_run).
+///
+/// # Panics
+/// If `out` is shorter than the segments.
+pub(crate) fn fill_bucket<E: Element>(
+    params: &[Tensor<E>],
+    segments: &[Segment],
+    weight: E,
+    out: &mut [E],
+) -> bool {
+    let mut finite = true;
+    let mut offset = 0;
+    for s in segments {
+        let run = &mut out[offset..offset + s.len];
+        // A parameter without a gradient contributes zeros.
+        params[s.param].with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
+        finite &= all_finite(run);
+        run.iter_mut().for_each(|v| *v *= weight);
+        offset += s.len;
+    }
+    finite
 }
 
-/// Copies `array`'s elements `start..start + out.len()` (logical order) into `out`.
-pub(crate) fn read_run<E: Copy>(array: &ArrayD<E>, start: usize, out: &mut [E]) {
-    match array.as_slice() {
-        Some(flat) => out.copy_from_slice(&flat[start..start + out.len()]),
-        None => out
-            .iter_mut()
-            .zip(array.iter().skip(start))
-            .for_each(|(o, &x)| *o = x),
+/// Writes the reduced bucket `summed` back into the gradients of `segments`, the inverse of
+/// [`fill_bucket`]: run `i` of `summed` replaces elements `start..start + len` of its
+/// parameter's gradient. A parameter without a gradient is given one first (zeros,
+/// [`ensure_grad`](crate::runs::ensure_grad)), so that every rank ends with the same
+/// gradients. Elements of `summed` past the segments (the last bucket's
+/// [`STEP_EXTRAS`]) are not gradients and are left alone. See docs/course/L11.3.md § 2,
+/// *Buckets*.
+///
+/// # Panics
+/// If `summed` is shorter than the segments.
+pub(crate) fn write_bucket<E: Element>(params: &[Tensor<E>], segments: &[Segment], summed: &[E]) {
+    let mut offset = 0;
+    for s in segments {
+        let param = &params[s.param];
+        ensure_grad(param);
+        let run = &summed[offset..offset + s.len];
+        param.update_grad(|g| write_run(g, s.start, run));
+        offset += s.len;
     }
 }
 
-/// Writes `src` over `array`'s elements `start..start + src.len()` (logical order).
-pub(crate) fn write_run<E: Copy>(array: &mut ArrayD<E>, start: usize, src: &[E]) {
-    match array.as_slice_mut() {
-        Some(flat) => flat[start..start + src.len()].copy_from_slice(src),
-        None => array
-            .iter_mut()
-            .skip(start)
-            .zip(src)
-            .for_each(|(x, &s)| *x = s),
-    }
-}
-
-/// Gives `param` a zero gradient if it has none, so that the reduced sum can be written into
-/// it: a parameter this rank's micro-batches did not reach still gets the others' gradient.
-pub(crate) fn ensure_grad<E: Element>(param: &Tensor<E>) {
-    if param.with_grad(|grad| grad.is_none()) {
-        set_grad_with(param, || ArrayD::zeros(param.shape()));
-    }
-}
-
-/// Sets `param`'s gradient to `values()`; for a [meta](tl_tensor::meta) parameter, to a
-/// meta gradient of its shape instead (`values` is not called), allocated and tagged on
-/// the meter as [`Tensor::set_grad`] allocates and tags the values.
-pub(crate) fn set_grad_with<E: Element>(param: &Tensor<E>, values: impl FnOnce() -> ArrayD<E>) {
-    if !param.is_meta() {
-        param.set_grad(Some(values()));
-        return;
-    }
-    // Made in the gradient's own tag (a leaf's gradient is owned where its storage is), so
-    // that handing it over is no retag.
-    let _gradient = memory::tag_scope(Tag {
-        kind: Kind::Gradients,
-        owner: param.memory_tag().owner,
-        label: "",
-        ..memory::current_tag()
-    });
-    param.set_grad_tensor(Some(Tensor::meta(&param.shape())));
+/// Whether the backward of micro-batch `micro_batch` (counted from 0) of a step of
+/// `micro_batches` reduces the gradients as backward produces them: only the last one's.
+/// The earlier micro-batches accumulate their gradients locally and communicate nothing
+/// (PyTorch's `no_sync`): their gradients are not final yet, and reducing each would send
+/// `micro_batches` times the bytes. See docs/course/L11.3.md § 2, *Buckets*.
+pub(crate) fn reduces_in_backward(micro_batch: usize, micro_batches: usize) -> bool {
+    micro_batch + 1 == micro_batches
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tl_tensor::ndarray::ArrayD;
 
     fn seg(param: usize, start: usize, len: usize) -> Segment {
         Segment { param, start, len }
@@ -147,16 +168,41 @@ mod tests {
     }
 
     #[test]
-    fn runs_read_and_write_in_logical_order_even_when_transposed() {
-        let mut array = ArrayD::from_shape_vec(vec![2, 3], vec![0., 1., 2., 3., 4., 5.]).unwrap();
-        let mut out = [0.0; 3];
-        read_run(&array, 2, &mut out);
-        assert_eq!(out, [2., 3., 4.]);
-        let mut transposed = array.t().to_owned();
-        transposed.swap_axes(0, 1); // logical order back to 0..6, memory order not
-        read_run(&transposed, 1, &mut out);
-        assert_eq!(out, [1., 2., 3.]);
-        write_run(&mut array, 4, &[9., 8.]);
-        assert_eq!(array.as_slice().unwrap(), [0., 1., 2., 3., 9., 8.]);
+    fn a_bucket_is_filled_weighted_and_written_back_in_place() {
+        // Parameters of 3 and 5 elements in buckets of 4: the second split over two
+        // buckets, the first parameter without a gradient.
+        let a = Tensor::<f64>::param(ArrayD::zeros(vec![3]));
+        let b = Tensor::<f64>::param(ArrayD::zeros(vec![5]));
+        b.set_grad(Some(
+            ArrayD::from_shape_vec(vec![5], vec![1., 2., 3., 4., 5.]).unwrap(),
+        ));
+        let params = [a.clone(), b.clone()];
+        let buckets = plan(&[3, 5], 4);
+        let mut filled = Vec::new();
+        for bucket in &buckets {
+            let mut out = vec![0.0; bucket.iter().map(|s| s.len).sum()];
+            assert!(fill_bucket(&params, bucket, 0.5, &mut out));
+            filled.push(out);
+        }
+        // Weighted by 0.5, parameter 1 first; a parameter without a gradient gives zeros.
+        assert_eq!(filled, [vec![0.5, 1., 1.5, 2.], vec![2.5, 0., 0., 0.]]);
+        for (bucket, sums) in buckets.iter().zip(&filled) {
+            let mut summed = sums.iter().map(|v| v * 4.0).collect::<Vec<_>>();
+            summed.extend([7.0; STEP_EXTRAS]); // the last bucket's extras are not gradients
+            write_bucket(&params, bucket, &summed);
+        }
+        assert_eq!(b.grad().unwrap().as_slice().unwrap(), [2., 4., 6., 8., 10.]);
+        assert_eq!(a.grad().unwrap().as_slice().unwrap(), [0., 0., 0.]);
+        // An inf is reported, before the weighting could hide it.
+        b.set_grad(Some(ArrayD::from_elem(vec![5], f64::INFINITY)));
+        let mut out = vec![0.0; 4];
+        assert!(!fill_bucket(&params, &buckets[0], 0.0, &mut out));
+    }
+
+    #[test]
+    fn only_the_last_micro_batch_reduces_in_backward() {
+        assert!(reduces_in_backward(0, 1));
+        assert!(!reduces_in_backward(0, 3) && !reduces_in_backward(1, 3));
+        assert!(reduces_in_backward(2, 3));
     }
 }

@@ -32,19 +32,20 @@ use tl_precision::{
     MicroBatch, Precision, StepObserver, StepPhase, StepReport, train_step_mixed_observed,
     underflow_count,
 };
-use tl_tensor::kernels::finite::all_finite;
 use tl_tensor::memory::{self, Stage};
 use tl_tensor::nn::Module;
 use tl_tensor::optim::Optimizer;
 use tl_tensor::{Element, Tensor};
 
 use crate::bucket::{
-    DEFAULT_BUCKET_BYTES, STEP_EXTRAS, bucket_len, ensure_grad, plan, read_run, write_run,
+    DEFAULT_BUCKET_BYTES, STEP_EXTRAS, fill_bucket, plan, reduces_in_backward, write_bucket,
 };
+use crate::decide::{all_ranks_finite, global_sum_squares};
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, SharedLink};
 use crate::metered::{Metered, communication, labels};
 use crate::overlap::{Overlap, OverlappedReduction};
+use crate::runs::{bucket_len, ensure_grad, read_run, write_run};
 use crate::tensor_parallel::TensorParallel;
 use crate::tensor_parallel::axis::TensorAxis;
 use crate::zero2::GradientShards;
@@ -334,7 +335,8 @@ impl DataParallel {
     /// [`ParallelError::RowsOutsideBatch`] if `local_rows` is zero or greater than
     /// `global_rows` (nothing changes).
     pub fn begin_step(&mut self, local_rows: usize, global_rows: usize) -> Result<()> {
-        self.weight = crate::batch::replica_weight(self.rank(), local_rows, global_rows)?;
+        self.weight =
+            crate::batch::replica_weight(self.rank(), self.world_size(), local_rows, global_rows)?;
         self.local_loss.set(0.0);
         self.loss_recorded = false;
         self.summary = None;
@@ -429,15 +431,7 @@ impl DataParallel {
         for (index, bucket) in buckets.iter().enumerate() {
             buf.reset(bucket_len(bucket));
             if let Some(values) = buf.values_mut() {
-                let mut offset = 0;
-                for s in bucket {
-                    let run = &mut values[offset..offset + s.len];
-                    // A parameter without a gradient contributes zeros.
-                    params[s.param].with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
-                    finite &= all_finite(run);
-                    run.iter_mut().for_each(|v| *v *= weight);
-                    offset += s.len;
-                }
+                finite &= fill_bucket(params, bucket, weight, values);
             }
             let last = index + 1 == buckets.len();
             let extras = last.then(|| step_extras::<E>(self.local_loss.get(), !finite));
@@ -448,14 +442,9 @@ impl DataParallel {
             self.link
                 .borrow_mut()
                 .call(|comm| comm.all_reduce_sum(view))?;
-            let mut offset = 0;
-            for s in bucket {
-                ensure_grad(&params[s.param]);
-                if let Some(values) = buf.values() {
-                    let run = &values[offset..offset + s.len];
-                    params[s.param].update_grad(|g| write_run(g, s.start, run));
-                }
-                offset += s.len;
+            match buf.values() {
+                Some(values) => write_bucket(params, bucket, values),
+                None => bucket.iter().for_each(|s| ensure_grad(&params[s.param])),
             }
             if let Some(extras) = extras {
                 // A meta run sums nothing: every rank is taken to hold what this one holds,
@@ -508,8 +497,9 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
         let StepPhase::Backward { micro_batch } = phase else {
             return run(self);
         };
+        let last = (self.micro_batches).is_some_and(|m| reduces_in_backward(micro_batch, m));
         if let Some(overlapped) = self.overlapped.clone()
-            && self.micro_batches == Some(micro_batch + 1)
+            && last
         {
             overlapped.arm(self.weight);
             let out = run(self);
@@ -517,7 +507,7 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
             return out;
         }
         match self.sharded() {
-            Some(shards) if self.micro_batches == Some(micro_batch + 1) => {
+            Some(shards) if last => {
                 shards.arm(self.weight, self.overlap);
                 let out = run(self);
                 shards.disarm();
@@ -571,9 +561,8 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
     /// reduced gradients (`local`, the same on every rank) are finite; with a
     /// tensor-parallel group, on every rank of it too.
     fn all_finite(&mut self, local: bool) -> bool {
-        let finite = local
-            && !self.link.borrow().failed()
-            && self.summary.is_some_and(|s| s.nonfinite_ranks == 0);
+        let failed = self.link.borrow().failed();
+        let finite = all_ranks_finite(local, failed, self.summary);
         match &self.tensor {
             Some(tensor) => tensor.all_finite(finite),
             None => finite,
@@ -587,11 +576,12 @@ impl<E: GradElement> StepObserver<E> for DataParallel {
     fn total_sum_squares(&mut self, local: f64) -> f64 {
         let sharded = self.sharded().is_some();
         let link = &self.link;
-        let over_data = |sum: f64| match sharded {
-            true => (link.borrow_mut())
-                .call(|comm| comm.all_reduce_sum_f64(sum))
-                .unwrap_or(f64::NAN),
-            false => sum,
+        let over_data = |sum: f64| {
+            global_sum_squares(sum, sharded, |sum| {
+                (link.borrow_mut())
+                    .call(|comm| comm.all_reduce_sum_f64(sum))
+                    .unwrap_or(f64::NAN)
+            })
         };
         match &self.tensor {
             Some(tensor) => tensor.total_sum_squares(local, over_data),

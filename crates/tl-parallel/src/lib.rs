@@ -70,11 +70,14 @@
 mod batch;
 mod bucket;
 mod ddp;
+mod decide;
 mod error;
 mod link;
 mod metered;
 pub mod overlap;
 pub mod pipeline;
+mod runs;
+mod shard_step;
 mod stage;
 pub mod tensor_parallel;
 mod zero;

@@ -32,13 +32,13 @@ use std::collections::VecDeque;
 use std::rc::{Rc, Weak};
 
 use tl_tensor::Tensor;
-use tl_tensor::kernels::finite::all_finite;
 use tl_tensor::memory::{self, Stage};
 
-use crate::bucket::{STEP_EXTRAS, Segment, bucket_len, ensure_grad, plan, read_run, write_run};
+use crate::bucket::{STEP_EXTRAS, Segment, fill_bucket, plan, write_bucket};
 use crate::ddp::{GradElement, StepSummary, step_extras};
 use crate::link::{Pending, SharedLink};
 use crate::metered::{Metered, Wire, common_owner, communication, labels};
+use crate::runs::{bucket_len, ensure_grad};
 
 /// Buckets whose all-reduce may be under way at once.
 pub const MAX_IN_FLIGHT: usize = 2;
@@ -143,16 +143,7 @@ impl<E: GradElement> Overlap<E> {
             communication(labels::GRADIENT_BUCKET, owner),
         );
         if let Some(values) = buffer.values_mut() {
-            let mut offset = 0;
-            for s in segments {
-                let run = &mut values[offset..offset + s.len];
-                // A parameter without a gradient contributes zeros.
-                (self.parameters[s.param])
-                    .with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
-                self.finite &= all_finite(run);
-                run.iter_mut().for_each(|v| *v *= self.weight);
-                offset += s.len;
-            }
+            self.finite &= fill_bucket(&self.parameters, segments, self.weight, values);
         }
         if let Some(local_loss) = local_loss {
             buffer.extend(step_extras::<E>(local_loss, !self.finite));
@@ -183,20 +174,18 @@ impl<E: GradElement> Overlap<E> {
             None => false,
         };
         self.ok &= ok;
-        let mut offset = 0;
-        for s in &self.buckets[index] {
-            let param = &self.parameters[s.param];
-            ensure_grad(param);
-            match (ok, buffer.values()) {
-                (true, Some(values)) => {
-                    let run = &values[offset..offset + s.len];
-                    param.update_grad(|g| write_run(g, s.start, run));
-                }
-                // Half-reduced gradients must not reach the optimizer.
-                (false, Some(_)) => param.update_grad(|g| g.fill(E::nan())),
-                (_, None) => {}
-            }
-            offset += s.len;
+        let segments = &self.buckets[index];
+        match (ok, buffer.values()) {
+            (true, Some(values)) => write_bucket(&self.parameters, segments, values),
+            // Half-reduced gradients must not reach the optimizer.
+            (false, Some(_)) => segments.iter().for_each(|s| {
+                let param = &self.parameters[s.param];
+                ensure_grad(param);
+                param.update_grad(|g| g.fill(E::nan()));
+            }),
+            (_, None) => segments
+                .iter()
+                .for_each(|s| ensure_grad(&self.parameters[s.param])),
         }
         if index + 1 == self.buckets.len() && ok {
             // A meta run sums nothing: every rank is taken to hold what this one holds.

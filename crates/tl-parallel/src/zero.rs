@@ -34,21 +34,13 @@ use tl_tensor::ndarray::ArrayD;
 use tl_tensor::optim::{AdamW, AdamWParamState, AdamWState, Optimizer};
 use tl_tensor::{Element, TensorError};
 
-use crate::bucket::{read_run, set_grad_with, write_run};
+use crate::bucket::Segment;
 use crate::ddp::{DataParallel, GradElement};
 use crate::error::{ParallelError, Result};
 use crate::link::SharedLink;
 use crate::metered::{Metered, common_owner, communication, labels};
-
-/// A piece of one parameter inside this rank's shard.
-struct Piece<E: GradElement> {
-    /// Index of the parameter.
-    param: usize,
-    /// First element of the piece in the parameter (row-major).
-    start: usize,
-    /// The piece's master copy, a 1-D parameter of the inner AdamW.
-    values: Tensor<E>,
-}
+use crate::runs::{read_run, write_run};
+use crate::shard_step::{shard_pieces, take_pieces};
 
 /// AdamW with its state and update partitioned over the ranks of a [`DataParallel`] (ZeRO
 /// stage 1; see the [module docs](self)). An [`Optimizer`]: pass it to
@@ -63,7 +55,10 @@ pub struct ShardedAdamW<E: GradElement> {
     parameters: Vec<Tensor<E>>,
     link: SharedLink,
     shard: Range<usize>,
-    pieces: Vec<Piece<E>>,
+    /// The pieces of the parameters in this rank's shard, in order.
+    pieces: Vec<Segment>,
+    /// Their master copies, 1-D parameters of the inner AdamW.
+    masters: Vec<Tensor<E>>,
     inner: AdamW<E>,
     total: usize,
     /// Elements per rank in one round of the weights' all-gather: a bucket over the ranks.
@@ -106,25 +101,18 @@ impl<E: GradElement> ShardedAdamW<E> {
         let meta = parameters.iter().any(Tensor::is_meta);
         let total = parameters.iter().map(Tensor::numel).sum();
         let shard = shard_range(total, world_size, rank);
-        let mut pieces = Vec::new();
-        let mut offset = 0;
-        for (param, tensor) in parameters.iter().enumerate() {
-            let own = offset.max(shard.start)..(offset + tensor.numel()).min(shard.end);
-            if !own.is_empty() {
-                pieces.push(Piece {
-                    param,
-                    start: own.start - offset,
-                    values: master_shard(own.len(), tensor.memory_tag().owner, meta),
-                });
-            }
-            offset += tensor.numel();
-        }
-        let inner = adamw_like(&adamw, pieces.iter().map(|p| p.values.clone()).collect())?;
+        let pieces = shard_pieces(&whole(&parameters), shard.clone());
+        let masters: Vec<Tensor<E>> = pieces
+            .iter()
+            .map(|p| master_shard(p.len, parameters[p.param].memory_tag().owner, meta))
+            .collect();
+        let inner = adamw_like(&adamw, masters.clone())?;
         Ok(Self {
             parameters,
             link,
             shard,
             pieces,
+            masters,
             inner,
             total,
             round: (ddp.capacity::<E>() / world_size).max(1),
@@ -162,7 +150,7 @@ impl<E: GradElement> ShardedAdamW<E> {
         let mut steps = vec![0.0f64; self.parameters.len()];
         let mut offset = 0;
         for (piece, saved) in self.pieces.iter().zip(&pieces.params) {
-            let len = piece.values.numel();
+            let len = piece.len;
             if let Some(saved) = saved {
                 let to_e = |src: &[f64], dst: &mut [E]| {
                     dst.iter_mut()
@@ -235,10 +223,7 @@ impl<E: GradElement> ShardedAdamW<E> {
     /// parameters (their number, a shape, a moment's length), or
     /// [`TensorError::InvalidArgument`] for a bad hyperparameter. On error nothing changes.
     pub fn load_full_state(&mut self, state: &AdamWState) -> Result<()> {
-        let layout = self
-            .pieces
-            .iter()
-            .map(|p| (p.param, p.start, p.values.numel()));
+        let layout = self.pieces.iter().map(|p| (p.param, p.start, p.len));
         load_shard(&mut self.inner, &self.parameters, state, layout)
     }
 
@@ -299,6 +284,22 @@ impl<E: GradElement> ShardedAdamW<E> {
             }
         }
     }
+}
+
+/// `parameters` as whole runs, laid end to end, for [`shard_pieces`]; the first numbered
+/// `first`.
+pub(crate) fn whole_from<E: Element>(first: usize, parameters: &[Tensor<E>]) -> Vec<Segment> {
+    (parameters.iter().enumerate())
+        .map(|(i, p)| Segment {
+            param: first + i,
+            start: 0,
+            len: p.numel(),
+        })
+        .collect()
+}
+
+fn whole<E: Element>(parameters: &[Tensor<E>]) -> Vec<Segment> {
+    whole_from(0, parameters)
 }
 
 /// An [`AdamW`] over `parameters` (a rank's shard pieces) with `adamw`'s hyperparameters.
@@ -451,34 +452,7 @@ fn shard_state<E: Element>(
 impl<E: GradElement> Optimizer<E> for ShardedAdamW<E> {
     /// Updates this rank's shard with AdamW, then all-gathers the weights.
     fn step(&mut self) {
-        let mut pieces = self.pieces.iter().peekable();
-        for (index, param) in self.parameters.iter().enumerate() {
-            if let Some(piece) = pieces.next_if(|p| p.param == index) {
-                let len = piece.values.numel();
-                // The master copy starts from the replicated weights, so they can never
-                // drift apart (a load or a broadcast between steps is picked up).
-                if !self.meta {
-                    piece.values.update_value(|v| {
-                        read_run(&param.value(), piece.start, v.as_slice_mut().expect("1-D"));
-                    });
-                }
-                if param.with_grad(|grad| grad.is_none()) {
-                    piece.values.set_grad(None);
-                } else {
-                    set_grad_with(&piece.values, || {
-                        let mut run = ArrayD::zeros(vec![len]);
-                        param.with_grad(|grad| {
-                            let grad = grad.expect("a gradient");
-                            read_run(grad, piece.start, run.as_slice_mut().expect("1-D"));
-                        });
-                        run
-                    });
-                }
-            }
-            // The full gradient is consumed: dropping it as soon as its piece is taken keeps
-            // a step's peak at the gradients plus this rank's shard, not both in full.
-            param.zero_grad();
-        }
+        take_pieces(&self.parameters, &self.pieces, &self.masters);
         self.inner.step();
         self.inner.zero_grad();
         let _gather = memory::stage_scope(Stage::Gather);
@@ -490,9 +464,9 @@ impl<E: GradElement> Optimizer<E> for ShardedAdamW<E> {
         );
         if let Some(values) = local.values_mut() {
             let mut offset = 0;
-            for piece in &self.pieces {
-                let len = piece.values.numel();
-                read_run(&piece.values.value(), 0, &mut values[offset..offset + len]);
+            for master in &self.masters {
+                let len = master.numel();
+                read_run(&master.value(), 0, &mut values[offset..offset + len]);
                 offset += len;
             }
         }

@@ -43,18 +43,19 @@ use std::rc::{Rc, Weak};
 
 use tl_collective::shard_range;
 use tl_precision::grad_is_finite;
-use tl_tensor::kernels::finite::all_finite;
 use tl_tensor::memory::{self, Stage};
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
 use tl_tensor::{Element, Tensor};
 
-use crate::bucket::{STEP_EXTRAS, Segment, bucket_len, plan, read_run, set_grad_with, write_run};
+use crate::bucket::{STEP_EXTRAS, Segment, fill_bucket, plan};
 use crate::ddp::{DataParallel, GradElement, StepSummary, step_extras};
 use crate::error::{ParallelError, Result};
 use crate::link::{Pending, SharedLink};
 use crate::metered::{Metered, Wire, common_owner, communication, labels};
 use crate::overlap::MAX_IN_FLIGHT;
+use crate::runs::{bucket_len, read_run, set_grad_with, write_run};
+use crate::shard_step::{release_copied, shard_pieces};
 use crate::zero::{adamw_like, load_shard, master_shard, moment_elements, whole_state};
 
 /// One bucket: its segments, its length on the wire and this rank's chunk of it.
@@ -162,22 +163,10 @@ impl<E: GradElement> Core<E> {
             *meta,
             communication(labels::GRADIENT_BUCKET, owner),
         );
-        let mut offset = 0;
-        for s in &bucket.segments {
-            let param = &parameters[s.param];
-            if let Some(values) = input.values_mut() {
-                let run = &mut values[offset..offset + s.len];
-                // A parameter without a gradient contributes zeros.
-                param.with_grad(|grad| grad.map(|g| read_run(g, s.start, run)));
-                *finite &= all_finite(run);
-                run.iter_mut().for_each(|v| *v *= *weight);
-            }
-            remaining[s.param] -= 1;
-            if remaining[s.param] == 0 && param.with_grad(|g| g.is_some()) {
-                param.set_grad(None);
-            }
-            offset += s.len;
+        if let Some(values) = input.values_mut() {
+            *finite &= fill_bucket(parameters, &bucket.segments, *weight, values);
         }
+        release_copied(parameters, &bucket.segments, remaining);
         let mut shard = Metered::zeros(
             bucket.chunk.len(),
             *meta,
@@ -386,25 +375,22 @@ impl<E: GradElement> Zero2AdamW<E> {
             let len = bucket_len(&segments);
             let wire_len = len + if index == last { STEP_EXTRAS } else { 0 };
             let chunk = shard_range(wire_len, world_size, rank);
+            segments.iter().for_each(|s| segments_of[s.param] += 1);
             let mut bucket_pieces = Vec::new();
-            let mut offset = 0;
-            for s in &segments {
-                segments_of[s.param] += 1;
-                let own = offset.max(chunk.start)..(offset + s.len).min(chunk.end);
-                if !own.is_empty() {
-                    bucket_pieces.push(pieces.len());
-                    pieces.push(Piece {
-                        param: s.param,
-                        start: s.start + own.start - offset,
-                        chunk_offset: own.start - chunk.start,
-                        values: master_shard(
-                            own.len(),
-                            parameters[s.param].memory_tag().owner,
-                            meta,
-                        ),
-                    });
-                }
-                offset += s.len;
+            let mut chunk_offset = 0;
+            for piece in shard_pieces(&segments, chunk.clone()) {
+                bucket_pieces.push(pieces.len());
+                pieces.push(Piece {
+                    param: piece.param,
+                    start: piece.start,
+                    chunk_offset,
+                    values: master_shard(
+                        piece.len,
+                        parameters[piece.param].memory_tag().owner,
+                        meta,
+                    ),
+                });
+                chunk_offset += piece.len;
             }
             buckets.push(Bucket {
                 segments,

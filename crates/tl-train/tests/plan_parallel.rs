@@ -243,6 +243,42 @@ fn a_state_dominated_recipe_peaks_lower_at_each_stage_as_planned() {
     }
 }
 
+/// The worked example of docs/course/L11.3.md § 3: `tinyllm plan --preset capstone
+/// --micro-batch 4 --accum 1 --ranks 4 --zero 0,1,2,3`, rank 0's figures in MiB as the
+/// chapter gives them (the state and bytes are also the course test
+/// `test_hand_example_capstone_at_four_ranks`; the peaks and activations need the model).
+#[test]
+fn the_capstone_at_four_ranks_is_the_chapters_worked_example() {
+    let mut config = TrainConfig::for_preset(Preset::Capstone);
+    config.micro_batch = 4;
+    config.accum = 1;
+    let recipe = Recipe::from(&config);
+    let mib = |bytes: u64| format!("{:.2}", bytes as f64 / f64::from(1 << 20));
+    let figures: Vec<[String; 4]> = (0..4)
+        .map(|stage| {
+            let plan = plan_ranks(&recipe, &DataParallelism::new(4, stage).unwrap()).unwrap();
+            let (paper, rank) = (&plan.paper, plan.rank0());
+            let state = paper.f32_weights + paper.f32_gradients + paper.f32_moments;
+            [
+                mib(state),
+                mib(rank.sent_bytes),
+                format!("{:.0}", rank.peak_bytes as f64 / f64::from(1 << 20)),
+                format!("{:.0}", rank.activations_bytes as f64 / f64::from(1 << 20)),
+            ]
+        })
+        .collect();
+    let expected = [
+        ["157.58", "59.09", "455", "337"],
+        ["98.49", "88.64", "406", "337"],
+        ["68.94", "59.09", "406", "337"],
+        ["39.40", "88.64", "376", "336"],
+    ];
+    assert_eq!(
+        figures, expected,
+        "(f32 16P, sent a step, peak, activations) by stage"
+    );
+}
+
 #[test]
 fn the_plan_buckets_as_tl_parallel_does() {
     assert_eq!(BUCKET_BYTES, tl_parallel::DEFAULT_BUCKET_BYTES as u64);

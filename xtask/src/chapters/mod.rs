@@ -14,9 +14,10 @@
 
 mod l11_1;
 mod l11_2;
+mod l11_3;
 
 /// Every chapter this workspace implements, in the course's order.
-pub(crate) const CHAPTERS: &[&Chapter] = &[&l11_1::L11_1, &l11_2::L11_2];
+pub(crate) const CHAPTERS: &[&Chapter] = &[&l11_1::L11_1, &l11_2::L11_2, &l11_3::L11_3];
 
 /// One chapter of the course.
 #[derive(Debug)]

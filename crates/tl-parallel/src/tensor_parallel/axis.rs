@@ -93,7 +93,7 @@ impl TensorAxis {
             {
                 self.failed.get_or_insert(error);
                 for param in params {
-                    crate::bucket::ensure_grad(param);
+                    crate::runs::ensure_grad(param);
                     param.update_grad(|g| g.fill(E::nan()));
                 }
             }

@@ -65,17 +65,21 @@ use tl_tensor::memory::{self, Kind, Stage, Tag};
 use tl_tensor::ndarray::ArrayD;
 use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, AdamWState, Optimizer};
-use tl_tensor::{Element, Tensor, in_backward, is_grad_enabled};
+use tl_tensor::{Element, Tensor};
 
-use crate::bucket::{read_run, set_grad_with, write_run};
 use crate::ddp::{
     DataParallel, GradElement, StepSummary, global_report, recording_loss, step_extras,
 };
+use crate::decide::{all_ranks_finite, global_sum_squares};
 use crate::error::{ParallelError, Result};
 use crate::link::{Link, Pending, SharedLink};
 use crate::metered::{Metered, Wire, common_owner, communication, labels};
+use crate::runs::{read_run, set_grad_with, write_run};
+use crate::shard_step::shard_pieces;
 use crate::tensor_parallel::axis::TensorAxis;
-use crate::zero::{adamw_like, load_shard, whole_state};
+use crate::zero::{adamw_like, load_shard, whole_from, whole_state};
+
+mod unit;
 
 /// A run of one parameter inside this rank's shard of its unit.
 struct Piece<E: Element> {
@@ -261,21 +265,10 @@ impl<E: GradElement> Core<E> {
         }
     }
 
-    /// Notes that one of unit `index`'s gradients is complete; on the last, reduces the
-    /// unit and releases it.
-    fn gradient_ready(&mut self, index: usize) {
-        let unit = &mut self.units[index];
-        unit.ready += 1;
-        let complete = unit.ready == unit.params.len();
-        if complete {
-            unit.ready = 0;
-            self.reduce(index);
-            self.release(index);
-        }
-    }
-
     /// Reduce-scatters unit `index`'s weighted gradients, adding this rank's shard into
     /// its pieces' gradients and dropping the full ones.
+    // Called from unit.rs only, whose bodies are a learner's to write (stubs call nothing).
+    #[allow(dead_code)]
     fn reduce(&mut self, index: usize) {
         let _reduction = memory::stage_scope(Stage::Reduction);
         let Core {
@@ -335,54 +328,31 @@ impl<E: GradElement> Core<E> {
 /// [`Zero3::runner`]. Cheap to clone.
 #[derive(Clone)]
 pub struct UnitRunner<E: GradElement> {
+    // Read in unit.rs only, whose bodies are a learner's to write (stubs read nothing).
+    #[allow(dead_code)]
     core: Rc<RefCell<Core<E>>>,
 }
 
-impl<E: GradElement> UnitRunner<E> {
-    /// Runs unit `unit`'s forward `f` with the unit's whole parameters there:
-    /// all-gathered before `f`, released after it. Under grad mode the output passes an
-    /// identity op whose VJP gathers them again before the unit's backward; the
-    /// gradient-ready hooks reduce-scatter the unit's gradients and release it once its
-    /// backward is done. Under no-grad only the gather and release happen.
-    ///
-    /// Every rank must run the same units in the same order: each run is a collective.
-    ///
-    /// # Panics
-    /// If `unit` is not the index of a unit.
-    pub fn run_unit(&self, unit: usize, f: impl FnOnce() -> Tensor<E>) -> Tensor<E> {
-        {
-            let mut core = self.core.borrow_mut();
+/// `output`, the output of unit `unit`'s forward, through an identity op whose backward
+/// gathers the unit's whole values again before the unit's own backward reads them (a
+/// no-op when they are there, after a checkpointed unit's rerun) and starts the prefetch
+/// of the unit before it. What [`UnitRunner::run_unit`] returns under grad mode.
+fn gathered_again_in_backward<E: GradElement>(
+    core: &Rc<RefCell<Core<E>>>,
+    output: Tensor<E>,
+    unit: usize,
+) -> Tensor<E> {
+    let weak: Weak<RefCell<Core<E>>> = Rc::downgrade(core);
+    // A backward over tensors, so that a meta run gathers as a real one does.
+    Tensor::from_op_tensors(&output, &[&output], move |grad_out| {
+        let held = hold(grad_out);
+        if let Some(core) = weak.upgrade() {
+            let mut core = core.borrow_mut();
             core.gather(unit);
-            // The next unit forward; a rerun's next is the unit before, in backward.
-            let rerun = is_grad_enabled() && in_backward();
-            core.prefetch(if rerun {
-                unit.checked_sub(1)
-            } else {
-                Some(unit + 1)
-            });
+            core.prefetch(unit.checked_sub(1));
         }
-        let output = f();
-        // A rerun inside backward (a checkpointed unit's) keeps the values for the unit's
-        // backward, which follows at once; the gradient-ready hooks release them after it.
-        let rerun = is_grad_enabled() && in_backward();
-        if !rerun {
-            self.core.borrow().release(unit);
-        }
-        if !is_grad_enabled() {
-            return output;
-        }
-        let weak: Weak<RefCell<Core<E>>> = Rc::downgrade(&self.core);
-        // A backward over tensors, so that a meta run gathers as a real one does.
-        Tensor::from_op_tensors(&output, &[&output], move |grad_out| {
-            let held = hold(grad_out);
-            if let Some(core) = weak.upgrade() {
-                let mut core = core.borrow_mut();
-                core.gather(unit);
-                core.prefetch(unit.checked_sub(1));
-            }
-            vec![Some(in_flight_copy(&held))]
-        })
-    }
+        vec![Some(in_flight_copy(&held))]
+    })
 }
 
 // The identity op's backward shows the meter what it showed when it was a backward over
@@ -519,29 +489,27 @@ impl<E: GradElement> Zero3<E> {
         for unit_params in units {
             let len = unit_params.iter().map(Tensor::numel).sum();
             let shard = shard_range(len, world_size, rank);
+            let first = parameters.len();
             let mut unit = Unit {
-                params: Vec::new(),
+                params: (first..first + unit_params.len()).collect(),
                 len,
                 shard: shard.clone(),
                 pieces: Vec::new(),
                 ready: 0,
             };
-            let mut offset = 0;
-            for param in unit_params {
-                let own = offset.max(shard.start)..(offset + param.numel()).min(shard.end);
-                if !own.is_empty() {
-                    unit.pieces.push(pieces.len());
-                    pieces.push(Piece {
-                        param: parameters.len(),
-                        start: own.start - offset,
-                        shard_offset: own.start - shard.start,
-                        values: weights_shard(&param, own.start - offset, own.len()),
-                    });
-                }
-                offset += param.numel();
-                unit.params.push(parameters.len());
-                parameters.push(param);
+            let mut shard_offset = 0;
+            for piece in shard_pieces(&whole_from(first, &unit_params), shard) {
+                unit.pieces.push(pieces.len());
+                let param = &unit_params[piece.param - first];
+                pieces.push(Piece {
+                    param: piece.param,
+                    start: piece.start,
+                    shard_offset,
+                    values: weights_shard(param, piece.start, piece.len),
+                });
+                shard_offset += piece.len;
             }
+            parameters.extend(unit_params);
             planned.push(unit);
         }
         let inner = adamw_like(adamw, pieces.iter().map(|p| p.values.clone()).collect())?;
@@ -683,7 +651,8 @@ impl<E: GradElement> Zero3<E> {
     /// [`ParallelError::RowsOutsideBatch`] if `local_rows` is zero or greater than
     /// `global_rows` (nothing changes).
     pub fn begin_step(&mut self, local_rows: usize, global_rows: usize) -> Result<()> {
-        let weight = crate::batch::replica_weight(self.rank(), local_rows, global_rows)?;
+        let weight =
+            crate::batch::replica_weight(self.rank(), self.world_size(), local_rows, global_rows)?;
         let mut core = self.core.borrow_mut();
         core.weight = E::from_f64(weight);
         core.finite = true;
@@ -953,9 +922,8 @@ impl<E: GradElement> StepObserver<E> for Zero3Observer<E> {
     }
 
     fn all_finite(&mut self, local: bool) -> bool {
-        let finite = local
-            && !self.core.borrow().link.borrow().failed()
-            && self.summary.is_some_and(|s| s.nonfinite_ranks == 0);
+        let failed = self.core.borrow().link.borrow().failed();
+        let finite = all_ranks_finite(local, failed, self.summary);
         match self.tensor.as_ref() {
             Some(tensor) => tensor.all_finite(finite),
             None => finite,
@@ -964,10 +932,13 @@ impl<E: GradElement> StepObserver<E> for Zero3Observer<E> {
 
     fn total_sum_squares(&mut self, local: f64) -> f64 {
         let core = self.core.borrow();
+        // Each rank holds a shard of the gradients.
         let over_data = |sum: f64| {
-            (core.link.borrow_mut())
-                .call(|comm| comm.all_reduce_sum_f64(sum))
-                .unwrap_or(f64::NAN)
+            global_sum_squares(sum, true, |sum| {
+                (core.link.borrow_mut())
+                    .call(|comm| comm.all_reduce_sum_f64(sum))
+                    .unwrap_or(f64::NAN)
+            })
         };
         match self.tensor.as_ref() {
             Some(tensor) => tensor.total_sum_squares(local, over_data),
