@@ -1,12 +1,13 @@
 //! The three collectives on a ring of channels (`tl_collective::channel_ring`): the hand
 //! examples of §3 step by step, the reference's bits on every rank, the bytes.
 
+use std::ops::Range;
 use std::time::Duration;
 
 use proptest::prelude::*;
 use tl_collective::{
-    ChannelLink, ReduceOp, on_channel_ring, reference_all_reduce, ring_all_gather, ring_all_reduce,
-    ring_reduce_scatter, shard_range,
+    ChannelLink, CollectiveError, Element, ReduceOp, RingLink, on_channel_ring,
+    reference_all_reduce, ring_all_gather, ring_all_reduce, ring_reduce_scatter, shard_range,
 };
 use tl_numerics::Format;
 
@@ -46,6 +47,43 @@ fn all_gather(link: &mut ChannelLink, rank: usize, n: usize, data: &mut [f32]) {
     ring_all_gather(link, rank, n, data).unwrap();
 }
 
+/// A link that lets `steps` exchanges through and fails at the next one, before it sends:
+/// every rank stops after the same step, and its buffer shows that step of §3's tables.
+struct StopAfter<'a> {
+    link: &'a mut ChannelLink,
+    steps: usize,
+}
+
+impl RingLink for StopAfter<'_> {
+    fn exchange<T: Element>(
+        &mut self,
+        out: &[T],
+        into: &mut [T],
+        arrived: &mut dyn FnMut(Range<usize>, &[T]),
+    ) -> tl_collective::Result<()> {
+        if self.steps == 0 {
+            return Err(CollectiveError::BadBuffer {
+                op: "the test's link",
+                reason: "stopped after the step under test".into(),
+            });
+        }
+        self.steps -= 1;
+        self.link.exchange(out, into, arrived)
+    }
+}
+
+/// Each rank's buffer after the first `steps` steps of an all-reduce of `inputs`.
+fn after_steps(inputs: &[Vec<f32>], steps: usize) -> Vec<Vec<f32>> {
+    on_ring(inputs, 1, |link, rank, n, data| {
+        let mut stopping = StopAfter { link, steps };
+        let stopped = ring_all_reduce(&mut stopping, rank, n, data, ReduceOp::Sum);
+        assert!(stopped.is_err(), "rank {rank} returns the link's error");
+    })
+    .into_iter()
+    .map(|r| r.data)
+    .collect()
+}
+
 /// Rank r holds `(i + 1)·10^r`: the digits of a sum say who contributed.
 fn powers(n: usize, len: usize) -> Vec<Vec<f32>> {
     (0..n)
@@ -60,13 +98,40 @@ fn powers(n: usize, len: usize) -> Vec<Vec<f32>> {
 #[test]
 fn test_hand_example_three_ranks_step_by_step() {
     let inputs = powers(3, 6);
-    // After the reduce-scatter (§3's table): each rank holds its own shard complete, and
-    // the partial sums it forwarded.
+    // §3's tables, row by row: ranks 0, 1 and 2 after each step of the all-reduce.
+    assert_eq!(
+        after_steps(&inputs, 1),
+        [
+            [1.0, 2.0, 303.0, 404.0, 5.0, 6.0],
+            [10.0, 20.0, 30.0, 40.0, 55.0, 66.0],
+            [110.0, 220.0, 300.0, 400.0, 500.0, 600.0],
+        ],
+        "after reduce-scatter step 0"
+    );
+    let scattered = [
+        [111.0, 222.0, 303.0, 404.0, 5.0, 6.0],
+        [10.0, 20.0, 333.0, 444.0, 55.0, 66.0],
+        [110.0, 220.0, 300.0, 400.0, 555.0, 666.0],
+    ];
+    assert_eq!(
+        after_steps(&inputs, 2),
+        scattered,
+        "after reduce-scatter step 1"
+    );
+    assert_eq!(
+        after_steps(&inputs, 3),
+        [
+            [111.0, 222.0, 303.0, 404.0, 555.0, 666.0],
+            [111.0, 222.0, 333.0, 444.0, 55.0, 66.0],
+            [110.0, 220.0, 333.0, 444.0, 555.0, 666.0],
+        ],
+        "after all-gather step 0"
+    );
+    // The reduce-scatter alone ends as the all-reduce's first two steps did: each rank
+    // holds its own shard complete, and the partial sums it forwarded.
     let ran = on_ring(&inputs, 2, reduce_scatter);
     let after: Vec<&[f32]> = ran.iter().map(|r| r.data.as_slice()).collect();
-    assert_eq!(after[0], [111.0, 222.0, 303.0, 404.0, 5.0, 6.0]);
-    assert_eq!(after[1], [10.0, 20.0, 333.0, 444.0, 55.0, 66.0]);
-    assert_eq!(after[2], [110.0, 220.0, 300.0, 400.0, 555.0, 666.0]);
+    assert_eq!(after, scattered);
     // The all-reduce: every rank 111 222 333 444 555 666, having sent 8 elements.
     for r in on_ring(&inputs, 1, sum(ReduceOp::Sum)) {
         assert_eq!(r.data, [111.0, 222.0, 333.0, 444.0, 555.0, 666.0]);
@@ -130,6 +195,12 @@ fn test_all_reduce_equals_the_reference_on_every_rank() {
 
 #[test]
 fn test_bytes_sent_meet_the_bound() {
+    for n in 1..=6usize {
+        // An empty buffer sends nothing, and one rank has no one to send to.
+        for r in on_ring(&powers(n, 0), 1, sum(ReduceOp::Sum)) {
+            assert_eq!(r.bytes_sent, 0, "N = {n}, n = 0");
+        }
+    }
     for n in 2..=6usize {
         let len = 60 * n;
         for r in on_ring(&powers(n, len), 7, sum(ReduceOp::Sum)) {

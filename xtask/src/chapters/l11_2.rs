@@ -85,7 +85,7 @@ const TESTS: &[CourseTest] = &[
         "test_hand_example_three_ranks_step_by_step",
         C,
         Kind::Unit,
-        "§3's digits: 111 222 | 303 404 | 5 6 at rank 0 after the reduce-scatter; 8 elements sent",
+        "§3's tables after every step (rank 0: 111 222 | 303 404 | 5 6 mid-way); 8 elements sent",
         "the partial sums show who contributed, and when",
     ),
     test(
@@ -106,7 +106,7 @@ const TESTS: &[CourseTest] = &[
         "test_bytes_sent_meet_the_bound",
         C,
         Kind::Property,
-        "each rank sends 2(N - 1)/N of the buffer, N = 2..6",
+        "each rank sends 2(N - 1)/N of the buffer, N = 2..6; an empty buffer sends nothing",
         "the ring is bandwidth-optimal; plan's bytes are this count",
     ),
     test(
