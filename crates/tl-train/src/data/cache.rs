@@ -129,11 +129,10 @@ fn check_files(inputs: &Inputs, manifest: &Manifest) -> Result<(), DataError> {
     }
     for file in &manifest.files {
         let path = inputs.resolve(&file.path);
-        let describe = |bytes: u64, sha256: &str| format!("{bytes} bytes, SHA-256 {sha256}");
         let Ok(metadata) = fs::metadata(&path) else {
             return Err(DataError::Changed {
                 path,
-                expected: describe(file.bytes, &file.sha256),
+                expected: file.describe(),
                 found: "no such file".into(),
             });
         };
@@ -149,8 +148,8 @@ fn check_files(inputs: &Inputs, manifest: &Manifest) -> Result<(), DataError> {
         if found[0].sha256 != file.sha256 {
             return Err(DataError::Changed {
                 path,
-                expected: describe(file.bytes, &file.sha256),
-                found: describe(found[0].bytes, &found[0].sha256),
+                expected: file.describe(),
+                found: found[0].describe(),
             });
         }
     }
@@ -203,11 +202,8 @@ pub fn load(
     {
         return Err(DataError::Changed {
             path: inputs.root.clone(),
-            expected: format!("{} bytes, SHA-256 {}", expected.bytes, expected.sha256),
-            found: format!(
-                "{} bytes, SHA-256 {}",
-                fingerprint.bytes, fingerprint.sha256
-            ),
+            expected: expected.describe(),
+            found: fingerprint.describe(),
         });
     }
     let dir = root.join(cache_key(&fingerprint, tokenizer));
@@ -319,11 +315,8 @@ fn write_cache(
         if before.sha256 != now.sha256 {
             return Err(DataError::Changed {
                 path: inputs.resolve(&now.path),
-                expected: format!("{} bytes, SHA-256 {}", before.bytes, before.sha256),
-                found: format!(
-                    "{} bytes, SHA-256 {} (it changed while read)",
-                    now.bytes, now.sha256
-                ),
+                expected: before.describe(),
+                found: format!("{} (it changed while read)", now.describe()),
             });
         }
     }

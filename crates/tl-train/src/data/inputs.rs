@@ -49,6 +49,13 @@ pub struct InputFile {
     pub sha256: String,
 }
 
+impl InputFile {
+    /// `N bytes, SHA-256 H`, for messages.
+    pub fn describe(&self) -> String {
+        format!("{} bytes, SHA-256 {}", self.bytes, self.sha256)
+    }
+}
+
 /// A stretch of one document's text, as [`Inputs::read`] hands it on.
 #[derive(Clone, Copy, Debug)]
 pub struct Piece<'a> {
@@ -221,7 +228,7 @@ impl Inputs {
             path: self.relative(file),
             bytes: metadata.len(),
             modified_ns: modified_ns(&metadata),
-            sha256: hex(&hasher.finalize()),
+            sha256: crate::store::hex(&hasher.finalize()),
         })
     }
 
@@ -236,7 +243,7 @@ impl Inputs {
                 for file in files {
                     hasher.update(format!("{}  {}\n", file.sha256, file.path).as_bytes());
                 }
-                hex(&hasher.finalize())
+                crate::store::hex(&hasher.finalize())
             }
             (_, [file, ..]) => file.sha256.clone(),
         };
@@ -248,10 +255,6 @@ impl Inputs {
 pub fn modified_ns(metadata: &std::fs::Metadata) -> Option<u64> {
     let since = metadata.modified().ok()?.duration_since(UNIX_EPOCH).ok()?;
     u64::try_from(since.as_nanos()).ok()
-}
-
-fn hex(digest: &[u8]) -> String {
-    digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn collect_text_files(dir: &Path, files: &mut Vec<PathBuf>) -> Result<(), DataError> {

@@ -138,14 +138,14 @@ impl Tokenizer {
     /// tokenizer without one, a newline encoded.
     pub fn end_of_text(&self) -> Vec<u32> {
         match self {
-            Tokenizer::File(file) if file.end_of_text.is_some() => {
-                vec![file.end_of_text.expect("checked")]
-            }
-            Tokenizer::File(file) => file
-                .inner
-                .encode_fast("\n", false)
-                .map(|encoding| encoding.get_ids().to_vec())
-                .unwrap_or_default(),
+            Tokenizer::File(file) => match file.end_of_text {
+                Some(id) => vec![id],
+                None => file
+                    .inner
+                    .encode_fast("\n", false)
+                    .map(|encoding| encoding.get_ids().to_vec())
+                    .unwrap_or_default(),
+            },
             Tokenizer::Bytes => vec![u32::from(b'\n')],
         }
     }

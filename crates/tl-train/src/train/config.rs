@@ -492,6 +492,11 @@ pub struct FileFingerprint {
 }
 
 impl FileFingerprint {
+    /// `N bytes, SHA-256 H`, for messages.
+    pub fn describe(&self) -> String {
+        format!("{} bytes, SHA-256 {}", self.bytes, self.sha256)
+    }
+
     /// The fingerprint of `bytes`.
     pub fn of(bytes: &[u8]) -> Self {
         Self {

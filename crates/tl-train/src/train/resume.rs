@@ -68,9 +68,9 @@ fn load_checked_corpus(
         Ok(corpus) if corpus.fingerprint == config.data_file => return Ok(corpus),
         Ok(corpus) => {
             let describe = |fingerprint: &Option<FileFingerprint>| {
-                fingerprint.as_ref().map_or("unknown".to_string(), |f| {
-                    format!("{} bytes, SHA-256 {}", f.bytes, f.sha256)
-                })
+                fingerprint
+                    .as_ref()
+                    .map_or("unknown".to_string(), FileFingerprint::describe)
             };
             let path = match &config.data {
                 DataSource::File { path } => path.clone(),
