@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::error::DataError;
-use super::inputs::{InputFile, InputFormat, Inputs, modified_ns};
+use super::inputs::{InputFile, InputFormat, Inputs, Piece, modified_ns, split_text};
 use super::tokenizer::Tokenizer;
 use super::tokens::{IdWidth, Tokens};
 use crate::train::FileFingerprint;
@@ -289,24 +289,29 @@ fn write_cache(
         path: path.clone(),
         source,
     };
-    let width = IdWidth::for_vocab(tokenizer.vocab_size());
-    let mut out = BufWriter::with_capacity(1 << 20, fs::File::create(&path).map_err(io)?);
-    let separator = tokenizer.end_of_text();
-    let mut document_starts: Vec<u64> = Vec::new();
-    let mut tokens = 0u64;
+    let file = fs::File::create(&path).map_err(io)?;
+    let mut writer = IdWriter {
+        out: BufWriter::with_capacity(1 << 20, file),
+        width: IdWidth::for_vocab(tokenizer.vocab_size()),
+        separator: tokenizer.end_of_text(),
+        document_starts: Vec::new(),
+        tokens: 0,
+        batch: Vec::new(),
+        batch_bytes: 0,
+    };
     let progress = progress_bar(hashed.iter().map(|f| f.bytes).sum(), "tokenizing");
     let files = inputs.read(chunk_bytes, &progress, &mut |piece| {
-        if piece.starts_document {
-            if !document_starts.is_empty() {
-                tokens += write_ids(&separator, width, &mut out).map_err(io)?;
-            }
-            document_starts.push(tokens);
-        }
-        let ids = tokenizer.encode(piece.text)?;
-        tokens += write_ids(&ids, width, &mut out).map_err(io)?;
-        Ok(())
+        writer.push(piece, chunk_bytes, tokenizer, &path)
     })?;
+    writer.flush(tokenizer, &path)?;
     progress.finish_and_clear();
+    let IdWriter {
+        out,
+        width,
+        tokens,
+        document_starts,
+        ..
+    } = writer;
     out.into_inner()
         .map_err(|error| io(error.into_error()))?
         .sync_all()
@@ -338,6 +343,74 @@ fn write_cache(
         source,
     })?;
     Ok(manifest)
+}
+
+/// The pieces of text read so far, encoded a batch at a time on every core and written in
+/// order.
+struct IdWriter {
+    out: BufWriter<fs::File>,
+    width: IdWidth,
+    separator: Vec<u32>,
+    document_starts: Vec<u64>,
+    tokens: u64,
+    /// Pieces waiting to be encoded, each with whether it starts a document.
+    batch: Vec<(bool, String)>,
+    batch_bytes: usize,
+}
+
+/// The longest stretch of text encoded as one task: short enough that a piece of a large
+/// file keeps every core busy, and that the tokenizer's working memory for it (its encoding
+/// keeps offsets and strings, tens of bytes a byte of text) stays small: tasks of 1 MiB
+/// were no faster and held several times the memory.
+const TASK_BYTES: usize = 64 << 10;
+
+impl IdWriter {
+    /// Adds `piece` to the batch, cut at the places where [`Inputs::read`] cuts, into tasks
+    /// of at most [`TASK_BYTES`]; a batch that reaches `batch_limit` bytes is encoded.
+    fn push(
+        &mut self,
+        piece: Piece<'_>,
+        batch_limit: usize,
+        tokenizer: &Tokenizer,
+        path: &Path,
+    ) -> Result<(), DataError> {
+        let mut starts = piece.starts_document;
+        for task in split_text(piece.text, TASK_BYTES) {
+            self.batch.push((starts, task.to_string()));
+            self.batch_bytes += task.len();
+            starts = false;
+        }
+        if self.batch_bytes >= batch_limit {
+            self.flush(tokenizer, path)?;
+        }
+        Ok(())
+    }
+
+    /// Encodes the batch, in parallel, and writes its ids in order.
+    fn flush(&mut self, tokenizer: &Tokenizer, path: &Path) -> Result<(), DataError> {
+        use rayon::prelude::*;
+        let encoded: Vec<Result<Vec<u32>, DataError>> = self
+            .batch
+            .par_iter()
+            .map(|(_, text)| tokenizer.encode(text))
+            .collect();
+        let io = |source| DataError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        for ((starts_document, _), ids) in self.batch.drain(..).zip(encoded) {
+            if starts_document {
+                if !self.document_starts.is_empty() {
+                    self.tokens +=
+                        write_ids(&self.separator, self.width, &mut self.out).map_err(io)?;
+                }
+                self.document_starts.push(self.tokens);
+            }
+            self.tokens += write_ids(&ids?, self.width, &mut self.out).map_err(io)?;
+        }
+        self.batch_bytes = 0;
+        Ok(())
+    }
 }
 
 fn write_ids(ids: &[u32], width: IdWidth, out: &mut impl Write) -> std::io::Result<u64> {

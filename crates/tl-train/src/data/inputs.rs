@@ -301,6 +301,45 @@ fn safe_cut(text: &str) -> usize {
     text.len()
 }
 
+/// `text` in stretches of at most `max_bytes` (more only where no place to cut is found),
+/// cut where [`Inputs::read`] cuts a text file, so that they tokenize as the whole.
+pub(super) fn split_text(text: &str, max_bytes: usize) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let end = if rest.len() <= max_bytes {
+            rest.len()
+        } else {
+            let window = &rest[..rest.floor_char_boundary(max_bytes)];
+            match safe_cut(window) {
+                cut if cut < window.len() => cut,
+                // No place to cut in the window: at the first place after it, else the end.
+                _ => {
+                    let after = safe_cut_after(rest, window.len());
+                    after.unwrap_or(rest.len())
+                }
+            }
+        };
+        let (piece, tail) = rest.split_at(end);
+        rest = tail;
+        Some(piece)
+    })
+}
+
+/// The first place at or after `from` where [`safe_cut`] could cut `text`.
+fn safe_cut_after(text: &str, from: usize) -> Option<usize> {
+    let mut previous_is_space = true;
+    for (at, c) in text.char_indices() {
+        if at >= from && c.is_whitespace() && !previous_is_space {
+            return Some(at);
+        }
+        previous_is_space = c.is_whitespace();
+    }
+    None
+}
+
 fn read_text(
     path: &Path,
     chunk_bytes: usize,
@@ -492,6 +531,18 @@ mod tests {
             assert!(!before.ends_with(char::is_whitespace), "{before:?}");
             assert!(after.starts_with(char::is_whitespace), "{after:?}");
         }
+    }
+
+    #[test]
+    fn split_text_cuts_before_white_space_and_keeps_every_byte() {
+        let text = "one two  three\nfour";
+        let parts: Vec<&str> = split_text(text, 6).collect();
+        assert_eq!(parts, ["one", " two", "  three", "\nfour"]);
+        // No white space after a word within the limit: the first place after it.
+        let parts: Vec<&str> = split_text("abcdefgh ij", 4).collect();
+        assert_eq!(parts, ["abcdefgh", " ij"]);
+        assert_eq!(split_text("漢字漢字", 4).collect::<Vec<_>>(), ["漢字漢字"]);
+        assert_eq!(split_text("", 4).count(), 0);
     }
 
     #[test]
