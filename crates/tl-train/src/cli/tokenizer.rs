@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use clap::{Args, Subcommand};
 
-use crate::data::{DEFAULT_CHUNK_BYTES, DataError, Inputs, Tokenizer, train_bpe};
+use crate::data::{DEFAULT_CHUNK_BYTES, DataError, Inputs, Tokenizer, split_text, train_bpe};
 use crate::error::{Result, TrainError};
 use crate::store::write_atomic;
 
@@ -65,15 +65,19 @@ fn train(args: &TrainTokenizerArgs) -> Result<()> {
     ) {
         progress.set_style(style);
     }
-    // The reader streams pieces of text to the trainer through a short queue, so that no
-    // more than a few pieces are in memory besides the trainer's word counts.
+    // The reader streams stretches of text to the trainer through a short queue, so that
+    // no more than a few are in memory besides the trainer's word counts.
     let (sender, receiver) = std::sync::mpsc::sync_channel::<String>(4);
     let (read, json) = std::thread::scope(|scope| {
         let reader = scope.spawn(|| {
             let sender = sender;
             inputs.read(DEFAULT_CHUNK_BYTES, &progress, &mut |piece| {
-                // A closed queue means the trainer failed: its error is the one to report.
-                let _ = sender.send(piece.text.to_string());
+                // In stretches of 64 KiB: the trainer's pre-tokenizer keeps tens of bytes a
+                // byte of the text it cuts into words.
+                for text in split_text(piece.text, 64 << 10) {
+                    // A closed queue means the trainer failed: its error is the one to report.
+                    let _ = sender.send(text.to_string());
+                }
                 Ok::<(), DataError>(())
             })
         });

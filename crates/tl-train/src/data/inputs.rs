@@ -302,8 +302,15 @@ fn safe_cut(text: &str) -> usize {
 }
 
 /// `text` in stretches of at most `max_bytes` (more only where no place to cut is found),
-/// cut where [`Inputs::read`] cuts a text file, so that they tokenize as the whole.
-pub(super) fn split_text(text: &str, max_bytes: usize) -> impl Iterator<Item = &str> {
+/// cut where [`Inputs::read`] cuts a text file, so that with GPT-2's pre-tokenizer they
+/// tokenize as the whole.
+///
+/// ```
+/// use tl_train::data::split_text;
+/// let parts: Vec<&str> = split_text("one two  three", 6).collect();
+/// assert_eq!(parts, ["one", " two", "  three"]);
+/// ```
+pub fn split_text(text: &str, max_bytes: usize) -> impl Iterator<Item = &str> {
     let mut rest = text;
     std::iter::from_fn(move || {
         if rest.is_empty() {
