@@ -443,6 +443,49 @@ mod tests {
     }
 
     #[test]
+    fn a_vocabulary_past_65536_is_cached_in_u32_ids() {
+        // A word-level tokenizer of 70,000 words "w0".."w69999", split at white space.
+        let vocab: serde_json::Map<String, serde_json::Value> = (0..70_000u32)
+            .map(|i| (format!("w{i}"), i.into()))
+            .chain([("[UNK]".to_string(), 70_000u32.into())])
+            .collect();
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let tokenizer_path = dir.path().join("words.json");
+        std::fs::write(&tokenizer_path, json.to_string()).unwrap();
+        let tokenizer = Tokenizer::load(&tokenizer_path).unwrap();
+        assert_eq!(tokenizer.vocab_size(), 70_001);
+        let data = dir.path().join("words.txt");
+        std::fs::write(&data, "w69999 w1 w65536 nonsense\n").unwrap();
+        let inputs = Inputs::find(&data).unwrap();
+        let cached = load(
+            &inputs,
+            &tokenizer,
+            &dir.path().join("cache"),
+            1 << 20,
+            None,
+        )
+        .unwrap();
+        assert_eq!(cached.manifest.id_bytes, 4);
+        let ids: Vec<usize> = cached.tokens.iter().collect();
+        assert_eq!(ids, [69_999, 1, 65_536, 70_000]);
+        // Opened again, by its fingerprint, without reading the file.
+        let again = load(
+            &inputs,
+            &tokenizer,
+            &dir.path().join("cache"),
+            1 << 20,
+            Some(&cached.manifest.data),
+        );
+        assert_eq!(again.unwrap().manifest, cached.manifest);
+    }
+
+    #[test]
     fn a_key_changes_with_the_data_and_the_tokenizer() {
         let data = FileFingerprint {
             bytes: 3,
