@@ -452,7 +452,7 @@ pub fn measure(
     weights: String,
     seed: u64,
 ) -> Result<GradientReport> {
-    let corpus = load_corpus(config)?;
+    let corpus = load_corpus(config, &crate::train::token_cache_root(None), None)?;
     let batch = sample_batch(
         &corpus.train,
         config.micro_batch,

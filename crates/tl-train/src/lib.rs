@@ -26,6 +26,11 @@ pub use error::{Result, TrainError};
 #[doc = include_str!("../../../docs/training.md")]
 pub mod guide {}
 
+/// Training on your files: tokenizers, corpus formats, the token cache (`docs/data.md`); its
+/// examples run as doctests.
+#[doc = include_str!("../../../docs/data.md")]
+pub mod data_guide {}
+
 /// The companion's two experiments worked on `small` (`docs/experiments.md`); its examples
 /// run as doctests.
 #[doc = include_str!("../../../docs/experiments.md")]

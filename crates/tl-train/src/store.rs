@@ -117,7 +117,7 @@ pub fn fingerprint(bytes: &[u8]) -> String {
 }
 
 /// Bytes as lowercase hex digits.
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 

@@ -7,7 +7,7 @@
 use tl_train::cli::{CliError, run};
 
 /// Every subcommand, as `tinyllm --help` lists it.
-const COMMANDS: [&str; 12] = [
+const COMMANDS: [&str; 13] = [
     "train",
     "sample",
     "export",
@@ -20,6 +20,7 @@ const COMMANDS: [&str; 12] = [
     "launch",
     "comm-bench",
     "schedule",
+    "tokenizer",
 ];
 
 /// What `tinyllm ARGS.. --help` prints.

@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 use proptest::prelude::*;
 use tl_precision::{DynamicLossScaler, ScalerState};
 use tl_train::TrainError;
-use tl_train::data::Corpus;
+use tl_train::data::{CacheOptions, Corpus, DEFAULT_CHUNK_BYTES, Tokenizer};
 use tl_train::model::ModelConfig;
 use tl_train::store::decode_tensors;
 use tl_train::train::{TrainConfig, Trainer, read_config, read_records, snapshot};
@@ -218,7 +218,13 @@ proptest! {
             let path = dir.path().join("text.txt");
             let text: String = (0..40).map(|i| format!("line {i} of the text\n")).collect();
             fs::write(&path, damage.apply(text.as_bytes())).unwrap();
-            if let Err(error) = Corpus::from_file(&path, 16) {
+            let cache = dir.path().join("cache");
+            let options = CacheOptions {
+                root: &cache,
+                chunk_bytes: DEFAULT_CHUNK_BYTES,
+                expected: None,
+            };
+            if let Err(error) = Corpus::from_path(&path, &Tokenizer::Bytes, 16, options) {
                 prop_assert!(error.to_string().contains("text.txt"), "{}", error);
             }
             Ok(())

@@ -28,9 +28,13 @@ pub struct CompareArgs {
     /// `config.json` (JSON, or TOML by its `.toml` extension); flags given too override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Train on this UTF-8 text file instead of the built-in corpus.
-    #[arg(long, value_name = "FILE")]
+    /// Train on this text instead of the built-in corpus: a UTF-8 file, a directory of .txt
+    /// files or a .jsonl file, as `tinyllm train` takes it.
+    #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
+    /// Tokens from this tokenizer.json; the model's vocabulary is its own [default: bytes].
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
     /// Bytes of built-in corpus to generate [default: 2000000].
     #[arg(long, value_name = "N", conflicts_with = "data")]
     pub corpus_bytes: Option<usize>,
@@ -101,6 +105,7 @@ fn recipe_config(args: &CompareArgs) -> Result<TrainConfig> {
     let train_args = TrainArgs {
         recipe: RecipeArgs {
             preset: args.preset.clone(),
+            tokenizer: args.tokenizer.clone(),
             bf16: defaults && !args.fp16 && !args.fp32,
             fp16: args.fp16,
             accumulate: args.accumulate,

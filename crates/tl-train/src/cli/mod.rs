@@ -12,6 +12,7 @@ mod plan;
 mod profile;
 mod sample;
 mod schedule;
+mod tokenizer;
 mod train;
 
 use std::ffi::OsString;
@@ -75,6 +76,8 @@ enum Command {
     CommBench(comm_bench::CommBenchArgs),
     /// Draw a pipeline schedule's timeline and bubble, from the simulator.
     Schedule(schedule::ScheduleArgs),
+    /// Train a byte-level BPE tokenizer on your text: tokenizer train --data PATH ...
+    Tokenizer(tokenizer::TokenizerArgs),
 }
 
 /// The model and the recipe of a training step, as `tinyllm train`, `plan` and `profile`
@@ -85,6 +88,10 @@ pub struct RecipeArgs {
     /// Model size: tiny, small or capstone [default: small]; for any other size, --config.
     #[arg(long, value_name = "PRESET")]
     pub preset: Option<String>,
+    /// Tokens from this tokenizer.json (any Hugging Face tokenizer, or one from `tinyllm
+    /// tokenizer train`); the model's vocabulary is its own [default: bytes, vocabulary 256].
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
     /// Matmuls under emulated bf16 autocast (bf16 inputs, f32 accumulation).
     #[arg(long, conflicts_with = "fp16")]
     pub bf16: bool,
@@ -208,9 +215,10 @@ pub struct TrainArgs {
     /// The model and the recipe.
     #[command(flatten)]
     pub recipe: RecipeArgs,
-    /// Train on this UTF-8 text file (byte tokens; the last 10% held out) instead of the
-    /// built-in grammar corpus.
-    #[arg(long, value_name = "FILE")]
+    /// Train on this text instead of the built-in grammar corpus: a UTF-8 file, a directory
+    /// of .txt files (at any depth), or a .jsonl file of {"text": ...} lines; tokenized once
+    /// into a token cache beside the run, the last documents held out for validation.
+    #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
     /// Bytes of built-in corpus to generate [default: 2000000].
     #[arg(long, value_name = "N", conflicts_with = "data")]
@@ -409,9 +417,11 @@ where
         Command::Gradients(args) => args.threads,
         Command::Profile(args) => args.threads,
         Command::Bench(args) => args.threads,
-        Command::Export(_) | Command::Launch(_) | Command::CommBench(_) | Command::Schedule(_) => {
-            Threads::default()
-        }
+        Command::Export(_)
+        | Command::Launch(_)
+        | Command::CommBench(_)
+        | Command::Schedule(_)
+        | Command::Tokenizer(_) => Threads::default(),
     };
     threads.apply().map_err(CliError::Run)?;
     let outcome = match cli.command {
@@ -427,6 +437,7 @@ where
         Command::Launch(args) => launch::launch(&args),
         Command::CommBench(args) => comm_bench::comm_bench(&args),
         Command::Schedule(args) => schedule::schedule(&args),
+        Command::Tokenizer(args) => tokenizer::tokenizer(&args).map(|()| Exit::Success),
     };
     outcome.map_err(CliError::Run)
 }

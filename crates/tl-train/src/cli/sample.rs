@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use clap::Args;
 use tl_tensor::Generator;
 
+use crate::data::Tokenizer;
 use crate::error::{Result, TrainError};
-use crate::train::load_model_at;
+use crate::train::{TOKENIZER_FILE, TrainConfig, load_model_at};
 
 /// Options of `tinyllm sample`.
 #[derive(Debug, Args)]
@@ -24,10 +25,14 @@ pub struct SampleArgs {
     /// Continue the bytes of this file instead of --prompt.
     #[arg(long, value_name = "FILE", conflicts_with = "prompt")]
     pub prompt_file: Option<PathBuf>,
-    /// Bytes to generate.
+    /// Tokens to generate (bytes, for a run of byte tokens).
     #[arg(long, value_name = "N", default_value_t = 200)]
     pub tokens: usize,
-    /// Sampling temperature; 0 picks the most likely byte.
+    /// Encode the prompt and decode the text with this tokenizer.json [default: the run's
+    /// own copy of its tokenizer, or bytes].
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+    /// Sampling temperature; 0 picks the most likely token.
     #[arg(
         long,
         value_name = "T",
@@ -35,7 +40,7 @@ pub struct SampleArgs {
         allow_negative_numbers = true
     )]
     pub temperature: f64,
-    /// Draw each byte only among the K most likely (1 picks the most likely) [default: all].
+    /// Draw each token only among the K most likely (1 picks the most likely) [default: all].
     #[arg(long, value_name = "K")]
     pub top_k: Option<usize>,
     /// Seed of the sampling; sample i of --num-samples draws from seed S + i - 1.
@@ -84,11 +89,34 @@ pub(super) fn sample(args: &SampleArgs) -> Result<()> {
             reason: format!("must be in 1..={vocab}, the model's vocabulary"),
         });
     }
-    let ids: Vec<usize> = prompt.iter().map(|&byte| usize::from(byte)).collect();
+    let tokenizer = sample_tokenizer(args, &config)?;
+    let ids: Vec<usize> = match &tokenizer {
+        Tokenizer::Bytes => prompt.iter().map(|&byte| usize::from(byte)).collect(),
+        _ => {
+            let text =
+                String::from_utf8(prompt.clone()).map_err(|error| TrainError::InvalidArgument {
+                    name: "prompt",
+                    value: format!("{} bytes", prompt.len()),
+                    reason: format!(
+                        "is not UTF-8 (at byte {}), which a tokenizer reads",
+                        error.utf8_error().valid_up_to()
+                    ),
+                })?;
+            let ids = tokenizer.encode(&text)?;
+            ids.into_iter().map(|id| id as usize).collect()
+        }
+    };
+    if ids.is_empty() {
+        return Err(TrainError::InvalidArgument {
+            name: "prompt",
+            value: String::from_utf8_lossy(&prompt).into_owned(),
+            reason: "encodes to no token".into(),
+        });
+    }
     if let Some(&id) = ids.iter().find(|&&id| id >= vocab) {
         return Err(TrainError::InvalidArgument {
             name: "prompt",
-            value: format!("a byte {id}"),
+            value: format!("a token {id}"),
             reason: format!("the model's vocabulary has {vocab} tokens"),
         });
     }
@@ -108,12 +136,8 @@ pub(super) fn sample(args: &SampleArgs) -> Result<()> {
         }
         // The prompt and its continuation decoded together: a character split between them
         // reads whole.
-        let text: Vec<u8> = prompt
-            .iter()
-            .copied()
-            .chain(generated.into_iter().map(|id| id as u8))
-            .collect();
-        bytes.extend_from_slice(String::from_utf8_lossy(&text).as_bytes());
+        let all: Vec<u32> = ids.iter().chain(&generated).map(|&id| id as u32).collect();
+        bytes.extend_from_slice(tokenizer.decode(&all)?.as_bytes());
         bytes.push(b'\n');
         match stdout.write_all(&bytes).and_then(|()| stdout.flush()) {
             Ok(()) => {}
@@ -123,6 +147,31 @@ pub(super) fn sample(args: &SampleArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The tokenizer of the run's ids: `--tokenizer`, else the run's copy of its own, else the
+/// file its config names, else bytes. A file's vocabulary must be the model's.
+fn sample_tokenizer(args: &SampleArgs, config: &TrainConfig) -> Result<Tokenizer> {
+    let run_copy = args.from.join(TOKENIZER_FILE);
+    let path = match (&args.tokenizer, &config.tokenizer) {
+        (Some(path), _) => path.clone(),
+        (None, Some(_)) if run_copy.is_file() => run_copy,
+        (None, Some(file)) => file.path.clone(),
+        (None, None) => return Ok(Tokenizer::Bytes),
+    };
+    let tokenizer = Tokenizer::load(&path)?;
+    if tokenizer.vocab_size() != config.model.vocab {
+        return Err(TrainError::InvalidArgument {
+            name: "tokenizer",
+            value: path.display().to_string(),
+            reason: format!(
+                "has a vocabulary of {}, the model {}",
+                tokenizer.vocab_size(),
+                config.model.vocab
+            ),
+        });
+    }
+    Ok(tokenizer)
 }
 
 /// The prompt's bytes: of `--prompt-file`, of `--prompt`, or a newline; never empty.

@@ -271,6 +271,11 @@ pub(super) fn config_from_args(
         config.model = preset.config();
         config.model.dropout = base.map_or(0.0, |b| b.model.dropout);
     }
+    if let Some(path) = &recipe.tokenizer {
+        let (tokenizer, record) = crate::train::tokenizer_file(path)?;
+        config.model.vocab = tokenizer.vocab_size();
+        config.tokenizer = Some(record);
+    }
     if let Some(path) = &args.data {
         // Absolute, so that a resume started from another directory finds it.
         let path = std::path::absolute(path).map_err(|source| TrainError::io(path, source))?;
@@ -489,8 +494,12 @@ fn print_header(trainer: &Trainer) {
         config.tokens_per_step(),
         config.checkpointing,
     );
+    let unit = match &config.tokenizer {
+        Some(_) => "tokens",
+        None => "bytes",
+    };
     say!(
-        "data: {} ({} train / {} validation bytes){}",
+        "data: {} ({} train / {} validation {unit}){}",
         corpus.source,
         corpus.train.len(),
         corpus.validation.len(),
@@ -499,6 +508,16 @@ fn print_header(trainer: &Trainer) {
             .map(|h| format!(", entropy floor {h:.4} nats/byte"))
             .unwrap_or_default()
     );
+    if let Some(tokenizer) = &config.tokenizer {
+        say!(
+            "tokenizer: {} (vocabulary {})",
+            tokenizer.path.display(),
+            config.model.vocab
+        );
+    }
+    if let Some(cache) = &corpus.cache {
+        say!("token cache: {}", cache.display());
+    }
     say!(
         "run directory: {}  (from step {} of {})",
         trainer.run_dir().display(),

@@ -3,6 +3,8 @@
 
 use tl_tensor::Generator;
 
+use super::tokens::TokenSource;
+
 /// `rows` windows of `context` bytes and, for each byte, the byte that follows it.
 ///
 /// Both vectors are row-major `[rows, context]`: row `r` of `inputs` is
@@ -30,12 +32,11 @@ impl Batch {
         }
     }
 
-    fn push_window(&mut self, data: &[u8], start: usize) {
-        let window = &data[start..start + self.context + 1];
+    fn push_window<T: TokenSource + ?Sized>(&mut self, data: &T, start: usize) {
+        let window = start..start + self.context + 1;
         self.inputs
-            .extend(window[..self.context].iter().map(|&b| usize::from(b)));
-        self.targets
-            .extend(window[1..].iter().map(|&b| usize::from(b)));
+            .extend(window.clone().take(self.context).map(|i| data.token(i)));
+        self.targets.extend(window.skip(1).map(|i| data.token(i)));
         self.rows += 1;
     }
 }
@@ -47,7 +48,7 @@ fn check_shape(function: &str, rows: usize, context: usize) {
 
 /// `rows` windows at uniformly random starts in `data`, as nanoGPT samples its batches.
 ///
-/// Each row's start is `rng.below(data.len() - context)`, so every window of `context + 1`
+/// Each row's start is `rng.below(len - context)` for `len` tokens, so every window of `context + 1`
 /// bytes (inputs and the last target) is equally likely. The windows are drawn from `rng`
 /// alone, one draw per row, so saving and restoring the generator's state replays them.
 ///
@@ -61,14 +62,19 @@ fn check_shape(function: &str, rows: usize, context: usize) {
 /// assert_eq!((batch.inputs.len(), batch.targets.len()), (8, 8));
 /// assert_eq!(batch.inputs[1..4], batch.targets[..3]);
 /// ```
-pub fn sample_batch(data: &[u8], rows: usize, context: usize, rng: &Generator) -> Batch {
+pub fn sample_batch<T: TokenSource + ?Sized>(
+    data: &T,
+    rows: usize,
+    context: usize,
+    rng: &Generator,
+) -> Batch {
     check_shape("sample_batch", rows, context);
     assert!(
-        data.len() > context,
+        data.token_count() > context,
         "sample_batch: {} bytes of data cannot hold a window of context {context} + 1 bytes",
-        data.len()
+        data.token_count()
     );
-    let starts = (data.len() - context) as u64;
+    let starts = (data.token_count() - context) as u64;
     let mut batch = Batch::with_capacity(rows, context);
     for _ in 0..rows {
         batch.push_window(data, rng.below(starts) as usize);
@@ -90,14 +96,14 @@ pub fn sample_batch(data: &[u8], rows: usize, context: usize, rng: &Generator) -
 ///
 /// # Panics
 /// As [`sample_batch`].
-pub fn skip_batch(data: &[u8], rows: usize, context: usize, rng: &Generator) {
+pub fn skip_batch<T: TokenSource + ?Sized>(data: &T, rows: usize, context: usize, rng: &Generator) {
     check_shape("skip_batch", rows, context);
     assert!(
-        data.len() > context,
+        data.token_count() > context,
         "skip_batch: {} bytes of data cannot hold a window of context {context} + 1 bytes",
-        data.len()
+        data.token_count()
     );
-    let starts = (data.len() - context) as u64;
+    let starts = (data.token_count() - context) as u64;
     for _ in 0..rows {
         rng.below(starts);
     }
@@ -108,7 +114,7 @@ pub fn skip_batch(data: &[u8], rows: usize, context: usize, rng: &Generator) {
 /// of the whole split.
 ///
 /// Window `k` starts at byte `k · context`; its targets reach one byte into window `k + 1`.
-/// There are `(data.len() − 1) / context` windows (rounded down: a final window that does not
+/// There are `(len − 1) / context` windows (rounded down: a final window that does not
 /// fit is dropped), grouped in order into batches of `rows`, the last batch possibly shorter.
 /// Data shorter than `context + 1` bytes gives no batch.
 ///
@@ -123,9 +129,13 @@ pub fn skip_batch(data: &[u8], rows: usize, context: usize, rng: &Generator) {
 /// assert_eq!(batches[1].inputs, [b'6', b'7', b'8'].map(usize::from));
 /// assert_eq!(batches[1].targets, [b'7', b'8', b'9'].map(usize::from));
 /// ```
-pub fn sequential_batches(data: &[u8], rows: usize, context: usize) -> Vec<Batch> {
+pub fn sequential_batches<T: TokenSource + ?Sized>(
+    data: &T,
+    rows: usize,
+    context: usize,
+) -> Vec<Batch> {
     check_shape("sequential_batches", rows, context);
-    let windows = data.len().saturating_sub(1) / context;
+    let windows = data.token_count().saturating_sub(1) / context;
     (0..windows)
         .step_by(rows)
         .map(|first| {

@@ -41,7 +41,7 @@ impl Session {
     /// cannot be built, [`TrainError::Tensor`](crate::TrainError::Tensor) for optimizer
     /// arguments AdamW refuses.
     pub(super) fn new(config: &TrainConfig) -> Result<Self> {
-        let corpus = load_corpus(config)?;
+        let corpus = load_corpus(config, &crate::train::token_cache_root(None), None)?;
         let base_live = memory::live_bytes();
         let model = Llama::new(&config.model, config.seed)?;
         model.set_checkpointing(config.checkpointing);

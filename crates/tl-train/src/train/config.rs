@@ -23,11 +23,22 @@ pub enum DataSource {
         /// Length of the generated text.
         bytes: usize,
     },
-    /// A UTF-8 text file, read as bytes.
+    /// Documents from files, tokenized by the run's tokenizer into the token cache: a UTF-8
+    /// text file, a directory of `.txt` files, or a `.jsonl` file of `{"text": ...}` lines.
     File {
-        /// The file.
+        /// The file or directory.
         path: PathBuf,
     },
+}
+
+/// The `tokenizer.json` a run's ids come from, and its SHA-256 when the run began.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerFile {
+    /// The file, absolute.
+    pub path: PathBuf,
+    /// Its SHA-256, as `sha256sum` prints it.
+    pub sha256: String,
 }
 
 /// Everything that determines a run: with the same config, two runs produce the same bits.
@@ -85,10 +96,14 @@ pub struct TrainConfig {
     /// What counts as divergence.
     #[serde(default)]
     pub divergence: Divergence,
-    /// The training file's size and SHA-256 when the run began (`data` is a file), so that a
-    /// resume notices a file that changed under the run.
+    /// The training data's size and SHA-256 when the run began (`data` is files: see
+    /// [`Inputs::fingerprint`](crate::data::Inputs::fingerprint)), so that a resume notices a
+    /// file that changed under the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_file: Option<FileFingerprint>,
+    /// The tokenizer, when it is not bytes (`model.vocab` is then its vocabulary).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<TokenizerFile>,
     /// How many processes train the run, and what each keeps (data parallelism).
     #[serde(default)]
     pub parallel: Parallel,
@@ -477,6 +492,11 @@ pub struct FileFingerprint {
 }
 
 impl FileFingerprint {
+    /// `N bytes, SHA-256 H`, for messages.
+    pub fn describe(&self) -> String {
+        format!("{} bytes, SHA-256 {}", self.bytes, self.sha256)
+    }
+
     /// The fingerprint of `bytes`.
     pub fn of(bytes: &[u8]) -> Self {
         Self {
@@ -494,8 +514,11 @@ pub mod limits {
     pub const MAX_MICRO_BATCH_TOKENS: usize = 1 << 24;
     /// Micro-batches per step.
     pub const MAX_ACCUM: usize = 1 << 16;
-    /// Bytes of training text (built-in or read from a file).
+    /// Bytes of built-in training text (held in memory).
     pub const MAX_CORPUS_BYTES: usize = 1 << 30;
+    /// Bytes of training text read from files (tokenized into a memory-mapped cache, so
+    /// not held in memory): a bound that only a mistake reaches.
+    pub const MAX_DATA_BYTES: u64 = 1 << 40;
     /// Checkpoints kept.
     pub const MAX_KEEP_CHECKPOINTS: usize = 1000;
     /// Optimizer steps of a run (and the eval and save intervals).
@@ -567,6 +590,7 @@ impl TrainConfig {
             keep_checkpoints: default_keep_checkpoints(),
             divergence: Divergence::default(),
             data_file: None,
+            tokenizer: None,
             parallel: Parallel::default(),
         }
     }

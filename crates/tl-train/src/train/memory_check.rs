@@ -11,7 +11,7 @@
 //! weights, gradients and moments for any model whose largest tensor is at most half
 //! of it).
 
-use super::config::{DataSource, TrainConfig, limits};
+use super::config::{DataSource, TrainConfig};
 use crate::error::{Result, TrainError};
 use tl_parallel::ZeroStage;
 
@@ -64,10 +64,10 @@ impl ProcessMemory {
             .peak_bytes;
         let corpus = match &config.data {
             DataSource::Builtin { bytes, .. } => *bytes as u64,
-            // A file that cannot be read is refused when it loads; so is one past the limit.
-            DataSource::File { path } => std::fs::metadata(path)
-                .map_or(0, |meta| meta.len())
-                .min(limits::MAX_CORPUS_BYTES as u64),
+            // Files are tokenized into a memory-mapped cache, which the kernel pages in and
+            // out: what the process holds is the reader's chunk of text and its ids (at most
+            // four bytes an id, one id a byte).
+            DataSource::File { .. } => 5 * crate::data::DEFAULT_CHUNK_BYTES as u64,
         };
         // ZeRO's `full_state` holds the rank's shard as `f64` and `f32` (24 bytes a
         // parameter of the shard), the gathered moments as `f32` and as `f64` (24 bytes a

@@ -10,15 +10,13 @@ use tl_tensor::optim::AdamW;
 use tl_tensor::{Generator, Tensor};
 
 use super::config::{DataSource, FileFingerprint, TrainConfig};
+use super::data::{load_corpus, token_cache_root};
 use super::lock::RunLock;
 use super::memory_check::check_memory;
 use super::run_config::{config_json, read_config_json};
 use super::snapshot;
-use super::trainer::{
-    CONFIG_FILE, DATA_STREAM, ResumeOptions, data_fingerprint, load_corpus, new_optimizer,
-    new_scaler,
-};
-use crate::data::Corpus;
+use super::trainer::{CONFIG_FILE, DATA_STREAM, ResumeOptions, new_optimizer, new_scaler};
+use crate::data::{Corpus, DataError};
 use crate::error::{Result, TrainError};
 use crate::model::Llama;
 use crate::store::write_atomic;
@@ -54,47 +52,62 @@ fn config_difference(left: &TrainConfig, right: &TrainConfig) -> Option<String> 
         .map(|(key, value)| format!("{key}: {value} vs {}", right[key.as_str()]))
 }
 
-/// Checks that the training file is the one the run started on: the same size and SHA-256.
-/// With `data_changed_ok`, the new file's fingerprint becomes the run's (written to its
-/// `config.json`), with a warning.
-fn check_data(
+/// The run's corpus, from its token cache when its files are as they were (nothing is read
+/// then). A changed file is refused, naming it, unless `data_changed_ok`: the corpus is then
+/// read anew and its fingerprint becomes the run's (written to its `config.json`), with a
+/// warning.
+fn load_checked_corpus(
     run_dir: &Path,
     config: &mut TrainConfig,
-    corpus: &Corpus,
     options: ResumeOptions,
     leader: bool,
-) -> Result<()> {
-    let DataSource::File { path } = &config.data else {
-        return Ok(());
-    };
-    let found = data_fingerprint(config, corpus);
-    if found == config.data_file {
-        return Ok(());
-    }
-    let describe = |fingerprint: &Option<FileFingerprint>| {
-        fingerprint.as_ref().map_or("unknown".to_string(), |f| {
-            format!("{} bytes, SHA-256 {}", f.bytes, f.sha256)
-        })
+) -> Result<Corpus> {
+    let root = token_cache_root(Some(run_dir));
+    let expected = config.data_file.clone();
+    let (path, expected, found) = match load_corpus(config, &root, expected.as_ref()) {
+        Ok(corpus) if corpus.fingerprint == config.data_file => return Ok(corpus),
+        Ok(corpus) => {
+            let describe = |fingerprint: &Option<FileFingerprint>| {
+                fingerprint
+                    .as_ref()
+                    .map_or("unknown".to_string(), FileFingerprint::describe)
+            };
+            let path = match &config.data {
+                DataSource::File { path } => path.clone(),
+                DataSource::Builtin { .. } => run_dir.join(CONFIG_FILE),
+            };
+            (
+                path,
+                describe(&config.data_file),
+                describe(&corpus.fingerprint),
+            )
+        }
+        Err(TrainError::Data(DataError::Changed {
+            path,
+            expected,
+            found,
+        })) => (path, expected, found),
+        Err(error) => return Err(error),
     };
     if !options.data_changed_ok {
         return Err(TrainError::DataChanged {
-            path: path.clone(),
-            expected: describe(&config.data_file),
-            found: describe(&found),
+            path,
+            expected,
+            found,
         });
     }
     let message = format!(
-        "{} changed since the run began (was {}, now {}); continuing on the new data as asked",
+        "{} changed since the run began (was {expected}, now {found}); continuing on the new \
+         data as asked",
         path.display(),
-        describe(&config.data_file),
-        describe(&found)
     );
-    config.data_file = found;
-    if !leader {
-        return Ok(());
+    let corpus = load_corpus(config, &root, None)?;
+    config.data_file = corpus.fingerprint.clone();
+    if leader {
+        crate::output::warn(&message);
+        write_atomic(&run_dir.join(CONFIG_FILE), &config_json(config))?;
     }
-    crate::output::warn(&message);
-    write_atomic(&run_dir.join(CONFIG_FILE), &config_json(config))
+    Ok(corpus)
 }
 
 /// Everything one rank holds of a run before it trains on: read from a checkpoint, or at
@@ -234,8 +247,7 @@ pub(super) fn resume_state(
     check_memory(&run_config, rank)?;
     if snapshot::latest_step(run_dir)?.is_none() {
         let mut config = run_config;
-        let corpus = load_corpus(&config)?;
-        check_data(run_dir, &mut config, &corpus, options, leader)?;
+        let corpus = load_checked_corpus(run_dir, &mut config, options, leader)?;
         let model = Llama::new(&config.model, config.seed)?;
         let optimizer = new_optimizer(&model, &config)?;
         return Ok(RunParts::fresh(config, lock, corpus, model, optimizer));
@@ -260,8 +272,7 @@ pub(super) fn resume_state(
         ));
     }
     config.validate()?;
-    let corpus = load_corpus(&config)?;
-    check_data(run_dir, &mut config, &corpus, options, leader)?;
+    let corpus = load_checked_corpus(run_dir, &mut config, options, leader)?;
     let model = restore_model(&snapshot)?;
     let mut optimizer = new_optimizer(&model, &config)?;
     restore_moments(&snapshot, &model, &mut optimizer)?;

@@ -17,7 +17,8 @@ use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, Optimizer};
 use tl_tensor::{Generator, no_grad};
 
-use super::config::{AdamWConfig, DataSource, FileFingerprint, TrainConfig};
+use super::config::{AdamWConfig, TrainConfig};
+use super::data::{load_corpus, token_cache_root};
 use super::fp8_ranks;
 use super::lock::RunLock;
 use super::memory_check::check_memory;
@@ -37,6 +38,9 @@ use crate::store::write_atomic;
 
 /// The run's config file in its directory.
 pub(super) const CONFIG_FILE: &str = "config.json";
+
+/// The run's copy of its tokenizer (a run of byte tokens has none).
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 impl MicroBatch for Batch {
     fn rows(&self) -> usize {
@@ -152,46 +156,6 @@ pub struct ResumeOptions {
     pub stages_per_rank: Option<usize>,
 }
 
-/// Loads the corpus a config names, and checks that the model's vocabulary holds every
-/// token of it.
-///
-/// # Errors
-/// [`TrainError::Data`] for a file that cannot be a corpus; [`TrainError::InvalidConfig`]
-/// naming `vocab` when the data holds a token the vocabulary does not.
-pub(crate) fn load_corpus(config: &TrainConfig) -> Result<Corpus> {
-    let corpus = match &config.data {
-        DataSource::Builtin { seed, bytes } => Corpus::builtin(*seed, *bytes),
-        DataSource::File { path } => Corpus::from_file(path, config.model.context)?,
-    };
-    let vocab = config.model.vocab;
-    let outside = corpus
-        .train
-        .iter()
-        .chain(&corpus.validation)
-        .enumerate()
-        .find(|&(_, &byte)| usize::from(byte) >= vocab);
-    if let Some((offset, &byte)) = outside {
-        return Err(TrainError::InvalidConfig {
-            field: "vocab",
-            value: vocab.to_string(),
-            reason: format!(
-                "the data ({}) holds byte {byte} at offset {offset}, a token outside the \
-                 vocabulary; a byte vocabulary needs at least {} (256 holds every byte)",
-                corpus.source,
-                usize::from(byte) + 1
-            ),
-        });
-    }
-    Ok(corpus)
-}
-
-/// The size and SHA-256 of a corpus read from a file (its two parts are the file's bytes in
-/// order), `None` for the built-in one.
-pub(super) fn data_fingerprint(config: &TrainConfig, corpus: &Corpus) -> Option<FileFingerprint> {
-    matches!(config.data, DataSource::File { .. })
-        .then(|| FileFingerprint::of(&[&corpus.train[..], &corpus.validation[..]].concat()))
-}
-
 impl Trainer {
     /// A new run of `config` in `run_dir`, which must not hold a run already.
     ///
@@ -239,8 +203,8 @@ impl Trainer {
         let prepared = (|| {
             config.validate()?;
             check_memory(&config, ddp.rank())?;
-            let corpus = load_corpus(&config)?;
-            config.data_file = data_fingerprint(&config, &corpus);
+            let corpus = load_corpus(&config, &token_cache_root(Some(run_dir)), None)?;
+            config.data_file = corpus.fingerprint.clone();
             if !leader {
                 return Ok((corpus, None));
             }
@@ -256,6 +220,12 @@ impl Trainer {
                 });
             }
             snapshot::clean(run_dir)?;
+            if let Some(tokenizer) = &config.tokenizer {
+                // The run's own copy, which `sample` reads and an export ships.
+                let bytes = fs::read(&tokenizer.path)
+                    .map_err(|source| TrainError::io(&tokenizer.path, source))?;
+                write_atomic(&run_dir.join(TOKENIZER_FILE), &bytes)?;
+            }
             write_atomic(&run_dir.join(CONFIG_FILE), &config_json(&config))?;
             Ok((corpus, Some(lock)))
         })();
