@@ -129,6 +129,7 @@ pub(crate) fn grade_crate(
     learner: &'static LearnerCrate,
     shard: Option<&str>,
     tool: run::TestTool,
+    learner_mode: bool,
 ) -> Result<CrateGrade, String> {
     let package = learner.package();
     let selection = selection(learner);
@@ -183,6 +184,19 @@ pub(crate) fn grade_crate(
                     let mut args = vec!["mutants", "--in-place", "--dir", &root];
                     args.extend(selection.iter().map(String::as_str));
                     args.extend(["--output", &out_text, "--no-shuffle"]);
+                    // Each mutant is tested by the crate's own tests only: in a learner's
+                    // workspace all of them (the learner's), here the targets the chapter
+                    // names (not the crate's whole suite of processes and trainers).
+                    let targets: &[&str] = if learner_mode {
+                        &["--lib", "--tests"]
+                    } else {
+                        learner.own_tests
+                    };
+                    let test_args: Vec<String> = targets
+                        .iter()
+                        .map(|a| format!("--cargo-test-arg={a}"))
+                        .collect();
+                    args.extend(test_args.iter().map(String::as_str));
                     if !shard.is_empty() {
                         args.extend(["--shard", shard]);
                     }

@@ -388,6 +388,7 @@ fn mutate(
                     learner,
                     options.shard.as_deref(),
                     tool,
+                    reference.is_some(),
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;

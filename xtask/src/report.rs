@@ -140,8 +140,14 @@ fn mark(ok: bool) -> &'static str {
 /// Prints the pitfall table and the per-crate scores.
 pub(crate) fn print_grade(grade: &Grade) {
     println!("\nPitfall mutants (planted in a scratch copy; own tests must catch each):");
+    // The pitfall column as wide as the longest description, so the columns line up.
+    let width = (grade.planted.iter())
+        .map(|r| r.pitfall.description.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max("pitfall".len());
     println!(
-        "{:<4} {:<52} {:<9} {:<7} course test",
+        "{:<4} {:<width$} {:<9} {:<7} course test",
         "id", "pitfall", "own", "course"
     );
     for r in &grade.planted {
@@ -151,7 +157,7 @@ pub(crate) fn print_grade(grade: &Grade) {
             None => "-",
         };
         println!(
-            "{:<4} {:<52} {:<9} {:<7} {}",
+            "{:<4} {:<width$} {:<9} {:<7} {}",
             r.pitfall.id,
             r.pitfall.description,
             r.own.label(),

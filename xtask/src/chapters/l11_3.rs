@@ -177,7 +177,7 @@ const DECIDE: &str = "crates/tl-parallel/src/decide.rs";
 const SHARD: &str = "crates/tl-parallel/src/shard_step.rs";
 const UNIT: &str = "crates/tl-parallel/src/zero3/unit.rs";
 
-/// The pitfalls of L11.3, `d01` to `d17` as in the chapter.
+/// The pitfalls of L11.3, `d01` to `d18` as in the chapter.
 const PITFALLS: &[Pitfall] = &[
     Pitfall {
         id: "d01",
@@ -349,6 +349,16 @@ const PITFALLS: &[Pitfall] = &[
         replacement: "let complete = unit.ready >= 1;",
         course_test: "test_zero_stages_equal_ddp",
     },
+    Pitfall {
+        id: "d18",
+        description: "ZeRO-1 updates the whole model on every rank: the shard ignored",
+        package: PARALLEL,
+        file: SHARD,
+        function: "shard_pieces",
+        pattern: "let own = offset.max(shard.start)..(offset + run.len).min(shard.end);",
+        replacement: "let own = offset..offset + run.len;",
+        course_test: "test_state_per_rank_falls_stage_by_stage",
+    },
 ];
 
 #[cfg(test)]
@@ -356,10 +366,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_chapter_has_fourteen_tests_and_d01_to_d17_in_order() {
+    fn the_chapter_has_fourteen_tests_and_d01_to_d18_in_order() {
         assert_eq!(TESTS.len(), 14);
         let ids: Vec<&str> = PITFALLS.iter().map(|p| p.id).collect();
-        let expected: Vec<String> = (1..=17).map(|i| format!("d{i:02}")).collect();
+        let expected: Vec<String> = (1..=18).map(|i| format!("d{i:02}")).collect();
         assert_eq!(ids, expected);
     }
 }

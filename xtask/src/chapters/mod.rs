@@ -113,8 +113,8 @@ pub(crate) struct LearnerCrate {
     /// Which of its sources the learner writes.
     pub(crate) sources: Sources,
     /// The targets of the reference's own tests (`cargo test -p PACKAGE ARGS`) that must
-    /// catch each pitfall planted in this crate: enough to catch them, few enough to run
-    /// every pitfall in minutes.
+    /// catch each pitfall planted in this crate, and that test each of cargo-mutants'
+    /// mutants of it: enough to catch them, few enough to run every mutant in minutes.
     pub(crate) own_tests: &'static [&'static str],
 }
 
