@@ -185,10 +185,12 @@ pub(crate) fn grade_crate(
                     args.extend(selection.iter().map(String::as_str));
                     args.extend(["--output", &out_text, "--no-shuffle"]);
                     // Each mutant is tested by the crate's own tests only: in a learner's
-                    // workspace all of them (the learner's), here the targets the chapter
-                    // names (not the crate's whole suite of processes and trainers).
+                    // workspace the learner's (its tests/, as for the pitfalls: the unit
+                    // tests in src/ are the reference's in the files kept as written), here
+                    // the targets the chapter names (not the crate's whole suite of
+                    // processes and trainers).
                     let targets: &[&str] = if learner_mode {
-                        &["--lib", "--tests"]
+                        &["--test", "*"]
                     } else {
                         learner.own_tests
                     };
