@@ -2,7 +2,9 @@
 //!
 //! The directory [`export_run`] writes is what `transformers.LlamaForCausalLM
 //! .from_pretrained(dir)` loads: `config.json` and `model.safetensors` (F32, header metadata
-//! `{"format": "pt"}`). tinyllm's model is Hugging Face's Llama computation for computation
+//! `{"format": "pt"}`), and what `AutoTokenizer` and `pipeline("text-generation")` load
+//! with it: the run's `tokenizer.json` (for a run on bytes, one whose token `b` is byte `b`),
+//! `tokenizer_config.json` and `generation_config.json` (greedy, at most the context). tinyllm's model is Hugging Face's Llama computation for computation
 //! (pre-norm RMSNorm `x · rsqrt(mean(x²) + eps) · g`, rotary positions with
 //! `θ = t · base^(−2i/hd)`, attention scaled by `1/√hd`, the SwiGLU MLP
 //! `down(silu(gate(x)) · up(x))`, no biases, an untied head); dropout is off at inference.
@@ -27,6 +29,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
+use crate::data::{Tokenizer, bytes_tokenizer_json};
 use crate::error::{Result, TrainError};
 use crate::model::{Llama, ModelConfig};
 use crate::store::{NamedTensor, encode_tensors, write_atomic};
@@ -36,6 +39,13 @@ use crate::train::load_model;
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 /// The config file of an exported model.
 pub const CONFIG_FILE: &str = "config.json";
+/// The tokenizer of an exported model, its settings for `transformers`, and the settings
+/// of its generation.
+pub const TOKENIZER_FILES: [&str; 3] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+];
 /// The safetensors header metadata transformers expects of PyTorch weights.
 pub const WEIGHTS_METADATA: &[(&str, &str)] = &[("format", "pt")];
 
@@ -123,9 +133,12 @@ pub fn hf_tensors(model: &Llama<f32>) -> Vec<NamedTensor> {
 
 /// The `config.json` of the exported model.
 ///
-/// tinyllm's tokens are bytes and its runs have no begin- or end-of-text token, so
-/// `bos_token_id`, `eos_token_id` and `pad_token_id` are null.
-pub fn hf_config(config: &ModelConfig) -> serde_json::Value {
+/// tinyllm prepends no begin-of-text token and pads nothing, so `bos_token_id` and
+/// `pad_token_id` are null; `eos_token_id` is the tokenizer's end-of-text token, which
+/// separated the documents the model was trained on (null for bytes, whose documents end
+/// with a newline, an ordinary byte).
+pub fn hf_config(config: &ModelConfig, tokenizer: &Tokenizer) -> serde_json::Value {
+    let eos = tokenizer.end_of_text_token().map(|(id, _)| id);
     json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -150,9 +163,59 @@ pub fn hf_config(config: &ModelConfig) -> serde_json::Value {
         "initializer_range": 0.02,
         "use_cache": true,
         "bos_token_id": null,
-        "eos_token_id": null,
+        "eos_token_id": eos,
         "pad_token_id": null,
     })
+}
+
+/// The files that let `transformers` tokenize and generate as `tinyllm sample --greedy`
+/// does: [`TOKENIZER_FILES`] with their contents. `tokenizer.json` is the run's file byte
+/// for byte (it must still be the one loaded), or [`bytes_tokenizer_json`].
+///
+/// # Errors
+/// [`TrainError::Io`] when the tokenizer's file cannot be read, and
+/// [`TrainError::Data`] when it changed since it was loaded.
+pub fn hf_tokenizer_files(config: &ModelConfig, tokenizer: &Tokenizer) -> Result<[Vec<u8>; 3]> {
+    let json = match (tokenizer.path(), tokenizer.sha256()) {
+        (Some(path), Some(expected)) => {
+            let bytes = fs::read(path).map_err(|e| TrainError::io(path, e))?;
+            let found = crate::store::fingerprint(&bytes);
+            if found != expected {
+                return Err(crate::data::DataError::TokenizerChanged {
+                    path: path.to_path_buf(),
+                    expected: expected.to_string(),
+                    found,
+                }
+                .into());
+            }
+            bytes
+        }
+        _ => bytes_tokenizer_json().into_bytes(),
+    };
+    let eos = tokenizer.end_of_text_token();
+    let tokenizer_config = json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": config.context,
+        "bos_token": null,
+        "eos_token": eos.as_ref().map(|(_, name)| name),
+        "pad_token": null,
+        "add_bos_token": false,
+        "add_eos_token": false,
+        "clean_up_tokenization_spaces": false,
+    });
+    let generation = json!({
+        "bos_token_id": null,
+        "eos_token_id": eos.as_ref().map(|(id, _)| id),
+        "pad_token_id": null,
+        "do_sample": false,
+        "max_length": config.context,
+    });
+    let pretty = |value: &serde_json::Value| {
+        let mut text = serde_json::to_vec_pretty(value).expect("JSON serializes");
+        text.push(b'\n');
+        text
+    };
+    Ok([json, pretty(&tokenizer_config), pretty(&generation)])
 }
 
 /// Exports the latest checkpoint of `run_dir` to `to` (see [`export_model`]).
@@ -167,7 +230,29 @@ pub fn export_run(run_dir: &Path, to: &Path, force: bool) -> Result<Exported> {
     check_target(to, force)?;
     let (train_config, model) = load_model(run_dir)?;
     let step = crate::train::snapshot::latest_step(run_dir)?;
-    export_model(&model, to, force)?;
+    let tokenizer = match &train_config.tokenizer {
+        // The run's copy of its tokenizer, else the file its config names.
+        Some(file) => {
+            let copy = run_dir.join(crate::train::TOKENIZER_FILE);
+            let path = if copy.is_file() {
+                copy
+            } else {
+                file.path.clone()
+            };
+            let tokenizer = Tokenizer::load(&path)?;
+            if tokenizer.sha256() != Some(file.sha256.as_str()) {
+                return Err(crate::data::DataError::TokenizerChanged {
+                    path,
+                    expected: file.sha256.clone(),
+                    found: tokenizer.sha256().unwrap_or_default().to_string(),
+                }
+                .into());
+            }
+            tokenizer
+        }
+        None => Tokenizer::Bytes,
+    };
+    export_model(&model, &tokenizer, to, force)?;
     Ok(Exported {
         checkpoint_step: step,
         config: train_config.model,
@@ -268,7 +353,7 @@ fn check_target(to: &Path, force: bool) -> Result<()> {
 }
 
 /// Writes `model` in Hugging Face's Llama format to the directory `to`: `config.json` and
-/// `model.safetensors`.
+/// `model.safetensors`, and `tokenizer`'s files ([`hf_tokenizer_files`]).
 ///
 /// The files are written into a temporary directory next to `to`, which is renamed into
 /// place once complete; an existing `to` (empty, or any with `force`) is replaced only then.
@@ -276,9 +361,23 @@ fn check_target(to: &Path, force: bool) -> Result<()> {
 ///
 /// # Errors
 /// [`TrainError::InvalidArgument`] when `to` is a file, or a non-empty directory and `force`
-/// is false; [`TrainError::Io`] when a file cannot be written.
-pub fn export_model(model: &Llama<f32>, to: &Path, force: bool) -> Result<()> {
+/// is false, or when `tokenizer`'s vocabulary is not the model's; [`TrainError::Io`] when a
+/// file cannot be written; those of [`hf_tokenizer_files`].
+pub fn export_model(
+    model: &Llama<f32>,
+    tokenizer: &Tokenizer,
+    to: &Path,
+    force: bool,
+) -> Result<()> {
     check_target(to, force)?;
+    if tokenizer.vocab_size() != model.config().vocab {
+        return Err(TrainError::InvalidArgument {
+            name: "tokenizer",
+            value: tokenizer.describe(),
+            reason: format!("the model's vocabulary is {}", model.config().vocab),
+        });
+    }
+    let tokenizer_files = hf_tokenizer_files(model.config(), tokenizer)?;
     let name =
         to.file_name()
             .and_then(|n| n.to_str())
@@ -309,9 +408,12 @@ pub fn export_model(model: &Llama<f32>, to: &Path, force: bool) -> Result<()> {
     }
     let write = || -> Result<()> {
         fs::create_dir(&staging).map_err(io(&staging))?;
-        let config =
-            serde_json::to_vec_pretty(&hf_config(model.config())).expect("JSON serializes");
+        let config = serde_json::to_vec_pretty(&hf_config(model.config(), tokenizer))
+            .expect("JSON serializes");
         write_atomic(&staging.join(CONFIG_FILE), &config)?;
+        for (name, contents) in TOKENIZER_FILES.iter().zip(&tokenizer_files) {
+            write_atomic(&staging.join(name), contents)?;
+        }
         let weights = encode_tensors(&hf_tensors(model), WEIGHTS_METADATA);
         write_atomic(&staging.join(WEIGHTS_FILE), &weights)?;
         // Out of the way, not yet removed: put back if the rename below fails.

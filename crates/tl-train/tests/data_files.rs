@@ -137,6 +137,21 @@ fn a_bpe_trained_twice_is_one_file_and_trains_a_model_on_a_directory() {
         "0",
     ]);
     assert!(text.starts_with("The model"), "{text:?}");
+
+    // The export carries the run's tokenizer byte for byte, and its end-of-text token (id
+    // 0) as the end of generation for transformers.
+    let hf = dir.path().join("hf");
+    ok(&["export", "--from", path(&run), "--to", path(&hf)]);
+    assert!(fs::read(hf.join("tokenizer.json")).unwrap() == bytes);
+    let json = |name: &str| -> serde_json::Value {
+        serde_json::from_slice(&fs::read(hf.join(name)).unwrap()).unwrap()
+    };
+    assert_eq!(json("config.json")["eos_token_id"], 0);
+    assert_eq!(json("config.json")["bos_token_id"], serde_json::Value::Null);
+    assert_eq!(json("generation_config.json")["eos_token_id"], 0);
+    assert_eq!(json("generation_config.json")["do_sample"], false);
+    assert_eq!(json("tokenizer_config.json")["eos_token"], "<|endoftext|>");
+    assert_eq!(json("tokenizer_config.json")["add_bos_token"], false);
 }
 
 #[test]

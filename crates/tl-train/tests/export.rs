@@ -13,6 +13,7 @@ use tl_tensor::nn::Module;
 use tl_tensor::{Generator, no_grad};
 use tl_train::TrainError;
 use tl_train::cli::Exit;
+use tl_train::data::Tokenizer;
 use tl_train::export::{export_model, rotary_source};
 use tl_train::model::{Llama, ModelConfig};
 
@@ -36,7 +37,16 @@ fn read_export(dir: &Path) -> Exported {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     files.sort();
-    assert_eq!(files, ["config.json", "model.safetensors"]);
+    assert_eq!(
+        files,
+        [
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json"
+        ]
+    );
     let config = serde_json::from_slice(&fs::read(dir.join("config.json")).unwrap()).unwrap();
     let bytes = fs::read(dir.join("model.safetensors")).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
@@ -308,7 +318,7 @@ fn an_export_of_random_weights_computes_tinyllms_logits_in_hf_conventions() {
     let model = random_model(&config, 7);
     let dir = tempfile::tempdir().unwrap();
     let to = dir.path().join("hf");
-    export_model(&model, &to, false).unwrap();
+    export_model(&model, &Tokenizer::Bytes, &to, false).unwrap();
     let worst = check_export(&to, &model);
     eprintln!("largest logit difference (random weights): {worst:e}");
     // Nothing but the export is left next to it.
@@ -343,6 +353,28 @@ fn a_trained_run_exports_through_the_cli_and_its_metadata_says_what_it_holds() {
     let (_, model) = tl_train::train::load_model(&run).unwrap();
     let worst = check_export(&to, &model);
     eprintln!("largest logit difference (trained tiny run): {worst:e}");
+
+    // A run on bytes exports a tokenizer whose ids are the bytes, no end-of-text token,
+    // and greedy generation up to the context.
+    let bytes = Tokenizer::load(&to.join("tokenizer.json")).unwrap();
+    let text = "the fox — ünïcode";
+    assert_eq!(
+        bytes.encode(text).unwrap(),
+        Tokenizer::Bytes.encode(text).unwrap()
+    );
+    let json = |name: &str| -> serde_json::Value {
+        serde_json::from_slice(&fs::read(to.join(name)).unwrap()).unwrap()
+    };
+    assert_eq!(json("config.json")["eos_token_id"], serde_json::Value::Null);
+    let generation = json("generation_config.json");
+    assert_eq!(generation["do_sample"], false);
+    assert_eq!(generation["max_length"], model.config().context);
+    let tokenizer_config = json("tokenizer_config.json");
+    assert_eq!(
+        tokenizer_config["tokenizer_class"],
+        "PreTrainedTokenizerFast"
+    );
+    assert_eq!(tokenizer_config["eos_token"], serde_json::Value::Null);
 
     // A second export into the now non-empty directory is refused, and --force replaces it.
     let before = fs::read(to.join("model.safetensors")).unwrap();

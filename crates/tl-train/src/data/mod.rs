@@ -29,5 +29,7 @@ pub use corpus::{CacheOptions, Corpus, DEFAULT_CHUNK_BYTES};
 pub use error::DataError;
 pub use grammar::{Expansion, Grammar};
 pub use inputs::{InputFile, InputFormat, Inputs, MIN_CHUNK_BYTES, Piece, split_text};
-pub use tokenizer::{END_OF_TEXT, FileTokenizer, MIN_BPE_VOCAB, Tokenizer, train_bpe};
+pub use tokenizer::{
+    END_OF_TEXT, FileTokenizer, MIN_BPE_VOCAB, Tokenizer, bytes_tokenizer_json, train_bpe,
+};
 pub use tokens::{IdWidth, TokenSource, Tokens};

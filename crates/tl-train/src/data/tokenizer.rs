@@ -150,6 +150,19 @@ impl Tokenizer {
         }
     }
 
+    /// The special token that ends a document, and its id: the first of `<|endoftext|>`,
+    /// `<|end_of_text|>`, `</s>` and `<eos>` the tokenizer has; `None` for bytes (whose
+    /// documents end with a newline, an ordinary byte) and a tokenizer with none.
+    pub fn end_of_text_token(&self) -> Option<(u32, String)> {
+        match self {
+            Tokenizer::Bytes => None,
+            Tokenizer::File(file) => {
+                let id = file.end_of_text?;
+                Some((id, file.inner.id_to_token(id)?))
+            }
+        }
+    }
+
     /// The SHA-256 of the `tokenizer.json` file, `None` for bytes.
     pub fn sha256(&self) -> Option<&str> {
         match self {
@@ -174,6 +187,60 @@ impl Tokenizer {
                 format!("{} (vocabulary {})", file.path.display(), file.vocab)
             }
         }
+    }
+}
+
+/// The `tokenizer.json` of [`Tokenizer::Bytes`], for other tools: a byte-level BPE without
+/// merges whose token `b` is byte `b` (spelt as GPT-2 spells bytes, `Ġ` for a space), so
+/// Hugging Face's `tokenizers` and `transformers` encode any text into its UTF-8 bytes and
+/// decode ids back, as tinyllm does. No special token, no text cut into words.
+///
+/// ```
+/// let json = tl_train::data::bytes_tokenizer_json();
+/// let file = tempfile::NamedTempFile::new().unwrap();
+/// std::fs::write(file.path(), &json).unwrap();
+/// let bytes = tl_train::data::Tokenizer::load(file.path())?;
+/// assert_eq!(bytes.encode("hé ")?, [104, 195, 169, 32]);
+/// assert_eq!(bytes.vocab_size(), 256);
+/// # Ok::<(), tl_train::data::DataError>(())
+/// ```
+pub fn bytes_tokenizer_json() -> String {
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..=255u8)
+        .map(|b| (byte_char(b).to_string(), serde_json::Value::from(b)))
+        .collect();
+    let byte_level = serde_json::json!({
+        "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false
+    });
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": byte_level,
+        "post_processor": null,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": []
+        }
+    });
+    let mut text = serde_json::to_string_pretty(&json).expect("JSON serializes");
+    text.push('\n');
+    text
+}
+
+/// GPT-2's spelling of byte `b` in a byte-level vocabulary: the printable bytes (`!`–`~`,
+/// `¡`–`¬`, `®`–`ÿ`) as themselves, the other 68 as the characters from U+0100 on, in order.
+fn byte_char(b: u8) -> char {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    if printable(b) {
+        char::from(b)
+    } else {
+        let before = (0..b).filter(|&c| !printable(c)).count() as u32;
+        char::from_u32(256 + before).expect("a character")
     }
 }
 
@@ -326,6 +393,28 @@ mod tests {
         let error = Tokenizer::load(&missing).unwrap_err();
         assert!(matches!(error, DataError::Io { .. }), "{error}");
         assert!(error.to_string().contains("missing.json"), "{error}");
+    }
+
+    #[test]
+    fn the_bytes_tokenizer_json_is_the_crates_byte_level_alphabet_in_byte_order() {
+        let alphabet: HashSet<char> = ByteLevel::alphabet().into_iter().collect();
+        let ours: HashSet<char> = (0..=255u8).map(byte_char).collect();
+        assert_eq!(ours, alphabet);
+        assert_eq!(
+            (byte_char(b' '), byte_char(b'\n'), byte_char(b'A')),
+            ('Ġ', 'Ċ', 'A')
+        );
+        let (_dir, file) = load(&bytes_tokenizer_json());
+        let text = "any text: é, 漢字, 🦀, \u{0}\t\r\n <|endoftext|>";
+        let ids = file.encode(text).unwrap();
+        assert_eq!(ids, Tokenizer::Bytes.encode(text).unwrap());
+        assert_eq!(file.decode(&ids).unwrap(), text);
+        assert_eq!(file.end_of_text_token(), None);
+        let all: Vec<u32> = (0..256).collect();
+        assert_eq!(
+            file.decode(&all).unwrap(),
+            Tokenizer::Bytes.decode(&all).unwrap()
+        );
     }
 
     #[test]
