@@ -7,14 +7,17 @@
 //! `tokenizer_config.json` and `generation_config.json` (greedy, at most the context). tinyllm's model is Hugging Face's Llama computation for computation
 //! (pre-norm RMSNorm `x · rsqrt(mean(x²) + eps) · g`, rotary positions with
 //! `θ = t · base^(−2i/hd)`, attention scaled by `1/√hd`, the SwiGLU MLP
-//! `down(silu(gate(x)) · up(x))`, no biases, an untied head); dropout is off at inference.
+//! `down(silu(gate(x)) · up(x))`, no biases, grouped-query attention as
+//! `num_key_value_heads`, a head of its own or tied to the embedding as
+//! `tie_word_embeddings`); dropout is off at inference.
 //! Three things differ only in how the weights are laid out, and the export converts them:
 //!
 //! - **Names.** `emb.weight` → `model.embed_tokens.weight`; block `i`'s `n1.w` →
 //!   `model.layers.{i}.input_layernorm.weight`, `wq`/`wk`/`wv`/`wo` →
 //!   `self_attn.{q,k,v,o}_proj`, `n2.w` → `post_attention_layernorm`, `w1` (gate) →
 //!   `mlp.gate_proj`, `w3` (up) → `mlp.up_proj`, `w2` (down) → `mlp.down_proj`;
-//!   `norm.w` → `model.norm.weight`; `head.weight` → `lm_head.weight`.
+//!   `norm.w` → `model.norm.weight`; `head.weight` → `lm_head.weight` (absent when the
+//!   head is tied).
 //! - **Linear weights are transposed**: tinyllm stores `[in, out]` and computes `x·W`,
 //!   PyTorch stores `[out, in]` and computes `x·Wᵀ`.
 //! - **Rotary pairs.** tinyllm turns the interleaved pairs `(2i, 2i+1)` of each head (as
@@ -62,7 +65,7 @@ pub struct Exported {
 
 /// Hugging Face's name of tinyllm's parameter `name`, and whether it is a linear weight
 /// (to transpose) and a query or key projection (to permute).
-fn hf_name(name: &str) -> Option<(String, bool, bool)> {
+pub(crate) fn hf_name(name: &str) -> Option<(String, bool, bool)> {
     match name {
         "emb.weight" => return Some(("model.embed_tokens.weight".into(), false, false)),
         "norm.w" => return Some(("model.norm.weight".into(), false, false)),
@@ -145,7 +148,7 @@ pub fn hf_config(config: &ModelConfig, tokenizer: &Tokenizer) -> serde_json::Val
         "hidden_size": config.d_model,
         "intermediate_size": config.hidden,
         "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_heads,
+        "num_key_value_heads": config.kv_heads(),
         "head_dim": config.head_dim(),
         "num_hidden_layers": config.n_layers,
         "rms_norm_eps": config.norm_eps,
@@ -153,7 +156,7 @@ pub fn hf_config(config: &ModelConfig, tokenizer: &Tokenizer) -> serde_json::Val
         "rope_scaling": null,
         "vocab_size": config.vocab,
         "max_position_embeddings": config.context,
-        "tie_word_embeddings": false,
+        "tie_word_embeddings": config.tie_embeddings,
         "torch_dtype": "float32",
         "hidden_act": "silu",
         "attention_bias": false,

@@ -122,11 +122,13 @@ fn hf_forward(model: &Exported, ids: &[usize]) -> Vec<Vec<f64>> {
     let d = model.size("hidden_size");
     let hidden = model.size("intermediate_size");
     let heads = model.size("num_attention_heads");
+    let kv_heads = model.size("num_key_value_heads");
     let layers = model.size("num_hidden_layers");
     let vocab = model.size("vocab_size");
     let eps = model.config["rms_norm_eps"].as_f64().unwrap();
     let theta = model.config["rope_theta"].as_f64().unwrap();
     let hd = d / heads;
+    let (d_kv, group) = (kv_heads * hd, heads / kv_heads);
     let embed = model.get("model.embed_tokens.weight", &[vocab, d]);
     let mut x: Vec<Vec<f64>> = ids
         .iter()
@@ -136,8 +138,8 @@ fn hf_forward(model: &Exported, ids: &[usize]) -> Vec<Vec<f64>> {
         let p = |name: &str, shape: &[usize]| model.get(&format!("model.layers.{l}.{name}"), shape);
         let (wq, wk, wv, wo) = (
             p("self_attn.q_proj.weight", &[d, d]),
-            p("self_attn.k_proj.weight", &[d, d]),
-            p("self_attn.v_proj.weight", &[d, d]),
+            p("self_attn.k_proj.weight", &[d_kv, d]),
+            p("self_attn.v_proj.weight", &[d_kv, d]),
             p("self_attn.o_proj.weight", &[d, d]),
         );
         let n1 = p("input_layernorm.weight", &[d]);
@@ -147,6 +149,8 @@ fn hf_forward(model: &Exported, ids: &[usize]) -> Vec<Vec<f64>> {
             let (mut qt, mut kt) = (linear(wq, &h), linear(wk, &h));
             for head in 0..heads {
                 rotate_half(&mut qt[head * hd..(head + 1) * hd], t, theta);
+            }
+            for head in 0..kv_heads {
                 rotate_half(&mut kt[head * hd..(head + 1) * hd], t, theta);
             }
             q.push(qt);
@@ -158,9 +162,11 @@ fn hf_forward(model: &Exported, ids: &[usize]) -> Vec<Vec<f64>> {
             let mut mixed = vec![0.0; d];
             for head in 0..heads {
                 let cols = head * hd..(head + 1) * hd;
+                // repeat_kv: query head h reads key/value head h / group.
+                let kv = (head / group) * hd;
                 let scores: Vec<f64> = (0..=t)
                     .map(|s| {
-                        let dot: f64 = cols.clone().map(|c| q[t][c] * k[s][c]).sum();
+                        let dot: f64 = (0..hd).map(|c| q[t][cols.start + c] * k[s][kv + c]).sum();
                         dot * scale
                     })
                     .collect();
@@ -168,8 +174,8 @@ fn hf_forward(model: &Exported, ids: &[usize]) -> Vec<Vec<f64>> {
                 let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                 let total: f64 = weights.iter().sum();
                 for (s, w) in weights.iter().enumerate() {
-                    for c in cols.clone() {
-                        mixed[c] += w / total * v[s][c];
+                    for c in 0..hd {
+                        mixed[cols.start + c] += w / total * v[s][kv + c];
                     }
                 }
             }
@@ -195,7 +201,10 @@ fn hf_forward(model: &Exported, ids: &[usize]) -> Vec<Vec<f64>> {
         }
     }
     let norm = model.get("model.norm.weight", &[d]);
-    let head = model.get("lm_head.weight", &[vocab, d]);
+    let head = match model.config["tie_word_embeddings"].as_bool().unwrap() {
+        true => embed,
+        false => model.get("lm_head.weight", &[vocab, d]),
+    };
     x.iter()
         .map(|row| linear(head, &rms_norm(row, norm, eps)))
         .collect()
@@ -227,13 +236,13 @@ fn check_export(dir: &Path, model: &Llama<f32>) -> f64 {
     assert_eq!(exported.size("hidden_size"), config.d_model);
     assert_eq!(exported.size("intermediate_size"), config.hidden);
     assert_eq!(exported.size("num_attention_heads"), config.n_heads);
-    assert_eq!(exported.size("num_key_value_heads"), config.n_heads);
+    assert_eq!(exported.size("num_key_value_heads"), config.kv_heads());
     assert_eq!(exported.size("num_hidden_layers"), config.n_layers);
     assert_eq!(exported.size("vocab_size"), 256);
     assert_eq!(exported.size("max_position_embeddings"), config.context);
     assert_eq!(c["rms_norm_eps"].as_f64(), Some(config.norm_eps));
     assert_eq!(c["rope_theta"].as_f64(), Some(config.rope_base));
-    assert_eq!(c["tie_word_embeddings"], false);
+    assert_eq!(c["tie_word_embeddings"], config.tie_embeddings);
     assert_eq!(c["torch_dtype"], "float32");
     assert_eq!(c["hidden_act"], "silu");
     assert_eq!(c["attention_bias"], false);
@@ -243,8 +252,10 @@ fn check_export(dir: &Path, model: &Llama<f32>) -> f64 {
     let mut names: Vec<String> = vec![
         "model.embed_tokens.weight".into(),
         "model.norm.weight".into(),
-        "lm_head.weight".into(),
     ];
+    if !config.tie_embeddings {
+        names.push("lm_head.weight".into());
+    }
     for l in 0..config.n_layers {
         for part in [
             "self_attn.q_proj",
@@ -314,6 +325,8 @@ fn an_export_of_random_weights_computes_tinyllms_logits_in_hf_conventions() {
         norm_eps: 1e-5,
         rope_base: 500.0,
         dropout: 0.1,
+        n_kv_heads: None,
+        tie_embeddings: false,
     };
     let model = random_model(&config, 7);
     let dir = tempfile::tempdir().unwrap();
@@ -323,6 +336,19 @@ fn an_export_of_random_weights_computes_tinyllms_logits_in_hf_conventions() {
     eprintln!("largest logit difference (random weights): {worst:e}");
     // Nothing but the export is left next to it.
     assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+
+    // Grouped-query attention (2 key/value heads of 4 query heads), a tied head.
+    let config = ModelConfig {
+        n_heads: 4,
+        n_kv_heads: Some(2),
+        tie_embeddings: true,
+        ..config
+    };
+    let model = random_model(&config, 8);
+    let to = dir.path().join("hf-gqa-tied");
+    export_model(&model, &Tokenizer::Bytes, &to, false).unwrap();
+    let worst = check_export(&to, &model);
+    eprintln!("largest logit difference (GQA, tied): {worst:e}");
 }
 
 #[test]

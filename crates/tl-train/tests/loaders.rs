@@ -64,6 +64,8 @@ fn micro_run(dir: &Path) -> PathBuf {
             norm_eps: 1e-5,
             rope_base: 10_000.0,
             dropout: 0.0,
+            n_kv_heads: None,
+            tie_embeddings: false,
         },
         preset: None,
         micro_batch: 2,

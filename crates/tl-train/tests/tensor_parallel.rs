@@ -40,6 +40,8 @@ fn config(dropout: f64) -> ModelConfig {
         norm_eps: 1e-5,
         rope_base: 10_000.0,
         dropout,
+        n_kv_heads: None,
+        tie_embeddings: false,
     }
 }
 
@@ -170,6 +172,50 @@ fn a_split_llama_computes_the_whole_models_loss_and_gradients() {
         // Measured: 4.4e-7 and 3.3e-7, 4 ε of f32.
         let bound = 8.0 * f64::from(f32::EPSILON);
         assert!(error < bound, "t {t} f32: gradients differ by {error:e}");
+    }
+}
+
+/// Grouped-query attention and a tied head split over the group: each rank holds its query
+/// heads with the key/value heads they read, and its rows of the embedding, which are its
+/// columns of the tied head. The whole model's loss and gradients, as without them.
+#[test]
+fn grouped_queries_and_a_tied_head_split_as_the_whole_model_computes() {
+    for (n_kv_heads, tie_embeddings) in [(2, false), (1, false), (4, true), (2, true)] {
+        let config = ModelConfig {
+            n_kv_heads: Some(n_kv_heads),
+            tie_embeddings,
+            ..config(0.0)
+        };
+        let t = 2;
+        let whole = pass(&Llama::<f64>::new(&config, 3).unwrap(), None);
+        let what = format!("{n_kv_heads} kv heads, tied {tie_embeddings}");
+        if n_kv_heads % t != 0 {
+            let errors = world(t, |comm| {
+                let tp = TensorParallel::new(Box::new(comm));
+                let whole = Llama::<f32>::new(&config, 3).unwrap();
+                whole.tensor_parallel(tp).err().map(|e| e.to_string())
+            });
+            for error in errors {
+                let error = error.expect("refused");
+                assert!(
+                    error.contains("n_kv_heads = 1") && error.contains("not replicate"),
+                    "{error}"
+                );
+            }
+            continue;
+        }
+        let ranks = split_run::<f64>(t, &config, Checkpointing::PerBlock);
+        for rank in &ranks {
+            assert!(
+                (rank.loss - whole.loss).abs() <= 1e-14 * whole.loss,
+                "{what}"
+            );
+        }
+        let error = max_relative(&assemble(&ranks), &whole.grads);
+        assert!(
+            error < 8.0 * f64::EPSILON,
+            "{what}: gradients differ by {error:e}"
+        );
     }
 }
 

@@ -5,6 +5,14 @@
 //!   (`[B, T, d]`, heads side by side) where they are, and writes its columns of the
 //!   `[B, T, d]` result: no head-split or merge copies. The `B·H` tasks go to the rayon pool;
 //!   each runs its products on one thread ([`gemm_serial_into`]).
+//! - **Grouped-query attention without copies.** With fewer key/value heads than query
+//!   heads (`n_kv_heads` dividing `n_heads`, as Llama 2 70B and Llama 3 have them), query
+//!   head `h` reads key/value head `h / (n_heads / n_kv_heads)` where it is, instead of a
+//!   `repeat_kv` copy. Backward runs one task per (sequence, key/value head), which walks
+//!   its group's query heads in order and adds their key and value gradients in that order
+//!   (each rounded first under autocast, as a copy's backward would sum the rounded
+//!   gradients of the repeated heads, then the sum rounded once): the same bits on any
+//!   number of threads.
 //! - **Blocks of query rows.** Rows `r0..r1` only see keys `0..r1`, so a block multiplies
 //!   `q[r0..r1]` by `k[..r1]ᵀ` — the upper triangle past the block is never computed — and its
 //!   `(r1−r0)×r1` scores stay in cache through the softmax and the product with `v[..r1]`.
@@ -53,7 +61,9 @@ pub struct Rounding<'a, E> {
 /// use tl_tensor::kernels::attention::CausalAttention;
 /// use tl_tensor::ndarray::{ArrayD, IxDyn};
 ///
-/// let kernel = CausalAttention { batch: 1, time: 2, n_heads: 1, head_dim: 1, scale: 1.0_f64 };
+/// let kernel = CausalAttention {
+///     batch: 1, time: 2, n_heads: 1, n_kv_heads: 1, head_dim: 1, scale: 1.0_f64,
+/// };
 /// let q = ArrayD::from_shape_vec(IxDyn(&[1, 2, 1]), vec![0.0, 0.0]).unwrap();
 /// let v = ArrayD::from_shape_vec(IxDyn(&[1, 2, 1]), vec![1.0, 3.0]).unwrap();
 /// let (out, _row_stats) = kernel.forward(&q, &q, &v, None);
@@ -66,8 +76,11 @@ pub struct CausalAttention<E> {
     pub batch: usize,
     /// Positions per sequence.
     pub time: usize,
-    /// Heads, side by side in the last axis.
+    /// Query heads, side by side in the last axis of `q` and of the result.
     pub n_heads: usize,
+    /// Key/value heads, side by side in the last axis of `k` and `v`: `n_heads` for
+    /// multi-head attention, fewer (a divisor of `n_heads`) for grouped-query attention.
+    pub n_kv_heads: usize,
     /// Columns per head.
     pub head_dim: usize,
     /// The factor applied to every score.
@@ -75,14 +88,14 @@ pub struct CausalAttention<E> {
 }
 
 impl<E: Element> CausalAttention<E> {
-    /// The attention of every head of `q`, `k`, `v` (each `[B, T, d]`, heads side by side),
-    /// `[B, T, d]` laid out the same way, and each row's softmax maximum and sum for
-    /// [`backward`](Self::backward) (`[B, H, T, 2]` flattened). With `rounding`, the operands,
-    /// the scores, the probabilities and the output are rounded where 16-bit products would
-    /// round them.
+    /// The attention of every head of `q` (`[B, T, H·hd]`, heads side by side) against its
+    /// key/value head of `k`, `v` (`[B, T, H_kv·hd]`), `[B, T, H·hd]` laid out as `q`, and
+    /// each row's softmax maximum and sum for [`backward`](Self::backward) (`[B, H, T, 2]`
+    /// flattened). With `rounding`, the operands, the scores, the probabilities and the
+    /// output are rounded where 16-bit products would round them.
     ///
     /// # Panics
-    /// If an array is not `[B, T, d]` of this geometry.
+    /// If an array is not of this geometry, or `n_kv_heads` does not divide `n_heads`.
     pub fn forward(
         &self,
         q: &ArrayD<E>,
@@ -90,6 +103,7 @@ impl<E: Element> CausalAttention<E> {
         v: &ArrayD<E>,
         rounding: Option<&Rounding<'_, E>>,
     ) -> (ArrayD<E>, Vec<E>) {
+        self.check_shapes([q, k, v]);
         let mut out = ArrayD::zeros(IxDyn(&[
             self.batch,
             self.time,
@@ -101,7 +115,8 @@ impl<E: Element> CausalAttention<E> {
             .zip(row_stats.par_chunks_mut(self.stats_per_head()))
             .enumerate()
             .for_each(|(task, (out, stats))| {
-                let [q, k, v] = [q, k, v].map(|x| self.head(x, task));
+                let q = self.head(q, task);
+                let [k, v] = [k, v].map(|x| self.kv_head(x, task / self.group()));
                 self.forward_head([q, k, v], out, stats, rounding);
             });
         (out, row_stats)
@@ -114,8 +129,7 @@ impl<E: Element> CausalAttention<E> {
     /// where a cast stands in the separate ops' graph (`dO`, `dP`, `dS`, `dq`, `dk`, `dv`).
     ///
     /// # Panics
-    /// If an array is not `[B, T, d]` of this geometry, or `row_stats` not the forward
-    /// pass's.
+    /// If an array is not of this geometry, or `row_stats` not the forward pass's.
     pub fn backward(
         &self,
         [q, k, v]: [&ArrayD<E>; 3],
@@ -123,25 +137,97 @@ impl<E: Element> CausalAttention<E> {
         d_out: &ArrayD<E>,
         rounding: Option<&Rounding<'_, E>>,
     ) -> ([ArrayD<E>; 3], u64) {
-        let shape = IxDyn(&[self.batch, self.time, self.n_heads * self.head_dim]);
-        let mut grads = [(); 3].map(|()| ArrayD::zeros(shape.clone()));
+        self.check_shapes([q, k, v]);
+        let (hd, group) = (self.head_dim, self.group());
+        let shape = |heads: usize| IxDyn(&[self.batch, self.time, heads * hd]);
+        let mut grads = [self.n_heads, self.n_kv_heads, self.n_kv_heads]
+            .map(|heads| ArrayD::zeros(shape(heads)));
         let [dq, dk, dv] = &mut grads;
-        let heads: Vec<_> = self
-            .columns_mut(dq)
+        // One task per (sequence, key/value head): its group's query heads' columns of dq.
+        let tasks: Vec<_> = columns_mut(dq, self.n_kv_heads, group * hd)
             .into_iter()
-            .zip(self.columns_mut(dk))
-            .zip(self.columns_mut(dv))
+            .zip(columns_mut(dk, self.n_kv_heads, hd))
+            .zip(columns_mut(dv, self.n_kv_heads, hd))
             .collect();
-        let flushed = heads
+        let flushed = tasks
             .into_par_iter()
-            .zip(row_stats.par_chunks(self.stats_per_head()))
+            .zip(row_stats.par_chunks(group * self.stats_per_head()))
             .enumerate()
             .map(|(task, (((dq, dk), dv), stats))| {
-                let [q, k, v, d_out] = [q, k, v, d_out].map(|x| self.head(x, task));
-                self.backward_head([q, k, v], d_out, stats, [dq, dk, dv], rounding)
+                let kv = [k, v].map(|x| self.kv_head(x, task));
+                let queries = (0..group).map(|j| {
+                    let head = task * group + j;
+                    let stats = &stats[j * self.stats_per_head()..][..self.stats_per_head()];
+                    (self.head(q, head), self.head(d_out, head), stats)
+                });
+                self.backward_group(queries, kv, [dq, dk, dv], rounding)
             })
             .sum();
         (grads, flushed)
+    }
+
+    /// Query heads per key/value head.
+    fn group(&self) -> usize {
+        self.n_heads / self.n_kv_heads
+    }
+
+    /// Checks `q`, `k`, `v` against the geometry.
+    fn check_shapes(&self, [q, k, v]: [&ArrayD<E>; 3]) {
+        assert!(
+            self.n_kv_heads > 0 && self.n_heads.is_multiple_of(self.n_kv_heads),
+            "CausalAttention: {} key/value heads do not divide {} query heads",
+            self.n_kv_heads,
+            self.n_heads
+        );
+        let (b, t, hd) = (self.batch, self.time, self.head_dim);
+        let expected = [self.n_heads, self.n_kv_heads, self.n_kv_heads].map(|h| [b, t, h * hd]);
+        let shapes = [q, k, v].map(|x| x.shape().to_vec());
+        assert!(
+            (shapes.iter().zip(&expected)).all(|(shape, expected)| shape == expected),
+            "CausalAttention: expected q, k, v of shapes {expected:?}, got {shapes:?}"
+        );
+    }
+
+    /// One key/value head's backward pass (task `(b, g)`): each query head of its group in
+    /// order, writing its columns of `dq`; the key and value gradients of the group's heads
+    /// added in that order into `dk`, `dv`. Returns the number of gradient values rounded to
+    /// zero.
+    fn backward_group<'q>(
+        &self,
+        queries: impl Iterator<Item = (ArrayView2<'q, E>, ArrayView2<'q, E>, &'q [E])>,
+        [k, v]: [ArrayView2<'_, E>; 2],
+        [mut dq, dk, dv]: [ArrayViewMut2<'_, E>; 3],
+        rounding: Option<&Rounding<'_, E>>,
+    ) -> u64 {
+        let [k, v] = [k, v].map(|x| operand(x, rounding));
+        let mut flushed = 0;
+        let mut sums: Option<[Array2<E>; 2]> = None;
+        for (j, (q, d_out, stats)) in queries.enumerate() {
+            let columns = s![.., j * self.head_dim..(j + 1) * self.head_dim];
+            let (head_sums, head_flushed) =
+                self.backward_head([q, d_out], [&k, &v], stats, dq.slice_mut(columns), rounding);
+            flushed += head_flushed;
+            sums = Some(match sums {
+                None => head_sums,
+                Some([mut dk_sum, mut dv_sum]) => {
+                    dk_sum += &head_sums[0];
+                    dv_sum += &head_sums[1];
+                    [dk_sum, dv_sum]
+                }
+            });
+        }
+        let [mut dk_sum, mut dv_sum] = sums.expect("a group has a query head");
+        if self.group() > 1
+            && let Some(rounding) = rounding
+        {
+            // The sum of the group's rounded gradients, rounded once.
+            for sum in [&mut dk_sum, &mut dv_sum] {
+                flushed += (rounding.gradients)(sum.as_slice_mut().expect("standard layout"));
+            }
+        }
+        copy_rows(dk, dk_sum.view());
+        copy_rows(dv, dv_sum.view());
+        flushed
     }
 
     /// One head's forward pass; `stats` receives each row's maximum and sum.
@@ -192,17 +278,19 @@ impl<E: Element> CausalAttention<E> {
         }
     }
 
-    /// One head's backward pass, writing the gradients of its columns of `q`, `k` and `v`;
-    /// returns the number of gradient values rounded to zero.
+    /// One query head's backward pass against its key/value head's operands `k`, `v`
+    /// (already rounded): writes the gradient of its columns of `q`; returns this head's
+    /// gradients of `k` and `v` (rounded), and the number of gradient values rounded to
+    /// zero.
     fn backward_head(
         &self,
-        inputs: [ArrayView2<'_, E>; 3],
-        d_out: ArrayView2<'_, E>,
+        [q, d_out]: [ArrayView2<'_, E>; 2],
+        [k, v]: [&Array2<E>; 2],
         stats: &[E],
-        [mut dq, dk, dv]: [ArrayViewMut2<'_, E>; 3],
+        mut dq: ArrayViewMut2<'_, E>,
         rounding: Option<&Rounding<'_, E>>,
-    ) -> u64 {
-        let [q, k, v] = inputs.map(|x| operand(x, rounding));
+    ) -> ([Array2<E>; 2], u64) {
+        let q = operand(q, rounding);
         let mut flushed = 0;
         // One head's blocks are small and this runs on a pool thread already: round on it.
         let mut round_grad = |values: &mut [E]| {
@@ -218,7 +306,7 @@ impl<E: Element> CausalAttention<E> {
         let (mut scratch, mut d_scratch) = (self.block_scratch(), self.block_scratch());
         for (start, end) in self.row_blocks() {
             let d_out_rows = d_out.slice(s![start..end, ..]);
-            let mut probs = self.scores(&mut scratch, &q, &k, start, end, rounding);
+            let mut probs = self.scores(&mut scratch, &q, k, start, end, rounding);
             let mut d_scores = ArrayViewMut2::from_shape(
                 (end - start, end),
                 &mut d_scratch[..(end - start) * end],
@@ -281,9 +369,7 @@ impl<E: Element> CausalAttention<E> {
         }
         round_grad(dk_sum.as_slice_mut().expect("standard layout"));
         round_grad(dv_sum.as_slice_mut().expect("standard layout"));
-        copy_rows(dk, dk_sum.view());
-        copy_rows(dv, dv_sum.view());
-        flushed
+        ([dk_sum, dv_sum], flushed)
     }
 
     /// `e^(scale·s − max)` for each score `s` of a row, in place: the softmax's numerators.
@@ -339,32 +425,48 @@ impl<E: Element> CausalAttention<E> {
             .map(move |start| (start, (start + ROW_BLOCK).min(time)))
     }
 
-    /// Task `task`'s `[T, hd]` head of a `[B, T, d]` array: sequence `task / H`, head
-    /// `task % H`.
+    /// Query head `task`'s `[T, hd]` columns of a `[B, T, H·hd]` array: sequence
+    /// `task / H`, head `task % H`.
     fn head<'a>(&self, x: &'a ArrayD<E>, task: usize) -> ArrayView2<'a, E> {
-        let (b, h) = (task / self.n_heads, task % self.n_heads);
-        let columns = h * self.head_dim..(h + 1) * self.head_dim;
-        x.slice(s![b, .., columns])
-            .into_dimensionality::<Ix2>()
-            .expect("a sequence's head is 2-D")
+        head_of(x, task, self.n_heads, self.head_dim)
     }
 
-    /// Every task's head of a `[B, T, d]` array, writable, in task order.
-    fn columns_mut<'a>(&self, x: &'a mut ArrayD<E>) -> Vec<ArrayViewMut2<'a, E>> {
-        let mut heads = Vec::with_capacity(self.batch * self.n_heads);
-        for sequence in x.axis_iter_mut(Axis(0)) {
-            let mut rest = sequence
-                .into_dimensionality::<Ix2>()
-                .expect("a sequence is 2-D");
-            for _ in 1..self.n_heads {
-                let (head, tail) = rest.split_at(Axis(1), self.head_dim);
-                heads.push(head);
-                rest = tail;
-            }
-            heads.push(rest);
-        }
-        heads
+    /// Key/value head `task`'s `[T, hd]` columns of a `[B, T, H_kv·hd]` array: sequence
+    /// `task / H_kv`, head `task % H_kv`.
+    fn kv_head<'a>(&self, x: &'a ArrayD<E>, task: usize) -> ArrayView2<'a, E> {
+        head_of(x, task, self.n_kv_heads, self.head_dim)
     }
+
+    /// Every query head of a `[B, T, H·hd]` array, writable, in task order.
+    fn columns_mut<'a>(&self, x: &'a mut ArrayD<E>) -> Vec<ArrayViewMut2<'a, E>> {
+        columns_mut(x, self.n_heads, self.head_dim)
+    }
+}
+
+/// Head `task % heads` of sequence `task / heads` of a `[B, T, heads·width]` array.
+fn head_of<E>(x: &ArrayD<E>, task: usize, heads: usize, width: usize) -> ArrayView2<'_, E> {
+    let (b, h) = (task / heads, task % heads);
+    x.slice(s![b, .., h * width..(h + 1) * width])
+        .into_dimensionality::<Ix2>()
+        .expect("a sequence's head is 2-D")
+}
+
+/// The `heads` column blocks of `width` of every sequence of a `[B, T, heads·width]` array,
+/// writable, sequence by sequence.
+fn columns_mut<E>(x: &mut ArrayD<E>, heads: usize, width: usize) -> Vec<ArrayViewMut2<'_, E>> {
+    let mut blocks = Vec::with_capacity(x.shape()[0] * heads);
+    for sequence in x.axis_iter_mut(Axis(0)) {
+        let mut rest = sequence
+            .into_dimensionality::<Ix2>()
+            .expect("a sequence is 2-D");
+        for _ in 1..heads {
+            let (block, tail) = rest.split_at(Axis(1), width);
+            blocks.push(block);
+            rest = tail;
+        }
+        blocks.push(rest);
+    }
+    blocks
 }
 
 /// The rows of a block of probabilities and of their gradient, side by side, with the
@@ -449,6 +551,7 @@ mod tests {
             batch: 2,
             time: ROW_BLOCK + 6,
             n_heads: 2,
+            n_kv_heads: 2,
             head_dim: 4,
             scale: 0.5,
         };
@@ -461,6 +564,121 @@ mod tests {
         }
     }
 
+    /// `x`'s `[B, T, H_kv·hd]` heads each repeated `group` times side by side (`repeat_kv`).
+    fn repeat_heads(x: &ArrayD<f64>, group: usize, hd: usize) -> ArrayD<f64> {
+        let [b, t, width] = [0, 1, 2].map(|axis| x.shape()[axis]);
+        ArrayD::from_shape_fn(IxDyn(&[b, t, width * group]), |i| {
+            let (head, c) = (i[2] / hd, i[2] % hd);
+            x[[i[0], i[1], head / group * hd + c]]
+        })
+    }
+
+    /// Grouped-query attention is multi-head attention on repeated keys and values, bit for
+    /// bit: the same output, the same query gradients, and key and value gradients that are
+    /// the repeated heads' summed in head order (rounded, then the sum rounded, under a
+    /// rounding), on 1 and 3 threads.
+    #[test]
+    fn grouped_query_attention_is_attention_on_repeated_keys_and_values() {
+        let rng = Generator::new(11);
+        let (batch, time, hd, n_heads) = (2, ROW_BLOCK + 3, 4, 6);
+        let quarter = |xs: &mut [f64]| xs.iter_mut().for_each(|x| *x = (*x * 4.0).round() / 4.0);
+        // A "format" of 4 significant bits that flushes magnitudes below 2⁻⁶: the sum of
+        // two of its values is often not one of them, so where the sum is rounded shows.
+        let flush_small = |xs: &mut [f64]| {
+            let mut flushed = 0;
+            for x in xs.iter_mut() {
+                let rounded = if x.abs() < 1.0 / 64.0 {
+                    0.0
+                } else {
+                    let unit = 2f64.powi(x.abs().log2().floor() as i32 - 3);
+                    (*x / unit).round() * unit
+                };
+                flushed += u64::from(rounded == 0.0 && *x != 0.0);
+                *x = rounded;
+            }
+            flushed
+        };
+        let rounding = Rounding {
+            values: &quarter,
+            gradients: &flush_small,
+            products: None,
+        };
+        for n_kv_heads in [1, 2, 3, 6] {
+            let group = n_heads / n_kv_heads;
+            let gqa = CausalAttention {
+                batch,
+                time,
+                n_heads,
+                n_kv_heads,
+                head_dim: hd,
+                scale: 0.5,
+            };
+            let mha = CausalAttention {
+                n_kv_heads: n_heads,
+                ..gqa
+            };
+            let q = random_array(&[batch, time, n_heads * hd], &rng);
+            let d_out = random_array(&[batch, time, n_heads * hd], &rng);
+            let [k, v] = [(); 2].map(|()| random_array(&[batch, time, n_kv_heads * hd], &rng));
+            let [k_rep, v_rep] = [&k, &v].map(|x| repeat_heads(x, group, hd));
+            for rounding in [None, Some(&rounding)] {
+                let (expected, stats) = mha.forward(&q, &k_rep, &v_rep, rounding);
+                let ([dq, dk_rep, dv_rep], expected_flushed) =
+                    mha.backward([&q, &k_rep, &v_rep], &stats, &d_out, rounding);
+                // The repeated heads' gradients summed in order, then rounded once.
+                let mut second_flushes = 0;
+                let mut summed = |rep: &ArrayD<f64>| {
+                    let mut sum =
+                        ArrayD::from_shape_fn(IxDyn(&[batch, time, n_kv_heads * hd]), |i| {
+                            let (head, c) = (i[2] / hd, i[2] % hd);
+                            let column = |j: usize| rep[[i[0], i[1], (head * group + j) * hd + c]];
+                            (1..group).fold(column(0), |acc, j| acc + column(j))
+                        });
+                    if group > 1
+                        && let Some(rounding) = rounding
+                    {
+                        second_flushes += (rounding.gradients)(sum.as_slice_mut().unwrap());
+                    }
+                    sum
+                };
+                let (dk, dv) = (summed(&dk_rep), summed(&dv_rep));
+                for threads in [1, 3] {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    let (out, gqa_stats) = pool.install(|| gqa.forward(&q, &k, &v, rounding));
+                    let (grads, flushed) =
+                        pool.install(|| gqa.backward([&q, &k, &v], &gqa_stats, &d_out, rounding));
+                    let what = format!(
+                        "{n_kv_heads} kv heads, rounding {}, {threads} threads",
+                        rounding.is_some()
+                    );
+                    assert_eq!(out, expected, "{what}");
+                    assert_eq!(gqa_stats, stats, "{what}");
+                    assert_eq!(grads, [dq.clone(), dk.clone(), dv.clone()], "{what}");
+                    assert_eq!(flushed, expected_flushed + second_flushes, "{what}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "4 key/value heads do not divide 6 query heads")]
+    fn key_value_heads_must_divide_the_query_heads() {
+        let kernel = CausalAttention {
+            batch: 1,
+            time: 2,
+            n_heads: 6,
+            n_kv_heads: 4,
+            head_dim: 2,
+            scale: 1.0,
+        };
+        let q = ArrayD::zeros(IxDyn(&[1, 2, 12]));
+        let kv = ArrayD::zeros(IxDyn(&[1, 2, 8]));
+        kernel.forward(&q, &kv, &kv, None);
+    }
+
     #[test]
     fn rounding_is_applied_and_gradient_flushes_are_counted() {
         let rng = Generator::new(8);
@@ -468,6 +686,7 @@ mod tests {
             batch: 1,
             time: 5,
             n_heads: 1,
+            n_kv_heads: 1,
             head_dim: 3,
             scale: 1.0,
         };
@@ -538,6 +757,7 @@ mod tests {
             batch: 2,
             time: ROW_BLOCK + 6,
             n_heads: 2,
+            n_kv_heads: 2,
             head_dim: 4,
             scale: 0.5,
         };

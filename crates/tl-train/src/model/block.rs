@@ -127,7 +127,7 @@ impl<E: GradElement> Block<E> {
         let d = config.d_model;
         Self {
             norm1: RmsNorm::new(d, config.norm_eps),
-            attention: CausalSelfAttention::new(d, config.n_heads, rope, rng),
+            attention: CausalSelfAttention::new(d, (config.n_heads, config.kv_heads()), rope, rng),
             norm2: RmsNorm::new(d, config.norm_eps),
             mlp: SwiGlu::new(d, config.hidden, rng),
             dropout: (config.dropout > 0.0).then(|| {

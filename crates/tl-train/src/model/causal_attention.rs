@@ -52,16 +52,19 @@ use tl_tensor::{Element, ProductKernel, Tensor};
 /// The name of the attention's result for a checkpoint's keep policy.
 pub const ATTENTION: &str = "attention";
 
-/// `softmax(q·kᵀ/√hd + M)·v` for each of `n_heads` heads, where `q`, `k`, `v` are `[B, T, d]`
-/// with head `h` in columns `h·hd..(h+1)·hd` (`hd = d / n_heads`), `M = −∞` above the
-/// diagonal, and the result is `[B, T, d]` laid out the same way.
+/// `softmax(q·kᵀ/√hd + M)·v` for each of `n_heads` heads, where `q` is `[B, T, H·hd]` with
+/// head `h` in columns `h·hd..(h+1)·hd`, `k` and `v` are `[B, T, H_kv·hd]` with `H_kv`
+/// dividing `H` (query head `h` reads key/value head `h / (H / H_kv)`: grouped-query
+/// attention, or multi-head attention when `H_kv = H`), `M = −∞` above the diagonal, and
+/// the result is `[B, T, H·hd]` laid out as `q`.
 ///
 /// Saves `q`, `k` and `v` (shared, not copied) and two numbers per row; see the module
 /// documentation for how it computes, how a checkpointed block keeps its result, and for its
 /// rounding under autocast.
 ///
 /// # Panics
-/// If the three shapes differ, are not 3-D, or `d` is not a multiple of `n_heads`.
+/// If the shapes are not 3-D of one batch and time, `q`'s width is not a multiple of
+/// `n_heads`, or `k`'s and `v`'s width is not a whole number of heads dividing `n_heads`.
 pub fn causal_attention<E: Element>(
     q: &Tensor<E>,
     k: &Tensor<E>,
@@ -69,15 +72,21 @@ pub fn causal_attention<E: Element>(
     n_heads: usize,
 ) -> Tensor<E> {
     let shape = q.shape();
+    let kv_shape = k.shape();
+    let fits = shape.len() == 3
+        && kv_shape.len() == 3
+        && v.shape() == kv_shape
+        && shape[..2] == kv_shape[..2]
+        && n_heads > 0
+        && shape[2].is_multiple_of(n_heads)
+        && shape[2] >= n_heads
+        && kv_shape[2].is_multiple_of(shape[2] / n_heads)
+        && n_heads.is_multiple_of((kv_shape[2] / (shape[2] / n_heads)).max(1))
+        && kv_shape[2] > 0;
     assert!(
-        shape.len() == 3
-            && k.shape() == shape
-            && v.shape() == shape
-            && n_heads > 0
-            && shape[2].is_multiple_of(n_heads),
-        "causal_attention: expected q, k, v of one shape [B, T, d] with d a multiple of \
-         {n_heads} heads, got {shape:?}, {:?}, {:?}",
-        k.shape(),
+        fits,
+        "causal_attention: expected q [B, T, H·hd] with H = {n_heads} and k, v [B, T, H_kv·hd] \
+         with H_kv dividing H, got {shape:?}, {kv_shape:?}, {:?}",
         v.shape()
     );
     let head_dim = shape[2] / n_heads;
@@ -85,6 +94,7 @@ pub fn causal_attention<E: Element>(
         batch: shape[0],
         time: shape[1],
         n_heads,
+        n_kv_heads: kv_shape[2] / head_dim,
         head_dim,
         scale: E::from_f64(1.0 / (head_dim as f64).sqrt()),
     };
@@ -353,9 +363,18 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "causal_attention: expected q, k, v of one shape")]
+    #[should_panic(expected = "causal_attention: expected q [B, T, H·hd] with H = 4")]
     fn heads_that_do_not_divide_the_width_are_refused() {
         let x = Tensor::<f32>::zeros(&[1, 2, 6]);
         causal_attention(&x, &x, &x, 4);
+    }
+
+    #[test]
+    #[should_panic(expected = "with H_kv dividing H")]
+    fn key_value_heads_that_do_not_divide_the_query_heads_are_refused() {
+        // 6 heads of 2; keys and values of 4 heads of 2.
+        let q = Tensor::<f32>::zeros(&[1, 2, 12]);
+        let kv = Tensor::<f32>::zeros(&[1, 2, 8]);
+        causal_attention(&q, &kv, &kv, 6);
     }
 }

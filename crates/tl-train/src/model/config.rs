@@ -28,19 +28,31 @@ pub struct ModelConfig {
     pub d_model: usize,
     /// Number of transformer blocks.
     pub n_layers: usize,
-    /// Attention heads per block; `d_model / n_heads` must be an even head size (rotary
-    /// embedding rotates pairs).
+    /// Attention (query) heads per block; `d_model / n_heads` must be an even head size
+    /// (rotary embedding rotates pairs).
     pub n_heads: usize,
+    /// Key/value heads per block, for grouped-query attention: a divisor of `n_heads`, each
+    /// shared by `n_heads / n_kv_heads` query heads (1 is multi-query attention). Absent
+    /// (`None`), as many as the query heads: multi-head attention, as Hugging Face reads a
+    /// config without `num_key_value_heads`. See [`kv_heads`](Self::kv_heads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n_kv_heads: Option<usize>,
     /// Hidden width of the SwiGLU MLP.
     pub hidden: usize,
     /// Longest sequence the model is trained on (the rotary tables' length).
     pub context: usize,
     /// Added to the mean square in every RMSNorm.
     pub norm_eps: f64,
-    /// Base of the rotary embedding's frequencies.
+    /// Base of the rotary embedding's frequencies (`rope_theta` in Hugging Face's configs,
+    /// which this field also reads).
+    #[serde(alias = "rope_theta")]
     pub rope_base: f64,
     /// Dropout probability on each residual branch (0 disables dropout).
     pub dropout: f64,
+    /// Whether the head is the embedding's table (`logits = x·Eᵀ`, one `V × d` parameter
+    /// for both, as GPT-2 and the small Llamas have it) rather than a weight of its own.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tie_embeddings: bool,
 }
 
 /// The named model sizes of `tinyllm --preset`.
@@ -86,6 +98,8 @@ impl Preset {
             norm_eps: 1e-5,
             rope_base: 10_000.0,
             dropout: 0.0,
+            n_kv_heads: None,
+            tie_embeddings: false,
         }
     }
 }
@@ -113,6 +127,17 @@ impl ModelConfig {
     /// The size of one attention head.
     pub fn head_dim(&self) -> usize {
         self.d_model / self.n_heads
+    }
+
+    /// Key/value heads per block: `n_kv_heads`, or `n_heads` when it is absent.
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_heads.unwrap_or(self.n_heads)
+    }
+
+    /// The width of the keys and of the values, `kv_heads · head_dim` (`d_model` without
+    /// grouped-query attention).
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads() * self.head_dim()
     }
 
     /// Checks that the sizes fit together, and that none is so large that counting the
@@ -151,6 +176,18 @@ impl ModelConfig {
                 ),
             );
         }
+        let kv_heads = self.kv_heads();
+        if kv_heads == 0 || !self.n_heads.is_multiple_of(kv_heads) {
+            return invalid(
+                "n_kv_heads",
+                kv_heads.to_string(),
+                format!(
+                    "must divide the {} query heads (each key/value head serves a group of \
+                     query heads)",
+                    self.n_heads
+                ),
+            );
+        }
         if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
             return invalid(
                 "norm_eps",
@@ -177,12 +214,14 @@ impl ModelConfig {
 
     /// The number of trainable scalars, from the sizes alone:
     ///
-    /// `V·d` (embedding) `+ L·(4d² + 3d·h + 2d)` (attention, SwiGLU, two gains per block)
-    /// `+ d` (final norm) `+ d·V` (untied head).
+    /// `V·d` (embedding) `+ L·(2d² + 2d·d_kv + 3d·h + 2d)` (attention's q and o, its k and v
+    /// of width `d_kv = kv_heads·head_dim`, SwiGLU, two gains per block) `+ d` (final norm)
+    /// `+ d·V` (the head, unless it is tied to the embedding).
     pub fn num_parameters(&self) -> usize {
-        let (v, d, h) = (self.vocab, self.d_model, self.hidden);
-        let per_block = 4 * d * d + 3 * d * h + 2 * d;
-        v * d + self.n_layers * per_block + d + d * v
+        let (v, d, h, d_kv) = (self.vocab, self.d_model, self.hidden, self.kv_width());
+        let per_block = 2 * d * d + 2 * d * d_kv + 3 * d * h + 2 * d;
+        let head = if self.tie_embeddings { 0 } else { d * v };
+        v * d + self.n_layers * per_block + d + head
     }
 }
 
@@ -195,6 +234,42 @@ mod tests {
         // 256·320 + 8·(4·320² + 3·320·896 + 2·320) + 320 + 320·256
         //   = 81,920 + 8·1,270,400 + 320 + 81,920 = 10,327,360
         assert_eq!(Preset::Capstone.config().num_parameters(), 10_327_360);
+    }
+
+    #[test]
+    fn grouped_queries_and_a_tied_head_count_fewer_parameters() {
+        // Tiny: d 64, 4 heads of 16, hidden 176, 2 layers, V 256. Two key/value heads halve
+        // k and v (64·32 each instead of 64·64); the tied head drops 64·256.
+        let mut config = Preset::Tiny.config();
+        let plain = config.num_parameters();
+        config.n_kv_heads = Some(2);
+        assert_eq!(plain - config.num_parameters(), 2 * 2 * (64 * 64 - 64 * 32));
+        config.tie_embeddings = true;
+        assert_eq!(
+            plain - config.num_parameters(),
+            2 * 2 * (64 * 64 - 64 * 32) + 64 * 256
+        );
+        config.n_kv_heads = Some(4);
+        assert_eq!(config.kv_width(), 64);
+        config.validate().unwrap();
+        config.n_kv_heads = Some(3);
+        let error = config.validate().unwrap_err().to_string();
+        assert!(
+            error.contains("n_kv_heads") && error.contains("4 query heads"),
+            "{error}"
+        );
+        config.n_kv_heads = Some(0);
+        assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn hugging_faces_rope_theta_reads_and_old_configs_have_no_new_fields() {
+        let mut json = serde_json::to_value(Preset::Tiny.config()).unwrap();
+        assert!(json.get("n_kv_heads").is_none() && json.get("tie_embeddings").is_none());
+        let base = json.as_object_mut().unwrap().remove("rope_base").unwrap();
+        json["rope_theta"] = base;
+        let config: ModelConfig = serde_json::from_value(json).unwrap();
+        assert_eq!(config, Preset::Tiny.config());
     }
 
     #[test]

@@ -137,7 +137,8 @@ impl std::fmt::Display for Checkpointing {
 pub type UnitHook<E> = Rc<dyn Fn(usize, &dyn Fn() -> Tensor<E>) -> Tensor<E>>;
 
 /// A Llama-style decoder: token embedding, `n_layers` pre-norm [`Block`]s, a final RMSNorm
-/// and an untied linear head to the vocabulary.
+/// and a linear head to the vocabulary: a weight of its own, or the embedding's table
+/// (`logits = x·Eᵀ`) when the config ties them.
 ///
 /// Weights are initialised as PyTorch initialises `llama_ref.py` (embedding N(0, 1), linear
 /// layers U(±1/√in), gains 1), drawn from one generator seeded by `seed`: same seed, same
@@ -172,8 +173,10 @@ pub struct Llama<E: GradElement = f32> {
 /// The final norm and the head.
 struct Top<E: GradElement> {
     norm: RmsNorm<E>,
-    /// `[d, V]`, or this rank's `[d, V/t]` columns under tensor parallelism.
-    head: Linear<E>,
+    /// `[d, V]`, or this rank's `[d, V/t]` columns under tensor parallelism; `None` when the
+    /// head is tied to the embedding, whose `[V, d]` table (or this rank's `[V/t, d]` rows)
+    /// it multiplies by transposed.
+    head: Option<Linear<E>>,
 }
 
 /// One pipeline stage a part of the model holds: its index among all the stages, and the
@@ -289,7 +292,8 @@ impl<E: GradElement> Llama<E> {
             blocks,
             top: Some(Top {
                 norm: RmsNorm::new(config.d_model, config.norm_eps),
-                head: Linear::new(config.d_model, config.vocab, false, &rng),
+                head: (!config.tie_embeddings)
+                    .then(|| Linear::new(config.d_model, config.vocab, false, &rng)),
             }),
             stages: None,
             split: None,
@@ -348,14 +352,16 @@ impl<E: GradElement> Llama<E> {
             .map(|(i, block)| Ok((*i, Rc::new(block.split(&split)?))))
             .collect::<Result<_>>()?;
         let top = self.top();
-        let head = split.slice("vocab", top.head.weight(), placement("head.weight"))?;
+        let head = (top.head.as_ref())
+            .map(|head| split.slice("vocab", head.weight(), placement("head.weight")))
+            .transpose()?;
         Ok(Self {
             config: config.clone(),
             embedding: Some(TokenEmbedding::Split(embedding)),
             blocks,
             top: Some(Top {
                 norm: RmsNorm::from_weight(top.norm.weight().clone(), top.norm.eps()),
-                head: Linear::from_parts(head, None),
+                head: head.map(|head| Linear::from_parts(head, None)),
             }),
             stages: None,
             split: Some(split),
@@ -387,6 +393,12 @@ impl<E: GradElement> Llama<E> {
             stages.iter().all(|s| s.blocks.end <= self.config.n_layers),
             "Llama::into_pipeline_part: {stages:?} names blocks past {}",
             self.config.n_layers
+        );
+        assert!(
+            !self.config.tie_embeddings
+                || (stages[0].index == 0 && stages.last().is_some_and(|s| s.last)),
+            "Llama::into_pipeline_part: a tied head needs the embedding in the same part \
+             (stage 0 and the last stage together), got {stages:?}"
         );
         if stages[0].index != 0 {
             self.embedding = None;
@@ -533,9 +545,11 @@ impl<E: GradElement> Llama<E> {
         let mut units = Vec::new();
         units.extend((self.embedding.iter()).map(|embedding| vec![embedding.weight().clone()]));
         units.extend(self.blocks.iter().map(|(_, block)| block.parameters()));
-        units.extend(
-            (self.top.iter()).map(|top| vec![top.norm.weight().clone(), top.head.weight().clone()]),
-        );
+        units.extend((self.top.iter()).map(|top| {
+            std::iter::once(top.norm.weight().clone())
+                .chain(top.head.iter().map(|head| head.weight().clone()))
+                .collect()
+        }));
         units
     }
 
@@ -657,7 +671,11 @@ impl<E: GradElement> Llama<E> {
                 None => &normed,
             };
             let _label = memory::label_scope(roles::LOGITS);
-            top.head.forward(normed)
+            match &top.head {
+                Some(head) => head.forward(normed),
+                // Tied: the embedding's rows are the head's columns.
+                None => normed.matmul(&self.embedding().weight().transpose(0, 1)),
+            }
         })
     }
 
@@ -771,7 +789,9 @@ impl<E: GradElement> Llama<E> {
         }
         if let Some(top) = &self.top {
             named.push(("norm.w".to_string(), top.norm.weight().clone()));
-            named.push(("head.weight".to_string(), top.head.weight().clone()));
+            if let Some(head) = &top.head {
+                named.push(("head.weight".to_string(), head.weight().clone()));
+            }
         }
         named
     }
@@ -920,6 +940,8 @@ mod tests {
             norm_eps: 1e-5,
             rope_base: 10_000.0,
             dropout,
+            n_kv_heads: None,
+            tie_embeddings: false,
         }
     }
 
@@ -948,6 +970,49 @@ mod tests {
         let model = Llama::<f64>::new(&micro_config(0.0), 1).unwrap();
         let loss = || model.loss(&INPUTS, &TARGETS, 2, 4).unwrap();
         check_parameter_gradients(loss, &model.parameters(), GradcheckOptions::default()).unwrap();
+    }
+
+    /// A tied head is the embedding's table: no `head.weight`, one parameter fewer of
+    /// `V·d` scalars, the logits of an untied model whose head holds `Eᵀ` (the same seed
+    /// draws the same embedding and blocks: the head is drawn last), and gradients that
+    /// check with grouped-query attention (one key/value head) besides.
+    #[test]
+    fn a_tied_head_is_the_embeddings_table() {
+        let config = ModelConfig {
+            tie_embeddings: true,
+            n_kv_heads: Some(1),
+            ..micro_config(0.0)
+        };
+        let tied = Llama::<f64>::new(&config, 3).unwrap();
+        let names: Vec<String> = (tied.named_parameters().into_iter())
+            .map(|(name, _)| name)
+            .collect();
+        assert!(!names.iter().any(|name| name == "head.weight"), "{names:?}");
+        assert_eq!(tied.num_parameters(), config.num_parameters());
+        assert_eq!(
+            tied.units().last().map(Vec::len),
+            Some(1),
+            "the head unit: its norm"
+        );
+
+        let untied = Llama::<f64>::new(
+            &ModelConfig {
+                tie_embeddings: false,
+                ..config.clone()
+            },
+            3,
+        )
+        .unwrap();
+        let table = tied.named_parameters()[0].1.to_array();
+        let head = untied.named_parameters().pop().unwrap();
+        assert_eq!(head.0, "head.weight");
+        head.1.update_value(|w| w.assign(&table.t()));
+        assert_eq!(
+            tied.forward_ids(&INPUTS, 2, 4).unwrap().to_vec(),
+            untied.forward_ids(&INPUTS, 2, 4).unwrap().to_vec()
+        );
+        let loss = || tied.loss(&INPUTS, &TARGETS, 2, 4).unwrap();
+        check_parameter_gradients(loss, &tied.parameters(), GradcheckOptions::default()).unwrap();
     }
 
     /// The loss and every gradient of one backward pass, as bits.

@@ -161,10 +161,17 @@ impl TensorSplit {
             .map_err(|_| TrainError::InvalidConfig {
                 field,
                 value: size.to_string(),
-                reason: format!(
-                    "tensor parallelism over {t} ranks splits it into {t} equal parts, so it \
-                     must be divisible by {t}"
-                ),
+                reason: match field {
+                    "n_kv_heads" => format!(
+                        "tensor parallelism over {t} ranks divides the key/value heads among \
+                         them with their query heads (it does not replicate them), so their \
+                         number must be divisible by {t}"
+                    ),
+                    _ => format!(
+                        "tensor parallelism over {t} ranks splits it into {t} equal parts, so \
+                         it must be divisible by {t}"
+                    ),
+                },
             })
     }
 
@@ -339,6 +346,8 @@ fn field_of(name: &str) -> &'static str {
         "vocab"
     } else if name.contains(".w1.") || name.contains(".w3.") || name.contains(".w2.") {
         "hidden"
+    } else if name.contains(".wk.") || name.contains(".wv.") {
+        "n_kv_heads"
     } else {
         "d_model"
     }

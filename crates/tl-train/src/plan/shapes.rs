@@ -53,9 +53,9 @@ impl PlanShape {
     /// // 32000·4096 (embedding) + 32·(4·4096² + 3·4096·11008 + 2·4096) + 4096 + 4096·32000
     /// assert_eq!(PlanShape::Llama7b.config().num_parameters(), 6_738_415_616);
     /// assert_eq!(PlanShape::Llama1b3.config().num_parameters(), 1_345_423_360);
-    /// // 32000·8192·2 + 80·(4·8192² + 3·8192·28672 + 2·8192) + 8192: no grouped-query
-    /// // attention, so not Llama 2 70B's 68,976,648,192.
-    /// assert_eq!(PlanShape::Llama70b.config().num_parameters(), 78_371_889_152);
+    /// // 32000·8192·2 + 80·(2·8192² + 2·8192·1024 + 3·8192·28672 + 2·8192) + 8192: eight
+    /// // key/value heads of 128 (grouped-query attention), Llama 2 70B's count.
+    /// assert_eq!(PlanShape::Llama70b.config().num_parameters(), 68_976_648_192);
     /// ```
     pub fn config(self) -> ModelConfig {
         let (d_model, n_layers, n_heads, hidden, context) = match self {
@@ -63,6 +63,7 @@ impl PlanShape {
             PlanShape::Llama7b => (4096, 32, 32, 11008, 4096),
             PlanShape::Llama70b => (8192, 80, 64, 28672, 4096),
         };
+        let n_kv_heads = (self == PlanShape::Llama70b).then_some(8);
         ModelConfig {
             vocab: 32_000,
             d_model,
@@ -73,6 +74,8 @@ impl PlanShape {
             norm_eps: 1e-5,
             rope_base: 10_000.0,
             dropout: 0.0,
+            n_kv_heads,
+            tie_embeddings: false,
         }
     }
 }

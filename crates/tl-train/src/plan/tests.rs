@@ -22,6 +22,8 @@ fn micro_config(precision: Precision, checkpointing: Checkpointing, dropout: f64
         norm_eps: 1e-5,
         rope_base: 10_000.0,
         dropout,
+        n_kv_heads: None,
+        tie_embeddings: false,
     };
     config.data = DataSource::Builtin {
         seed: 0,

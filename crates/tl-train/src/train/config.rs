@@ -101,9 +101,14 @@ pub struct TrainConfig {
     /// file that changed under the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_file: Option<FileFingerprint>,
-    /// The tokenizer, when it is not bytes (`model.vocab` is then its vocabulary).
+    /// The tokenizer, when it is not bytes (`model.vocab` is then its vocabulary, or more
+    /// for an imported model whose table is padded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<TokenizerFile>,
+    /// The Hugging Face Llama directory the run's weights started from (`--init-from`),
+    /// instead of a random initialisation; the model's sizes are its `config.json`'s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<PathBuf>,
     /// How many processes train the run, and what each keeps (data parallelism).
     #[serde(default)]
     pub parallel: Parallel,
@@ -591,6 +596,7 @@ impl TrainConfig {
             divergence: Divergence::default(),
             data_file: None,
             tokenizer: None,
+            init_from: None,
             parallel: Parallel::default(),
         }
     }
@@ -866,6 +872,32 @@ impl TrainConfig {
                     });
                 }
             }
+            let kv_heads = self.model.kv_heads();
+            if !kv_heads.is_multiple_of(tensor) {
+                return Err(TrainError::InvalidConfig {
+                    field: "n_kv_heads",
+                    value: kv_heads.to_string(),
+                    reason: format!(
+                        "tensor parallelism over {tensor} ranks divides the key/value heads \
+                         among them with their query heads (it does not replicate them), so \
+                         their number must be divisible by {tensor}"
+                    ),
+                });
+            }
+        }
+        if self.model.tie_embeddings && (self.parallel.pipeline > 1 || self.parallel.zero == 3) {
+            let (name, value) = match self.parallel.pipeline {
+                1 => ("zero", "3".to_string()),
+                pipeline => ("pp", pipeline.to_string()),
+            };
+            return invalid(
+                name,
+                value,
+                "a tied head shares the embedding's table, which this layout would hold in \
+                 two places (the first and the last pipeline stage, or ZeRO-3's first and last \
+                 unit) with no step to keep them one: untie the head (no \
+                 --tie-embeddings) or choose another layout",
+            );
         }
         if self.parallel.sequence_parallel && tensor <= 1 {
             return invalid(
