@@ -13,6 +13,7 @@ pub mod data;
 mod error;
 pub mod export;
 pub mod gradients;
+pub mod import;
 pub mod model;
 pub mod plan;
 pub mod process_memory;

@@ -106,6 +106,7 @@ fn recipe_config(args: &CompareArgs) -> Result<TrainConfig> {
         recipe: RecipeArgs {
             preset: args.preset.clone(),
             tokenizer: args.tokenizer.clone(),
+            init_from: None,
             bf16: defaults && !args.fp16 && !args.fp32,
             fp16: args.fp16,
             accumulate: args.accumulate,

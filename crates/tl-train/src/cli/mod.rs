@@ -92,6 +92,11 @@ pub struct RecipeArgs {
     /// tokenizer train`); the model's vocabulary is its own [default: bytes, vocabulary 256].
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
+    /// Start from a Hugging Face Llama directory (`config.json`, safetensors in f32, bf16 or
+    /// f16, one file or shards, and its `tokenizer.json`): its sizes and weights, to continue
+    /// training or fine-tune. Instead of --preset and a config file's [model].
+    #[arg(long, value_name = "HF_DIR", conflicts_with = "preset")]
+    pub init_from: Option<PathBuf>,
     /// Matmuls under emulated bf16 autocast (bf16 inputs, f32 accumulation).
     #[arg(long, conflicts_with = "fp16")]
     pub bf16: bool,

@@ -212,6 +212,19 @@ pub(super) fn config_from_flags(args: &TrainArgs) -> Result<TrainConfig> {
         return config_from_args(args, None);
     };
     let (file, names_model) = TrainConfig::from_file_naming_model(path)?;
+    if let Some(dir) = &args.recipe.init_from
+        && names_model
+    {
+        return Err(TrainError::InvalidArgument {
+            name: "init-from",
+            value: dir.display().to_string(),
+            reason: format!(
+                "--config {} names the model too: the directory's config.json gives it (drop \
+                 the file's preset and [model] sizes)",
+                path.display()
+            ),
+        });
+    }
     if let Some(flag) = &args.recipe.preset
         && names_model
     {
@@ -246,6 +259,50 @@ pub(super) fn config_from_flags(args: &TrainArgs) -> Result<TrainConfig> {
     config_from_args(args, Some(&file))
 }
 
+/// The model of the Hugging Face Llama in `dir` for `config`: its sizes (no preset), the
+/// directory itself to load the weights from when the run starts, and, with
+/// `its_tokenizer`, its `tokenizer.json` as the run's tokenizer.
+///
+/// # Errors
+/// What [`hf_model_config`](crate::import::hf_model_config) reports of the config;
+/// [`TrainError::InvalidArgument`] naming `init-from` when the directory has no tokenizer
+/// and none is given, or the tokenizer has more tokens than the model's table.
+fn init_from(config: &mut TrainConfig, dir: &std::path::Path, its_tokenizer: bool) -> Result<()> {
+    let dir = std::path::absolute(dir).map_err(|source| TrainError::io(dir, source))?;
+    let dropout = config.model.dropout;
+    config.model = crate::import::hf_model_config(&dir)?;
+    config.model.dropout = dropout;
+    config.preset = None;
+    let refuse = |reason: String| TrainError::InvalidArgument {
+        name: "init-from",
+        value: dir.display().to_string(),
+        reason,
+    };
+    if its_tokenizer {
+        let path = dir.join(crate::train::TOKENIZER_FILE);
+        if !path.exists() {
+            return Err(refuse(
+                "it has no tokenizer.json, and the model's ids mean nothing without its \
+                 tokenizer: give it with --tokenizer"
+                    .into(),
+            ));
+        }
+        config.tokenizer = Some(crate::train::tokenizer_file(&path)?.1);
+    }
+    if let Some(file) = &config.tokenizer {
+        let tokens = crate::data::Tokenizer::load(&file.path)?.vocab_size();
+        if tokens > config.model.vocab {
+            return Err(refuse(format!(
+                "the tokenizer {} has {tokens} tokens, more than the model's {} embeddings",
+                file.path.display(),
+                config.model.vocab
+            )));
+        }
+    }
+    config.init_from = Some(dir);
+    Ok(())
+}
+
 /// Caps a built-in corpus at `bytes` (never below the 20 windows a model's context needs),
 /// for the commands whose figures do not depend on what the batches hold.
 pub(super) fn shrink_builtin_corpus(config: &mut TrainConfig, bytes: usize) {
@@ -275,6 +332,9 @@ pub(super) fn config_from_args(
         let (tokenizer, record) = crate::train::tokenizer_file(path)?;
         config.model.vocab = tokenizer.vocab_size();
         config.tokenizer = Some(record);
+    }
+    if let Some(dir) = &recipe.init_from {
+        init_from(&mut config, dir, recipe.tokenizer.is_none())?;
     }
     if let Some(path) = &args.data {
         // Absolute, so that a resume started from another directory finds it.

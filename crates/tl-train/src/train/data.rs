@@ -86,7 +86,12 @@ pub fn run_tokenizer(config: &TrainConfig) -> Result<Tokenizer> {
         }
         .into());
     }
-    if tokenizer.vocab_size() != config.model.vocab {
+    // An imported model's table may be padded past its tokenizer (never the other way).
+    let fits = match config.init_from {
+        Some(_) => tokenizer.vocab_size() <= config.model.vocab,
+        None => tokenizer.vocab_size() == config.model.vocab,
+    };
+    if !fits {
         return Err(TrainError::InvalidConfig {
             field: "vocab",
             value: config.model.vocab.to_string(),

@@ -203,10 +203,16 @@ impl Trainer {
         let prepared = (|| {
             config.validate()?;
             check_memory(&config, ddp.rank())?;
+            let model = Llama::new(&config.model, config.seed)?;
+            if let Some(dir) = &config.init_from {
+                // Before the run directory is made: a checkpoint that does not fit writes
+                // nothing.
+                crate::import::load_hf_weights(&model, dir)?;
+            }
             let corpus = load_corpus(&config, &token_cache_root(Some(run_dir)), None)?;
             config.data_file = corpus.fingerprint.clone();
             if !leader {
-                return Ok((corpus, None));
+                return Ok((corpus, model, None));
             }
             fs::create_dir_all(run_dir).map_err(|source| TrainError::io(run_dir, source))?;
             let lock = RunLock::acquire(run_dir)?;
@@ -227,10 +233,10 @@ impl Trainer {
                 write_atomic(&run_dir.join(TOKENIZER_FILE), &bytes)?;
             }
             write_atomic(&run_dir.join(CONFIG_FILE), &config_json(&config))?;
-            Ok((corpus, Some(lock)))
+            Ok((corpus, model, Some(lock)))
         })();
-        let (corpus, lock) = ranks::agree(&mut ddp, prepared, Some((&config, 0)), "start the run")?;
-        let model = Llama::new(&config.model, config.seed)?;
+        let (corpus, model, lock) =
+            ranks::agree(&mut ddp, prepared, Some((&config, 0)), "start the run")?;
         if ddp.world_size() > 1 {
             ddp.broadcast_parameters(&model.parameters())?;
         }
