@@ -110,12 +110,20 @@ pub(super) fn train(args: &TrainArgs) -> Result<Exit> {
                 "loss {loss:.4}{val} | {tokens_per_s:.0} tok/s{scale}"
             ));
         }
-        Event::Metric(Record::Eval { step, val_loss, .. }) => {
+        Event::Metric(Record::Eval {
+            step,
+            val_loss,
+            val_bpb,
+            ..
+        }) => {
             last_val = Some(*val_loss);
             if leader {
+                let bpb = val_bpb
+                    .map(|b| format!(" ({b:.4} bits per byte)"))
+                    .unwrap_or_default();
                 say(
                     &bar,
-                    format!("step {step:>6}  validation loss {val_loss:.4}"),
+                    format!("step {step:>6}  validation loss {val_loss:.4}{bpb}"),
                 );
             }
         }

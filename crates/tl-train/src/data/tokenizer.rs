@@ -125,6 +125,24 @@ impl Tokenizer {
         }
     }
 
+    /// How many bytes of UTF-8 text `ids` stand for: one a byte for bytes; the decoded text's
+    /// length, special tokens (the end-of-text between documents) left out, for a file. A
+    /// character cut at either end counts as the 3 bytes of U+FFFD.
+    ///
+    /// # Errors
+    /// As [`decode`](Self::decode).
+    pub fn text_bytes(&self, ids: &[u32]) -> Result<usize, DataError> {
+        match self {
+            Tokenizer::Bytes => Ok(ids.len()),
+            Tokenizer::File(file) => (file.inner.decode(ids, true))
+                .map(|text| text.len())
+                .map_err(|error| DataError::Encode {
+                    path: file.path.clone(),
+                    reason: error.to_string(),
+                }),
+        }
+    }
+
     /// Token ids run from 0 to `vocab_size() - 1`: the model's vocabulary.
     pub fn vocab_size(&self) -> usize {
         match self {

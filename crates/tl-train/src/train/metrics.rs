@@ -101,6 +101,10 @@ pub enum Record {
         /// Mean validation loss, nats per token.
         #[serde(with = "float")]
         val_loss: f64,
+        /// The same loss in bits per byte of the windows' text, which does not depend on the
+        /// tokenizer: `val_loss · tokens / (ln 2 · bytes)`. `None` in older records.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        val_bpb: Option<f64>,
         /// When the evaluation ended (UTC, RFC 3339); `None` in older records.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         time: Option<String>,
@@ -363,6 +367,7 @@ mod tests {
         Record::Eval {
             step,
             val_loss: 1.5,
+            val_bpb: None,
             time: None,
         }
     }

@@ -49,7 +49,7 @@ impl RunSummary {
     ///     Record::Train { step: 2, loss: 2.0, lr: 1e-3, grad_norm: None, scale: None,
     ///                     skipped: false, underflows: 0, tokens_per_s: 120.0, step_s: 1.5,
     ///                     time: None, elapsed_s: Some(3.5), tokens: Some(1024), fp8: None },
-    ///     Record::Eval { step: 2, val_loss: 2.5, time: None },
+    ///     Record::Eval { step: 2, val_loss: 2.5, val_bpb: None, time: None },
     /// ];
     /// let summary = RunSummary::from_records(&records, Some(1.0), 4096, None);
     /// assert_eq!(summary.train_loss, 2.5);      // mean of the last steps: (3 + 2)/2

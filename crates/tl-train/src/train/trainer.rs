@@ -18,7 +18,7 @@ use tl_tensor::optim::{AdamW, Optimizer};
 use tl_tensor::{Generator, no_grad};
 
 use super::config::{AdamWConfig, TrainConfig};
-use super::data::{load_corpus, token_cache_root};
+use super::data::{load_corpus, run_tokenizer, token_cache_root};
 use super::fp8_ranks;
 use super::lock::RunLock;
 use super::memory_check::check_memory;
@@ -85,6 +85,8 @@ pub struct Trainer {
     fp8: Option<Rc<RefCell<Fp8State>>>,
     corpus: Corpus,
     validation: Vec<Batch>,
+    /// The validation windows' tokens per byte of text, once the first evaluation needs it.
+    validation_tokens_per_byte: Option<f64>,
     data_rng: Generator,
     step: u64,
     tokens_seen: u64,
@@ -313,6 +315,7 @@ impl Trainer {
             scaler,
             fp8,
             validation: validation_batches(&corpus, &config),
+            validation_tokens_per_byte: None,
             data_rng,
             metrics,
             clock,
@@ -751,9 +754,17 @@ impl Trainer {
     /// [`TrainError::Io`] if the record cannot be logged.
     pub fn evaluate(&mut self) -> Result<Record> {
         let val_loss = self.validation_loss()?;
+        let tokens_per_byte = match self.validation_tokens_per_byte {
+            Some(ratio) => ratio,
+            None => {
+                let ratio = tokens_per_byte(&self.validation, &run_tokenizer(&self.config)?)?;
+                *self.validation_tokens_per_byte.insert(ratio)
+            }
+        };
         let record = Record::Eval {
             step: self.step,
             val_loss,
+            val_bpb: Some(val_loss * tokens_per_byte / std::f64::consts::LN_2),
             time: Some(rfc3339_utc(SystemTime::now())),
         };
         self.log(&record)?;
@@ -1081,9 +1092,61 @@ pub(crate) fn new_scaler(config: &TrainConfig) -> Option<DynamicLossScaler> {
     })
 }
 
+/// The validation windows' predicted tokens (their targets) over the bytes of text they
+/// stand for, to turn nats per token into bits per byte.
+///
+/// # Errors
+/// [`TrainError::Data`] if the tokenizer cannot decode the ids.
+fn tokens_per_byte(batches: &[Batch], tokenizer: &crate::data::Tokenizer) -> Result<f64> {
+    let (mut tokens, mut bytes) = (0usize, 0usize);
+    for batch in batches {
+        for row in batch.targets.chunks(batch.context) {
+            let ids: Vec<u32> = row.iter().map(|&id| id as u32).collect();
+            tokens += ids.len();
+            bytes += tokenizer.text_bytes(&ids)?;
+        }
+    }
+    Ok(tokens as f64 / bytes.max(1) as f64)
+}
+
 fn validation_batches(corpus: &Corpus, config: &TrainConfig) -> Vec<Batch> {
     let mut batches =
         sequential_batches(&corpus.validation, config.micro_batch, config.model.context);
     batches.truncate(config.eval_batches);
     batches
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{Tokenizer, train_bpe};
+
+    /// Bits per byte count the text the predicted tokens stand for: a byte a token for
+    /// bytes; for a BPE, the decoded text's bytes, its end-of-text tokens counting none.
+    #[test]
+    fn tokens_per_byte_counts_the_text_the_targets_stand_for() {
+        let batch = |targets: Vec<usize>, context| Batch {
+            inputs: vec![0; targets.len()],
+            rows: targets.len() / context,
+            targets,
+            context,
+        };
+        let bytes: Vec<usize> = b"hello world!".iter().map(|&b| usize::from(b)).collect();
+        let ratio = tokens_per_byte(&[batch(bytes, 4)], &Tokenizer::Bytes).unwrap();
+        assert_eq!(ratio, 1.0);
+
+        let text = "the cat sat on the mat. the cat ate. ".repeat(20);
+        let json = train_bpe([text].into_iter(), 270).unwrap();
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), &json).unwrap();
+        let bpe = Tokenizer::load(file.path()).unwrap();
+        let mut ids = bpe.encode("the cat sat on the mat.").unwrap();
+        let (end, _) = bpe.end_of_text_token().expect("an end-of-text token");
+        ids.push(end);
+        let tokens = ids.len();
+        let targets: Vec<usize> = ids.iter().map(|&id| id as usize).collect();
+        let ratio = tokens_per_byte(&[batch(targets, tokens)], &bpe).unwrap();
+        assert_eq!(ratio, tokens as f64 / "the cat sat on the mat.".len() as f64);
+        assert!(ratio < 0.5, "{ratio}");
+    }
 }
