@@ -7,6 +7,11 @@ Trains nothing. Given a run directory, it runs `tinyllm export` into a temporary
 `tinyllm logits --all-positions` on the run, and prints the largest absolute difference of
 the logits over every position. Exits 1 when it exceeds --tolerance (default 1e-4).
 
+Then it generates greedily both ways: `transformers.pipeline("text-generation", model=DIR)`
+with the export's own tokenizer and generation_config.json (greedy), and `tinyllm sample
+--temperature 0` on the run, --new-tokens tokens each, and exits 1 unless the two
+continuations are the same text.
+
 Needs torch and transformers (pip install torch transformers). Example:
 
     cargo build -p tl-train
@@ -28,10 +33,11 @@ def main() -> int:
     parser.add_argument("--exported", type=Path, help="an export of RUN_DIR (else exported here)")
     parser.add_argument("--prompt", default="The lazy fox chases two birds.")
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--new-tokens", type=int, default=40, help="tokens each generates")
     args = parser.parse_args()
 
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaForCausalLM, pipeline
 
     with tempfile.TemporaryDirectory() as scratch:
         exported = args.exported
@@ -49,12 +55,25 @@ def main() -> int:
         ours = json.loads(output)
         model = LlamaForCausalLM.from_pretrained(exported, torch_dtype=torch.float32)
         model.eval()
-        ids = torch.tensor([list(args.prompt.encode("utf-8"))], dtype=torch.long)
+        tokenizer = AutoTokenizer.from_pretrained(exported)
+        ids = torch.tensor([tokenizer(args.prompt, add_special_tokens=False)["input_ids"]], dtype=torch.long)
         if ids[0].tolist() != ours["ids"]:
             print("token ids differ:", ids[0].tolist(), ours["ids"], file=sys.stderr)
             return 1
         with torch.no_grad():
             theirs = model(input_ids=ids).logits[0].to(torch.float64)
+        generator = pipeline("text-generation", model=str(exported), dtype=torch.float32)
+        # The export's generation_config.json is greedy; its max_length is the context.
+        generated = generator(args.prompt, max_new_tokens=args.new_tokens, return_full_text=False)
+        their_text = generated[0]["generated_text"]
+        sampled = subprocess.run(
+            [args.tinyllm, "sample", "--from", str(args.run_dir), "--prompt", args.prompt,
+             "--temperature", "0", "--tokens", str(args.new_tokens)],
+            check=True, capture_output=True, text=True,
+        ).stdout
+    our_text = sampled[len(args.prompt):] if sampled.startswith(args.prompt) else sampled
+    our_text = our_text.rstrip("\n")
+    their_text = their_text.rstrip("\n")
     expected = torch.tensor(ours["logits"], dtype=torch.float64)
     theirs = theirs[ours["positions"]]
     difference = (theirs - expected).abs().max().item()
@@ -63,8 +82,12 @@ def main() -> int:
           f"max |transformers - tinyllm| = {difference:.3e} "
           f"({'within' if ok else 'ABOVE'} {args.tolerance:g})")
     same_argmax = bool((theirs.argmax(-1) == expected.argmax(-1)).all())
-    print(f"same most likely next byte at every position: {same_argmax}")
-    return 0 if ok else 1
+    print(f"same most likely next token at every position: {same_argmax}")
+    same_text = our_text == their_text
+    print(f"pipeline('text-generation') greedy, {args.new_tokens} tokens: {their_text!r}")
+    print(f"tinyllm sample --temperature 0:         {our_text!r}")
+    print(f"the same text: {same_text}")
+    return 0 if ok and same_text else 1
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ pub struct LogitsArgs {
     /// Run directory of a trained model.
     #[arg(long, value_name = "RUN_DIR")]
     pub from: PathBuf,
-    /// Text whose bytes are the token ids (at most the model's context).
+    /// Text to encode with the run's tokenizer (at most the model's context in tokens).
     #[arg(long, value_name = "TEXT")]
     pub prompt: String,
     /// Print the logits of every position, not only the last.
@@ -61,14 +61,19 @@ pub(super) fn export(args: &ExportArgs) -> Result<()> {
 /// `{"ids": [..], "positions": [..], "logits": [[..vocab..], ..]}`, a row of logits for
 /// each position listed.
 pub(super) fn logits(args: &LogitsArgs) -> Result<()> {
-    let ids: Vec<usize> = args.prompt.bytes().map(usize::from).collect();
-    let (_, model) = load_model(&args.from)?;
+    let (config, model) = load_model(&args.from)?;
+    // The run's own tokenizer (bytes, or its copy of the tokenizer.json it trained with).
+    let tokenizer = super::sample::run_tokenizer_of(&args.from, None, &config)?;
+    let ids: Vec<usize> = (tokenizer.encode(&args.prompt)?)
+        .into_iter()
+        .map(|id| id as usize)
+        .collect();
     let context = model.config().context;
     if ids.is_empty() || ids.len() > context {
         return Err(TrainError::InvalidArgument {
             name: "prompt",
-            value: format!("{} bytes", ids.len()),
-            reason: format!("must hold 1..={context} bytes (the model's context)"),
+            value: format!("{} tokens", ids.len()),
+            reason: format!("must hold 1..={context} tokens (the model's context)"),
         });
     }
     let _inference = no_grad();

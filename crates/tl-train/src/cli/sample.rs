@@ -89,7 +89,7 @@ pub(super) fn sample(args: &SampleArgs) -> Result<()> {
             reason: format!("must be in 1..={vocab}, the model's vocabulary"),
         });
     }
-    let tokenizer = sample_tokenizer(args, &config)?;
+    let tokenizer = run_tokenizer_of(&args.from, args.tokenizer.as_deref(), &config)?;
     let ids: Vec<usize> = match &tokenizer {
         Tokenizer::Bytes => prompt.iter().map(|&byte| usize::from(byte)).collect(),
         _ => {
@@ -151,16 +151,25 @@ pub(super) fn sample(args: &SampleArgs) -> Result<()> {
 
 /// The tokenizer of the run's ids: `--tokenizer`, else the run's copy of its own, else the
 /// file its config names, else bytes. A file's vocabulary must be the model's.
-fn sample_tokenizer(args: &SampleArgs, config: &TrainConfig) -> Result<Tokenizer> {
-    let run_copy = args.from.join(TOKENIZER_FILE);
-    let path = match (&args.tokenizer, &config.tokenizer) {
-        (Some(path), _) => path.clone(),
+pub(super) fn run_tokenizer_of(
+    run_dir: &std::path::Path,
+    given: Option<&std::path::Path>,
+    config: &TrainConfig,
+) -> Result<Tokenizer> {
+    let run_copy = run_dir.join(TOKENIZER_FILE);
+    let path = match (given, &config.tokenizer) {
+        (Some(path), _) => path.to_path_buf(),
         (None, Some(_)) if run_copy.is_file() => run_copy,
         (None, Some(file)) => file.path.clone(),
         (None, None) => return Ok(Tokenizer::Bytes),
     };
     let tokenizer = Tokenizer::load(&path)?;
-    if tokenizer.vocab_size() != config.model.vocab {
+    // An imported model's table may be padded past its tokenizer's vocabulary.
+    let fits = match config.init_from {
+        Some(_) => tokenizer.vocab_size() <= config.model.vocab,
+        None => tokenizer.vocab_size() == config.model.vocab,
+    };
+    if !fits {
         return Err(TrainError::InvalidArgument {
             name: "tokenizer",
             value: path.display().to_string(),

@@ -1146,7 +1146,10 @@ mod tests {
         let tokens = ids.len();
         let targets: Vec<usize> = ids.iter().map(|&id| id as usize).collect();
         let ratio = tokens_per_byte(&[batch(targets, tokens)], &bpe).unwrap();
-        assert_eq!(ratio, tokens as f64 / "the cat sat on the mat.".len() as f64);
+        assert_eq!(
+            ratio,
+            tokens as f64 / "the cat sat on the mat.".len() as f64
+        );
         assert!(ratio < 0.5, "{ratio}");
     }
 }
