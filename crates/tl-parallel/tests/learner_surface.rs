@@ -9,13 +9,12 @@ mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use common::{Batch, Config, Mlp, SEED, loss_fn, weights};
+use common::{Batch, Config, Mlp, SEED, loss_fn, unit_forward, weights};
 use tl_collective::{CommStats, Communicator, ReduceOp, Single, Slice, SliceMut};
 use tl_parallel::{DataParallel, ShardedAdamW, UnitRunner, Zero2AdamW, Zero3};
 use tl_precision::{Precision, train_step_mixed};
-use tl_recompute::checkpoint;
 use tl_tensor::losses::mse;
-use tl_tensor::nn::{Linear, Module};
+use tl_tensor::nn::Module;
 use tl_tensor::optim::AdamW;
 use tl_tensor::{Tensor, no_grad};
 
@@ -103,23 +102,7 @@ fn unit_loss(
     (x, target): &Batch<f32>,
     checkpointed: bool,
 ) -> Tensor<f32> {
-    let hidden = if checkpointed {
-        let params = model.hidden.parameters();
-        let copy = Linear::from_parts(params[0].clone(), params.get(1).cloned());
-        let runner = runner.clone();
-        checkpoint(
-            move |xs| runner.run_unit(0, || copy.forward(&xs[0])),
-            std::slice::from_ref(x),
-            &params,
-            &[],
-        )
-    } else {
-        runner.run_unit(0, || model.hidden.forward(x))
-    };
-    mse(
-        &runner.run_unit(1, || model.out.forward(&hidden.tanh())),
-        target,
-    )
+    mse(&unit_forward(runner, model, x, checkpointed), target)
 }
 
 /// ZeRO-3 on a world of one: the gathers of each step, whether every unit was released

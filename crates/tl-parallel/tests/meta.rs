@@ -4,41 +4,16 @@
 
 mod common;
 
-use common::{Batch, Config, Mlp, SEED, loss_fn, world};
+use common::{Batch, Config, Mlp, SEED, loss_fn, unit_forward as forward, world};
 use tl_collective::{CommStats, Communicator, Phantom};
-use tl_parallel::{DataParallel, ShardedAdamW, UnitRunner, Zero2AdamW, Zero3, ZeroStage};
+use tl_parallel::{DataParallel, ShardedAdamW, Zero2AdamW, Zero3, ZeroStage};
 use tl_precision::Precision;
-use tl_recompute::checkpoint;
 use tl_tensor::memory::{self, Event};
-use tl_tensor::nn::{Linear, Module};
+use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, Optimizer};
-use tl_tensor::{Tensor, meta_mode};
+use tl_tensor::meta_mode;
 
 const STEPS: usize = 2;
-
-/// The MLP's forward with each layer a ZeRO-3 unit, the hidden one checkpointed when
-/// `recompute` (its rerun in backward gathers it again).
-fn forward(
-    runner: &UnitRunner<f32>,
-    model: &Mlp<f32>,
-    x: &Tensor<f32>,
-    recompute: bool,
-) -> Tensor<f32> {
-    let hidden = if recompute {
-        let params = model.hidden.parameters();
-        let copy = Linear::from_parts(params[0].clone(), params.get(1).cloned());
-        let runner = runner.clone();
-        checkpoint(
-            move |xs| runner.run_unit(0, || copy.forward(&xs[0])),
-            std::slice::from_ref(x),
-            &params,
-            &[],
-        )
-    } else {
-        runner.run_unit(0, || model.hidden.forward(x))
-    };
-    runner.run_unit(1, || model.out.forward(&hidden.tanh()))
-}
 
 /// `STEPS` steps of `stage` on `comm`'s rank, every tensor meta when `meta`: the meter's
 /// events from before the model exists to after it is gone, and what `comm` counted.

@@ -138,6 +138,16 @@ fn split_run<E: GradElement>(
     })
 }
 
+/// Each of `t` ranks' refusal to split a model of `config`.
+fn split_errors(t: usize, config: &ModelConfig) -> Vec<String> {
+    world(t, |comm| {
+        let tp = TensorParallel::new(Box::new(comm));
+        let whole = Llama::<f32>::new(config, 3).unwrap();
+        let refused = whole.tensor_parallel(tp).err();
+        refused.expect("refused").to_string()
+    })
+}
+
 #[test]
 fn a_split_llama_computes_the_whole_models_loss_and_gradients() {
     let config = config(0.0);
@@ -190,13 +200,7 @@ fn grouped_queries_and_a_tied_head_split_as_the_whole_model_computes() {
         let whole = pass(&Llama::<f64>::new(&config, 3).unwrap(), None);
         let what = format!("{n_kv_heads} kv heads, tied {tie_embeddings}");
         if n_kv_heads % t != 0 {
-            let errors = world(t, |comm| {
-                let tp = TensorParallel::new(Box::new(comm));
-                let whole = Llama::<f32>::new(&config, 3).unwrap();
-                whole.tensor_parallel(tp).err().map(|e| e.to_string())
-            });
-            for error in errors {
-                let error = error.expect("refused");
+            for error in split_errors(t, &config) {
                 assert!(
                     error.contains("n_kv_heads = 1") && error.contains("not replicate"),
                     "{error}"
@@ -284,13 +288,7 @@ fn sizes_that_do_not_divide_are_refused_naming_them() {
             "vocab = 18",
         ),
     ] {
-        let errors = world(4, |comm| {
-            let tp = TensorParallel::new(Box::new(comm));
-            let whole = Llama::<f32>::new(&config, 3).unwrap();
-            whole.tensor_parallel(tp).err().map(|e| e.to_string())
-        });
-        for error in errors {
-            let error = error.expect("refused");
+        for error in split_errors(4, &config) {
             assert!(
                 error.contains(what) && error.contains("divisible by 4"),
                 "{error}"

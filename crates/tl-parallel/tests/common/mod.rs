@@ -11,8 +11,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use tl_collective::{CommStats, Communicator, ReduceOp, RingComm, RingConfig, Slice, SliceMut};
-use tl_parallel::batch_share;
+use tl_parallel::{UnitRunner, batch_share};
 use tl_precision::{DynamicLossScaler, Precision};
+use tl_recompute::checkpoint;
 use tl_tensor::losses::mse;
 use tl_tensor::nn::{Linear, Module};
 use tl_tensor::{Element, Generator, Tensor};
@@ -332,4 +333,28 @@ pub fn world<T: Send>(n: usize, rank_program: impl Fn(RingComm) -> T + Sync) -> 
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// The MLP's forward with each layer a ZeRO-3 unit of `runner`, the hidden one checkpointed when
+/// `recompute` (its rerun in backward gathers it again).
+pub fn unit_forward(
+    runner: &UnitRunner<f32>,
+    model: &Mlp<f32>,
+    x: &Tensor<f32>,
+    recompute: bool,
+) -> Tensor<f32> {
+    let hidden = if recompute {
+        let params = model.hidden.parameters();
+        let copy = Linear::from_parts(params[0].clone(), params.get(1).cloned());
+        let runner = runner.clone();
+        checkpoint(
+            move |xs| runner.run_unit(0, || copy.forward(&xs[0])),
+            std::slice::from_ref(x),
+            &params,
+            &[],
+        )
+    } else {
+        runner.run_unit(0, || model.hidden.forward(x))
+    };
+    runner.run_unit(1, || model.out.forward(&hidden.tanh()))
 }
