@@ -9,9 +9,9 @@ use tl_collective::{CommStats, Communicator, Phantom};
 use tl_parallel::{DataParallel, ShardedAdamW, Zero2AdamW, Zero3, ZeroStage};
 use tl_precision::Precision;
 use tl_tensor::memory::{self, Event};
+use tl_tensor::meta_mode;
 use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, Optimizer};
-use tl_tensor::meta_mode;
 
 const STEPS: usize = 2;
 

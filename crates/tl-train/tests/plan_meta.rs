@@ -61,6 +61,19 @@ fn fp8_and_tensor_core_recipes_are_measured_exactly_on_meta_tensors() {
 }
 
 #[test]
+fn grouped_queries_and_a_tied_head_are_measured_exactly_on_meta_tensors() {
+    for (n_kv_heads, tie_embeddings) in [(1, false), (2, true)] {
+        let mut config = tiny(Precision::Bf16, Checkpointing::PerBlock);
+        config.model.n_kv_heads = Some(n_kv_heads);
+        config.model.tie_embeddings = tie_embeddings;
+        assert_meta_is_real(
+            &format!("{n_kv_heads} kv heads, tied {tie_embeddings}"),
+            &config,
+        );
+    }
+}
+
+#[test]
 fn dropout_and_clipping_are_measured_exactly_on_meta_tensors() {
     let mut config = tiny(Precision::Fp16, Checkpointing::PerBlock);
     config.model.dropout = 0.1;

@@ -243,6 +243,21 @@ impl<E: GradElement> Module<E> for UnitBlock<E> {
     }
 }
 
+/// The table of a tied embedding and head, `[V, d]`, drawn as an untied head's weight is,
+/// uniformly from `±1/√d` (row-major): the head's logits start as small as an untied
+/// head's. A standard normal table, `nn.Embedding`'s, would start them `√(3d)` times
+/// larger: a tiny model's first loss would be about 64 nats instead of `ln V`.
+fn tied_table<E: Element>(vocab: usize, d: usize, rng: &Generator) -> Embedding<E> {
+    let bound = 1.0 / (d as f64).sqrt();
+    let shape = [vocab, d];
+    let table = || {
+        tl_tensor::ndarray::ArrayD::from_shape_simple_fn(tl_tensor::ndarray::IxDyn(&shape), || {
+            E::from_f64((2.0 * rng.next_f64() - 1.0) * bound)
+        })
+    };
+    Embedding::from_weight(Tensor::param_with(&shape, table))
+}
+
 /// `forward()` through `hook` as unit `unit`, or plainly without one.
 fn run_unit<E: Element>(
     hook: Option<&UnitHook<E>>,
@@ -276,7 +291,10 @@ impl<E: GradElement> Llama<E> {
         // Each unit's parameters are owned by it on the memory meter (see `units`).
         let embedding = {
             let _owner = memory::owner_scope(Some(0));
-            TokenEmbedding::Whole(Embedding::new(config.vocab, config.d_model, &rng))
+            TokenEmbedding::Whole(match config.tie_embeddings {
+                false => Embedding::new(config.vocab, config.d_model, &rng),
+                true => tied_table(config.vocab, config.d_model, &rng),
+            })
         };
         let blocks = (0..config.n_layers)
             .map(|i| {
@@ -973,9 +991,9 @@ mod tests {
     }
 
     /// A tied head is the embedding's table: no `head.weight`, one parameter fewer of
-    /// `V·d` scalars, the logits of an untied model whose head holds `Eᵀ` (the same seed
-    /// draws the same embedding and blocks: the head is drawn last), and gradients that
-    /// check with grouped-query attention (one key/value head) besides.
+    /// `V·d` scalars, the logits of an untied model with the same weights whose head holds
+    /// `Eᵀ`, a first loss near `ln V` (the table is drawn as a head's weight), and
+    /// gradients that check with grouped-query attention (one key/value head) besides.
     #[test]
     fn a_tied_head_is_the_embeddings_table() {
         let config = ModelConfig {
@@ -1004,12 +1022,23 @@ mod tests {
         )
         .unwrap();
         let table = tied.named_parameters()[0].1.to_array();
-        let head = untied.named_parameters().pop().unwrap();
+        let mut weights = untied.named_parameters();
+        let head = weights.pop().unwrap();
         assert_eq!(head.0, "head.weight");
         head.1.update_value(|w| w.assign(&table.t()));
+        for ((name, ours), (_, theirs)) in weights.iter().zip(tied.named_parameters()) {
+            ours.update_value(|w| w.assign(&*theirs.value()));
+            assert_ne!(name, "head.weight");
+        }
         assert_eq!(
             tied.forward_ids(&INPUTS, 2, 4).unwrap().to_vec(),
             untied.forward_ids(&INPUTS, 2, 4).unwrap().to_vec()
+        );
+        let first = tied.loss(&INPUTS, &TARGETS, 2, 4).unwrap().item();
+        let ln_v = (config.vocab as f64).ln();
+        assert!(
+            (first - ln_v).abs() < 1.0,
+            "first loss {first}, ln V {ln_v}"
         );
         let loss = || tied.loss(&INPUTS, &TARGETS, 2, 4).unwrap();
         check_parameter_gradients(loss, &tied.parameters(), GradcheckOptions::default()).unwrap();
