@@ -641,7 +641,10 @@ fn report(trainer: &mut Trainer, note: Option<&str>) -> Result<()> {
             .entropy_floor
             .map(|h| format!(", entropy floor {h:.4} (gap {:.4})", val - h))
             .unwrap_or_default();
-        say!("validation loss {val:.4}{gap}");
+        let bpb = (summary.val_bpb)
+            .map(|b| format!(" ({b:.4} bits per byte)"))
+            .unwrap_or_default();
+        say!("validation loss {val:.4}{bpb}{gap}");
     }
     say!(
         "median {:.0} tokens/s ({:.2} s/step); peak live tensors {:.1} MiB{}",

@@ -186,6 +186,7 @@ mod tests {
             steps: 10,
             train_loss: val_loss,
             val_loss: Some(val_loss),
+            val_bpb: None,
             entropy_floor: None,
             tokens_per_s: 1000.0,
             step_s: 1.0,

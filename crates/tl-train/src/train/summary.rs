@@ -13,6 +13,8 @@ pub struct RunSummary {
     pub train_loss: f64,
     /// The last validation loss, nats per token.
     pub val_loss: Option<f64>,
+    /// The last validation loss in bits per byte, when its record has it.
+    pub val_bpb: Option<f64>,
     /// The corpus's entropy rate, when known: no model can go below it.
     pub entropy_floor: Option<f64>,
     /// Median throughput over the steps, tokens per second.
@@ -65,7 +67,7 @@ impl RunSummary {
         let mut losses = Vec::new();
         let mut speeds = Vec::new();
         let mut times = Vec::new();
-        let (mut steps, mut val_loss, mut skipped_steps) = (0, None, 0);
+        let (mut steps, mut val_loss, mut val_bpb, mut skipped_steps) = (0, None, None, 0);
         for record in records {
             match *record {
                 Record::Train {
@@ -82,7 +84,11 @@ impl RunSummary {
                     times.push(step_s);
                     skipped_steps += u64::from(skipped);
                 }
-                Record::Eval { val_loss: v, .. } => val_loss = Some(v),
+                Record::Eval {
+                    val_loss: v,
+                    val_bpb: b,
+                    ..
+                } => (val_loss, val_bpb) = (Some(v), b),
             }
         }
         let recent = &losses[losses.len().saturating_sub(RECENT_STEPS)..];
@@ -90,6 +96,7 @@ impl RunSummary {
             steps,
             train_loss: recent.iter().sum::<f64>() / recent.len().max(1) as f64,
             val_loss,
+            val_bpb,
             entropy_floor,
             tokens_per_s: median(&mut speeds),
             step_s: median(&mut times),
