@@ -6,5 +6,6 @@ pub mod batched;
 pub mod exp;
 pub mod finite;
 pub mod gemm;
+pub mod linear_cross_entropy;
 pub mod rows;
 pub(crate) mod split;
