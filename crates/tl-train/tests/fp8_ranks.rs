@@ -103,11 +103,15 @@ fn fp8_at_dp_2_trains_what_one_process_trains() {
 /// Tensor parallelism: each rank casts its slices of every split layer's weight, of a
 /// row-parallel layer's input and of a column-parallel layer's output gradient, with the
 /// scales of the whole tensors. Each rank's partial products are summed in f32, in
-/// another order than one process's product: the losses follow one process's to 5e-8 for
-/// four steps, as in fp32, until such a difference tips an fp8 rounding (a value moved by
-/// an E4M3 or E5M2 step, up to 2⁻³ or 2⁻² of it): 1.9e-5 at step 5, weights 1.1e-4, a
-/// thirtieth of the learning rate. Without the reduction each rank scales its slices by
-/// their own amaxes: 2.0e-4 and 7.7e-3.
+/// another order than one process's product, and the head's loss is the
+/// vocabulary-parallel cross-entropy where one process's is the fused head and loss (its
+/// sums run by blocks of 64 rows): the losses follow one process's closely until such a
+/// difference tips an fp8 rounding (a value moved by an E4M3 or E5M2 step, up to 2⁻³ or 2⁻²
+/// of it), and AdamW, which moves a weight by about the learning rate whatever its
+/// gradient's size, turns a tipped sign of a small gradient into a learning rate's worth.
+/// Measured: losses 8.4e-5 at step 5, weights 1.2e-3, a third of the learning rate
+/// (before the fused head, 1.9e-5 and 1.1e-4). Without the reduction each rank scales its
+/// slices by their own amaxes: 2.0e-4 and 7.7e-3.
 #[test]
 fn fp8_at_tp_2_trains_what_one_process_trains() {
     let dir = tempfile::tempdir().unwrap();
@@ -117,8 +121,8 @@ fn fp8_at_tp_2_trains_what_one_process_trains() {
     let losses = largest_relative(&train_losses(&tp), &train_losses(&one));
     let weights = largest_difference(&checkpoint(&tp).1, &checkpoint(&one).1);
     eprintln!("fp8 at tp 2: losses {losses:e}, weights {weights:e}");
-    assert!(losses < 1e-4, "losses differ by {losses:e}");
-    assert!(weights < 1e-3, "weights differ by up to {weights:e}");
+    assert!(losses < 1.5e-4, "losses differ by {losses:e}");
+    assert!(weights < 3e-3, "weights differ by up to {weights:e}");
 }
 
 /// Without the reduction a rank would record the amaxes of its own part: at dp 2 the

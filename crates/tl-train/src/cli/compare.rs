@@ -118,6 +118,7 @@ fn recipe_config(args: &CompareArgs) -> Result<TrainConfig> {
                 && args.checkpoint_policy.is_none(),
             checkpoint_budget: args.checkpoint_budget,
             checkpoint_policy: args.checkpoint_policy,
+            chunked_loss: None,
             dropout: None,
         },
         config: args.config.clone(),

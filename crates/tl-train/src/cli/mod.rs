@@ -128,6 +128,11 @@ pub struct RecipeArgs {
         conflicts_with_all = ["checkpoint_activations", "checkpoint_budget"]
     )]
     pub checkpoint_policy: Option<CheckpointPolicy>,
+    /// Recompute the head's logits in backward, 64 rows at a time, instead of keeping them
+    /// all (the same bits): on, off, or auto, on when the vocabulary is at least 8 times the
+    /// width [default: auto].
+    #[arg(long, value_name = "WHEN")]
+    pub chunked_loss: Option<crate::model::head_loss::ChunkedLoss>,
     /// Dropout on each residual branch [default: 0].
     #[arg(long, value_name = "P", allow_negative_numbers = true)]
     pub dropout: Option<f64>,

@@ -9,6 +9,7 @@ use clap::Args;
 use super::train::{config_from_flags, shrink_builtin_corpus};
 use super::{Exit, RecipeArgs, TrainArgs};
 use crate::error::{Result, TrainError};
+use crate::model::head_loss::ChunkedLoss;
 use crate::model::{Checkpointing, Preset};
 use crate::plan::{MemoryPlan, Recipe};
 use crate::profile::{
@@ -75,9 +76,35 @@ pub(super) fn profile(args: &ProfileArgs) -> Result<Exit> {
         runs.push(record_run(&run)?);
         say!("  done in {:.1} s", started.elapsed().as_secs_f64());
     }
+    // The recipe's step once more with the chunked loss the other way: its peak beside.
+    let chunked = config.train.chunked_loss.resolve(&config.train.model);
+    let mut toggled = config.clone();
+    toggled.train.chunked_loss = match chunked {
+        true => ChunkedLoss::Off,
+        false => ChunkedLoss::On,
+    };
+    say!(
+        "recording the chunked loss {} ...",
+        if chunked { "off" } else { "on" }
+    );
+    let other_peak = record_run(&toggled)?.peak().bytes;
     let profile = Profile { config, runs };
     let json = write_profile(&profile, &out)?;
     print!("{}", table(&profile));
+    let recipe_peak = (profile.runs.iter())
+        .find(|run| run.checkpointing == profile.config.train.checkpointing)
+        .map_or(0, |run| run.peak().bytes);
+    let (on, off) = match chunked {
+        true => (recipe_peak, other_peak),
+        false => (other_peak, recipe_peak),
+    };
+    println!(
+        "chunked loss (--chunked-loss {}: {}): measured peak {:.1} MiB with it on, {:.1} MiB off",
+        profile.config.train.chunked_loss,
+        if chunked { "on" } else { "off" },
+        on as f64 / f64::from(1u32 << 20),
+        off as f64 / f64::from(1u32 << 20),
+    );
     if args.policies {
         let plan = MemoryPlan::new(&Recipe::from(&profile.config.train))?;
         print!("\n{}", policy_table(&profile, &plan));

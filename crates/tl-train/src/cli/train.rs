@@ -368,6 +368,7 @@ pub(super) fn config_from_args(
     } else if let Some(policy) = recipe.checkpoint_policy {
         config.checkpointing = policy.checkpointing();
     }
+    config.chunked_loss = recipe.chunked_loss.unwrap_or(config.chunked_loss);
     if let Some(steps) = args.steps {
         // Intervals and warmup follow the run's length unless given.
         config.steps = steps;

@@ -144,7 +144,7 @@ pub fn causal_attention<E: Element>(
 /// Runs `f` with the kernel's rounding into `format` (tl-numerics' rounding, and its count
 /// of gradient values flushed to zero, as tl-precision's `cast` counts them) and products by
 /// autocast's accumulation model, or none.
-fn with_rounding<E: Element, T>(
+pub(crate) fn with_rounding<E: Element, T>(
     format: Option<Format>,
     products: Option<&Arc<dyn ProductKernel>>,
     f: impl FnOnce(Option<&Rounding<'_, E>>) -> T,

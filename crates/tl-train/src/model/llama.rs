@@ -167,6 +167,9 @@ pub struct Llama<E: GradElement = f32> {
     split: Option<Rc<TensorSplit>>,
     dropout_rng: Generator,
     checkpointing: Cell<Checkpointing>,
+    /// Whether the loss recomputes the head's logits in backward instead of keeping them
+    /// (see [`head_loss`](super::head_loss)).
+    chunked_loss: Cell<bool>,
     unit_hook: RefCell<Option<UnitHook<E>>>,
 }
 
@@ -317,6 +320,7 @@ impl<E: GradElement> Llama<E> {
             split: None,
             dropout_rng,
             checkpointing: Cell::new(Checkpointing::Off),
+            chunked_loss: Cell::new(false),
             unit_hook: RefCell::new(None),
         })
     }
@@ -385,6 +389,7 @@ impl<E: GradElement> Llama<E> {
             split: Some(split),
             dropout_rng: self.dropout_rng.clone(),
             checkpointing: Cell::new(self.checkpointing.get()),
+            chunked_loss: Cell::new(self.chunked_loss.get()),
             unit_hook: RefCell::new(None),
         })
     }
@@ -483,8 +488,7 @@ impl<E: GradElement> Llama<E> {
         if !held.last {
             return Ok(x);
         }
-        let logits = self.logits(&x, batch, hook);
-        self.cross_entropy_of(&logits, targets, rows, time)
+        self.head_loss(&x, batch, hook, targets)
     }
 
     /// The tensor-parallel group the model is split over, if it is.
@@ -549,6 +553,20 @@ impl<E: GradElement> Llama<E> {
     /// Chooses how the blocks keep activations from the next forward pass on.
     pub fn set_checkpointing(&self, checkpointing: Checkpointing) {
         self.checkpointing.set(checkpointing);
+    }
+
+    /// Chooses, from the next forward pass on, whether the loss recomputes the head's
+    /// logits in backward block by block (`true`) or keeps them (`false`, the default). The
+    /// two give the same bits (see [`head_loss`](super::head_loss)). Under tensor
+    /// parallelism the loss is the vocabulary-parallel cross-entropy, which keeps its
+    /// columns of the logits either way.
+    pub fn set_chunked_loss(&self, chunked: bool) {
+        self.chunked_loss.set(chunked);
+    }
+
+    /// Whether the loss recomputes the head's logits in backward.
+    pub fn chunked_loss(&self) -> bool {
+        self.chunked_loss.get()
     }
 
     /// How the blocks keep activations.
@@ -676,25 +694,54 @@ impl<E: GradElement> Llama<E> {
     fn logits(&self, x: &Tensor<E>, batch: BatchShape, hook: Option<&UnitHook<E>>) -> Tensor<E> {
         let top = self.top();
         run_unit(hook, self.head_unit(), &|| {
-            let normed = {
-                let _label = memory::label_scope(roles::NORM);
-                round_for_products(|finish| top.norm.forward_then(x, finish))
-            };
-            let entered;
-            let normed = match &self.split {
-                Some(split) => {
-                    entered = split.enter_batch(&normed, batch);
-                    &entered
-                }
-                None => &normed,
-            };
+            let normed = self.final_norm(x, batch);
             let _label = memory::label_scope(roles::LOGITS);
             match &top.head {
-                Some(head) => head.forward(normed),
+                Some(head) => head.forward(&normed),
                 // Tied: the embedding's rows are the head's columns.
                 None => normed.matmul(&self.embedding().weight().transpose(0, 1)),
             }
         })
+    }
+
+    /// The final norm of the residual stream `x`, as the head reads it (under tensor
+    /// parallelism, entered into the group's batch).
+    fn final_norm(&self, x: &Tensor<E>, batch: BatchShape) -> Tensor<E> {
+        let normed = {
+            let _label = memory::label_scope(roles::NORM);
+            round_for_products(|finish| self.top().norm.forward_then(x, finish))
+        };
+        match &self.split {
+            Some(split) => split.enter_batch(&normed, batch),
+            None => normed,
+        }
+    }
+
+    /// The mean cross-entropy of the head's logits of `x` (the last block's output) against
+    /// `targets`: the head unit with the loss in it, one fused op
+    /// ([`head_loss`](super::head_loss::head_loss)) for a whole model; the head's columns and
+    /// the vocabulary-parallel cross-entropy under tensor parallelism.
+    fn head_loss(
+        &self,
+        x: &Tensor<E>,
+        batch: BatchShape,
+        hook: Option<&UnitHook<E>>,
+        targets: &[usize],
+    ) -> Result<Tensor<E>> {
+        let [rows, time] = batch;
+        if self.split.is_some() {
+            let logits = self.logits(x, batch, hook);
+            return self.cross_entropy_of(&logits, targets, rows, time);
+        }
+        let top = self.top();
+        Ok(run_unit(hook, self.head_unit(), &|| {
+            let normed = self.final_norm(x, batch);
+            let (head, tied) = match &top.head {
+                Some(head) => (head.weight(), false),
+                None => (self.embedding().weight(), true),
+            };
+            super::head_loss::head_loss(&normed, head, tied, targets, self.chunked_loss.get())
+        }))
     }
 
     /// The mean cross-entropy of `logits` (`[rows, time, ..]`, this rank's columns under
@@ -752,8 +799,12 @@ impl<E: GradElement> Llama<E> {
         rows: usize,
         time: usize,
     ) -> Result<Tensor<E>> {
-        let logits = self.local_logits(inputs, rows, time)?;
-        self.cross_entropy_of(&logits, targets, rows, time)
+        let hook = self.unit_hook.borrow().clone();
+        let hook = hook.as_ref();
+        let x = self.embed(inputs, rows, time, hook)?;
+        let batch = [rows, time];
+        let x = self.run_blocks(&x, batch, hook, 0..self.blocks.len())?;
+        self.head_loss(&x, batch, hook, targets)
     }
 
     /// The last unit's index: the final norm and the head.
@@ -1073,6 +1124,97 @@ mod tests {
             .map(|p| p.grad().unwrap().iter().map(|g| g.to_bits()).collect())
             .collect();
         (loss.item().to_bits(), grads)
+    }
+
+    /// The chunked loss (logits recomputed in backward, 64 rows at a time) gives the bits of
+    /// the loss that keeps its logits: the loss and every gradient, in f32 and under bf16
+    /// and fp16 autocast and a V100's products, for batches of 1 row, 7 (less than a block)
+    /// and 75 (a block and a part), tied or not. (The kernel's own tests vary the threads.)
+    #[test]
+    fn the_chunked_loss_gives_the_bits_of_the_kept_logits() {
+        use tl_precision::{Accumulation, Format};
+        for tie_embeddings in [false, true] {
+            let config = ModelConfig {
+                vocab: 300,
+                d_model: 16,
+                context: 8,
+                tie_embeddings,
+                ..micro_config(0.0)
+            };
+            let model = Llama::<f32>::new(&config, 5).unwrap();
+            for (rows, time) in [(1, 1), (1, 7), (15, 5)] {
+                let inputs: Vec<usize> = (0..rows * time).map(|i| (i * 37 + 11) % 300).collect();
+                let targets: Vec<usize> = (0..rows * time).map(|i| (i * 53 + 7) % 300).collect();
+                let run = |chunked: bool, autocast: Option<(Format, Accumulation)>| {
+                    model.set_chunked_loss(chunked);
+                    model.zero_grad();
+                    let guard = autocast.map(|(f, a)| tl_precision::autocast_with(f, a));
+                    let loss = model.loss(&inputs, &targets, rows, time).unwrap();
+                    loss.backward();
+                    drop(guard);
+                    let grads: Vec<Vec<u32>> = (model.parameters().iter())
+                        .map(|p| p.grad().unwrap().iter().map(|g| g.to_bits()).collect())
+                        .collect();
+                    (loss.item().to_bits(), grads)
+                };
+                for autocast in [
+                    None,
+                    Some((Format::Bf16, Accumulation::F32)),
+                    Some((Format::Fp16, Accumulation::F32)),
+                    Some((Format::Fp16, Accumulation::V100)),
+                ] {
+                    let kept = run(false, autocast);
+                    let chunked = run(true, autocast);
+                    assert!(
+                        chunked == kept,
+                        "tied {tie_embeddings}, {rows}×{time}, {autocast:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The fused head and loss computes what the head's product and the cross-entropy
+    /// compute apart (in f64, to rounding: the sums run in another order).
+    #[test]
+    fn the_fused_head_loss_is_the_separate_ops_loss() {
+        for tie_embeddings in [false, true] {
+            let config = ModelConfig {
+                vocab: 300,
+                d_model: 16,
+                tie_embeddings,
+                ..micro_config(0.0)
+            };
+            let model = Llama::<f64>::new(&config, 6).unwrap();
+            let fused = {
+                model.zero_grad();
+                let loss = model.loss(&INPUTS, &TARGETS, 2, 4).unwrap();
+                loss.backward();
+                let grads: Vec<_> = model
+                    .parameters()
+                    .iter()
+                    .map(|p| p.grad().unwrap())
+                    .collect();
+                (loss.item(), grads)
+            };
+            model.zero_grad();
+            let logits = model.forward_ids(&INPUTS, 2, 4).unwrap();
+            let flat = logits.reshape(&[8, 300]);
+            let loss = cross_entropy(&flat, &TARGETS);
+            loss.backward();
+            assert!(
+                (loss.item() - fused.0).abs() < 1e-13,
+                "{} vs {}",
+                loss.item(),
+                fused.0
+            );
+            for (p, fused) in model.parameters().iter().zip(&fused.1) {
+                let separate = p.grad().unwrap();
+                for (a, b) in separate.iter().zip(fused) {
+                    assert!((a - b).abs() < 1e-13, "tied {tie_embeddings}: {a} vs {b}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod block;
 pub mod causal_attention;
 pub mod config;
 pub mod fp8;
+pub mod head_loss;
 pub mod llama;
 pub mod parallel;
 pub mod pipeline;

@@ -60,6 +60,18 @@ impl Recipe {
         })
     }
 
+    /// The same recipe with the loss's logits kept (`false`) or recomputed (`true`).
+    pub fn with_chunked_loss(&self, chunked: bool) -> Self {
+        let chunked_loss = match chunked {
+            true => crate::model::head_loss::ChunkedLoss::On,
+            false => crate::model::head_loss::ChunkedLoss::Off,
+        };
+        Self(TrainConfig {
+            chunked_loss,
+            ..self.0.clone()
+        })
+    }
+
     /// The step's arithmetic as the tables print it: the precision, then the tensor cores'
     /// accumulation and fp8 when the recipe has them (`bf16`, `bf16, h100 accumulation`,
     /// `bf16, fp8 linears`).

@@ -132,6 +132,19 @@ pub struct MemoryPlan {
     pub checkpointed: StepPrediction,
     /// The four checkpoint policies on the recipe, in [`Checkpointing::POLICIES`]' order.
     pub policies: Vec<PolicyPlan>,
+    /// The recipe's step with the chunked loss on and off (`--chunked-loss`).
+    pub chunked_loss: ChunkedLossPlan,
+}
+
+/// What the chunked loss changes in the recipe's step (with its checkpointing as asked).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ChunkedLossPlan {
+    /// Whether the recipe computes its loss in chunks (`--chunked-loss` resolved).
+    pub on: bool,
+    /// The steady-state peak with the chunked loss on.
+    pub peak_on_bytes: u64,
+    /// The steady-state peak with it off (the logits kept for backward).
+    pub peak_off_bytes: u64,
 }
 
 impl MemoryPlan {
@@ -173,6 +186,16 @@ impl MemoryPlan {
                 Ok(PolicyPlan::new(policy, &prediction))
             })
             .collect::<Result<Vec<_>>>()?;
+        let on = recipe.chunked_loss.resolve(&recipe.model);
+        let chosen = match recipe.checkpointing {
+            Checkpointing::Off => &plain,
+            _ => &checkpointed,
+        };
+        let other = predict_step(&recipe.with_chunked_loss(!on))?.peak_bytes;
+        let (peak_on_bytes, peak_off_bytes) = match on {
+            true => (chosen.peak_bytes, other),
+            false => (other, chosen.peak_bytes),
+        };
         let parameters = recipe.model.num_parameters() as u64;
         Ok(Self {
             recipe: recipe.clone(),
@@ -183,6 +206,11 @@ impl MemoryPlan {
             plain,
             checkpointed,
             policies,
+            chunked_loss: ChunkedLossPlan {
+                on,
+                peak_on_bytes,
+                peak_off_bytes,
+            },
         })
     }
 

@@ -304,6 +304,15 @@ fn peaks(out: &mut String, plan: &MemoryPlan) {
             prediction.peak_at
         );
     }
+    let chunked = &plan.chunked_loss;
+    let _ = writeln!(
+        out,
+        "  chunked loss (--chunked-loss {}: {}): peak {} MiB with it on, {} MiB off",
+        plan.recipe.chunked_loss,
+        if chunked.on { "on" } else { "off" },
+        mib(chunked.peak_on_bytes),
+        mib(chunked.peak_off_bytes),
+    );
     out.push('\n');
 }
 

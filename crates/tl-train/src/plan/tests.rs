@@ -33,6 +33,8 @@ fn micro_config(precision: Precision, checkpointing: Checkpointing, dropout: f64
     config.accum = 2;
     config.precision = precision;
     config.checkpointing = checkpointing;
+    // V = 16·d would chunk the loss: these closed forms keep the logits.
+    config.chunked_loss = crate::model::head_loss::ChunkedLoss::Off;
     config
 }
 
@@ -72,10 +74,26 @@ fn autocast_adds_rounded_copies_of_the_projection_inputs_and_weights() {
     // output (3·512 + 768 = 2304). Only the weights are copied, rounded
     // (4d² + 3dh = 2176): 8,576 floats.
     assert_eq!(saved_in(&prediction, |l| l == Layer::Block(0)), 34_304);
-    // 512 + the head input (the final norm's output, rounded as it is written) 512 + the
-    // rounded copy of the head weight d·V = 4096 + logits 8192 = 13,312 floats, and the two
-    // loss floats.
-    assert_eq!(saved_in(&prediction, |l| l == Layer::Head), 53_256);
+    // As in fp32: 512 + the head input (the final norm's output, rounded as it is written)
+    // 512 + the logits 8192, and the two loss floats. The fused head and loss rounds its
+    // weight into working memory in each pass, as the attention kernel keeps its blocks:
+    // no rounded copy of the weight is kept.
+    assert_eq!(saved_in(&prediction, |l| l == Layer::Head), 36_872);
+}
+
+#[test]
+fn the_chunked_loss_keeps_no_logits() {
+    let mut config = micro_config(Precision::Fp32, Checkpointing::Off, 0.0);
+    config.chunked_loss = crate::model::head_loss::ChunkedLoss::On;
+    let chunked = predict(&config);
+    // The final norm's input and output (2·512 floats) and the two loss floats: the 8192
+    // logits are recomputed in backward, 64 rows at a time.
+    assert_eq!(saved_in(&chunked, |l| l == Layer::Head), 4_104);
+    let kept = predict(&micro_config(Precision::Fp32, Checkpointing::Off, 0.0));
+    assert!(chunked.peak_bytes < kept.peak_bytes);
+    // Auto chunks at V ≥ 8·d: V = 256 is 16·d here.
+    config.chunked_loss = crate::model::head_loss::ChunkedLoss::Auto;
+    assert_eq!(predict(&config), chunked);
 }
 
 #[test]

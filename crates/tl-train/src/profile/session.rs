@@ -45,6 +45,7 @@ impl Session {
         let base_live = memory::live_bytes();
         let model = Llama::new(&config.model, config.seed)?;
         model.set_checkpointing(config.checkpointing);
+        model.set_chunked_loss(config.chunked_loss.resolve(&config.model));
         let optimizer = new_optimizer(&model, config)?;
         Ok(Self {
             scaler: new_scaler(config),

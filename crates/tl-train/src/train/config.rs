@@ -10,6 +10,7 @@ use tl_parallel::pipeline::{Schedule, ScheduleKind};
 
 use super::schedule::LrSchedule;
 use crate::error::{Result, TrainError};
+use crate::model::head_loss::ChunkedLoss;
 use crate::model::{Checkpointing, ModelConfig, Preset};
 
 /// Where the training text comes from.
@@ -70,6 +71,11 @@ pub struct TrainConfig {
     pub accum: usize,
     /// How blocks keep activations for backward.
     pub checkpointing: Checkpointing,
+    /// Whether the loss keeps the head's logits for backward or recomputes them block by
+    /// block (the same bits either way); `auto` (the default, and what older runs read) by
+    /// the vocabulary's size, see [`ChunkedLoss::resolve`].
+    #[serde(default)]
+    pub chunked_loss: ChunkedLoss,
     /// Optimizer steps of the whole run.
     pub steps: u64,
     /// Peak learning rate, warmup and floor.
@@ -578,6 +584,7 @@ impl TrainConfig {
             micro_batch: 8,
             accum: 4,
             checkpointing: Checkpointing::Off,
+            chunked_loss: ChunkedLoss::Auto,
             steps,
             lr: LrSchedule {
                 peak,

@@ -299,6 +299,7 @@ impl Trainer {
             .with_bucket_bytes(config.parallel.bucket_bytes)
             .with_overlap(config.parallel.overlap);
         model.set_checkpointing(config.checkpointing);
+        model.set_chunked_loss(config.chunked_loss.resolve(&config.model));
         let fp8 = fp8.map(|state| Rc::new(RefCell::new(state)));
         model.set_fp8(fp8.clone())?;
         let stage = ZeroStage::try_from(config.parallel.zero)?;
