@@ -484,9 +484,8 @@ fn row_pairs<'a, E>(
         .map(move |(i, rows)| (start + i, rows))
 }
 
-/// `out = lhs · rhs` (or `out += lhs · rhs` with `accumulate`) on this thread: by the
-/// rounding's product kernel when it has one (on row-major copies of the operands), by the
-/// plain GEMM otherwise.
+/// `out = lhs · rhs` (or `out += lhs · rhs` with `accumulate`) on this thread: a head's
+/// products run in one pool task each.
 fn product<E: Element>(
     out: &mut ArrayViewMut2<'_, E>,
     lhs: ArrayView2<'_, E>,
@@ -494,9 +493,24 @@ fn product<E: Element>(
     accumulate: bool,
     rounding: Option<&Rounding<'_, E>>,
 ) {
+    rounded_product(out, (lhs, rhs), accumulate, rounding, true);
+}
+
+/// `out = lhs · rhs` (or `out += lhs · rhs` with `accumulate`) for a fused kernel: by the
+/// rounding's product kernel when it has one (on row-major copies of the operands, on this
+/// thread), by the plain GEMM otherwise, on this thread when `serial`, else split across the
+/// pool. Either way the bits depend on the shapes only.
+pub(super) fn rounded_product<E: Element>(
+    out: &mut ArrayViewMut2<'_, E>,
+    (lhs, rhs): (ArrayView2<'_, E>, ArrayView2<'_, E>),
+    accumulate: bool,
+    rounding: Option<&Rounding<'_, E>>,
+    serial: bool,
+) {
     match rounding.and_then(|r| r.products) {
         Some(kernel) => kernel_product_into(kernel, out, lhs, rhs, accumulate),
-        None => gemm_serial_into(out, lhs, rhs, accumulate),
+        None if serial => gemm_serial_into(out, lhs, rhs, accumulate),
+        None => super::gemm::gemm_into(out, lhs, rhs, accumulate),
     }
 }
 

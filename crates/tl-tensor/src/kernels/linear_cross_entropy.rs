@@ -23,11 +23,9 @@
 use ndarray::{Array2, ArrayView2, ArrayViewMut2, s};
 use rayon::prelude::*;
 
-use super::attention::Rounding;
-use super::gemm::gemm_into;
+use super::attention::{Rounding, rounded_product};
 use super::rows::{contiguous, lane_sum};
 use crate::Element;
-use crate::ops::matmul_with::kernel_product_into;
 
 /// Rows per block: the unit of the kernel's arithmetic (see the module documentation).
 pub const LOSS_BLOCK: usize = 64;
@@ -249,8 +247,7 @@ fn operand<'a, E: Element>(
     }
 }
 
-/// `out = lhs · rhs` (or `+=`): by the rounding's product kernel when it has one, by the
-/// plain GEMM (split across the pool) otherwise.
+/// `out = lhs · rhs` (or `+=`), a block's product: split across the pool.
 fn product<E: Element>(
     out: &mut ArrayViewMut2<'_, E>,
     lhs: ArrayView2<'_, E>,
@@ -258,10 +255,7 @@ fn product<E: Element>(
     accumulate: bool,
     rounding: Option<&Rounding<'_, E>>,
 ) {
-    match rounding.and_then(|r| r.products) {
-        Some(kernel) => kernel_product_into(kernel, out, lhs, rhs, accumulate),
-        None => gemm_into(out, lhs, rhs, accumulate),
-    }
+    rounded_product(out, (lhs, rhs), accumulate, rounding, false);
 }
 
 #[cfg(test)]

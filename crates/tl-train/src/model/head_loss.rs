@@ -115,26 +115,21 @@ pub fn head_loss<E: Element>(
     });
     let _label = memory::label_scope(roles::LOSS);
     let forward = computes.then(|| {
-        let x_value = x.value();
-        let x_standard = x_value.as_standard_layout();
-        let x_rows = (x_standard.view())
-            .into_shape_with_order((rows, d))
-            .expect("rows of d features");
-        let head_value = head.value();
-        let w = weight_view(&head_value, tied);
-        let run = |kept: Option<tl_tensor::ndarray::ArrayViewMut2<'_, E>>| {
-            with_rounding(format, products.as_ref(), |rounding| {
-                kernel.forward(x_rows, w, targets, kept, rounding)
-            })
-        };
-        match &kept {
-            Some(kept) => kept.update_value(|logits| {
-                run(Some(
-                    logits.view_mut().into_dimensionality::<Ix2>().expect("2-D"),
-                ))
-            }),
-            None => run(None),
-        }
+        with_operands((x, head), (rows, d), tied, |x_rows, w| {
+            let run = |kept: Option<tl_tensor::ndarray::ArrayViewMut2<'_, E>>| {
+                with_rounding(format, products.as_ref(), |rounding| {
+                    kernel.forward(x_rows, w, targets, kept, rounding)
+                })
+            };
+            match &kept {
+                Some(kept) => kept.update_value(|logits| {
+                    run(Some(
+                        logits.view_mut().into_dimensionality::<Ix2>().expect("2-D"),
+                    ))
+                }),
+                None => run(None),
+            }
+        })
     });
     let (value, stats) = forward.map_or((None, None), |(total, stats)| {
         let mean = E::from_f64(total / rows.max(1) as f64);
@@ -151,18 +146,13 @@ pub fn head_loss<E: Element>(
             .as_ref()
             .expect("a values VJP runs on real gradients only");
         let scale = grad.iter().next().copied().expect("one element") / E::from_f64(rows as f64);
-        let x_value = x.value();
-        let x_standard = x_value.as_standard_layout();
-        let x_rows = (x_standard.view())
-            .into_shape_with_order((rows, d))
-            .expect("rows of d features");
-        let head_value = head.value();
-        let w = weight_view(&head_value, tied);
         let kept_value = kept.as_ref().map(|kept| kept.value());
         let kept_view =
             (kept_value.as_ref()).map(|k| k.view().into_dimensionality::<Ix2>().expect("2-D"));
-        let (dx, dw, flushed) = with_rounding(format, products.as_ref(), |rounding| {
-            kernel.backward((x_rows, w), targets, stats, kept_view, scale, rounding)
+        let (dx, dw, flushed) = with_operands((x, head), (rows, d), tied, |x_rows, w| {
+            with_rounding(format, products.as_ref(), |rounding| {
+                kernel.backward((x_rows, w), targets, stats, kept_view, scale, rounding)
+            })
         });
         record_underflows(flushed);
         let dx = dx
@@ -184,9 +174,24 @@ pub fn head_loss<E: Element>(
     })
 }
 
-/// The head's weight as the `[d, V]` matrix the product reads: itself, or the tied
-/// embedding's `[V, d]` table transposed (a view, no copy).
-fn weight_view<E: Element>(w: &ArrayD<E>, tied: bool) -> ArrayView2<'_, E> {
-    let w = w.view().into_dimensionality::<Ix2>().expect("a 2-D head");
-    if tied { w.reversed_axes() } else { w }
+/// `f` of the op's operands as the kernel reads them: `x` as its `[rows, d]` matrix, and the
+/// head's weight as the `[d, V]` matrix, itself or the tied embedding's `[V, d]` table
+/// transposed (views, no copy, for standard-layout values).
+fn with_operands<E: Element, R>(
+    (x, head): (&Tensor<E>, &Tensor<E>),
+    (rows, d): (usize, usize),
+    tied: bool,
+    f: impl FnOnce(ArrayView2<'_, E>, ArrayView2<'_, E>) -> R,
+) -> R {
+    let x_value = x.value();
+    let x_standard = x_value.as_standard_layout();
+    let x_rows = (x_standard.view())
+        .into_shape_with_order((rows, d))
+        .expect("rows of d features");
+    let head_value = head.value();
+    let w = head_value
+        .view()
+        .into_dimensionality::<Ix2>()
+        .expect("a 2-D head");
+    f(x_rows, if tied { w.reversed_axes() } else { w })
 }
