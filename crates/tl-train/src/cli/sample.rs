@@ -164,12 +164,7 @@ pub(super) fn run_tokenizer_of(
         (None, None) => return Ok(Tokenizer::Bytes),
     };
     let tokenizer = Tokenizer::load(&path)?;
-    // An imported model's table may be padded past its tokenizer's vocabulary.
-    let fits = match config.init_from {
-        Some(_) => tokenizer.vocab_size() <= config.model.vocab,
-        None => tokenizer.vocab_size() == config.model.vocab,
-    };
-    if !fits {
+    if !config.takes_tokenizer_of(tokenizer.vocab_size()) {
         return Err(TrainError::InvalidArgument {
             name: "tokenizer",
             value: path.display().to_string(),

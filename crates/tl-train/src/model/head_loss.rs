@@ -93,14 +93,14 @@ pub fn head_loss<E: Element>(
 ) -> Tensor<E> {
     let (x_shape, head_shape) = (x.shape(), head.shape());
     let d = *x_shape.last().expect("head_loss: x has a feature axis");
-    let (head_d, classes) = match tied {
-        false => (head_shape[0], head_shape[1]),
-        true => (head_shape[1], head_shape[0]),
+    // The head's `[d, V]`, or the tied table's `[V, d]`.
+    let classes = match (tied, head_shape.as_slice()) {
+        (false, &[head_d, classes]) | (true, &[classes, head_d]) if head_d == d => Some(classes),
+        _ => None,
     };
-    assert!(
-        head_shape.len() == 2 && head_d == d,
-        "head_loss: cannot multiply {x_shape:?} by a head of {head_shape:?} (tied: {tied})"
-    );
+    let Some(classes) = classes else {
+        panic!("head_loss: cannot multiply {x_shape:?} by a head of {head_shape:?} (tied: {tied})")
+    };
     let rows = x.numel() / d.max(1);
     let kernel = LinearCrossEntropy { rows, d, classes };
     let format = autocast_format();

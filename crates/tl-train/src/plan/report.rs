@@ -186,16 +186,7 @@ impl MemoryPlan {
                 Ok(PolicyPlan::new(policy, &prediction))
             })
             .collect::<Result<Vec<_>>>()?;
-        let on = recipe.chunked_loss.resolve(&recipe.model);
-        let chosen = match recipe.checkpointing {
-            Checkpointing::Off => &plain,
-            _ => &checkpointed,
-        };
-        let other = predict_step(&recipe.with_chunked_loss(!on))?.peak_bytes;
-        let (peak_on_bytes, peak_off_bytes) = match on {
-            true => (chosen.peak_bytes, other),
-            false => (other, chosen.peak_bytes),
-        };
+        let chunked_loss = ChunkedLossPlan::new(recipe, as_asked(recipe, &plain, &checkpointed))?;
         let parameters = recipe.model.num_parameters() as u64;
         Ok(Self {
             recipe: recipe.clone(),
@@ -206,20 +197,43 @@ impl MemoryPlan {
             plain,
             checkpointed,
             policies,
-            chunked_loss: ChunkedLossPlan {
-                on,
-                peak_on_bytes,
-                peak_off_bytes,
-            },
+            chunked_loss,
         })
     }
 
     /// The prediction for the recipe as asked (plain or checkpointed).
     pub fn chosen(&self) -> &StepPrediction {
-        match self.recipe.checkpointing {
-            Checkpointing::Off => &self.plain,
-            _ => &self.checkpointed,
-        }
+        as_asked(&self.recipe, &self.plain, &self.checkpointed)
+    }
+}
+
+/// Of the plain and the checkpointed prediction, the one for `recipe` as asked.
+fn as_asked<'a>(
+    recipe: &Recipe,
+    plain: &'a StepPrediction,
+    checkpointed: &'a StepPrediction,
+) -> &'a StepPrediction {
+    match recipe.checkpointing {
+        Checkpointing::Off => plain,
+        _ => checkpointed,
+    }
+}
+
+impl ChunkedLossPlan {
+    /// `recipe`'s peak as asked (`chosen`), and the same step with the chunked loss the
+    /// other way.
+    fn new(recipe: &Recipe, chosen: &StepPrediction) -> Result<Self> {
+        let on = recipe.chunked_loss.resolve(&recipe.model);
+        let other = predict_step(&recipe.with_chunked_loss(!on))?.peak_bytes;
+        let (peak_on_bytes, peak_off_bytes) = match on {
+            true => (chosen.peak_bytes, other),
+            false => (other, chosen.peak_bytes),
+        };
+        Ok(Self {
+            on,
+            peak_on_bytes,
+            peak_off_bytes,
+        })
     }
 }
 

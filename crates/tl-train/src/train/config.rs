@@ -608,6 +608,15 @@ impl TrainConfig {
         }
     }
 
+    /// Whether a tokenizer of `tokens` ids fits the model's table: exactly, or, for a model
+    /// imported with `--init-from`, whose table may be padded, at most.
+    pub fn takes_tokenizer_of(&self, tokens: usize) -> bool {
+        match self.init_from {
+            Some(_) => tokens <= self.model.vocab,
+            None => tokens == self.model.vocab,
+        }
+    }
+
     /// Sequences per optimizer step, over all ranks: the global batch.
     pub fn sequences_per_step(&self) -> usize {
         self.micro_batch * self.accum * self.parallel.data_parallel()

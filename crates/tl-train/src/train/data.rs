@@ -86,12 +86,7 @@ pub fn run_tokenizer(config: &TrainConfig) -> Result<Tokenizer> {
         }
         .into());
     }
-    // An imported model's table may be padded past its tokenizer (never the other way).
-    let fits = match config.init_from {
-        Some(_) => tokenizer.vocab_size() <= config.model.vocab,
-        None => tokenizer.vocab_size() == config.model.vocab,
-    };
-    if !fits {
+    if !config.takes_tokenizer_of(tokenizer.vocab_size()) {
         return Err(TrainError::InvalidConfig {
             field: "vocab",
             value: config.model.vocab.to_string(),
