@@ -63,8 +63,9 @@ pub fn autocast_accumulation() -> Accumulation {
     rounded_of(matmul_hook().as_deref()).map_or(Accumulation::F32, |rounded| rounded.accumulation)
 }
 
-/// The product kernel of this thread's autocast model, `None` outside autocast or under
-/// [`Accumulation::F32`]: for an op that computes its own products (a fused attention), so
+/// The product kernel of this thread's autocast model, `None` outside autocast or where the
+/// model multiplies with the plain GEMM (fp16 under [`Accumulation::F32`]; see
+/// [`Accumulation::product_kernel`]): for an op that computes its own products (a fused attention), so
 /// that they add up as autocast's matmuls do.
 pub fn autocast_product_kernel() -> Option<Arc<dyn ProductKernel>> {
     rounded_of(matmul_hook().as_deref()).and_then(|rounded| rounded.kernel.clone())

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tl_numerics::{BlockFma, Format};
 use tl_tensor::ProductKernel;
+use tl_tensor::kernels::bf16_dot::Bf16Products;
 
 use crate::error::{PrecisionError, Result};
 
@@ -37,8 +38,9 @@ use crate::error::{PrecisionError, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Accumulation {
-    /// Products accumulated in f32 in the GEMM's own order, each addition rounded to nearest
-    /// (a CPU's GEMM, and the default).
+    /// Products accumulated in f32, each addition rounded to nearest (a CPU's GEMM, and the
+    /// default): bf16 products in the order of the CPU's bf16 units (on them where the CPU
+    /// has them), others in the GEMM's own order.
     #[default]
     F32,
     /// NVIDIA V100's tensor cores: blocks of 4 products, no extra alignment bit.
@@ -88,13 +90,24 @@ impl Accumulation {
         !(self == Accumulation::V100 && format == Format::Bf16)
     }
 
-    /// The product kernel of this model for operands of `format` (`None` for `F32`): what
-    /// autocast multiplies with, and what a fused op that computes its own products (an
-    /// attention kernel) takes to multiply as autocast does.
+    /// The product kernel of this model for operands of `format`: what autocast multiplies
+    /// with, and what a fused op that computes its own products (an attention kernel) takes
+    /// to multiply as autocast does. `None` means the plain GEMM.
+    ///
+    /// `F32` has a kernel for bf16 operands: tl-tensor's [`Bf16Products`], which sums in f32
+    /// in the order of the CPU's bf16 units and runs on them where the CPU has them (the
+    /// same bits on every CPU). fp16 operands have no such units on a CPU, so `F32` keeps the
+    /// plain GEMM for them.
     ///
     /// # Errors
     /// As [`block_fma`](Self::block_fma).
     pub fn product_kernel(self, format: Format) -> Result<Option<Arc<dyn ProductKernel>>> {
+        if self == Accumulation::F32 {
+            return Ok((format == Format::Bf16).then(|| {
+                let kernel: Arc<dyn ProductKernel> = Arc::new(Bf16Products);
+                kernel
+            }));
+        }
         Ok(self.block_fma()?.map(|fma| {
             let kernel: Arc<dyn ProductKernel> = Arc::new(TensorCoreProduct { fma, format });
             kernel

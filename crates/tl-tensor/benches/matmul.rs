@@ -20,9 +20,10 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use ndarray::{Array, ArrayView2, Dimension, IntoDimension};
+use ndarray::{Array, Array2, ArrayView2, Dimension, IntoDimension};
 use rayon::{ThreadPool, ThreadPoolBuilder};
 use tl_tensor::kernels::batched::{batched_matmul, batched_matmul_into};
+use tl_tensor::kernels::bf16_dot::{bf16_gemm, bf16_gemm_portable, units_available};
 use tl_tensor::kernels::gemm::{gemm_into, matmul};
 
 /// Rows of activations in one capstone step: 8 sequences of 512 tokens.
@@ -142,5 +143,42 @@ fn attention(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, linear_layers, attention);
+/// The linear layers' forward products in bf16 (operands rounded to bf16 first): the f32 GEMM
+/// on the rounded values (what autocast computed before the bf16 kernel), the bf16 kernel as
+/// autocast runs it (on the CPU's bf16 units when it has them), and its portable path. Both
+/// bf16 kernels write into one output reused across iterations, as `gemm-into-reused` does.
+fn bf16_products(c: &mut Criterion) {
+    if !units_available() {
+        eprintln!("this CPU has no AVX512-BF16 units: `bf16/units` runs the portable path");
+    }
+    let bf16 = |a: Array2<f32>| a.mapv(|x| f32::from_bits(x.to_bits() & 0xffff_0000));
+    for (inputs, outputs) in LINEAR {
+        let x = bf16(filled((ROWS, inputs), 1));
+        let w = bf16(filled((inputs, outputs), 2));
+        let (m, k, n) = (ROWS, inputs, outputs);
+        let mut group = c.benchmark_group(format!("bf16 X·W {m}x{k}x{n}"));
+        group.throughput(Throughput::Elements((2 * m * n * k) as u64));
+        let mut out = Array2::zeros((m, n));
+        let (lhs, rhs) = (x.as_slice().unwrap(), w.as_slice().unwrap());
+        for (threads, pool) in pools() {
+            group.bench_function(format!("f32-gemm-into-reused/{threads}t"), |b| {
+                pool.install(|| {
+                    b.iter(|| gemm_into(&mut out.view_mut(), black_box(x.view()), w.view(), false))
+                });
+            });
+            let out = out.as_slice_mut().unwrap();
+            group.bench_function(format!("units/{threads}t"), |b| {
+                pool.install(|| b.iter(|| bf16_gemm(m, k, n, black_box(lhs), rhs, out, false)));
+            });
+            group.bench_function(format!("portable/{threads}t"), |b| {
+                pool.install(|| {
+                    b.iter(|| bf16_gemm_portable(m, k, n, black_box(lhs), rhs, out, false))
+                });
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, linear_layers, attention, bf16_products);
 criterion_main!(benches);

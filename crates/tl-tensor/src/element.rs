@@ -4,7 +4,7 @@ use std::fmt::{Debug, Display};
 use std::iter::Sum;
 use std::ops::{AddAssign, DivAssign, MulAssign, SubAssign};
 
-use ndarray::{LinalgScalar, ScalarOperand};
+use ndarray::{ArrayView2, ArrayViewMut2, LinalgScalar, ScalarOperand};
 use num_traits::Float;
 
 use crate::Tensor;
@@ -73,6 +73,16 @@ pub trait Element:
         out: &mut [Self],
         accumulate: bool,
     );
+
+    /// Calls the product kernel's method for views of this element type.
+    #[doc(hidden)]
+    fn kernel_product_view(
+        kernel: &dyn ProductKernel,
+        out: &mut ArrayViewMut2<'_, Self>,
+        lhs: ArrayView2<'_, Self>,
+        rhs: ArrayView2<'_, Self>,
+        accumulate: bool,
+    );
 }
 
 impl Element for f32 {
@@ -111,6 +121,16 @@ impl Element for f32 {
         accumulate: bool,
     ) {
         kernel.product_f32(m, k, n, lhs, rhs, out, accumulate);
+    }
+
+    fn kernel_product_view(
+        kernel: &dyn ProductKernel,
+        out: &mut ArrayViewMut2<'_, f32>,
+        lhs: ArrayView2<'_, f32>,
+        rhs: ArrayView2<'_, f32>,
+        accumulate: bool,
+    ) {
+        kernel.product_view_f32(out, lhs, rhs, accumulate);
     }
 }
 
@@ -152,5 +172,15 @@ impl Element for f64 {
         accumulate: bool,
     ) {
         kernel.product_f64(m, k, n, lhs, rhs, out, accumulate);
+    }
+
+    fn kernel_product_view(
+        kernel: &dyn ProductKernel,
+        out: &mut ArrayViewMut2<'_, f64>,
+        lhs: ArrayView2<'_, f64>,
+        rhs: ArrayView2<'_, f64>,
+        accumulate: bool,
+    ) {
+        kernel.product_view_f64(out, lhs, rhs, accumulate);
     }
 }

@@ -207,10 +207,19 @@ fn a_model_product_is_bit_identical_on_any_number_of_threads() {
 #[test]
 fn an_op_with_its_own_products_finds_the_models_kernel_on_the_hook() {
     // A fused attention multiplies by itself: the kernel it reads off autocast must be the
-    // model's, and none under f32 accumulation or outside autocast.
+    // model's; under f32 accumulation the bf16 units' kernel for bf16 and the plain GEMM
+    // (none) for fp16, and none outside autocast.
     assert!(autocast_product_kernel().is_none());
-    let _plain = autocast(Format::Bf16);
-    assert!(autocast_product_kernel().is_none(), "f32 accumulation");
+    {
+        let _plain = autocast(Format::Bf16);
+        let kernel = autocast_product_kernel().expect("bf16's kernel");
+        assert_eq!(format!("{kernel:?}"), "Bf16Products");
+    }
+    let _plain = autocast(Format::Fp16);
+    assert!(
+        autocast_product_kernel().is_none(),
+        "fp16, f32 accumulation"
+    );
     let rng = Generator::new(11);
     let (a, b) = (as2(operands(&[5, 24], &rng)), as2(operands(&[24, 3], &rng)));
     let rounded = |x: &Array2<f64>| x.mapv(|v| v.round_to(Format::Fp16));

@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod batched;
+pub mod bf16_dot;
 pub mod exp;
 pub mod finite;
 pub mod gemm;

@@ -11,7 +11,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use ndarray::{ArrayD, ArrayView2, ArrayViewD, ArrayViewMut2, IxDyn};
+use ndarray::{ArrayD, ArrayView2, ArrayViewD, ArrayViewMut2, Axis, CowArray, IxDyn};
 use rayon::prelude::*;
 
 use super::{broadcast_shape, unbroadcast};
@@ -53,6 +53,55 @@ pub trait ProductKernel: Send + Sync + fmt::Debug {
         out: &mut [f64],
         accumulate: bool,
     );
+
+    /// `out = lhs · rhs` (or `out += …`) for f32 views of any strides. By default the
+    /// operands (and, accumulating, `out`) are copied into row-major order for
+    /// [`product_f32`](Self::product_f32), and the result written back; a kernel that packs
+    /// its operands anyway reads the views directly.
+    fn product_view_f32(
+        &self,
+        out: &mut ArrayViewMut2<'_, f32>,
+        lhs: ArrayView2<'_, f32>,
+        rhs: ArrayView2<'_, f32>,
+        accumulate: bool,
+    ) {
+        through_copies(
+            out,
+            lhs,
+            rhs,
+            accumulate,
+            |shape, lhs, rhs, out, accumulate| {
+                let (m, k, n) = shape;
+                self.product_f32(m, k, n, lhs, rhs, out, accumulate);
+            },
+        );
+    }
+
+    /// [`product_view_f32`](Self::product_view_f32) for f64 views.
+    fn product_view_f64(
+        &self,
+        out: &mut ArrayViewMut2<'_, f64>,
+        lhs: ArrayView2<'_, f64>,
+        rhs: ArrayView2<'_, f64>,
+        accumulate: bool,
+    ) {
+        through_copies(
+            out,
+            lhs,
+            rhs,
+            accumulate,
+            |shape, lhs, rhs, out, accumulate| {
+                let (m, k, n) = shape;
+                self.product_f64(m, k, n, lhs, rhs, out, accumulate);
+            },
+        );
+    }
+
+    /// Whether the kernel spreads one product over the rayon pool itself (after packing its
+    /// operands once), so that callers hand it whole products instead of blocks of rows.
+    fn spreads_itself(&self) -> bool {
+        false
+    }
 }
 
 /// `out = lhs · rhs` (or `out += lhs · rhs` with `accumulate`) by `kernel` on the calling
@@ -76,10 +125,22 @@ pub fn kernel_product_into<E: Element>(
         rhs.dim(),
         out.dim()
     );
+    E::kernel_product_view(kernel, out, lhs, rhs, accumulate);
+}
+
+/// A product by a kernel on row-major slices, for views of any strides: the operands (and,
+/// accumulating, `out`) copied into row-major order, the result written back.
+fn through_copies<E: Element>(
+    out: &mut ArrayViewMut2<'_, E>,
+    lhs: ArrayView2<'_, E>,
+    rhs: ArrayView2<'_, E>,
+    accumulate: bool,
+    product: impl FnOnce((usize, usize, usize), &[E], &[E], &mut [E], bool),
+) {
+    let ((m, k), n) = (lhs.dim(), rhs.ncols());
     let (lhs, rhs) = (contiguous(lhs), contiguous(rhs));
     let mut result = contiguous(out.view());
-    E::kernel_product(
-        kernel,
+    product(
         (m, k, n),
         lhs.as_slice().expect("standard layout"),
         rhs.as_slice().expect("standard layout"),
@@ -104,7 +165,13 @@ fn product<E: Element>(
 ) {
     let threads = rayon::current_num_threads();
     let work = m.saturating_mul(n).saturating_mul(k);
-    if !parallel || threads == 1 || work < PARALLEL_WORK || m < 2 * MIN_ROWS_PER_TASK || n == 0 {
+    if kernel.spreads_itself()
+        || !parallel
+        || threads == 1
+        || work < PARALLEL_WORK
+        || m < 2 * MIN_ROWS_PER_TASK
+        || n == 0
+    {
         E::kernel_product(kernel, (m, k, n), lhs, rhs, out, false);
         return;
     }
@@ -134,6 +201,9 @@ fn batched<E: Element>(
     let count: usize = batch.iter().product();
     let mut out_shape = batch.clone();
     out_shape.extend([m, n]);
+    if kernel.spreads_itself() {
+        return batched_views(kernel, lhs, rhs, &out_shape);
+    }
     let mut out = vec![E::zero(); count * m * n];
     let lhs = lhs.as_standard_layout();
     let rhs = rhs.as_standard_layout();
@@ -162,6 +232,54 @@ fn batched<E: Element>(
     ArrayD::from_shape_vec(IxDyn(&out_shape), out).expect("the product's shape")
 }
 
+/// [`batched`] for a kernel that packs its operands and spreads one product over the pool
+/// itself: each matrix is handed over as the view it is (no row-major copies), whole.
+fn batched_views<E: Element>(
+    kernel: &dyn ProductKernel,
+    lhs: ArrayViewD<'_, E>,
+    rhs: ArrayViewD<'_, E>,
+    out_shape: &[usize],
+) -> ArrayD<E> {
+    let nd = out_shape.len();
+    let (m, n) = (out_shape[nd - 2], out_shape[nd - 1]);
+    let count: usize = out_shape[..nd - 2].iter().product();
+    let mut out = ArrayD::zeros(IxDyn(out_shape));
+    let (lhs_items, rhs_items) = (matrices(lhs), matrices(rhs));
+    let mut flat = out
+        .view_mut()
+        .into_shape_with_order((count, m, n))
+        .expect("a fresh array");
+    let outs: Vec<ArrayViewMut2<'_, E>> = flat.outer_iter_mut().collect();
+    let run =
+        |((mut out, lhs), rhs): ((ArrayViewMut2<'_, E>, ArrayView2<'_, E>), ArrayView2<'_, E>)| {
+            E::kernel_product_view(kernel, &mut out, lhs, rhs, false);
+        };
+    let items = outs.into_iter().zip(lhs_items).zip(rhs_items);
+    if count >= 4 {
+        items.collect::<Vec<_>>().into_par_iter().for_each(run);
+    } else {
+        items.for_each(run);
+    }
+    out
+}
+
+/// The matrices of a `[b.., r, c]` view, batch index by batch index in row-major order.
+fn matrices<'a, E>(view: ArrayViewD<'a, E>) -> Vec<ArrayView2<'a, E>> {
+    let mut items = vec![view];
+    while items[0].ndim() > 2 {
+        items = items
+            .into_iter()
+            .flat_map(|item| {
+                (0..item.shape()[0]).map(move |i| item.clone().index_axis_move(Axis(0), i))
+            })
+            .collect();
+    }
+    items
+        .into_iter()
+        .map(|item| item.into_dimensionality().expect("a matrix of the batch"))
+        .collect()
+}
+
 /// A view with its last two axes swapped.
 fn transposed<'a, E>(view: ArrayViewD<'a, E>) -> ArrayViewD<'a, E> {
     let mut view = view;
@@ -177,14 +295,22 @@ fn with_batch<'a, E>(view: &'a ArrayViewD<'_, E>, batch: &[usize]) -> ArrayViewD
     view.broadcast(IxDyn(&shape)).expect("batch axes broadcast")
 }
 
-/// `view` with every axis before the last folded into rows: `[.., k] → [rows, k]`.
-fn as_rows<E: Element>(view: ArrayViewD<'_, E>) -> ArrayD<E> {
+/// `view` with every axis before the last folded into rows: `[.., k] → [rows, k]`, without a
+/// copy when it is in standard layout.
+fn as_rows<'a, E: Element>(view: ArrayViewD<'a, E>) -> CowArray<'a, E, IxDyn> {
     let k = view.shape()[view.ndim() - 1];
     let rows = view.len() / k.max(1);
+    if view.is_standard_layout() {
+        return view
+            .into_shape_with_order(IxDyn(&[rows, k]))
+            .expect("a standard-layout view folds into rows")
+            .into();
+    }
     view.as_standard_layout()
         .into_owned()
         .into_shape_with_order(IxDyn(&[rows, k]))
         .expect("a standard-layout array folds into rows")
+        .into()
 }
 
 impl<E: Element> Tensor<E> {
@@ -249,7 +375,8 @@ impl<E: Element> Tensor<E> {
         let mut out_shape = lhs_shape[..lhs_shape.len() - 1].to_vec();
         out_shape.push(n);
         let value = || {
-            let rows = as_rows(self.value().view());
+            let value = self.value();
+            let rows = as_rows(value.view());
             batched(kernel.as_ref(), rows.view(), rhs.value().view())
                 .into_shape_with_order(IxDyn(&out_shape))
                 .expect("a fresh product is in standard layout")
@@ -268,7 +395,8 @@ impl<E: Element> Tensor<E> {
                 .into_shape_with_order(IxDyn(&lhs_shape))
                 .expect("a fresh product is in standard layout")
             } else {
-                let lhs_rows = as_rows(lhs_saved.value().view());
+                let lhs_value = lhs_saved.value();
+                let lhs_rows = as_rows(lhs_value.view());
                 let mut lhs_t = lhs_rows.view();
                 lhs_t.swap_axes(0, 1);
                 batched(kernel.as_ref(), lhs_t, grad_rows.view())

@@ -1,0 +1,1313 @@
+//! Products of bf16 values summed in f32, in the one order a CPU's bf16 units add them:
+//! computed on those units where the CPU has them and the operands allow it, and by portable
+//! f32 code with the same bits everywhere else.
+//!
+//! # The order
+//! `vdpbf16ps` (AVX512-BF16) takes 16 lanes of bf16 pairs from each operand and adds both
+//! products of a lane to its f32 accumulator, the odd element's first:
+//!
+//! ```text
+//! acc ← rne(rne(acc + a[2j+1]·b[2j+1]) + a[2j]·b[2j])
+//! ```
+//!
+//! Each addition is rounded to nearest even and each product is exact (8 × 8 significant
+//! bits fit binary32's 24). A GEMM that keeps one output in one lane and walks the inner
+//! dimension pair by pair therefore computes, for every output,
+//!
+//! ```text
+//! acc = 0 (or the old output, accumulating)
+//! for p in 0..⌈k/2⌉:  acc ← rne(acc + a[2p+1]·b[2p+1]);  acc ← rne(acc + a[2p]·b[2p])
+//! ```
+//!
+//! with a zero pair element past an odd `k`. That fold is what this module computes, on any
+//! path: a product of bf16 values accumulated in f32, in a fixed order that depends on `k`
+//! alone — not on the shape, the blocking, the machine or the number of threads.
+//!
+//! # Where the units are not IEEE f32, and why it cannot show
+//! Probed on an AMD EPYC (Zen 4) and documented by Intel for the instruction: the units read
+//! subnormal bf16 inputs and a subnormal accumulator as zero, and flush a subnormal result to
+//! zero (2⁻¹⁰⁰·2⁻³⁰ gives 0, where f32 gives 2⁻¹³⁰). Everything else — rounding, ±0,
+//! infinities, NaN — follows IEEE 754. So the units are used only for operands that make
+//! every value they read and write a normal number or zero, which the pass converting the
+//! operands to bf16 (it reads every value anyway) establishes:
+//!
+//! - every value of both operands is finite, zero or normal, and a bf16 value;
+//! - writing `e(x)` for the exponent of `x`'s leading bit over the nonzero values, a bf16
+//!   value is a multiple of 2^(e−7), so every product, and every sum of products and its
+//!   rounding, is a multiple of `2^(min e(a) + min e(b) − 14)`; with
+//!   `min e(a) + min e(b) ≥ −112` no nonzero value can come below 2⁻¹²⁶, the smallest normal
+//!   number (and accumulating, an old output `o` is a multiple of 2^(e(o)−23), so
+//!   `min e(o) ≥ −103`);
+//! - no partial sum can reach 2¹²⁷ (`max e(a) + max e(b) + 2 + bits(k) ≤ 126`, and old outputs
+//!   below 2¹²⁶), so none overflows and no infinity or NaN is made.
+//!
+//! Operands outside that window — a subnormal, an infinity, a NaN, a value that is not bf16,
+//! exponents far apart — take the portable path, which is IEEE f32 arithmetic in the same
+//! order (fused multiply-adds, exact here since the products are). On the window both paths
+//! compute the same IEEE operations on normal numbers, so they give the same bits; the tests
+//! below compare them on random and on edge-case operands, and show the units' flush outside
+//! the window.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use std::borrow::Cow;
+
+use ndarray::{ArrayView2, ArrayViewMut2, Axis, s};
+use rayon::prelude::*;
+
+use super::split::PARALLEL_WORK;
+use crate::ProductKernel;
+
+/// Which code computed a product (returned for tests and benchmarks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Route {
+    /// The CPU's bf16 units (`vdpbf16ps`).
+    Units,
+    /// Portable f32 arithmetic in the units' order: the CPU has no bf16 units, it was asked
+    /// for, or the operands fall outside the units' exact window.
+    Portable,
+}
+
+/// Whether this CPU has the bf16 dot-product units this module uses (AVX512-BF16, with the
+/// AVX-512F and AVX-512BW that every CPU with them has, for the packing).
+pub fn units_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `out = lhs · rhs` (or `out += lhs · rhs` with `accumulate`) for row-major f32 matrices
+/// holding bf16 values (`lhs` m×k, `rhs` k×n, `out` m×n): [`bf16_gemm_into`] on slices.
+///
+/// # Panics
+/// If a slice is shorter than its matrix.
+///
+/// ```
+/// use tl_tensor::kernels::bf16_dot::bf16_gemm;
+///
+/// // [1, 0, 2⁻²⁴, −1]·[1, 1, 1, 1]: pair (1, 0) gives 1, then the pair's odd element first,
+/// // 1 − 1 = 0, then 0 + 2⁻²⁴. In index order 1 + 2⁻²⁴ would round to 1 (a tie, to even),
+/// // and the sum would be 0.
+/// let lhs = [1.0, 0.0, 2f32.powi(-24), -1.0];
+/// let rhs = [1.0f32; 4];
+/// let mut out = [0.0f32];
+/// bf16_gemm(1, 4, 1, &lhs, &rhs, &mut out, false);
+/// assert_eq!(out[0], 2f32.powi(-24));
+/// ```
+pub fn bf16_gemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    lhs: &[f32],
+    rhs: &[f32],
+    out: &mut [f32],
+    accumulate: bool,
+) -> Bf16Route {
+    let (lhs, rhs, mut out) = slices_as_views((m, k, n), lhs, rhs, out);
+    bf16_gemm_into(&mut out, lhs, rhs, accumulate)
+}
+
+/// [`bf16_gemm_portable_into`] on row-major slices, as [`bf16_gemm`].
+///
+/// # Panics
+/// If a slice is shorter than its matrix.
+pub fn bf16_gemm_portable(
+    m: usize,
+    k: usize,
+    n: usize,
+    lhs: &[f32],
+    rhs: &[f32],
+    out: &mut [f32],
+    accumulate: bool,
+) {
+    let (lhs, rhs, mut out) = slices_as_views((m, k, n), lhs, rhs, out);
+    bf16_gemm_portable_into(&mut out, lhs, rhs, accumulate);
+}
+
+/// The three matrices of a product given as row-major slices.
+fn slices_as_views<'a>(
+    (m, k, n): (usize, usize, usize),
+    lhs: &'a [f32],
+    rhs: &'a [f32],
+    out: &'a mut [f32],
+) -> (
+    ArrayView2<'a, f32>,
+    ArrayView2<'a, f32>,
+    ArrayViewMut2<'a, f32>,
+) {
+    assert!(
+        lhs.len() >= m * k && rhs.len() >= k * n && out.len() >= m * n,
+        "bf16_gemm: {m}×{k} by {k}×{n} needs {}, {} and {} values, got {}, {} and {}",
+        m * k,
+        k * n,
+        m * n,
+        lhs.len(),
+        rhs.len(),
+        out.len()
+    );
+    (
+        ArrayView2::from_shape((m, k), &lhs[..m * k]).expect("m×k"),
+        ArrayView2::from_shape((k, n), &rhs[..k * n]).expect("k×n"),
+        ArrayViewMut2::from_shape((m, n), &mut out[..m * n]).expect("m×n"),
+    )
+}
+
+/// `out = lhs · rhs` (or `out += lhs · rhs` with `accumulate`) for matrices holding bf16
+/// values, as views of any strides (a transposed operand, a head's columns), in the units'
+/// order: on the units when this CPU has them and the operands are in their exact window,
+/// portably otherwise. The operands are packed straight from the views, and the output
+/// written in place when its rows are contiguous. Large products are spread over the rayon
+/// pool; the bits never depend on it.
+///
+/// Values that are not bf16 are allowed and take the portable path, which sums their
+/// products in the same order with one rounding per multiply-add.
+///
+/// # Panics
+/// If the shapes do not chain: `lhs` is m×k, `rhs` k×n, `out` m×n.
+pub fn bf16_gemm_into(
+    out: &mut ArrayViewMut2<'_, f32>,
+    lhs: ArrayView2<'_, f32>,
+    rhs: ArrayView2<'_, f32>,
+    accumulate: bool,
+) -> Bf16Route {
+    let Some((m, k, n)) = chain(out, lhs, rhs, accumulate) else {
+        return Bf16Route::Portable;
+    };
+    #[cfg(target_arch = "x86_64")]
+    if units_available() {
+        let kp = k.div_ceil(2);
+        let (a, a_range) = pack_a_units(lhs);
+        let (b, b_range) = pack_b_units(rhs);
+        let o_range = if accumulate {
+            scan_old_outputs(out.view())
+        } else {
+            Range::EMPTY
+        };
+        if in_window(a_range, b_range, o_range, k) {
+            let packed = Packed {
+                a: &a,
+                m_pad: m.next_multiple_of(UNITS_MR),
+                a_pair: 1,
+                b: &b,
+                panels: n.div_ceil(UNITS_NR),
+                b_pair: UNITS_NR,
+            };
+            // SAFETY: the CPU has the units (checked above); `packed` holds m rounded up to
+            // UNITS_MR rows of kp pairs and ⌈n/UNITS_NR⌉ panels of kp × UNITS_NR pairs, what
+            // the tile reads.
+            let tile = |t: Tile<'_, u32>| unsafe { units_tile(t) };
+            drive(
+                (m, n, kp),
+                &packed,
+                out,
+                accumulate,
+                (UNITS_MR, UNITS_NR),
+                &tile,
+            );
+            return Bf16Route::Units;
+        }
+    }
+    bf16_gemm_portable_into(out, lhs, rhs, accumulate);
+    Bf16Route::Portable
+}
+
+/// [`bf16_gemm_into`] by the portable path alone, whatever the CPU: IEEE f32 fused
+/// multiply-adds in the units' order. The reference the units are tested against, and what
+/// a CPU without them runs.
+///
+/// # Panics
+/// If the shapes do not chain: `lhs` is m×k, `rhs` k×n, `out` m×n.
+pub fn bf16_gemm_portable_into(
+    out: &mut ArrayViewMut2<'_, f32>,
+    lhs: ArrayView2<'_, f32>,
+    rhs: ArrayView2<'_, f32>,
+    accumulate: bool,
+) {
+    let Some((m, k, n)) = chain(out, lhs, rhs, accumulate) else {
+        return;
+    };
+    let kp = k.div_ceil(2);
+    let a = pack_a_portable(lhs);
+    let b = pack_b_portable(rhs);
+    let packed = Packed {
+        a: &a,
+        m_pad: m.next_multiple_of(PORTABLE_MR),
+        a_pair: 2,
+        b: &b,
+        panels: n.div_ceil(PORTABLE_NR),
+        b_pair: 2 * PORTABLE_NR,
+    };
+    drive(
+        (m, n, kp),
+        &packed,
+        out,
+        accumulate,
+        (PORTABLE_MR, PORTABLE_NR),
+        &portable_tile(),
+    );
+}
+
+/// The sizes (m, k, n) of a product, checked; `None` when it is empty, after writing the
+/// empty sum (zeros) over `out` unless accumulating.
+fn chain(
+    out: &mut ArrayViewMut2<'_, f32>,
+    lhs: ArrayView2<'_, f32>,
+    rhs: ArrayView2<'_, f32>,
+    accumulate: bool,
+) -> Option<(usize, usize, usize)> {
+    let ((m, k), n) = (lhs.dim(), rhs.ncols());
+    assert!(
+        rhs.nrows() == k && out.dim() == (m, n),
+        "bf16_gemm: cannot multiply {:?} by {:?} into {:?}",
+        lhs.shape(),
+        rhs.shape(),
+        out.shape()
+    );
+    if m == 0 || n == 0 || k == 0 {
+        if !accumulate {
+            out.fill(0.0);
+        }
+        return None;
+    }
+    Some((m, k, n))
+}
+
+/// The portable tile compiled for the best vector unit of this CPU.
+fn portable_tile() -> fn(Tile<'_, f32>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked); `drive` gives the tile what it reads.
+            return |t| unsafe { portable_tile_avx512(t) };
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: as above, for AVX2 and FMA.
+            return |t| unsafe { portable_tile_avx2(t) };
+        }
+    }
+    // SAFETY: `drive` gives the tile what it reads.
+    |t| unsafe { portable_tile_body(t) }
+}
+
+/// The products of autocast in bf16 with f32 accumulation, as a [`ProductKernel`]: f32
+/// matrices by [`bf16_gemm`]. f64 matrices (the reference mode, whose products stay in
+/// f64) by the plain f64 GEMM.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Bf16Products;
+
+impl ProductKernel for Bf16Products {
+    fn product_f32(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[f32],
+        rhs: &[f32],
+        out: &mut [f32],
+        accumulate: bool,
+    ) {
+        bf16_gemm(m, k, n, lhs, rhs, out, accumulate);
+    }
+
+    fn product_view_f32(
+        &self,
+        out: &mut ArrayViewMut2<'_, f32>,
+        lhs: ArrayView2<'_, f32>,
+        rhs: ArrayView2<'_, f32>,
+        accumulate: bool,
+    ) {
+        bf16_gemm_into(out, lhs, rhs, accumulate);
+    }
+
+    fn product_view_f64(
+        &self,
+        out: &mut ArrayViewMut2<'_, f64>,
+        lhs: ArrayView2<'_, f64>,
+        rhs: ArrayView2<'_, f64>,
+        accumulate: bool,
+    ) {
+        super::gemm::gemm_serial_into(out, lhs, rhs, accumulate);
+    }
+
+    fn product_f64(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[f64],
+        rhs: &[f64],
+        out: &mut [f64],
+        accumulate: bool,
+    ) {
+        let lhs = ArrayView2::from_shape((m, k), &lhs[..m * k]).expect("m×k");
+        let rhs = ArrayView2::from_shape((k, n), &rhs[..k * n]).expect("k×n");
+        let mut out = ArrayViewMut2::from_shape((m, n), &mut out[..m * n]).expect("m×n");
+        super::gemm::gemm_serial_into(&mut out, lhs, rhs, accumulate);
+    }
+
+    fn spreads_itself(&self) -> bool {
+        true
+    }
+}
+
+/// Rows and columns of the units' tile: 8 rows × 32 columns are 16 accumulators of 16 lanes,
+/// enough independent sums to hide the instruction's latency, with room for the two panel
+/// loads and the broadcast in AVX-512's 32 registers.
+const UNITS_MR: usize = 8;
+const UNITS_NR: usize = 32;
+/// The portable tile: 4 rows × 16 columns, 8 accumulators of 8 lanes on AVX2.
+const PORTABLE_MR: usize = 4;
+const PORTABLE_NR: usize = 16;
+/// Rows of the output per task, and pairs of the inner dimension per pass over the panels:
+/// a block of 32 rows × 256 pairs of the left operand (32 KiB packed for the units) and a
+/// panel's 256 × 32 pairs stay in a core's L1 and L2 caches while the tiles walk them.
+const MC: usize = 32;
+const KC: usize = 256;
+
+/// Exponent range and cleanliness of the values a path will read (biased exponents of the
+/// nonzero values; `clean` when every value is zero or a normal number, finite, and — for an
+/// operand — a bf16 value).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Range {
+    min: u32,
+    max: u32,
+    clean: bool,
+}
+
+impl Range {
+    const EMPTY: Range = Range {
+        min: u32::MAX,
+        max: 0,
+        clean: true,
+    };
+
+    fn merge(self, other: Range) -> Range {
+        Range {
+            min: self.min.min(other.min),
+            max: self.max.max(other.max),
+            clean: self.clean && other.clean,
+        }
+    }
+
+    /// Adds the f32 value of `bits`; `low_mask` selects the bits that must be zero (the
+    /// 16 below a bf16 value's, or none for an old output).
+    ///
+    /// Branch-free, so that a loop of these vectorises.
+    #[inline(always)]
+    fn add(&mut self, bits: u32, low_mask: u32) {
+        let exponent = (bits >> 23) & 0xff;
+        let nonzero = bits & 0x7fff_ffff != 0;
+        let bad = nonzero & ((exponent == 0) | (exponent == 0xff) | (bits & low_mask != 0));
+        self.clean &= !bad;
+        self.min = self.min.min(if nonzero { exponent } else { u32::MAX });
+        self.max = self.max.max(if nonzero { exponent } else { 0 });
+    }
+}
+
+/// Whether the units compute exactly what IEEE f32 does on these operands (the module's
+/// window), given the ranges of both operands and of the old outputs.
+fn in_window(a: Range, b: Range, old: Range, k: usize) -> bool {
+    const BIAS: i64 = 127;
+    if !(a.clean && b.clean && old.clean) {
+        return false;
+    }
+    let products = a.max > 0 && b.max > 0; // both have a nonzero value
+    let products_fit = !products || {
+        let (min, max) = (
+            i64::from(a.min) + i64::from(b.min) - 2 * BIAS,
+            i64::from(a.max) + i64::from(b.max) - 2 * BIAS,
+        );
+        let bits_of_k = i64::from(usize::BITS - k.leading_zeros());
+        min >= -112 && max + 2 + bits_of_k <= 126
+    };
+    let old_fit = old.max == 0 || {
+        let (min, max) = (i64::from(old.min) - BIAS, i64::from(old.max) - BIAS);
+        min >= -103 && max <= 125
+    };
+    products_fit && old_fit
+}
+
+fn scan_old_outputs(out: ArrayView2<'_, f32>) -> Range {
+    let mut range = Range::EMPTY;
+    for x in out {
+        range.add(x.to_bits(), 0);
+    }
+    range
+}
+
+/// The rows of a matrix as slices: borrowed where they are contiguous, gathered otherwise.
+fn row_slices<'a>(x: ArrayView2<'a, f32>) -> Vec<Cow<'a, [f32]>> {
+    (0..x.nrows())
+        .map(|i| {
+            let row = x.index_axis_move(Axis(0), i);
+            row.to_slice()
+                .map_or_else(|| row.to_vec().into(), Cow::Borrowed)
+        })
+        .collect()
+}
+
+/// Whether `x` is better read a column at a time: its columns are slices and its rows not
+/// (a transposed view), with more than one column.
+fn by_columns(x: ArrayView2<'_, f32>) -> bool {
+    x.strides()[1] != 1 && x.strides()[0] == 1 && x.ncols() > 1
+}
+
+/// `lhs` (m×k, any strides) packed for the units as [`Packed`] lays it out: block by block
+/// of KC pairs, each row's pairs of the block side by side (the even element in the low
+/// half, a zero past an odd k), m rounded up to a whole tile with zero rows; and the range
+/// of its values. Rows that are slices convert as they lie; a transposed operand pairs two
+/// of its columns (rows of the matrix it transposes) at a time, read in long runs.
+#[cfg(target_arch = "x86_64")]
+fn pack_a_units(lhs: ArrayView2<'_, f32>) -> (Vec<u32>, Range) {
+    let (m, k) = lhs.dim();
+    let (kp, m_pad) = (k.div_ceil(2), m.next_multiple_of(UNITS_MR));
+    let mut a = vec![0u32; m_pad * kp];
+    let columns = by_columns(lhs);
+    let lines = if columns {
+        row_slices(lhs.t())
+    } else {
+        row_slices(lhs)
+    };
+    // Rows per task: a transposed operand reads runs of this many values of each column.
+    let chunk = if columns { 8 * MC } else { MC };
+    let mut range = Range::EMPTY;
+    for (block, a) in a.chunks_mut(KC * m_pad).enumerate() {
+        let (k0, pairs) = (block * KC, a.len() / m_pad);
+        let block_range = a[..m * pairs]
+            .par_chunks_mut(chunk * pairs)
+            .enumerate()
+            .map(|(task, packed)| {
+                let (r0, r1) = (task * chunk, task * chunk + packed.len() / pairs);
+                // SAFETY (this closure's calls): the units' path only, whose CPU has
+                // AVX-512F and AVX-512BW (`units_available`).
+                let mut lanes = unsafe { LaneRange::new() };
+                if columns {
+                    let mut column_pairs = vec![0u32; r1 - r0];
+                    for p in 0..pairs {
+                        let even = &lines[2 * (k0 + p)][r0..r1];
+                        let odd = lines.get(2 * (k0 + p) + 1).map(|odd| &odd[r0..r1]);
+                        // SAFETY: as above.
+                        unsafe { bf16_pairs(even, odd, &mut column_pairs, &mut lanes) };
+                        for (r, pair) in column_pairs.iter().enumerate() {
+                            packed[r * pairs + p] = *pair;
+                        }
+                    }
+                } else {
+                    let span = 2 * k0..k.min(2 * (k0 + pairs));
+                    for (packed, row) in packed.chunks_exact_mut(pairs).zip(&lines[r0..r1]) {
+                        // SAFETY: as above.
+                        unsafe { bf16_row(&row[span.clone()], packed, &mut lanes) };
+                    }
+                }
+                // SAFETY: as above.
+                unsafe { lanes.range() }
+            })
+            .reduce(|| Range::EMPTY, Range::merge);
+        range = range.merge(block_range);
+    }
+    (a, range)
+}
+
+/// Writes the bf16 values of `row` into `packed` in order (two to a `u32`, the first in
+/// the low half), adding each to `lanes`. The values are truncated, which for a bf16 value
+/// is exact; a value that is not one marks the range unclean.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512BW; `packed` holds at least `row.len()` halves.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn bf16_row(row: &[f32], packed: &mut [u32], lanes: &mut LaneRange) {
+    assert!(2 * packed.len() >= row.len());
+    let halves = packed.as_mut_ptr().cast::<u16>();
+    let whole = row.len() / 16 * 16;
+    for i in (0..whole).step_by(16) {
+        // SAFETY: `i + 16 ≤ row.len() ≤ 2·packed.len()`: both addresses are in bounds.
+        unsafe {
+            let v = _mm512_loadu_si512(row.as_ptr().add(i).cast());
+            lanes.add(v);
+            let h = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(v));
+            _mm256_storeu_si256(halves.add(i).cast(), h);
+        }
+    }
+    for (i, x) in row.iter().enumerate().skip(whole) {
+        let bits = x.to_bits();
+        lanes.rest.add(bits, 0xffff);
+        // SAFETY: `i < row.len() ≤ 2·packed.len()`.
+        unsafe { *halves.add(i) = (bits >> 16) as u16 };
+    }
+}
+
+/// A [`Range`] over 16 lanes at once, and a scalar one for what is left over: made once per
+/// block of packing and reduced once at its end (a horizontal reduction per row would cost
+/// as much as the row's conversion on a head's 32 columns).
+#[cfg(target_arch = "x86_64")]
+struct LaneRange {
+    min: __m512i,
+    max: __m512i,
+    bad: u16,
+    rest: Range,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl LaneRange {
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn new() -> Self {
+        LaneRange {
+            min: _mm512_set1_epi32(-1),
+            max: _mm512_setzero_si512(),
+            bad: 0,
+            rest: Range::EMPTY,
+        }
+    }
+
+    /// Adds 16 values given as f32 bits ([`Range::add`] with the bf16 mask).
+    #[inline(always)]
+    fn add(&mut self, v: __m512i) {
+        // SAFETY: only called from functions compiled for AVX-512F.
+        unsafe {
+            let exponent = _mm512_and_si512(_mm512_srli_epi32::<23>(v), _mm512_set1_epi32(0xff));
+            let nonzero = _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x7fff_ffff));
+            let special = _mm512_cmpeq_epi32_mask(exponent, _mm512_setzero_si512())
+                | _mm512_cmpeq_epi32_mask(exponent, _mm512_set1_epi32(0xff))
+                | _mm512_test_epi32_mask(v, _mm512_set1_epi32(0xffff));
+            self.bad |= nonzero & special;
+            self.min = _mm512_mask_min_epu32(self.min, nonzero, self.min, exponent);
+            self.max = _mm512_mask_max_epu32(self.max, nonzero, self.max, exponent);
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn range(&self) -> Range {
+        let lanes = Range {
+            min: _mm512_reduce_min_epu32(self.min),
+            max: _mm512_reduce_max_epu32(self.max),
+            clean: self.bad == 0,
+        };
+        lanes.merge(self.rest)
+    }
+}
+
+/// `rhs` (k×n, any strides) packed for the units as [`Packed`] lays it out: block by block
+/// of KC pairs, panel by panel of UNITS_NR columns, each pair of rows (2p, 2p+1) of the
+/// panel's columns as UNITS_NR pairs, columns past n zero; and the range of its values.
+///
+/// Each task reads whole rows (or, transposed, whole columns) in order and writes them into
+/// every panel: reading a panel's 32 columns down 4096 rows instead would fetch a new cache
+/// line for every 128 bytes, and measured several times slower.
+#[cfg(target_arch = "x86_64")]
+fn pack_b_units(rhs: ArrayView2<'_, f32>) -> (Vec<u32>, Range) {
+    let (k, n) = rhs.dim();
+    let (kp, panels) = (k.div_ceil(2), n.div_ceil(UNITS_NR));
+    let mut b = vec![0u32; panels * kp * UNITS_NR];
+    let columns = by_columns(rhs);
+    let lines = if columns {
+        row_slices(rhs.t())
+    } else {
+        row_slices(rhs)
+    };
+    let mut range = Range::EMPTY;
+    for (block, b) in b.chunks_mut(KC * panels * UNITS_NR).enumerate() {
+        let (k0, pairs) = (block * KC, b.len() / (panels * UNITS_NR));
+        let block_range = if columns {
+            // A panel's columns are slices: each converts into its pairs, spread over the
+            // panel's rows.
+            b.par_chunks_mut(pairs * UNITS_NR)
+                .enumerate()
+                .map(|(q, panel)| {
+                    // SAFETY (this closure's calls): the units' path only, as in
+                    // `pack_a_units`.
+                    let mut lanes = unsafe { LaneRange::new() };
+                    let mut column_pairs = vec![0u32; pairs];
+                    let span = 2 * k0..k.min(2 * (k0 + pairs));
+                    for (j, column) in lines[q * UNITS_NR..n.min((q + 1) * UNITS_NR)]
+                        .iter()
+                        .enumerate()
+                    {
+                        // SAFETY: as above.
+                        unsafe { bf16_row(&column[span.clone()], &mut column_pairs, &mut lanes) };
+                        for (p, pair) in column_pairs.iter().enumerate() {
+                            panel[p * UNITS_NR + j] = *pair;
+                        }
+                    }
+                    // SAFETY: as above.
+                    unsafe { lanes.range() }
+                })
+                .reduce(|| Range::EMPTY, Range::merge)
+        } else {
+            // Rows are slices: a task takes a run of pairs of rows and writes each into
+            // every panel, at disjoint places of the block.
+            let out = SharedSlots(b.as_mut_ptr());
+            let tasks = pairs.div_ceil(16);
+            (0..tasks)
+                .into_par_iter()
+                .map(|task| {
+                    let out = &out;
+                    // SAFETY (this closure's calls): the units' path only, as above.
+                    let mut lanes = unsafe { LaneRange::new() };
+                    for p in 16 * task..pairs.min(16 * (task + 1)) {
+                        let even = &lines[2 * (k0 + p)];
+                        let odd = lines.get(2 * (k0 + p) + 1);
+                        for q in 0..panels {
+                            let cols = q * UNITS_NR..n.min((q + 1) * UNITS_NR);
+                            // SAFETY: pair p of panel q is written by this task alone (tasks
+                            // own disjoint runs of pairs), inside the block (p < pairs,
+                            // q < panels).
+                            let slots = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    out.0.add((q * pairs + p) * UNITS_NR),
+                                    cols.len(),
+                                )
+                            };
+                            let (even, odd) = (&even[cols.clone()], odd.map(|o| &o[cols]));
+                            // SAFETY: the units' path only, as above.
+                            unsafe { bf16_pairs(even, odd, slots, &mut lanes) };
+                        }
+                    }
+                    // SAFETY: as above.
+                    unsafe { lanes.range() }
+                })
+                .reduce(|| Range::EMPTY, Range::merge)
+        };
+        range = range.merge(block_range);
+    }
+    (b, range)
+}
+
+/// The start of a packed block that tasks write at disjoint places.
+struct SharedSlots(*mut u32);
+
+// SAFETY: the tasks sharing it write disjoint slots (see `pack_b_units`), and the block
+// outlives them (rayon joins them before `pack_b_units` goes on).
+unsafe impl Sync for SharedSlots {}
+
+/// `slots[j]` = the pair (`even[j]`, `odd[j]`) in bf16 (`odd` zero if absent), each value
+/// added to `lanes`.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn bf16_pairs(even: &[f32], odd: Option<&[f32]>, slots: &mut [u32], lanes: &mut LaneRange) {
+    let len = slots.len();
+    assert!(even.len() >= len && odd.is_none_or(|odd| odd.len() >= len));
+    let whole = len / 16 * 16;
+    for i in (0..whole).step_by(16) {
+        // SAFETY: `i + 16 ≤ len`, within every slice (asserted above).
+        unsafe {
+            let e = _mm512_loadu_si512(even.as_ptr().add(i).cast());
+            lanes.add(e);
+            let mut pairs = _mm512_srli_epi32::<16>(e);
+            if let Some(odd) = odd {
+                let o = _mm512_loadu_si512(odd.as_ptr().add(i).cast());
+                lanes.add(o);
+                pairs = _mm512_or_si512(pairs, _mm512_and_si512(o, _mm512_set1_epi32(-65536)));
+            }
+            _mm512_storeu_si512(slots.as_mut_ptr().add(i).cast(), pairs);
+        }
+    }
+    for j in whole..len {
+        let e = even[j].to_bits();
+        let o = odd.map_or(0, |odd| odd[j].to_bits());
+        lanes.rest.add(e, 0xffff);
+        lanes.rest.add(o, 0xffff);
+        slots[j] = (e >> 16) | (o & 0xffff_0000);
+    }
+}
+
+/// `lhs` (any strides) packed for the portable tile as [`Packed`] lays it out: block by
+/// block of KC pairs, each row's 2·pairs values of the block side by side (a zero past an
+/// odd k), m rounded up to a whole tile.
+fn pack_a_portable(lhs: ArrayView2<'_, f32>) -> Vec<f32> {
+    let (m, k) = lhs.dim();
+    let (kp, m_pad) = (k.div_ceil(2), m.next_multiple_of(PORTABLE_MR));
+    let mut a = vec![0.0f32; m_pad * 2 * kp];
+    for (block, a) in a.chunks_mut(KC * 2 * m_pad).enumerate() {
+        let (k0, pairs) = (block * KC, a.len() / (2 * m_pad));
+        let span = 2 * k0..k.min(2 * (k0 + pairs));
+        for (packed, row) in a.chunks_exact_mut(2 * pairs).zip(lhs.rows()) {
+            for (slot, x) in packed.iter_mut().zip(row.slice(s![span.clone()])) {
+                *slot = *x;
+            }
+        }
+    }
+    a
+}
+
+/// `rhs` (any strides) packed for the portable tile as [`Packed`] lays it out: block by
+/// block of KC pairs, panel by panel of PORTABLE_NR columns, each pair of rows as row 2p's
+/// columns then row 2p+1's (zero past an odd k and past n).
+fn pack_b_portable(rhs: ArrayView2<'_, f32>) -> Vec<f32> {
+    let (k, n) = rhs.dim();
+    let (kp, panels) = (k.div_ceil(2), n.div_ceil(PORTABLE_NR));
+    let mut b = vec![0.0f32; panels * kp * 2 * PORTABLE_NR];
+    for (block, b) in b.chunks_mut(KC * panels * 2 * PORTABLE_NR).enumerate() {
+        let (k0, pairs) = (block * KC, b.len() / (panels * 2 * PORTABLE_NR));
+        for (q, panel) in b.chunks_exact_mut(pairs * 2 * PORTABLE_NR).enumerate() {
+            let cols = q * PORTABLE_NR..n.min((q + 1) * PORTABLE_NR);
+            for (r, slots) in panel.chunks_exact_mut(PORTABLE_NR).enumerate() {
+                if 2 * k0 + r < k {
+                    for (slot, x) in slots
+                        .iter_mut()
+                        .zip(rhs.slice(s![2 * k0 + r, cols.clone()]))
+                    {
+                        *slot = *x;
+                    }
+                }
+            }
+        }
+    }
+    b
+}
+
+/// Packed operands, both cut into blocks of KC pairs of the inner dimension (the last block
+/// shorter), so that a tile's operands for one block are contiguous runs:
+///
+/// - `a`: block after block, each `m_pad` rows of that block's pairs (`a_pair` elements a
+///   pair), so a row of a block of `pairs` pairs takes `pairs·a_pair` elements;
+/// - `b`: block after block, each `panels` panels of that block's pairs (`b_pair` elements a
+///   pair: one row pair of the panel's columns).
+struct Packed<'a, T> {
+    a: &'a [T],
+    m_pad: usize,
+    a_pair: usize,
+    b: &'a [T],
+    panels: usize,
+    b_pair: usize,
+}
+
+/// One call of a tile kernel: `pairs` pairs of the inner dimension of a tile's rows of `a`
+/// (starting at `a`, rows `a_stride` apart) and its panel of `b`, added to the tile of the
+/// output at `c` (rows `ldc` apart), which starts from zero if `zero`.
+#[derive(Clone, Copy)]
+struct Tile<'a, T> {
+    a: &'a [T],
+    a_stride: usize,
+    b: &'a [T],
+    pairs: usize,
+    c: *mut f32,
+    ldc: usize,
+    zero: bool,
+}
+
+/// Runs `tile` over the whole product: tasks of MC output rows (spread over the pool when
+/// the product is large), each walking the inner dimension in blocks of KC pairs, every
+/// panel, every tile of its rows. Every output's pairs are added in order, so the order of
+/// blocks, panels and tasks changes no bit. An output whose rows are not slices (a
+/// transposed view) is computed into a contiguous copy and written back.
+fn drive<T: Sync>(
+    (m, n, kp): (usize, usize, usize),
+    packed: &Packed<'_, T>,
+    out: &mut ArrayViewMut2<'_, f32>,
+    accumulate: bool,
+    (mr, nr): (usize, usize),
+    tile: &(dyn Fn(Tile<'_, T>) + Sync),
+) {
+    if out.strides()[1] != 1 || out.strides()[0] < 0 {
+        let mut copy = out.as_standard_layout().into_owned();
+        drive(
+            (m, n, kp),
+            packed,
+            &mut copy.view_mut(),
+            accumulate,
+            (mr, nr),
+            tile,
+        );
+        out.assign(&copy);
+        return;
+    }
+    let task = |(block, mut rows_out): (usize, ArrayViewMut2<'_, f32>)| {
+        let r0 = block * MC;
+        let rows = rows_out.nrows();
+        let ldc = rows_out.strides()[0] as usize;
+        let mut edge = [0.0f32; UNITS_MR * UNITS_NR];
+        for k0 in (0..kp).step_by(KC) {
+            let pairs = KC.min(kp - k0);
+            let zero = k0 == 0 && !accumulate;
+            for q in 0..n.div_ceil(nr) {
+                let (c0, cols) = (q * nr, nr.min(n - q * nr));
+                let b = &packed.b[(k0 * packed.panels + q * pairs) * packed.b_pair..];
+                for t in (0..rows).step_by(mr) {
+                    let tile_rows = mr.min(rows - t);
+                    let a_stride = pairs * packed.a_pair;
+                    let a = &packed.a[k0 * packed.m_pad * packed.a_pair + (r0 + t) * a_stride..];
+                    let whole = tile_rows == mr && cols == nr;
+                    let (c, ldc) = if whole {
+                        // SAFETY: row t, column c0 of the block lies inside it.
+                        (unsafe { rows_out.as_mut_ptr().add(t * ldc + c0) }, ldc)
+                    } else {
+                        for i in 0..mr {
+                            for j in 0..nr {
+                                edge[i * nr + j] = if zero || i >= tile_rows || j >= cols {
+                                    0.0
+                                } else {
+                                    rows_out[[t + i, c0 + j]]
+                                };
+                            }
+                        }
+                        (edge.as_mut_ptr(), nr)
+                    };
+                    tile(Tile {
+                        a,
+                        a_stride,
+                        b,
+                        pairs,
+                        c,
+                        ldc,
+                        zero: zero && whole,
+                    });
+                    if !whole {
+                        for i in 0..tile_rows {
+                            for j in 0..cols {
+                                rows_out[[t + i, c0 + j]] = edge[i * nr + j];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    let parallel = rayon::current_num_threads() > 1
+        && m > MC
+        && m.saturating_mul(n).saturating_mul(2 * kp) >= PARALLEL_WORK;
+    let blocks = out.axis_chunks_iter_mut(Axis(0), MC).enumerate();
+    if parallel {
+        blocks.collect::<Vec<_>>().into_par_iter().for_each(task);
+    } else {
+        blocks.for_each(task);
+    }
+}
+
+/// The units' tile: UNITS_MR rows × UNITS_NR columns, one `vdpbf16ps` per row and 16
+/// columns per pair of the inner dimension.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512-BF16; `t.a` holds UNITS_MR rows of `t.pairs` pairs
+/// `t.a_stride` apart, `t.b` `t.pairs` rows of UNITS_NR pairs, and `t.c` addresses
+/// UNITS_MR rows of UNITS_NR writable f32 values `t.ldc` apart (initialised unless `t.zero`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn units_tile(t: Tile<'_, u32>) {
+    debug_assert!(t.a.len() > (UNITS_MR - 1) * t.a_stride + t.pairs - 1);
+    debug_assert!(t.b.len() >= t.pairs * UNITS_NR);
+    let mut acc = [[_mm512_setzero_ps(); 2]; UNITS_MR];
+    // SAFETY (whole function): the caller's contract covers every address formed below.
+    unsafe {
+        if !t.zero {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                acc[0] = _mm512_loadu_ps(t.c.add(r * t.ldc));
+                acc[1] = _mm512_loadu_ps(t.c.add(r * t.ldc + 16));
+            }
+        }
+        let (a, b) = (t.a.as_ptr(), t.b.as_ptr());
+        for p in 0..t.pairs {
+            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * UNITS_NR).cast()));
+            let b1: __m512bh =
+                std::mem::transmute(_mm512_loadu_si512(b.add(p * UNITS_NR + 16).cast()));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let pair = *a.add(r * t.a_stride + p);
+                let a: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair as i32));
+                acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
+                acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            _mm512_storeu_ps(t.c.add(r * t.ldc), acc[0]);
+            _mm512_storeu_ps(t.c.add(r * t.ldc + 16), acc[1]);
+        }
+    }
+}
+
+/// The portable tile: PORTABLE_MR rows × PORTABLE_NR columns by fused multiply-adds, the odd
+/// element of each pair first.
+///
+/// # Safety
+/// `t.a` holds PORTABLE_MR rows of `2·t.pairs` values `t.a_stride` apart, `t.b` `t.pairs`
+/// pairs of PORTABLE_NR-value rows, and `t.c` addresses PORTABLE_MR rows of PORTABLE_NR
+/// writable values `t.ldc` apart (initialised unless `t.zero`).
+#[inline(always)]
+unsafe fn portable_tile_body(t: Tile<'_, f32>) {
+    const MR: usize = PORTABLE_MR;
+    const NR: usize = PORTABLE_NR;
+    let mut acc = [[0.0f32; NR]; MR];
+    // SAFETY (whole function): the caller's contract covers every address formed below.
+    unsafe {
+        if !t.zero {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                acc.copy_from_slice(std::slice::from_raw_parts(t.c.add(r * t.ldc), NR));
+            }
+        }
+        for p in 0..t.pairs {
+            let rows = &t.b[2 * p * NR..][..2 * NR];
+            let (even, odd) = rows.split_at(NR);
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let a = &t.a[r * t.a_stride + 2 * p..][..2];
+                for j in 0..NR {
+                    acc[j] = a[1].mul_add(odd[j], acc[j]);
+                    acc[j] = a[0].mul_add(even[j], acc[j]);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            std::slice::from_raw_parts_mut(t.c.add(r * t.ldc), NR).copy_from_slice(acc);
+        }
+    }
+}
+
+/// [`portable_tile_body`] compiled for AVX-512F.
+///
+/// # Safety
+/// As [`portable_tile_body`], on a CPU with AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn portable_tile_avx512(t: Tile<'_, f32>) {
+    // SAFETY: the caller's contract.
+    unsafe { portable_tile_body(t) }
+}
+
+/// [`portable_tile_body`] compiled for AVX2 and FMA.
+///
+/// # Safety
+/// As [`portable_tile_body`], on a CPU with AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn portable_tile_avx2(t: Tile<'_, f32>) {
+    // SAFETY: the caller's contract.
+    unsafe { portable_tile_body(t) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Generator;
+    use tl_numerics::{Format, round_slice};
+
+    /// The module's definition, one output at a time: IEEE f32 fused multiply-adds over the
+    /// pairs, the odd element first, a zero past an odd k.
+    fn reference(
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[f32],
+        rhs: &[f32],
+        out: &mut [f32],
+        acc: bool,
+    ) {
+        for i in 0..m {
+            for j in 0..n {
+                let mut sum = if acc { out[i * n + j] } else { 0.0 };
+                for p in 0..k.div_ceil(2) {
+                    let (a1, b1) = if 2 * p + 1 < k {
+                        (lhs[i * k + 2 * p + 1], rhs[(2 * p + 1) * n + j])
+                    } else {
+                        (0.0, 0.0)
+                    };
+                    sum = a1.mul_add(b1, sum);
+                    sum = lhs[i * k + 2 * p].mul_add(rhs[2 * p * n + j], sum);
+                }
+                out[i * n + j] = sum;
+            }
+        }
+    }
+
+    /// Normal bf16 values of magnitude about 2^`scale`.
+    fn bf16_values(len: usize, scale: i32, rng: &Generator) -> Vec<f32> {
+        let mut v: Vec<f32> = (0..len)
+            .map(|_| rng.next_normal() as f32 * 2f32.powi(scale))
+            .collect();
+        round_slice(&mut v, Format::Bf16);
+        v
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Runs `f` on a pool of `threads` threads.
+    fn on<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(f)
+    }
+
+    /// What a test of the units path says when the CPU has none: the portable path is still
+    /// tested against the reference, and the units' absence is printed, never silent.
+    fn units_or_say_so() -> bool {
+        let available = units_available();
+        if !available {
+            eprintln!("this CPU has no AVX512-BF16 units: only the portable path is tested here");
+        }
+        available
+    }
+
+    /// Odd and even sizes, a row count past one task of MC rows and not a whole tile, a
+    /// column count past one panel and not a whole one, an inner size past one block of KC
+    /// pairs and odd.
+    const SHAPES: [(usize, usize, usize); 8] = [
+        (1, 1, 1),
+        (1, 7, 3),
+        (3, 2, 33),
+        (8, 32, 32),
+        (9, 5, 17),
+        (37, 65, 70),
+        (70, 601, 45),
+        (130, 514, 96),
+    ];
+
+    #[test]
+    fn units_and_portable_paths_equal_the_definition_bit_for_bit() {
+        let units = units_or_say_so();
+        let rng = Generator::new(11);
+        for (m, k, n) in SHAPES {
+            let lhs = bf16_values(m * k, 0, &rng);
+            let rhs = bf16_values(k * n, -3, &rng);
+            let old = bf16_values(m * n, 2, &rng);
+            for accumulate in [false, true] {
+                let mut expected = old.clone();
+                reference(m, k, n, &lhs, &rhs, &mut expected, accumulate);
+                let mut portable = old.clone();
+                bf16_gemm_portable(m, k, n, &lhs, &rhs, &mut portable, accumulate);
+                assert_eq!(bits(&portable), bits(&expected), "portable {m}×{k}×{n}");
+                for threads in [1, 3] {
+                    let mut auto = old.clone();
+                    let route = on(threads, || {
+                        bf16_gemm(m, k, n, &lhs, &rhs, &mut auto, accumulate)
+                    });
+                    let want = if units {
+                        Bf16Route::Units
+                    } else {
+                        Bf16Route::Portable
+                    };
+                    assert_eq!(route, want, "{m}×{k}×{n}");
+                    assert_eq!(bits(&auto), bits(&expected), "{m}×{k}×{n} on {threads}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn operands_outside_the_window_take_the_portable_path_with_ieee_results() {
+        units_or_say_so();
+        let (m, k, n) = (9, 13, 35);
+        let rng = Generator::new(12);
+        let base_lhs = bf16_values(m * k, 0, &rng);
+        let rhs = bf16_values(k * n, 0, &rng);
+        let tiny = 2f32.powi(-130); // a subnormal, and a bf16 value
+        let specials: [(&str, f32); 7] = [
+            ("subnormal", tiny),
+            ("infinity", f32::INFINITY),
+            ("minus infinity", f32::NEG_INFINITY),
+            ("NaN", f32::NAN),
+            ("not a bf16 value", 1.0 + 2f32.powi(-10)),
+            ("too small for the products", 2f32.powi(-113)),
+            ("products could overflow", 2f32.powi(124)),
+        ];
+        for (what, value) in specials {
+            let mut lhs = base_lhs.clone();
+            lhs[2 * k + 5] = value;
+            let mut expected = vec![0.0; m * n];
+            reference(m, k, n, &lhs, &rhs, &mut expected, false);
+            let mut out = vec![0.0; m * n];
+            let route = bf16_gemm(m, k, n, &lhs, &rhs, &mut out, false);
+            assert_eq!(route, Bf16Route::Portable, "{what}");
+            assert_eq!(bits(&out), bits(&expected), "{what}");
+        }
+        // Signed zeros are inside the window: the units' -0 handling is IEEE's.
+        let mut lhs = base_lhs.clone();
+        lhs[..k].fill(-0.0);
+        let mut old = vec![1.0f32; m * n];
+        old[..n].fill(-0.0);
+        for accumulate in [false, true] {
+            let mut expected = old.clone();
+            reference(m, k, n, &lhs, &rhs, &mut expected, accumulate);
+            let mut out = old.clone();
+            bf16_gemm(m, k, n, &lhs, &rhs, &mut out, accumulate);
+            assert_eq!(bits(&out), bits(&expected), "±0, accumulate {accumulate}");
+        }
+        // An old output that is subnormal, or too small for its sums, takes the portable path.
+        for value in [tiny, 2f32.powi(-104)] {
+            let mut old = vec![0.5f32; m * n];
+            old[7] = value;
+            let mut expected = old.clone();
+            reference(m, k, n, &base_lhs, &rhs, &mut expected, true);
+            let route = bf16_gemm(m, k, n, &base_lhs, &rhs, &mut old, true);
+            assert_eq!(route, Bf16Route::Portable, "{value:e}");
+            assert_eq!(bits(&old), bits(&expected));
+        }
+    }
+
+    #[test]
+    fn the_window_edges() {
+        let units = units_or_say_so();
+        let inside = if units {
+            Bf16Route::Units
+        } else {
+            Bf16Route::Portable
+        };
+        let route = |a: f32, b: f32, k: usize| {
+            let lhs = vec![a; k];
+            let rhs = vec![b; k];
+            let mut out = [0.0f32];
+            bf16_gemm(1, k, 1, &lhs, &rhs, &mut out, false)
+        };
+        // Smallest exponents: −56 + −56 = −112 is in, −113 is not.
+        assert_eq!(route(2f32.powi(-56), 2f32.powi(-56), 2), inside);
+        assert_eq!(
+            route(2f32.powi(-56), 2f32.powi(-57), 2),
+            Bf16Route::Portable
+        );
+        // Largest: with k = 3 (2 bits), 61 + 61 + 2 + 2 = 126 is in, one more is not.
+        assert_eq!(route(2f32.powi(61), 2f32.powi(61), 3), inside);
+        assert_eq!(route(2f32.powi(61), 2f32.powi(62), 3), Bf16Route::Portable);
+        // All zero: nothing to flush.
+        assert_eq!(route(0.0, -0.0, 5), inside);
+    }
+
+    /// The probes behind the module's exactness argument, on the units themselves with the
+    /// window check bypassed: the order of a pair, IEEE rounding, and the flush of
+    /// subnormal inputs, accumulators and results.
+    #[test]
+    fn probes_of_the_units() {
+        if !units_or_say_so() {
+            return;
+        }
+        // One output of k = 2 (one pair) starting from `acc`, on the units.
+        let units = |acc: f32, a: [f32; 2], b: [f32; 2]| {
+            let (packed_a, _) = pack_a_units(ArrayView2::from_shape((1, 2), &a).unwrap());
+            let (packed_b, _) = pack_b_units(ArrayView2::from_shape((2, 1), &b).unwrap());
+            let mut out = ndarray::arr2(&[[acc]]);
+            let packed = Packed {
+                a: &packed_a,
+                m_pad: UNITS_MR,
+                a_pair: 1,
+                b: &packed_b,
+                panels: 1,
+                b_pair: UNITS_NR,
+            };
+            // SAFETY: the CPU has the units (checked above); packed as `bf16_gemm` does.
+            let tile = |t: Tile<'_, u32>| unsafe { units_tile(t) };
+            drive(
+                (1, 1, 1),
+                &packed,
+                &mut out.view_mut(),
+                true,
+                (UNITS_MR, UNITS_NR),
+                &tile,
+            );
+            out[[0, 0]]
+        };
+        let ulp = f32::EPSILON;
+        // The odd element first, each sum rounded: 1 + ulp/2 → 1 (tie to even), twice.
+        assert_eq!(units(1.0, [ulp / 2.0, ulp / 2.0], [1.0, 1.0]), 1.0);
+        // acc 1, even 0.5 ulp, odd 0.75 ulp: 1 + 0.75 ulp → 1 + ulp, + 0.5 ulp → 1 + 2 ulp
+        // (tie to even); even first would give 1 + 0.5 ulp → 1, then 1 + ulp.
+        let three_quarters = 0.75 * ulp;
+        assert_eq!(
+            units(1.0, [ulp / 2.0, three_quarters], [1.0, 1.0]),
+            1.0 + 2.0 * ulp
+        );
+        // Subnormals: an input (2⁻¹³³·2⁹⁹), an accumulator, a result (2⁻¹⁰⁰·2⁻³⁰) read or
+        // written as zero, where IEEE f32 keeps them.
+        let tiny = 2f32.powi(-133);
+        assert_eq!(units(0.0, [tiny, 0.0], [2f32.powi(99), 0.0]), 0.0);
+        assert_eq!(units(tiny, [0.0, 0.0], [0.0, 0.0]), 0.0);
+        assert_eq!(
+            units(0.0, [2f32.powi(-100), 0.0], [2f32.powi(-30), 0.0]),
+            0.0
+        );
+        assert_eq!(2f32.powi(-100) * 2f32.powi(-30), 2f32.powi(-130));
+        // Signed zeros and specials as IEEE: −0 + 0·1 + 0·1 = +0, ∞·0 = NaN.
+        assert_eq!(units(-0.0, [0.0, 0.0], [1.0, 1.0]).to_bits(), 0);
+        assert!(units(0.0, [f32::INFINITY, 0.0], [0.0, 0.0]).is_nan());
+    }
+
+    #[test]
+    fn operands_and_outputs_of_any_strides_are_read_where_they_lie() {
+        units_or_say_so();
+        use ndarray::Array2;
+        let rng = Generator::new(14);
+        for (m, k, n) in [(37, 65, 70), (70, 601, 45), (5, 3, 2)] {
+            let lhs = Array2::from_shape_vec((m, k), bf16_values(m * k, 0, &rng)).unwrap();
+            let rhs = Array2::from_shape_vec((k, n), bf16_values(k * n, -2, &rng)).unwrap();
+            let old = Array2::from_shape_vec((m, n), bf16_values(m * n, 1, &rng)).unwrap();
+            // Transposed copies, read back through transposed views; an output of 3n columns
+            // of which the product takes the middle n (rows that are slices, not contiguous);
+            // and a transposed output.
+            let (lhs_t, rhs_t) = (lhs.t().to_owned(), rhs.t().to_owned());
+            for accumulate in [false, true] {
+                let mut expected = old.clone();
+                reference(
+                    m,
+                    k,
+                    n,
+                    lhs.as_slice().unwrap(),
+                    rhs.as_slice().unwrap(),
+                    expected.as_slice_mut().unwrap(),
+                    accumulate,
+                );
+                for (l, r) in [
+                    (lhs.view(), rhs.view()),
+                    (lhs_t.t(), rhs.view()),
+                    (lhs.view(), rhs_t.t()),
+                    (lhs_t.t(), rhs_t.t()),
+                ] {
+                    let mut wide = Array2::from_elem((m, 3 * n), f32::NAN);
+                    wide.slice_mut(s![.., n..2 * n]).assign(&old);
+                    let mut columns = wide.slice_mut(s![.., n..2 * n]);
+                    bf16_gemm_into(&mut columns, l, r, accumulate);
+                    assert_eq!(
+                        columns,
+                        expected,
+                        "{m}×{k}×{n} {:?} {:?}",
+                        l.strides(),
+                        r.strides()
+                    );
+                    let mut transposed = old.t().to_owned();
+                    bf16_gemm_into(&mut transposed.view_mut().reversed_axes(), l, r, accumulate);
+                    assert_eq!(transposed.t(), expected);
+                    let mut portable = old.clone();
+                    bf16_gemm_portable_into(&mut portable.view_mut(), l, r, accumulate);
+                    assert_eq!(portable, expected);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_kernel_is_a_product_kernel_for_both_element_types() {
+        let rng = Generator::new(13);
+        let (m, k, n) = (40, 21, 9);
+        let lhs = bf16_values(m * k, 0, &rng);
+        let rhs = bf16_values(k * n, 0, &rng);
+        let mut expected = vec![0.0; m * n];
+        reference(m, k, n, &lhs, &rhs, &mut expected, false);
+        let mut out = vec![f32::NAN; m * n];
+        Bf16Products.product_f32(m, k, n, &lhs, &rhs, &mut out, false);
+        assert_eq!(bits(&out), bits(&expected));
+        // f64: the plain product (integers, so any order agrees).
+        let lhs: Vec<f64> = (0..m * k).map(|i| (i % 7) as f64 - 3.0).collect();
+        let rhs: Vec<f64> = (0..k * n).map(|i| (i % 5) as f64 - 2.0).collect();
+        let mut out = vec![1.0; m * n];
+        Bf16Products.product_f64(m, k, n, &lhs, &rhs, &mut out, true);
+        for i in 0..m {
+            for j in 0..n {
+                let sum: f64 = (0..k).map(|p| lhs[i * k + p] * rhs[p * n + j]).sum();
+                assert_eq!(out[i * n + j], 1.0 + sum);
+            }
+        }
+        assert!(Bf16Products.spreads_itself());
+    }
+}
