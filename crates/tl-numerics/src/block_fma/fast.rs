@@ -112,12 +112,16 @@ pub(super) struct Row<'a> {
     negatives: &'a [u32],
 }
 
-/// The columns of `b` (`k×n`) in panels of `width` columns, each panel `k × width`
-/// row-major, zeros past the last column (a zero product changes neither the alignment nor
-/// the sum): significands shifted left by `1 + extra` bits, format exponents, sign masks
-/// per lane and, per inner index, the signs of the panel's lanes as the bits of one word.
-struct Panels {
-    k: usize,
+/// The columns `j0..j0 + width` of `b` (`k×n`), one panel, `k × width` row-major, zeros
+/// past the last column (a zero product changes neither the alignment nor the sum):
+/// significands shifted left by `1 + extra` bits, format exponents, sign masks per lane (for
+/// the eight-lane kernels) and, per inner index, the signs of the panel's lanes as the bits
+/// of one word (for the AVX-512 kernel).
+///
+/// One buffer serves every panel in turn, each filled just before its rows run: a panel
+/// is read by every row while it is still in cache, and a product of any size allocates
+/// one panel's worth of memory.
+struct PanelBuffer {
     width: usize,
     significands: Vec<u32>,
     exponents: Vec<i32>,
@@ -125,50 +129,86 @@ struct Panels {
     signs: Vec<u32>,
 }
 
-impl Panels {
-    fn pack<E: GemmElement>(
-        b: &[E],
-        (k, n): (usize, usize),
-        width: usize,
-        shift: u32,
-        emin: i32,
-    ) -> Option<Panels> {
-        let count = n.div_ceil(width);
-        let len = count * k * width;
-        let mut panels = Panels {
-            k,
+impl PanelBuffer {
+    fn new(k: usize, width: usize) -> PanelBuffer {
+        PanelBuffer {
             width,
-            significands: vec![0; len],
-            exponents: vec![ZERO_EXPONENT; len],
-            negatives: vec![0; len],
-            signs: vec![0; count * k],
-        };
-        for (p, row) in b.chunks_exact(n.max(1)).enumerate().take(k) {
-            for (q, columns) in row.chunks(width).enumerate() {
-                let base = (q * k + p) * width;
-                let mut signs = 0;
-                for (l, x) in columns.iter().enumerate() {
-                    let (s, e, negative) = decompose(x.to_f64(), emin)?;
-                    panels.significands[base + l] = s << shift;
-                    panels.exponents[base + l] = e;
-                    panels.negatives[base + l] = if negative { u32::MAX } else { 0 };
-                    signs |= u32::from(negative) << l;
-                }
-                panels.signs[q * k + p] = signs;
-            }
+            significands: vec![0; k * width],
+            exponents: vec![ZERO_EXPONENT; k * width],
+            negatives: vec![0; if width == LANES { k * width } else { 0 }],
+            signs: vec![0; k],
         }
-        Some(panels)
     }
 
-    fn panel(&self, q: usize) -> Panel<'_> {
-        let at = q * self.k * self.width..(q + 1) * self.k * self.width;
+    /// Fills the panel of the columns from `j0`; `false` if an operand is not a finite value
+    /// of at most 12 significant bits.
+    fn fill<E: GemmElement>(
+        &mut self,
+        b: &[E],
+        (k, n): (usize, usize),
+        j0: usize,
+        shift: u32,
+        emin: i32,
+    ) -> bool {
+        let width = self.width;
+        let columns = width.min(n - j0);
+        let lane_masks = !self.negatives.is_empty();
+        for p in 0..k {
+            prefetch(b, (p + PREFETCH_ROWS) * n + j0, columns);
+            let base = p * width;
+            let mut signs = 0;
+            for (l, x) in b[p * n + j0..p * n + j0 + columns].iter().enumerate() {
+                let Some((s, e, negative)) = decompose(x.to_f64(), emin) else {
+                    return false;
+                };
+                self.significands[base + l] = s << shift;
+                self.exponents[base + l] = e;
+                if lane_masks {
+                    self.negatives[base + l] = if negative { u32::MAX } else { 0 };
+                }
+                signs |= u32::from(negative) << l;
+            }
+            for l in columns..width {
+                self.significands[base + l] = 0;
+                self.exponents[base + l] = ZERO_EXPONENT;
+                if lane_masks {
+                    self.negatives[base + l] = 0;
+                }
+            }
+            self.signs[p] = signs;
+        }
+        true
+    }
+
+    fn panel(&self) -> Panel<'_> {
         Panel {
-            significands: &self.significands[at.clone()],
-            exponents: &self.exponents[at.clone()],
-            negatives: &self.negatives[at],
-            signs: &self.signs[q * self.k..(q + 1) * self.k],
+            significands: &self.significands,
+            exponents: &self.exponents,
+            negatives: &self.negatives,
+            signs: &self.signs,
         }
     }
+}
+
+/// How many rows of `b` ahead of the one being packed [`PanelBuffer::fill`] asks the cache
+/// for. A panel reads one short run of each row, so in a wide `b` (the weight gradient's,
+/// 4096×896) every run is on another page, where the hardware prefetchers do not follow:
+/// unasked, each row is a trip to memory, and packing cost more than the products.
+const PREFETCH_ROWS: usize = 8;
+
+/// Asks the cache for `xs[at..at + len]` (nothing if out of bounds).
+#[inline(always)]
+fn prefetch<E>(xs: &[E], at: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if len > 0 && at + len <= xs.len() {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        for x in [&xs[at], &xs[at + len - 1]] {
+            // SAFETY: a prefetch is only a hint, and the address is that of an element.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(x).cast()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (xs, at, len);
 }
 
 /// One panel of `b`.
@@ -207,11 +247,16 @@ pub(super) fn gemm<E: GemmElement>(
     let Some(rows) = Rows::pack(a, k, emin) else {
         return false;
     };
-    let Some(panels) = Panels::pack(b, (k, n), width, 1 + fma.extra_bits, emin) else {
-        return false;
-    };
-    for q in 0..n.div_ceil(width) {
-        let (j0, panel) = (q * width, panels.panel(q));
+    // A column of `b` that no kernel takes shows only when its panel is filled; by then the
+    // outputs of earlier panels are written, so they are kept to be put back.
+    let saved = out.to_vec();
+    let mut buffer = PanelBuffer::new(k, width);
+    for j0 in (0..n).step_by(width) {
+        if !buffer.fill(b, (k, n), j0, 1 + fma.extra_bits, emin) {
+            out.copy_from_slice(&saved);
+            return false;
+        }
+        let panel = buffer.panel();
         let columns = j0..(j0 + width).min(n);
         match kernel {
             #[cfg(target_arch = "x86_64")]
@@ -481,6 +526,7 @@ mod avx2 {
     }
 
     /// [`normalize`](super::normalize) on eight lanes.
+    #[inline]
     #[target_feature(enable = "avx2")]
     fn normalize(positive: __m256i, negative: __m256i, unit: __m256i) -> __m256i {
         let magnitude = _mm256_sub_epi32(
@@ -665,6 +711,7 @@ mod avx512 {
 
     /// [`normalize`](super::normalize) on sixteen lanes, from the sum of all magnitudes
     /// (below 2^32) and the sum of the negative ones.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512cd")]
     fn normalize(total: __m512i, negative: __m512i, unit: __m512i) -> __m512i {
         let positive = _mm512_sub_epi32(total, negative);
