@@ -587,12 +587,77 @@ mod avx2 {
 /// row's sign flips all of them), so a negative term costs one masked addition instead of
 /// two masks and two additions; the exponents of the first pass are kept for the second
 /// instead of added again; and the bit length of the normalisation is one `vplzcntd`.
+///
+/// Between blocks the accumulator stays decomposed, as the next block reads it: its
+/// significand (already shifted left by the extra bits), its exponent and its sign, with a
+/// sticky mask of the lanes that overflowed. Encoding binary32 after every block and
+/// decoding it again before the next cost as much as the products of a V100's block of
+/// four; the bits are assembled once, at the end.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
 
     use super::super::{BlockFma, FAST_MAX_BLOCK, ZERO_EXPONENT};
     use super::{Panel, Row, WIDE_LANES};
+
+    /// Sixteen accumulators between blocks: `±significand · 2^(exponent - 23 - extra)`,
+    /// the exponent `ZERO_EXPONENT` for a zero (whose sign is kept in `negative`: a sum
+    /// truncated to zero keeps its own), and for the lanes in `overflowed`, `infinities`
+    /// holds their ±∞.
+    #[derive(Clone, Copy)]
+    struct Accumulator {
+        significand: __m512i,
+        exponent: __m512i,
+        negative: __mmask16,
+        overflowed: __mmask16,
+        infinities: __m512i,
+    }
+
+    impl Accumulator {
+        /// From binary32 bits.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512cd")]
+        fn decode(bits: __m512i, extra: __m128i) -> Accumulator {
+            let field = _mm512_and_si512(_mm512_srli_epi32::<23>(bits), _mm512_set1_epi32(0xFF));
+            let has_hidden = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x7F80_0000));
+            let fraction = _mm512_and_si512(bits, _mm512_set1_epi32(0x7F_FFFF));
+            let significand =
+                _mm512_mask_or_epi32(fraction, has_hidden, fraction, _mm512_set1_epi32(0x80_0000));
+            let is_zero = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7FFF_FFFF));
+            let exponent = _mm512_mask_mov_epi32(
+                _mm512_sub_epi32(
+                    _mm512_max_epi32(field, _mm512_set1_epi32(1)),
+                    _mm512_set1_epi32(127),
+                ),
+                is_zero,
+                _mm512_set1_epi32(ZERO_EXPONENT),
+            );
+            Accumulator {
+                significand: _mm512_sll_epi32(significand, extra),
+                exponent,
+                negative: _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512()),
+                overflowed: _mm512_cmpeq_epi32_mask(field, _mm512_set1_epi32(0xFF)),
+                infinities: bits,
+            }
+        }
+
+        /// To binary32 bits.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512cd")]
+        fn encode(self, extra: __m128i) -> __m512i {
+            let significand = _mm512_srl_epi32(self.significand, extra);
+            // A normal value's hidden bit adds one to the field (exponent + 126), and a
+            // subnormal's exponent is -126, whose field is then 0.
+            let bits = _mm512_add_epi32(
+                significand,
+                _mm512_slli_epi32::<23>(_mm512_add_epi32(self.exponent, _mm512_set1_epi32(126))),
+            );
+            let is_nonzero = _mm512_test_epi32_mask(significand, significand);
+            let bits = _mm512_maskz_mov_epi32(is_nonzero, bits);
+            let bits = _mm512_mask_or_epi32(bits, self.negative, bits, _mm512_set1_epi32(i32::MIN));
+            _mm512_mask_mov_epi32(bits, self.overflowed, self.infinities)
+        }
+    }
 
     /// [`row_tile_portable`](super::row_tile_portable) for each of `R` rows against a panel
     /// of sixteen columns, bit for bit.
@@ -614,7 +679,7 @@ mod avx512 {
             assert!(row.negatives.len() == k);
         }
         assert!(fma.block <= FAST_MAX_BLOCK);
-        let extra = fma.extra_bits;
+        let extra = _mm_cvtsi32_si128(fma.extra_bits as i32);
         let load = |v: &[u32], at: usize| {
             // SAFETY: `at + 16 <= len`, checked by the asserts above for every `at` used.
             unsafe { _mm512_loadu_si512(v.as_ptr().add(at).cast()) }
@@ -623,28 +688,15 @@ mod avx512 {
             // SAFETY: as above.
             unsafe { _mm512_loadu_si512(v.as_ptr().add(at).cast()) }
         };
-        let mut acc = acc.map(|a| load(&a, 0));
+        let mut acc = acc.map(|a| Accumulator::decode(load(&a, 0), extra));
         let zero = _mm512_setzero_si512();
         // Each row's `e(x) + e(y)` of the block, from the first pass for the second.
         let mut exponents = [[zero; FAST_MAX_BLOCK]; R];
         for t0 in (0..k).step_by(fma.block) {
             let t1 = (t0 + fma.block).min(k);
             let mut top = [zero; R];
-            let mut acc_exponent = [zero; R];
             for r in 0..R {
-                // The accumulator's exponent: its field (at least 1) - 127, none for zero.
-                let field =
-                    _mm512_and_si512(_mm512_srli_epi32::<23>(acc[r]), _mm512_set1_epi32(0xFF));
-                let is_zero = _mm512_testn_epi32_mask(acc[r], _mm512_set1_epi32(0x7FFF_FFFF));
-                acc_exponent[r] = _mm512_mask_mov_epi32(
-                    _mm512_sub_epi32(
-                        _mm512_max_epi32(field, _mm512_set1_epi32(1)),
-                        _mm512_set1_epi32(127),
-                    ),
-                    is_zero,
-                    _mm512_set1_epi32(ZERO_EXPONENT),
-                );
-                top[r] = _mm512_max_epi32(_mm512_set1_epi32(fma.min_alignment), acc_exponent[r]);
+                top[r] = _mm512_max_epi32(_mm512_set1_epi32(fma.min_alignment), acc[r].exponent);
             }
             for t in t0..t1 {
                 let panel_exponents = load_i(panel.exponents, t * WIDE_LANES);
@@ -659,19 +711,12 @@ mod avx512 {
             let mut total = [zero; R];
             let mut negative = [zero; R];
             for r in 0..R {
-                let has_hidden = _mm512_test_epi32_mask(acc[r], _mm512_set1_epi32(0x7F80_0000));
-                let significand = _mm512_mask_or_epi32(
-                    _mm512_and_si512(acc[r], _mm512_set1_epi32(0x7F_FFFF)),
-                    has_hidden,
-                    _mm512_and_si512(acc[r], _mm512_set1_epi32(0x7F_FFFF)),
-                    _mm512_set1_epi32(0x80_0000),
+                let units = _mm512_srlv_epi32(
+                    acc[r].significand,
+                    _mm512_sub_epi32(top[r], acc[r].exponent),
                 );
-                let significand = _mm512_sllv_epi32(significand, _mm512_set1_epi32(extra as i32));
-                let units =
-                    _mm512_srlv_epi32(significand, _mm512_sub_epi32(top[r], acc_exponent[r]));
-                let is_negative = _mm512_cmplt_epi32_mask(acc[r], zero);
                 total[r] = units;
-                negative[r] = _mm512_maskz_mov_epi32(is_negative, units);
+                negative[r] = _mm512_maskz_mov_epi32(acc[r].negative, units);
             }
             for t in t0..t1 {
                 let significands = load(panel.significands, t * WIDE_LANES);
@@ -692,28 +737,37 @@ mod avx512 {
                 }
             }
             for r in 0..R {
-                let unit = _mm512_sub_epi32(top[r], _mm512_set1_epi32(23 + extra as i32));
-                let next = normalize(total[r], negative[r], unit);
-                let overflowed = _mm512_cmpeq_epi32_mask(
-                    _mm512_and_si512(acc[r], _mm512_set1_epi32(0x7FFF_FFFF)),
-                    _mm512_set1_epi32(0x7F80_0000),
+                normalize(
+                    &mut acc[r],
+                    total[r],
+                    negative[r],
+                    top[r],
+                    fma.extra_bits,
+                    extra,
                 );
-                acc[r] = _mm512_mask_mov_epi32(next, overflowed, acc[r]);
             }
         }
         acc.map(|acc| {
             let mut out = [0u32; WIDE_LANES];
             // SAFETY: `out` holds 16 u32.
-            unsafe { _mm512_storeu_si512(out.as_mut_ptr().cast(), acc) };
+            unsafe { _mm512_storeu_si512(out.as_mut_ptr().cast(), acc.encode(extra)) };
             out
         })
     }
 
     /// [`normalize`](super::normalize) on sixteen lanes, from the sum of all magnitudes
-    /// (below 2^32) and the sum of the negative ones.
+    /// (below 2^32) and the sum of the negative ones, in units of `2^(top - 23 - extra)`,
+    /// into the accumulator, decomposed. A lane that overflows now keeps its ±∞.
     #[inline]
     #[target_feature(enable = "avx512f,avx512cd")]
-    fn normalize(total: __m512i, negative: __m512i, unit: __m512i) -> __m512i {
+    fn normalize(
+        acc: &mut Accumulator,
+        total: __m512i,
+        negative: __m512i,
+        top: __m512i,
+        extra_bits: u32,
+        extra: __m128i,
+    ) {
         let positive = _mm512_sub_epi32(total, negative);
         let magnitude = _mm512_sub_epi32(
             _mm512_max_epu32(positive, negative),
@@ -721,30 +775,41 @@ mod avx512 {
         );
         let is_negative = _mm512_cmpgt_epu32_mask(negative, positive);
         let leading_zeros = _mm512_lzcnt_epi32(magnitude);
-        // The leading bit moved to bit 31, then to bit 23: the top 24 bits, truncated (a
-        // zero magnitude shifts by 32 and stays 0).
-        let significand = _mm512_srli_epi32::<8>(_mm512_sllv_epi32(magnitude, leading_zeros));
-        // The biased exponent of the leading bit, unit + length - 1 + 127, with the bit
-        // length 32 - leading_zeros.
-        let field = _mm512_sub_epi32(
-            _mm512_add_epi32(unit, _mm512_set1_epi32(158)),
+        // The leading bit moved to bit 31 (a zero magnitude shifts by 32 and stays 0).
+        let normalized = _mm512_sllv_epi32(magnitude, leading_zeros);
+        // The exponent of the leading bit: top - 23 - extra + (32 - leading_zeros) - 1.
+        let leading = _mm512_sub_epi32(
+            _mm512_add_epi32(top, _mm512_set1_epi32(8 - extra_bits as i32)),
             leading_zeros,
         );
-        let normal = _mm512_or_si512(
-            _mm512_slli_epi32::<23>(field),
-            _mm512_and_si512(significand, _mm512_set1_epi32(0x7F_FFFF)),
+        // The top 24 bits, truncated; below 2^-126 as many fewer as the exponent is below
+        // (a subnormal binary32 value: a whole number of 2^-149 steps).
+        let below = _mm512_max_epi32(
+            _mm512_sub_epi32(_mm512_set1_epi32(-126), leading),
+            _mm512_setzero_si512(),
         );
-        // Below the normal range: a right shift by 1 - field (0 from 32 on; the count is
-        // read unsigned, so a non-positive field's count is what is meant).
-        let subnormal =
-            _mm512_srlv_epi32(significand, _mm512_sub_epi32(_mm512_set1_epi32(1), field));
-        let is_normal = _mm512_cmpgt_epi32_mask(field, _mm512_setzero_si512());
-        let is_infinite = _mm512_cmpgt_epi32_mask(field, _mm512_set1_epi32(254));
-        let bits = _mm512_mask_mov_epi32(subnormal, is_normal, normal);
-        let bits = _mm512_mask_mov_epi32(bits, is_infinite, _mm512_set1_epi32(0x7F80_0000));
-        let bits = _mm512_mask_or_epi32(bits, is_negative, bits, _mm512_set1_epi32(i32::MIN));
-        let is_nonzero = _mm512_test_epi32_mask(magnitude, magnitude);
-        _mm512_maskz_mov_epi32(is_nonzero, bits)
+        let significand =
+            _mm512_srlv_epi32(normalized, _mm512_add_epi32(below, _mm512_set1_epi32(8)));
+        let is_zero = _mm512_testn_epi32_mask(significand, significand);
+        let overflows = _mm512_cmpgt_epi32_mask(leading, _mm512_set1_epi32(127));
+        if overflows & !acc.overflowed != 0 {
+            // Rare: a lane reaches 2^128 and stays ±∞, whatever its later blocks compute.
+            let infinity = _mm512_mask_mov_epi32(
+                _mm512_set1_epi32(0x7F80_0000),
+                is_negative,
+                _mm512_set1_epi32(0xFF80_0000_u32 as i32),
+            );
+            acc.infinities =
+                _mm512_mask_mov_epi32(acc.infinities, overflows & !acc.overflowed, infinity);
+            acc.overflowed |= overflows;
+        }
+        acc.significand = _mm512_sll_epi32(significand, extra);
+        acc.exponent = _mm512_mask_mov_epi32(
+            _mm512_max_epi32(leading, _mm512_set1_epi32(-126)),
+            is_zero,
+            _mm512_set1_epi32(ZERO_EXPONENT),
+        );
+        acc.negative = is_negative;
     }
 }
 
