@@ -458,6 +458,15 @@ pub trait GemmElement: Copy + Send + Sync {
     fn to_f64(self) -> f64;
     /// A binary32 value in this type (exact).
     fn from_f32(x: f32) -> Self;
+    /// The slice itself if its elements are f32, else `None` (the default): the AVX-512
+    /// kernel's packing then reads the binary32 encodings sixteen at a time.
+    fn as_f32s(xs: &[Self]) -> Option<&[f32]>
+    where
+        Self: Sized,
+    {
+        let _ = xs;
+        None
+    }
 }
 
 impl GemmElement for f32 {
@@ -466,6 +475,9 @@ impl GemmElement for f32 {
     }
     fn from_f32(x: f32) -> Self {
         x
+    }
+    fn as_f32s(xs: &[Self]) -> Option<&[f32]> {
+        Some(xs)
     }
 }
 

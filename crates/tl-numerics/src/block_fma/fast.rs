@@ -78,7 +78,13 @@ struct Rows {
 }
 
 impl Rows {
-    fn pack<E: GemmElement>(a: &[E], k: usize, emin: i32) -> Option<Rows> {
+    fn pack<E: GemmElement>(a: &[E], k: usize, emin: i32, wide: bool) -> Option<Rows> {
+        #[cfg(target_arch = "x86_64")]
+        if wide && let Some(a) = E::as_f32s(a) {
+            // SAFETY: `wide` is the AVX-512 kernel's packing, run only where the CPU has it.
+            return unsafe { avx512::pack_rows(a, k, emin) };
+        }
+        let _ = wide;
         let mut rows = Rows {
             k,
             significands: Vec::with_capacity(a.len()),
@@ -150,33 +156,48 @@ impl PanelBuffer {
         shift: u32,
         emin: i32,
     ) -> bool {
-        let width = self.width;
-        let columns = width.min(n - j0);
-        let lane_masks = !self.negatives.is_empty();
+        let columns = self.width.min(n - j0);
+        #[cfg(target_arch = "x86_64")]
+        if self.width == WIDE_LANES
+            && let Some(b) = E::as_f32s(b)
+        {
+            // SAFETY: a panel of sixteen lanes is the AVX-512 kernel's, run only where the
+            // CPU has it.
+            return unsafe { avx512::fill_panel(self, b, (k, n), j0, shift, emin) };
+        }
         for p in 0..k {
             prefetch(b, (p + PREFETCH_ROWS) * n + j0, columns);
-            let base = p * width;
-            let mut signs = 0;
-            for (l, x) in b[p * n + j0..p * n + j0 + columns].iter().enumerate() {
-                let Some((s, e, negative)) = decompose(x.to_f64(), emin) else {
-                    return false;
-                };
-                self.significands[base + l] = s << shift;
-                self.exponents[base + l] = e;
-                if lane_masks {
-                    self.negatives[base + l] = if negative { u32::MAX } else { 0 };
-                }
-                signs |= u32::from(negative) << l;
+            if !self.fill_row(&b[p * n + j0..p * n + j0 + columns], p, shift, emin) {
+                return false;
             }
-            for l in columns..width {
-                self.significands[base + l] = 0;
-                self.exponents[base + l] = ZERO_EXPONENT;
-                if lane_masks {
-                    self.negatives[base + l] = 0;
-                }
-            }
-            self.signs[p] = signs;
         }
+        true
+    }
+
+    /// Fills the panel's row `p` from the values `xs` (its columns, at most `width`).
+    fn fill_row<E: GemmElement>(&mut self, xs: &[E], p: usize, shift: u32, emin: i32) -> bool {
+        let (width, lane_masks) = (self.width, !self.negatives.is_empty());
+        let base = p * width;
+        let mut signs = 0;
+        for (l, x) in xs.iter().enumerate() {
+            let Some((s, e, negative)) = decompose(x.to_f64(), emin) else {
+                return false;
+            };
+            self.significands[base + l] = s << shift;
+            self.exponents[base + l] = e;
+            if lane_masks {
+                self.negatives[base + l] = if negative { u32::MAX } else { 0 };
+            }
+            signs |= u32::from(negative) << l;
+        }
+        for l in xs.len()..width {
+            self.significands[base + l] = 0;
+            self.exponents[base + l] = ZERO_EXPONENT;
+            if lane_masks {
+                self.negatives[base + l] = 0;
+            }
+        }
+        self.signs[p] = signs;
         true
     }
 
@@ -244,7 +265,7 @@ pub(super) fn gemm<E: GemmElement>(
     };
     #[cfg(not(target_arch = "x86_64"))]
     let width = LANES;
-    let Some(rows) = Rows::pack(a, k, emin) else {
+    let Some(rows) = Rows::pack(a, k, emin, width != LANES) else {
         return false;
     };
     // A column of `b` that no kernel takes shows only when its panel is filled; by then the
@@ -598,7 +619,146 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::super::{BlockFma, FAST_MAX_BLOCK, ZERO_EXPONENT};
-    use super::{Panel, Row, WIDE_LANES};
+    use super::{PREFETCH_ROWS, Panel, PanelBuffer, Row, Rows, WIDE_LANES, decompose, prefetch};
+
+    /// [`decompose`] on sixteen binary32 encodings: the significands, the exponents and
+    /// the negative lanes. `None` if a lane is not finite or not a 12-bit value, or is a
+    /// case this does not decide (a significand that would move left, which no format's
+    /// `emin` of at least -137 gives): the caller asks [`decompose`], lane by lane.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512cd")]
+    fn decompose16(bits: __m512i, emin: __m512i) -> Option<(__m512i, __m512i, __mmask16)> {
+        let magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFF_FFFF));
+        let field = _mm512_srli_epi32::<23>(magnitude);
+        let is_zero = _mm512_testn_epi32_mask(magnitude, magnitude);
+        let has_hidden = _mm512_test_epi32_mask(magnitude, _mm512_set1_epi32(0x7F80_0000));
+        let fraction = _mm512_and_si512(bits, _mm512_set1_epi32(0x7F_FFFF));
+        // |x| = significand · 2^e0.
+        let significand =
+            _mm512_mask_or_epi32(fraction, has_hidden, fraction, _mm512_set1_epi32(0x80_0000));
+        let e0 = _mm512_sub_epi32(
+            _mm512_max_epi32(field, _mm512_set1_epi32(1)),
+            _mm512_set1_epi32(150),
+        );
+        // floor(log2 |x|) = e0 + 31 - leading zeros, never below emin.
+        let exponent = _mm512_max_epi32(
+            _mm512_sub_epi32(
+                _mm512_add_epi32(e0, _mm512_set1_epi32(31)),
+                _mm512_lzcnt_epi32(significand),
+            ),
+            emin,
+        );
+        let shift = _mm512_sub_epi32(_mm512_sub_epi32(exponent, _mm512_set1_epi32(11)), e0);
+        // The bits a right shift drops (all of them from 32 on) must be zeros.
+        let dropped =
+            _mm512_andnot_si512(_mm512_sllv_epi32(_mm512_set1_epi32(-1), shift), significand);
+        let refused = _mm512_cmpeq_epi32_mask(field, _mm512_set1_epi32(0xFF))
+            | (_mm512_cmplt_epi32_mask(shift, _mm512_set1_epi32(1)) & !is_zero)
+            | _mm512_test_epi32_mask(dropped, dropped);
+        if refused != 0 {
+            return None;
+        }
+        Some((
+            _mm512_srlv_epi32(significand, shift),
+            _mm512_mask_mov_epi32(exponent, is_zero, _mm512_set1_epi32(ZERO_EXPONENT)),
+            _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512()) & !is_zero,
+        ))
+    }
+
+    /// The lanes of a run of `len` (at most 16) elements.
+    fn lanes(len: usize) -> __mmask16 {
+        (((1u32 << len) - 1) & 0xFFFF) as __mmask16
+    }
+
+    /// [`Rows::pack`] on f32 operands, sixteen at a time.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and CD.
+    #[target_feature(enable = "avx512f,avx512cd")]
+    pub(super) unsafe fn pack_rows(a: &[f32], k: usize, emin: i32) -> Option<Rows> {
+        let mut rows = Rows {
+            k,
+            significands: vec![0; a.len()],
+            exponents: vec![0; a.len()],
+            negatives: vec![0; a.len()],
+        };
+        let emin_v = _mm512_set1_epi32(emin);
+        for (c, chunk) in a.chunks(WIDE_LANES).enumerate() {
+            let at = c * WIDE_LANES;
+            let mask = lanes(chunk.len());
+            // SAFETY: the mask reads only the chunk's elements.
+            let bits = unsafe { _mm512_maskz_loadu_epi32(mask, chunk.as_ptr().cast()) };
+            if let Some((s, e, negative)) = decompose16(bits, emin_v) {
+                let negatives = _mm512_maskz_mov_epi32(negative, _mm512_set1_epi32(-1));
+                // SAFETY: the mask writes only the chunk's `len` places from `at`, all
+                // within the vectors of `a.len()` elements.
+                unsafe {
+                    _mm512_mask_storeu_epi32(
+                        rows.significands.as_mut_ptr().add(at).cast(),
+                        mask,
+                        s,
+                    );
+                    _mm512_mask_storeu_epi32(rows.exponents.as_mut_ptr().add(at).cast(), mask, e);
+                    _mm512_mask_storeu_epi32(
+                        rows.negatives.as_mut_ptr().add(at).cast(),
+                        mask,
+                        negatives,
+                    );
+                }
+            } else {
+                for (l, x) in chunk.iter().enumerate() {
+                    let (s, e, negative) = decompose(f64::from(*x), emin)?;
+                    rows.significands[at + l] = s;
+                    rows.exponents[at + l] = e;
+                    rows.negatives[at + l] = if negative { u32::MAX } else { 0 };
+                }
+            }
+        }
+        Some(rows)
+    }
+
+    /// [`PanelBuffer::fill`] on f32 operands, a row of the panel at a time.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and CD.
+    #[target_feature(enable = "avx512f,avx512cd")]
+    pub(super) unsafe fn fill_panel(
+        buffer: &mut PanelBuffer,
+        b: &[f32],
+        (k, n): (usize, usize),
+        j0: usize,
+        shift: u32,
+        emin: i32,
+    ) -> bool {
+        assert!(buffer.width == WIDE_LANES && buffer.signs.len() == k);
+        assert!(buffer.significands.len() == k * WIDE_LANES);
+        assert!(buffer.exponents.len() == k * WIDE_LANES);
+        let columns = WIDE_LANES.min(n - j0);
+        let mask = lanes(columns);
+        let (emin_v, shift_v) = (_mm512_set1_epi32(emin), _mm_cvtsi32_si128(shift as i32));
+        for p in 0..k {
+            prefetch(b, (p + PREFETCH_ROWS) * n + j0, columns);
+            let xs = &b[p * n + j0..p * n + j0 + columns];
+            // SAFETY: the mask reads only the row's `columns` elements; the lanes past
+            // them are zeros, which pack as zero operands.
+            let bits = unsafe { _mm512_maskz_loadu_epi32(mask, xs.as_ptr().cast()) };
+            if let Some((s, e, negative)) = decompose16(bits, emin_v) {
+                let at = p * WIDE_LANES;
+                // SAFETY: `at + 16 <= k * 16`, the asserted lengths.
+                unsafe {
+                    _mm512_storeu_si512(
+                        buffer.significands.as_mut_ptr().add(at).cast(),
+                        _mm512_sll_epi32(s, shift_v),
+                    );
+                    _mm512_storeu_si512(buffer.exponents.as_mut_ptr().add(at).cast(), e);
+                }
+                buffer.signs[p] = u32::from(negative);
+            } else if !buffer.fill_row(xs, p, shift, emin) {
+                return false;
+            }
+        }
+        true
+    }
 
     /// Sixteen accumulators between blocks: `±significand · 2^(exponent - 23 - extra)`,
     /// the exponent `ZERO_EXPONENT` for a zero (whose sign is kept in `negative`: a sum
