@@ -282,29 +282,47 @@ pub(super) fn gemm<E: GemmElement>(
         match kernel {
             #[cfg(target_arch = "x86_64")]
             GemmKernel::Avx512 => {
+                // Four rows per panel where there are four, then two, then one.
                 let mut i = 0;
-                while i + 2 <= m {
-                    let acc = [
-                        initial::<E, WIDE_LANES>(&out[i * n..][columns.clone()], accumulate),
-                        initial::<E, WIDE_LANES>(&out[(i + 1) * n..][columns.clone()], accumulate),
-                    ];
-                    // SAFETY: the caller checked that the CPU supports AVX-512 F and CD.
-                    let acc = unsafe {
-                        avx512::rows_tile(fma, [rows.row(i), rows.row(i + 1)], panel, acc)
+                // SAFETY (all three): the caller checked that the CPU supports AVX-512 F and
+                // CD.
+                while i + 4 <= m {
+                    unsafe {
+                        wide_tile::<E, 4>(
+                            fma,
+                            &rows,
+                            panel,
+                            out,
+                            (i, n, columns.clone()),
+                            accumulate,
+                        )
                     };
-                    for (r, acc) in acc.iter().enumerate() {
-                        store(&mut out[(i + r) * n..][columns.clone()], acc);
-                    }
+                    i += 4;
+                }
+                if i + 2 <= m {
+                    unsafe {
+                        wide_tile::<E, 2>(
+                            fma,
+                            &rows,
+                            panel,
+                            out,
+                            (i, n, columns.clone()),
+                            accumulate,
+                        )
+                    };
                     i += 2;
                 }
                 if i < m {
-                    let acc = [initial::<E, WIDE_LANES>(
-                        &out[i * n..][columns.clone()],
-                        accumulate,
-                    )];
-                    // SAFETY: as above.
-                    let acc = unsafe { avx512::rows_tile(fma, [rows.row(i)], panel, acc) };
-                    store(&mut out[i * n..][columns.clone()], &acc[0]);
+                    unsafe {
+                        wide_tile::<E, 1>(
+                            fma,
+                            &rows,
+                            panel,
+                            out,
+                            (i, n, columns.clone()),
+                            accumulate,
+                        )
+                    };
                 }
             }
             _ => {
@@ -326,6 +344,31 @@ pub(super) fn gemm<E: GemmElement>(
         }
     }
     true
+}
+
+/// Rows `i..i + R` against one panel of sixteen columns (`columns` of `out`), on the
+/// AVX-512 kernel.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and CD.
+#[cfg(target_arch = "x86_64")]
+unsafe fn wide_tile<E: GemmElement, const R: usize>(
+    fma: BlockFma,
+    rows: &Rows,
+    panel: Panel<'_>,
+    out: &mut [E],
+    (i, n, columns): (usize, usize, std::ops::Range<usize>),
+    accumulate: bool,
+) {
+    let outputs = |r: usize| (i + r) * n + columns.start..(i + r) * n + columns.end;
+    let acc: [[u32; WIDE_LANES]; R] =
+        std::array::from_fn(|r| initial::<E, WIDE_LANES>(&out[outputs(r)], accumulate));
+    // SAFETY: the caller's.
+    let acc =
+        unsafe { avx512::rows_tile(fma, std::array::from_fn(|r| rows.row(i + r)), panel, acc) };
+    for (r, acc) in acc.iter().enumerate() {
+        store(&mut out[outputs(r)], acc);
+    }
 }
 
 /// The starting accumulators of one row's outputs in a panel, as binary32 bits: their old
