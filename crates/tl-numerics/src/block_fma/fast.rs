@@ -986,13 +986,18 @@ mod avx512 {
             leading_zeros,
         );
         // The top 24 bits, truncated; below 2^-126 as many fewer as the exponent is below
-        // (a subnormal binary32 value: a whole number of 2^-149 steps).
-        let below = _mm512_max_epi32(
-            _mm512_sub_epi32(_mm512_set1_epi32(-126), leading),
-            _mm512_setzero_si512(),
-        );
-        let significand =
-            _mm512_srlv_epi32(normalized, _mm512_add_epi32(below, _mm512_set1_epi32(8)));
+        // (a subnormal binary32 value: a whole number of 2^-149 steps). Rare, so the
+        // common case takes one immediate shift.
+        let below_normal = _mm512_cmplt_epi32_mask(leading, _mm512_set1_epi32(-126));
+        let significand = if below_normal == 0 {
+            _mm512_srli_epi32::<8>(normalized)
+        } else {
+            let below = _mm512_max_epi32(
+                _mm512_sub_epi32(_mm512_set1_epi32(-126), leading),
+                _mm512_setzero_si512(),
+            );
+            _mm512_srlv_epi32(normalized, _mm512_add_epi32(below, _mm512_set1_epi32(8)))
+        };
         let is_zero = _mm512_testn_epi32_mask(significand, significand);
         let overflows = _mm512_cmpgt_epi32_mask(leading, _mm512_set1_epi32(127));
         if overflows & !acc.overflowed != 0 {
@@ -1006,7 +1011,11 @@ mod avx512 {
                 _mm512_mask_mov_epi32(acc.infinities, overflows & !acc.overflowed, infinity);
             acc.overflowed |= overflows;
         }
-        acc.significand = _mm512_sll_epi32(significand, extra);
+        acc.significand = if extra_bits == 0 {
+            significand
+        } else {
+            _mm512_sll_epi32(significand, extra)
+        };
         acc.exponent = _mm512_mask_mov_epi32(
             _mm512_max_epi32(leading, _mm512_set1_epi32(-126)),
             is_zero,
