@@ -412,8 +412,8 @@ pub enum GemmKernel {
     Portable,
     /// The integer kernel in AVX2, eight outputs at a time.
     Avx2,
-    /// The integer kernel in AVX-512 (F and CD), sixteen outputs at a time, two rows per
-    /// panel.
+    /// The integer kernel in AVX-512 (F and CD), sixteen outputs at a time, up to four rows
+    /// per panel.
     Avx512,
 }
 

@@ -722,7 +722,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
 
     // Shapes around the kernels' edges: k past a block boundary, n past one or two panels
-    // of 8 or 16 lanes, m odd (the AVX-512 kernel takes rows in pairs); operands with
+    // of 8 or 16 lanes, m of 1 to 5 (the AVX-512 kernel takes rows by four, then two, then one); operands with
     // subnormals, ±0, and now and then an infinity, a NaN or a value of no 12-bit format.
     #[test]
     fn every_kernel_gives_the_exact_paths_bits_on_any_shape(
@@ -756,8 +756,8 @@ proptest! {
 }
 
 /// A larger fixed case on every preset and format of the papers: 67 inner terms (no block
-/// divides it), 37 columns (two panels of 16 and five lanes of a third), 7 rows (three
-/// pairs and one alone), with subnormal operands, ±0, cancellations and an accumulator
+/// divides it), 37 columns (two panels of 16 and five lanes of a third), 7 rows (four, two
+/// and one), with subnormal operands, ±0, cancellations and an accumulator
 /// that overflows; accumulating and not.
 #[test]
 fn every_kernel_agrees_on_a_ragged_product_with_subnormals_and_signed_zeros() {

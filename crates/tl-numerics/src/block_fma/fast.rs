@@ -643,8 +643,8 @@ mod avx2 {
     }
 }
 
-/// The kernel in AVX-512 intrinsics: sixteen lanes per instruction, and two rows of `a`
-/// against one panel at a time, so that each of the panel's loads serves both.
+/// The kernel in AVX-512 intrinsics: sixteen lanes per instruction, and up to four rows of
+/// `a` against one panel at a time, so that each of the panel's loads serves all of them.
 ///
 /// Against the AVX2 build it saves instructions where AVX-512 has them: a product's sign
 /// is one bit of a mask register (the panel's signs are packed as the bits of a word, a
