@@ -301,14 +301,16 @@ impl BlockFma {
     /// ```
     /// use tl_numerics::{BlockFma, Format, GemmKernel};
     ///
+    /// let (fma, fp16) = (BlockFma::A100, Format::Fp16);
     /// let (a, b) = ([1.0f32, 2f32.powi(-24), 2f32.powi(-24)], [1.0f32; 3]);
     /// let mut out = [0.0f32];
-    /// assert!(BlockFma::A100.gemm_on(GemmKernel::Portable, Format::Fp16, (1, 3, 1), &a, &b, &mut out, false));
+    /// assert!(fma.gemm_on(GemmKernel::Portable, fp16, (1, 3, 1), &a, &b, &mut out, false));
     /// assert_eq!(out[0], 1.0 + 2f32.powi(-23));
     /// // Not a 12-bit value: only the exact path takes it.
     /// let c = [1.0 + 2f32.powi(-20)];
-    /// assert!(!BlockFma::A100.gemm_on(GemmKernel::Portable, Format::Fp16, (1, 1, 1), &c, &b[..1], &mut out, false));
-    /// assert!(BlockFma::A100.gemm_on(GemmKernel::Exact, Format::Fp16, (1, 1, 1), &c, &b[..1], &mut out, false));
+    /// let one = (1, 1, 1);
+    /// assert!(!fma.gemm_on(GemmKernel::Portable, fp16, one, &c, &b[..1], &mut out, false));
+    /// assert!(fma.gemm_on(GemmKernel::Exact, fp16, one, &c, &b[..1], &mut out, false));
     /// ```
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_on<E: GemmElement>(
