@@ -96,9 +96,7 @@ pub const MAX_BLOCK: usize = 1 << 16;
 const NO_LIMIT: i32 = -4096;
 /// The exponent of a zero term: below every other, so it never decides the alignment.
 const ZERO_EXPONENT: i32 = -100_000;
-/// Lanes of the fast kernel: output columns computed side by side.
-const LANES: usize = 8;
-/// The largest block the fast kernel keeps its products for.
+/// The largest block the fast kernels keep their products for.
 const FAST_MAX_BLOCK: usize = 32;
 
 impl BlockFma {
@@ -250,9 +248,10 @@ impl BlockFma {
     /// written as binary32 values.
     ///
     /// Operands of at most 12 significant bits (bf16, fp16 and fp8 values) take a
-    /// vectorised integer kernel, eight outputs at a time; others the exact scalar path.
-    /// Both give the same bits, and every output depends on its row and column only, so a
-    /// caller may split the rows over threads without changing a bit.
+    /// vectorised integer kernel, the fastest this CPU runs ([`GemmKernel::fastest`]:
+    /// sixteen outputs at a time on AVX-512, eight on AVX2 or in plain Rust); others the
+    /// exact scalar path. All give the same bits, and every output depends on its row and
+    /// column only, so a caller may split the rows over threads without changing a bit.
     ///
     /// # Panics
     /// If a slice's length does not match its shape.
@@ -290,6 +289,46 @@ impl BlockFma {
         self.gemm_from(inputs, (m, k, n), a, b, out, true);
     }
 
+    /// [`gemm`](Self::gemm) (or with `accumulate`, [`gemm_accumulate`](Self::gemm_accumulate))
+    /// on the kernel given rather than the one the CPU and the operands select: how tests
+    /// hold each kernel to the exact path's bits. Returns whether `kernel` ran; if not (the
+    /// CPU lacks its instructions, or a vectorised kernel was asked for operands, outputs or
+    /// a model it does not take), `out` is untouched.
+    ///
+    /// # Panics
+    /// If a slice's length does not match its shape.
+    ///
+    /// ```
+    /// use tl_numerics::{BlockFma, Format, GemmKernel};
+    ///
+    /// let (fma, fp16) = (BlockFma::A100, Format::Fp16);
+    /// let (a, b) = ([1.0f32, 2f32.powi(-24), 2f32.powi(-24)], [1.0f32; 3]);
+    /// let mut out = [0.0f32];
+    /// assert!(fma.gemm_on(GemmKernel::Portable, fp16, (1, 3, 1), &a, &b, &mut out, false));
+    /// assert_eq!(out[0], 1.0 + 2f32.powi(-23));
+    /// // Not a 12-bit value: only the exact path takes it.
+    /// let c = [1.0 + 2f32.powi(-20)];
+    /// let one = (1, 1, 1);
+    /// assert!(!fma.gemm_on(GemmKernel::Portable, fp16, one, &c, &b[..1], &mut out, false));
+    /// assert!(fma.gemm_on(GemmKernel::Exact, fp16, one, &c, &b[..1], &mut out, false));
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_on<E: GemmElement>(
+        self,
+        kernel: GemmKernel,
+        inputs: Format,
+        (m, k, n): (usize, usize, usize),
+        a: &[E],
+        b: &[E],
+        out: &mut [E],
+        accumulate: bool,
+    ) -> bool {
+        if !kernel.is_available() {
+            return false;
+        }
+        self.gemm_with(kernel, inputs, (m, k, n), a, b, out, accumulate)
+    }
+
     fn gemm_from<E: GemmElement>(
         self,
         inputs: Format,
@@ -299,6 +338,25 @@ impl BlockFma {
         out: &mut [E],
         accumulate: bool,
     ) {
+        let fast = GemmKernel::fastest();
+        if !self.gemm_with(fast, inputs, (m, k, n), a, b, out, accumulate) {
+            self.gemm_with(GemmKernel::Exact, inputs, (m, k, n), a, b, out, accumulate);
+        }
+    }
+
+    /// The product on `kernel`, which the CPU supports; `false` (and `out` untouched) if a
+    /// vectorised kernel cannot take these operands, outputs or model.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_with<E: GemmElement>(
+        self,
+        kernel: GemmKernel,
+        inputs: Format,
+        (m, k, n): (usize, usize, usize),
+        a: &[E],
+        b: &[E],
+        out: &mut [E],
+        accumulate: bool,
+    ) -> bool {
         assert!(
             a.len() == m * k && b.len() == k * n && out.len() == m * n,
             "BlockFma::gemm: slices of {}, {} and {} elements do not fit {m}×{k} by {k}×{n}",
@@ -307,18 +365,16 @@ impl BlockFma {
             out.len()
         );
         if m == 0 || n == 0 {
-            return;
+            return true;
         }
         let emin = inputs.min_exponent();
-        let initial = |o: E| if accumulate { o.to_f64() as f32 } else { 0.0 };
-        let finite_initial = !accumulate || out.iter().all(|o| o.to_f64().is_finite());
-        if self.fits_fast_kernel()
-            && finite_initial
-            && let (Some(a), Some(b)) = (fast::pack(a, emin), fast::pack(b, emin))
-        {
-            fast::gemm(self, (m, k, n), &a, &b, out, accumulate);
-            return;
+        if kernel != GemmKernel::Exact {
+            let finite_initial = !accumulate || out.iter().all(|o| o.to_f64().is_finite());
+            return self.fits_fast_kernel()
+                && finite_initial
+                && fast::gemm(self, kernel, emin, (m, k, n), a, b, out, accumulate);
         }
+        let initial = |o: E| if accumulate { o.to_f64() as f32 } else { 0.0 };
         let a: Vec<f64> = a.iter().map(|x| x.to_f64()).collect();
         let mut column = vec![0.0f64; k];
         for j in 0..n {
@@ -335,6 +391,7 @@ impl BlockFma {
                 ));
             }
         }
+        true
     }
 
     /// Whether a block's aligned terms add up in the fast kernel's 32-bit lanes: each
@@ -345,12 +402,73 @@ impl BlockFma {
     }
 }
 
+/// The kernels [`BlockFma::gemm`] runs on. It takes the fastest the CPU supports for
+/// operands of at most 12 significant bits and models whose block sums fit 32-bit lanes,
+/// and the exact path for the rest; [`BlockFma::gemm_on`] runs the one asked for. All give
+/// the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GemmKernel {
+    /// The definition on wide integers, output by output: any operands, any model.
+    Exact,
+    /// The integer kernel in plain Rust, eight outputs at a time: any CPU.
+    Portable,
+    /// The integer kernel in AVX2, eight outputs at a time.
+    Avx2,
+    /// The integer kernel in AVX-512 (F and CD), sixteen outputs at a time, up to four rows
+    /// per panel.
+    Avx512,
+}
+
+impl GemmKernel {
+    /// Every kernel, the exact path first.
+    pub const ALL: [GemmKernel; 4] = [
+        GemmKernel::Exact,
+        GemmKernel::Portable,
+        GemmKernel::Avx2,
+        GemmKernel::Avx512,
+    ];
+
+    /// Whether this CPU has the instructions the kernel needs (checked at run time).
+    pub fn is_available(self) -> bool {
+        match self {
+            GemmKernel::Exact | GemmKernel::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            GemmKernel::Avx2 => std::arch::is_x86_feature_detected!("avx2"),
+            #[cfg(target_arch = "x86_64")]
+            GemmKernel::Avx512 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512cd")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            GemmKernel::Avx2 | GemmKernel::Avx512 => false,
+        }
+    }
+
+    /// The vectorised kernel [`BlockFma::gemm`] takes on this CPU: AVX-512, else AVX2,
+    /// else the portable one.
+    pub fn fastest() -> GemmKernel {
+        [GemmKernel::Avx512, GemmKernel::Avx2]
+            .into_iter()
+            .find(|k| k.is_available())
+            .unwrap_or(GemmKernel::Portable)
+    }
+}
+
 /// The element types [`BlockFma::gemm`] reads and writes: f32 and f64.
 pub trait GemmElement: Copy + Send + Sync {
     /// The value as an f64 (exact).
     fn to_f64(self) -> f64;
     /// A binary32 value in this type (exact).
     fn from_f32(x: f32) -> Self;
+    /// The slice itself if its elements are f32, else `None` (the default): the AVX-512
+    /// kernel's packing then reads the binary32 encodings sixteen at a time.
+    fn as_f32s(xs: &[Self]) -> Option<&[f32]>
+    where
+        Self: Sized,
+    {
+        let _ = xs;
+        None
+    }
 }
 
 impl GemmElement for f32 {
@@ -359,6 +477,9 @@ impl GemmElement for f32 {
     }
     fn from_f32(x: f32) -> Self {
         x
+    }
+    fn as_f32s(xs: &[Self]) -> Option<&[f32]> {
+        Some(xs)
     }
 }
 
@@ -485,470 +606,24 @@ fn truncate_to_f32(negative: bool, magnitude: u128, unit: i32) -> f32 {
     f32::from_bits(sign | bits)
 }
 
-/// The vectorised kernel: eight output columns side by side in 32-bit integer lanes, each
-/// operand as a 12-bit significand and its format exponent.
-///
-/// For one row of `a` and a panel of eight columns of `b`, a block of products takes two
-/// passes. The first finds each lane's alignment exponent, the largest `e(x) + e(y)` (the
-/// accumulator's exponent and the model's floor included); a zero operand's exponent is so
-/// low that its products never count. The second multiplies the significands (the panel's
-/// are stored shifted left by `1 + extra` bits, so that a product's units are one right shift
-/// away) and adds each term, truncated by that shift, into a sum of positive and a sum of
-/// negative terms (each below 2^32). The accumulator is then normalised and truncated into
-/// binary32 from the difference.
-mod fast {
-    use super::{BlockFma, GemmElement, LANES, ZERO_EXPONENT, format_exponent};
-
-    /// An operand: sign in bit 31 and a significand below 2^12 (`|x| = s · 2^(e - 11)`),
-    /// and its format exponent `e` (`ZERO_EXPONENT` for zero).
-    #[derive(Clone, Copy, Default, Debug)]
-    pub(super) struct Packed {
-        signed: u32,
-        exponent: i32,
-    }
-
-    /// The operands packed, if each is finite and a value `s · 2^(e - 11)` with `s` an
-    /// integer below 2^12 at its format exponent `e` (true of every value of a format of at
-    /// most 12 bits of precision).
-    pub(super) fn pack<E: GemmElement>(xs: &[E], emin: i32) -> Option<Vec<Packed>> {
-        let mut packed = Vec::with_capacity(xs.len());
-        for x in xs {
-            let x = x.to_f64();
-            if x == 0.0 {
-                packed.push(Packed {
-                    signed: 0,
-                    exponent: ZERO_EXPONENT,
-                });
-                continue;
-            }
-            if !x.is_finite() {
-                return None;
-            }
-            let exponent = format_exponent(x, emin);
-            // Exact: a power-of-two scaling of a finite value (both within f64's range, as
-            // exponents of f32-sized values are).
-            let s = x.abs() * 2f64.powi(11 - exponent);
-            if !(s < 4096.0 && s.fract() == 0.0 && (-1000..1000).contains(&exponent)) {
-                return None;
-            }
-            packed.push(Packed {
-                signed: (s as u32) | (u32::from(x < 0.0) << 31),
-                exponent,
-            });
-        }
-        Some(packed)
-    }
-
-    /// Operands laid out for the lanes: significands, exponents and sign masks (all ones
-    /// for a negative value) in separate arrays.
-    #[derive(Default)]
-    pub(super) struct Lanes {
-        significands: Vec<u32>,
-        exponents: Vec<i32>,
-        negatives: Vec<u32>,
-    }
-
-    impl Lanes {
-        fn fill(&mut self, packed: impl Iterator<Item = Packed>, shift: u32) {
-            self.significands.clear();
-            self.exponents.clear();
-            self.negatives.clear();
-            for p in packed {
-                self.significands.push((p.signed & 0xFFF) << shift);
-                self.exponents.push(p.exponent);
-                self.negatives
-                    .push(if p.signed >> 31 == 1 { u32::MAX } else { 0 });
-            }
-        }
-    }
-
-    /// `out = a · b` (or `out + a · b`, each output's old value as binary32 the starting
-    /// accumulator) on packed operands, `a` m×k and `b` k×n row-major.
-    pub(super) fn gemm<E: GemmElement>(
-        fma: BlockFma,
-        (m, k, n): (usize, usize, usize),
-        a: &[Packed],
-        b: &[Packed],
-        out: &mut [E],
-        accumulate: bool,
-    ) {
-        let zero = Packed {
-            signed: 0,
-            exponent: ZERO_EXPONENT,
-        };
-        let mut row = Lanes::default();
-        let mut panel = Lanes::default();
-        let rows: Vec<Lanes> = (0..m)
-            .map(|i| {
-                row.fill(a[i * k..(i + 1) * k].iter().copied(), 0);
-                std::mem::take(&mut row)
-            })
-            .collect();
-        for j0 in (0..n).step_by(LANES) {
-            let width = LANES.min(n - j0);
-            // The columns j0.. of b, k × LANES, zeros past the edge (a zero product changes
-            // neither the alignment nor the sum).
-            let columns = (0..k).flat_map(|p| {
-                (0..LANES).map(move |l| if l < width { b[p * n + j0 + l] } else { zero })
-            });
-            panel.fill(columns, 1 + fma.extra_bits);
-            for (i, row) in rows.iter().enumerate() {
-                let outputs = &mut out[i * n + j0..i * n + j0 + width];
-                let mut acc = [0u32; LANES];
-                if accumulate {
-                    for (a, o) in acc.iter_mut().zip(outputs.iter()) {
-                        *a = (o.to_f64() as f32).to_bits();
-                    }
-                }
-                let acc = row_tile(fma, row, &panel, acc);
-                for (o, &v) in outputs.iter_mut().zip(&acc) {
-                    *o = E::from_f32(f32::from_bits(v));
-                }
-            }
-        }
-    }
-
-    /// One row against a panel of `LANES` columns: the binary32 bits of the outputs.
-    fn row_tile(fma: BlockFma, row: &Lanes, panel: &Lanes, acc: [u32; LANES]) -> [u32; LANES] {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { avx2::row_tile(fma, row, panel, acc) };
-        }
-        row_tile_portable(fma, row, panel, acc)
-    }
-
-    /// The kernel in plain Rust, lane by lane: the definition the AVX2 build must match bit
-    /// for bit (a test compares them).
-    pub(super) fn row_tile_portable(
-        fma: BlockFma,
-        row: &Lanes,
-        panel: &Lanes,
-        mut acc: [u32; LANES],
-    ) -> [u32; LANES] {
-        let extra = fma.extra_bits as i32;
-        let k = row.significands.len();
-        for t0 in (0..k).step_by(fma.block) {
-            let t1 = (t0 + fma.block).min(k);
-            let mut top = [0i32; LANES];
-            let mut acc_exponent = [0i32; LANES];
-            for l in 0..LANES {
-                let field = ((acc[l] >> 23) & 0xFF) as i32;
-                let zero = acc[l] & 0x7FFF_FFFF == 0;
-                acc_exponent[l] = if zero {
-                    ZERO_EXPONENT
-                } else {
-                    field.max(1) - 127
-                };
-                top[l] = fma.min_alignment.max(acc_exponent[l]);
-            }
-            for t in t0..t1 {
-                let exponents = &panel.exponents[t * LANES..(t + 1) * LANES];
-                for (top, &e) in top.iter_mut().zip(exponents) {
-                    *top = (*top).max(row.exponents[t] + e);
-                }
-            }
-            let (mut positive, mut negative) = ([0u32; LANES], [0u32; LANES]);
-            for l in 0..LANES {
-                let hidden = if acc[l] & 0x7F80_0000 != 0 {
-                    0x80_0000
-                } else {
-                    0
-                };
-                let significand = ((acc[l] & 0x7F_FFFF) | hidden) << extra;
-                let units = shr(significand, top[l] - acc_exponent[l]);
-                let is_negative = acc[l] >> 31 == 1;
-                positive[l] = if is_negative { 0 } else { units };
-                negative[l] = if is_negative { units } else { 0 };
-            }
-            for t in t0..t1 {
-                for l in 0..LANES {
-                    let at = t * LANES + l;
-                    let product = row.significands[t] * panel.significands[at];
-                    let exponent = row.exponents[t] + panel.exponents[at];
-                    let units = shr(product, top[l] - exponent);
-                    let mask = row.negatives[t] ^ panel.negatives[at];
-                    positive[l] += units & !mask;
-                    negative[l] += units & mask;
-                }
-            }
-            for l in 0..LANES {
-                let overflowed = acc[l] & 0x7FFF_FFFF == 0x7F80_0000;
-                let next = normalize(positive[l], negative[l], top[l] - 23 - extra);
-                acc[l] = if overflowed { acc[l] } else { next };
-            }
-        }
-        acc
-    }
-
-    /// `x >> count`, 0 from 32 on (as AVX2's variable shift); `count` is never negative.
-    #[inline(always)]
-    fn shr(x: u32, count: i32) -> u32 {
-        if (0..32).contains(&count) {
-            x >> count
-        } else {
-            0
-        }
-    }
-
-    /// The binary32 bits of `(positive - negative) · 2^unit`, truncated toward zero (±∞
-    /// from 2^128 on, +0 for an exact zero).
-    #[inline(always)]
-    fn normalize(positive: u32, negative: u32, unit: i32) -> u32 {
-        let magnitude = positive.max(negative) - positive.min(negative);
-        if magnitude == 0 {
-            return 0;
-        }
-        let sign = if negative > positive { 0x8000_0000 } else { 0 };
-        let length = 32 - magnitude.leading_zeros() as i32;
-        // The biased exponent of the result's leading bit, 2^(unit + length - 1).
-        let field = unit + length - 1 + 127;
-        let significand = (magnitude >> (length - 24).max(0)) << (24 - length).max(0);
-        let bits = if field >= 255 {
-            0x7F80_0000
-        } else if field >= 1 {
-            ((field as u32) << 23) | (significand & 0x7F_FFFF)
-        } else {
-            shr(significand, 1 - field)
-        };
-        sign | bits
-    }
-
-    /// The same kernel in AVX2 intrinsics, eight lanes per instruction.
-    #[cfg(target_arch = "x86_64")]
-    mod avx2 {
-        use std::arch::x86_64::*;
-
-        use super::super::{BlockFma, LANES, ZERO_EXPONENT};
-        use super::Lanes;
-
-        /// [`row_tile_portable`](super::row_tile_portable), bit for bit.
-        ///
-        /// # Safety
-        /// The CPU must support AVX2.
-        #[target_feature(enable = "avx2")]
-        pub(in super::super) unsafe fn row_tile(
-            fma: BlockFma,
-            row: &Lanes,
-            panel: &Lanes,
-            acc: [u32; LANES],
-        ) -> [u32; LANES] {
-            let k = row.significands.len();
-            assert!(panel.significands.len() == k * LANES && panel.exponents.len() == k * LANES);
-            assert!(panel.negatives.len() == k * LANES && row.exponents.len() == k);
-            let extra = fma.extra_bits as i32;
-            let load = |v: &[u32], at: usize| {
-                // SAFETY: `at + 8 <= len`, checked by the asserts above for every `at` used.
-                unsafe { _mm256_loadu_si256(v.as_ptr().add(at).cast()) }
-            };
-            let load_i = |v: &[i32], at: usize| {
-                // SAFETY: as above.
-                unsafe { _mm256_loadu_si256(v.as_ptr().add(at).cast()) }
-            };
-            let mut acc = load(&acc, 0);
-            let abs_mask = _mm256_set1_epi32(0x7FFF_FFFF);
-            let infinity = _mm256_set1_epi32(0x7F80_0000);
-            let zero = _mm256_setzero_si256();
-            let extra_v = _mm_cvtsi32_si128(extra);
-            for t0 in (0..k).step_by(fma.block) {
-                let t1 = (t0 + fma.block).min(k);
-                // The accumulator's exponent: its field (at least 1) - 127, none for zero.
-                let field = _mm256_and_si256(_mm256_srli_epi32::<23>(acc), _mm256_set1_epi32(0xFF));
-                let is_zero = _mm256_cmpeq_epi32(_mm256_and_si256(acc, abs_mask), zero);
-                let acc_exponent = _mm256_blendv_epi8(
-                    _mm256_sub_epi32(
-                        _mm256_max_epi32(field, _mm256_set1_epi32(1)),
-                        _mm256_set1_epi32(127),
-                    ),
-                    _mm256_set1_epi32(ZERO_EXPONENT),
-                    is_zero,
-                );
-                let mut top = _mm256_max_epi32(_mm256_set1_epi32(fma.min_alignment), acc_exponent);
-                for t in t0..t1 {
-                    let e = _mm256_add_epi32(
-                        _mm256_set1_epi32(row.exponents[t]),
-                        load_i(&panel.exponents, t * LANES),
-                    );
-                    top = _mm256_max_epi32(top, e);
-                }
-                // The accumulator's term.
-                let hidden = _mm256_andnot_si256(
-                    _mm256_cmpeq_epi32(field, zero),
-                    _mm256_set1_epi32(0x80_0000),
-                );
-                let significand = _mm256_sll_epi32(
-                    _mm256_or_si256(_mm256_and_si256(acc, _mm256_set1_epi32(0x7F_FFFF)), hidden),
-                    extra_v,
-                );
-                let units = _mm256_srlv_epi32(significand, _mm256_sub_epi32(top, acc_exponent));
-                let acc_negative = _mm256_srai_epi32::<31>(acc);
-                let mut positive = _mm256_andnot_si256(acc_negative, units);
-                let mut negative = _mm256_and_si256(acc_negative, units);
-                for t in t0..t1 {
-                    let at = t * LANES;
-                    let product = _mm256_mullo_epi32(
-                        _mm256_set1_epi32(row.significands[t] as i32),
-                        load(&panel.significands, at),
-                    );
-                    let e = _mm256_add_epi32(
-                        _mm256_set1_epi32(row.exponents[t]),
-                        load_i(&panel.exponents, at),
-                    );
-                    let units = _mm256_srlv_epi32(product, _mm256_sub_epi32(top, e));
-                    let mask = _mm256_xor_si256(
-                        _mm256_set1_epi32(row.negatives[t] as i32),
-                        load(&panel.negatives, at),
-                    );
-                    positive = _mm256_add_epi32(positive, _mm256_andnot_si256(mask, units));
-                    negative = _mm256_add_epi32(negative, _mm256_and_si256(mask, units));
-                }
-                let next = normalize(
-                    positive,
-                    negative,
-                    _mm256_sub_epi32(top, _mm256_set1_epi32(23 + extra)),
-                );
-                let overflowed = _mm256_cmpeq_epi32(_mm256_and_si256(acc, abs_mask), infinity);
-                acc = _mm256_blendv_epi8(next, acc, overflowed);
-            }
-            let mut out = [0u32; LANES];
-            // SAFETY: `out` holds 8 u32.
-            unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), acc) };
-            out
-        }
-
-        /// [`normalize`](super::normalize) on eight lanes.
-        #[target_feature(enable = "avx2")]
-        fn normalize(positive: __m256i, negative: __m256i, unit: __m256i) -> __m256i {
-            let magnitude = _mm256_sub_epi32(
-                _mm256_max_epu32(positive, negative),
-                _mm256_min_epu32(positive, negative),
-            );
-            let flip = _mm256_set1_epi32(i32::MIN);
-            let sign = _mm256_and_si256(
-                _mm256_cmpgt_epi32(
-                    _mm256_xor_si256(negative, flip),
-                    _mm256_xor_si256(positive, flip),
-                ),
-                flip,
-            );
-            // The bit length, from the exponent of an exact conversion to f32: of the top 24
-            // bits when there are more than 8, else of the value itself.
-            let high = _mm256_srli_epi32::<8>(magnitude);
-            let has_high = _mm256_cmpgt_epi32(high, _mm256_setzero_si256());
-            let converted = _mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_blendv_epi8(
-                magnitude, high, has_high,
-            )));
-            let length = _mm256_add_epi32(
-                _mm256_sub_epi32(_mm256_srli_epi32::<23>(converted), _mm256_set1_epi32(126)),
-                _mm256_and_si256(has_high, _mm256_set1_epi32(8)),
-            );
-            let field = _mm256_add_epi32(_mm256_add_epi32(unit, length), _mm256_set1_epi32(126));
-            let down = _mm256_max_epi32(
-                _mm256_sub_epi32(length, _mm256_set1_epi32(24)),
-                _mm256_setzero_si256(),
-            );
-            let up = _mm256_max_epi32(
-                _mm256_sub_epi32(_mm256_set1_epi32(24), length),
-                _mm256_setzero_si256(),
-            );
-            let significand = _mm256_sllv_epi32(_mm256_srlv_epi32(magnitude, down), up);
-            let normal = _mm256_or_si256(
-                _mm256_slli_epi32::<23>(field),
-                _mm256_and_si256(significand, _mm256_set1_epi32(0x7F_FFFF)),
-            );
-            // Below the normal range: a right shift by 1 - field (0 from 32 on; the count is
-            // read unsigned, so a non-positive field's count is what is meant).
-            let subnormal =
-                _mm256_srlv_epi32(significand, _mm256_sub_epi32(_mm256_set1_epi32(1), field));
-            let is_normal = _mm256_cmpgt_epi32(field, _mm256_setzero_si256());
-            let is_infinite = _mm256_cmpgt_epi32(field, _mm256_set1_epi32(254));
-            let bits = _mm256_blendv_epi8(subnormal, normal, is_normal);
-            let bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7F80_0000), is_infinite);
-            let is_zero = _mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256());
-            _mm256_andnot_si256(is_zero, _mm256_or_si256(sign, bits))
-        }
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        /// Random packed operands of every kind: zeros, both signs, wide exponents.
-        fn operands(count: usize, seed: u64) -> Vec<Packed> {
-            let mut state = seed;
-            (0..count)
-                .map(|_| {
-                    state = state
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    let r = (state >> 33) as u32;
-                    if r.is_multiple_of(7) {
-                        return Packed {
-                            signed: 0,
-                            exponent: ZERO_EXPONENT,
-                        };
-                    }
-                    Packed {
-                        signed: (r & 0x7FF) | 0x800 | ((r >> 20) & 1) << 31,
-                        exponent: ((r >> 12) % 60) as i32
-                            - 30
-                            - if r.is_multiple_of(11) { 100 } else { 0 },
-                    }
-                })
-                .collect()
-        }
-
-        #[test]
-        fn the_avx2_build_gives_the_portable_bits() {
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2") {
-                for (i, fma) in [
-                    BlockFma::V100,
-                    BlockFma::A100,
-                    BlockFma::H100,
-                    BlockFma::new(3, 1).unwrap(),
-                ]
-                .into_iter()
-                .enumerate()
-                {
-                    for k in [1, 5, 16, 37] {
-                        let mut row = Lanes::default();
-                        row.fill(operands(k, 1 + i as u64).into_iter(), 0);
-                        let mut panel = Lanes::default();
-                        panel.fill(
-                            operands(k * LANES, 99 + k as u64).into_iter(),
-                            1 + fma.extra_bits,
-                        );
-                        for acc in [
-                            [0u32; LANES],
-                            [
-                                0x3F80_0000,
-                                0xBF80_0000,
-                                1,
-                                0x8000_0001,
-                                0x7F80_0000,
-                                0x0080_0000,
-                                0x4B00_0000,
-                                0xCB7F_FFFF,
-                            ],
-                        ] {
-                            let portable = row_tile_portable(fma, &row, &panel, acc);
-                            // SAFETY: AVX2 checked above.
-                            let vector = unsafe { avx2::row_tile(fma, &row, &panel, acc) };
-                            assert_eq!(portable, vector, "{fma:?} k = {k} acc = {acc:x?}");
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
+mod fast;
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The fast kernel against the exact path on edge cases: cancellation to a subnormal,
+    /// The vectorised kernels this CPU runs; the others named on stderr, so that a machine
+    /// without them says so rather than passing in silence.
+    fn vectorised_kernels() -> Vec<GemmKernel> {
+        let (available, missing): (Vec<_>, Vec<_>) =
+            GemmKernel::ALL[1..].iter().partition(|k| k.is_available());
+        if !missing.is_empty() {
+            eprintln!("not tested, this CPU lacks their instructions: {missing:?}");
+        }
+        available
+    }
+
+    /// The fast kernels against the exact path on edge cases: cancellation to a subnormal,
     /// overflow, mixed signs, zeros, bf16 subnormal operands.
     #[test]
     fn the_fast_kernel_and_the_exact_path_agree_on_edge_cases() {
@@ -966,11 +641,16 @@ mod tests {
             for (a, b) in cases {
                 let wide = |xs: &[f32]| xs.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
                 let expected = fma.dot(Format::Bf16, &wide(a), &wide(b));
-                let pa = fast::pack(a, Format::Bf16.min_exponent()).unwrap();
-                let pb = fast::pack(b, Format::Bf16.min_exponent()).unwrap();
-                let mut out = [0.0f32];
-                fast::gemm(fma, (1, a.len(), 1), &pa, &pb, &mut out, false);
-                assert_eq!(out[0].to_bits(), expected.to_bits(), "{fma:?} {a:?}·{b:?}");
+                for kernel in vectorised_kernels() {
+                    let mut out = [0.0f32];
+                    let shape = (1, a.len(), 1);
+                    assert!(fma.gemm_on(kernel, Format::Bf16, shape, a, b, &mut out, false));
+                    assert_eq!(
+                        out[0].to_bits(),
+                        expected.to_bits(),
+                        "{kernel:?} {fma:?} {a:?}·{b:?}"
+                    );
+                }
             }
         }
     }

@@ -35,7 +35,7 @@ mod error;
 mod format;
 mod round;
 
-pub use block_fma::{BlockFma, GemmElement};
+pub use block_fma::{BlockFma, GemmElement, GemmKernel};
 pub use error::{NumericsError, Result};
 pub use format::Format;
 pub use round::{RangeCounts, Round};

@@ -9,7 +9,7 @@ use half::f16;
 use num_bigint::BigInt;
 use num_traits::{Signed, ToPrimitive, Zero};
 use proptest::prelude::*;
-use tl_numerics::{BlockFma, Format, Round};
+use tl_numerics::{BlockFma, Format, GemmKernel, Round};
 
 const MODELS: [(&str, BlockFma); 3] = [
     ("V100", BlockFma::V100),
@@ -593,5 +593,218 @@ proptest! {
         let b: Vec<f64> = a.iter().rev().map(|x| x * 2f64.powi(scale) / 3.0).collect();
         let got = fma.dot(Format::Bf16, &a, &b);
         prop_assert_eq!(got.to_bits(), reference_dot(fma, Format::Bf16, &a, &b).to_bits());
+    }
+}
+
+/// The vectorised kernels this CPU runs. The others are named on stderr: a machine without
+/// AVX-512 (or AVX2) says so, and the kernels it has are still tested.
+fn vectorised_kernels() -> Vec<GemmKernel> {
+    let (available, missing): (Vec<_>, Vec<_>) = GemmKernel::ALL
+        .into_iter()
+        .filter(|&k| k != GemmKernel::Exact)
+        .partition(|k| k.is_available());
+    if !missing.is_empty() {
+        eprintln!("NOT TESTED on this CPU, which lacks their instructions: {missing:?}");
+    }
+    available
+}
+
+/// Whether a model's block sums fit the vectorised kernels' 32-bit lanes (else every
+/// product takes the exact path).
+fn fits_lanes(fma: BlockFma) -> bool {
+    let extra = fma.extra_bits();
+    fma.block() <= 32 && ((fma.block() as u64) << (25 + extra)) + (1u64 << (24 + extra)) <= 1 << 32
+}
+
+/// An operand of `format` or, one time in `special_one_in`, a special value: ±∞, NaN, or
+/// a value no 12-bit format holds (which sends the product to the exact path).
+fn operand_or_special(format: Format, special_one_in: u32) -> impl Strategy<Value = f32> {
+    (operand(format), 0..special_one_in.max(1), 0u8..4).prop_map(|(x, r, which)| {
+        if r != 0 {
+            return x;
+        }
+        match which {
+            0 => f32::INFINITY,
+            1 => f32::NEG_INFINITY,
+            2 => f32::NAN,
+            _ => 1.0 + 2f32.powi(-20),
+        }
+    })
+}
+
+/// Every vectorised kernel against the exact path, bit for bit, and all of them against
+/// the wide-integer reference where there is one.
+fn check_every_kernel(
+    fma: BlockFma,
+    format: Format,
+    (m, k, n): (usize, usize, usize),
+    (a, b, c): (&[f32], &[f32], &[f32]),
+    accumulate: bool,
+) -> Result<(), TestCaseError> {
+    let mut exact = c.to_vec();
+    prop_assert!(fma.gemm_on(
+        GemmKernel::Exact,
+        format,
+        (m, k, n),
+        a,
+        b,
+        &mut exact,
+        accumulate
+    ));
+    let plain = |xs: &[f32]| {
+        xs.iter()
+            .all(|x| x.is_finite() && f64::from(*x).round_to(format) == f64::from(*x))
+    };
+    let vectorisable =
+        fits_lanes(fma) && plain(a) && plain(b) && (!accumulate || c.iter().all(|x| x.is_finite()));
+    for kernel in vectorised_kernels() {
+        let mut out = c.to_vec();
+        let ran = fma.gemm_on(kernel, format, (m, k, n), a, b, &mut out, accumulate);
+        prop_assert_eq!(ran, vectorisable, "{:?} {:?} {}", kernel, fma, format);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        if ran {
+            prop_assert_eq!(
+                bits(&out),
+                bits(&exact),
+                "{:?} {:?} {} {:?}",
+                kernel,
+                fma,
+                format,
+                (m, k, n)
+            );
+        } else {
+            prop_assert_eq!(
+                bits(&out),
+                bits(c),
+                "{:?} left its outputs as they were",
+                kernel
+            );
+        }
+    }
+    // What gemm itself gives: the same bits, whichever kernel it picks.
+    let mut auto = c.to_vec();
+    if accumulate {
+        fma.gemm_accumulate(format, m, k, n, a, b, &mut auto);
+    } else {
+        fma.gemm(format, m, k, n, a, b, &mut auto);
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    prop_assert_eq!(bits(&auto), bits(&exact));
+    // The exact path against the reference, output by output, when every term is finite.
+    if a.iter().chain(b).chain(c).all(|x| x.is_finite()) {
+        let wide = |xs: &[f32]| xs.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+        let (a64, b64) = (wide(a), wide(b));
+        for i in 0..m {
+            for j in 0..n {
+                let column: Vec<f64> = (0..k).map(|p| b64[p * n + j]).collect();
+                let row = &a64[i * k..(i + 1) * k];
+                // Accumulating, the old output is the accumulator of the first block:
+                // `dot_with`, itself held to the reference by the proptests above.
+                let expected = if accumulate {
+                    fma.dot_with(format, c[i * n + j], row, &column)
+                } else {
+                    reference_dot(fma, format, row, &column)
+                };
+                prop_assert_eq!(
+                    exact[i * n + j].to_bits(),
+                    expected.to_bits(),
+                    "({}, {})",
+                    i,
+                    j
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    // Shapes around the kernels' edges: k of 0 or past a block boundary, n past one or two
+    // panels of 8 or 16 lanes, m of 1 to 5 (the AVX-512 kernel takes rows by four, then two,
+    // then one); operands with subnormals, ±0, and now and then an infinity, a NaN or a value
+    // of no 12-bit format.
+    #[test]
+    fn every_kernel_gives_the_exact_paths_bits_on_any_shape(
+        fma in model(),
+        accumulate in any::<bool>(),
+        special_one_in in prop_oneof![Just(0u32), Just(400), Just(40)],
+        (format, (m, k, n), seed) in format().prop_flat_map(move |f| {
+            (
+                Just(f),
+                (1usize..6, 0usize..70, 1usize..40),
+                proptest::collection::vec(operand(f), 5 * 70 + 70 * 40 + 5 * 40),
+            )
+        }),
+        specials in proptest::collection::vec(operand_or_special(Format::Bf16, 400), 8),
+        at in proptest::collection::vec(0usize..10_000, 8),
+    ) {
+        let mut a: Vec<f32> = seed[..m * k].to_vec();
+        let mut b: Vec<f32> = seed[350..350 + k * n].to_vec();
+        let c: Vec<f32> = if accumulate { seed[3150..3150 + m * n].to_vec() } else { vec![0.0; m * n] };
+        if special_one_in != 0 {
+            for (i, (&x, &p)) in specials.iter().zip(&at).enumerate() {
+                if !x.is_finite() || p % special_one_in as usize == 0 {
+                    let target = if i % 2 == 0 { &mut a } else { &mut b };
+                    let len = target.len();
+                    if len > 0 {
+                        target[p % len] = if x.is_finite() { 1.0 + 2f32.powi(-20) } else { x };
+                    }
+                }
+            }
+        }
+        check_every_kernel(fma, format, (m, k, n), (&a, &b, &c), accumulate)?;
+    }
+}
+
+/// A larger fixed case on every preset and format of the papers: 67 inner terms (no block
+/// divides it), 37 columns (two panels of 16 and five lanes of a third), 7 rows (four, two
+/// and one), with subnormal operands, ±0, cancellations and an accumulator
+/// that overflows; accumulating and not.
+#[test]
+fn every_kernel_agrees_on_a_ragged_product_with_subnormals_and_signed_zeros() {
+    let (m, k, n) = (7, 67, 37);
+    let mut state = 0x2545_F491_4F6C_DD1D_u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for (format, fma) in [
+        (Format::Fp16, BlockFma::V100),
+        (Format::Bf16, BlockFma::A100),
+        (Format::Fp16, BlockFma::A100),
+        (Format::Bf16, BlockFma::H100),
+        (Format::Fp16, BlockFma::H100),
+        (Format::E4M3, BlockFma::H100),
+        (Format::Bf16, BlockFma::new(5, 3).unwrap()),
+    ] {
+        let mut value = |_| {
+            let r = next();
+            let x = match r % 10 {
+                0 => 0.0,
+                1 => -0.0,
+                // Subnormals of the format: its smallest normal exponent and below.
+                2 => ((r >> 8) % 64) as f64 * format.min_subnormal(),
+                _ => ((r >> 8) % 4096) as f64 / 512.0 * 2f64.powi(((r >> 20) % 24) as i32 - 12),
+            };
+            let x = if (r >> 40) & 1 == 1 { -x } else { x };
+            x.round_to(format) as f32
+        };
+        let a: Vec<f32> = (0..m * k).map(&mut value).collect();
+        let mut b: Vec<f32> = (0..k * n).map(&mut value).collect();
+        // Cancellation: a column that is another negated.
+        for p in 0..k {
+            b[p * n + 5] = -b[p * n + 4];
+        }
+        let mut c: Vec<f32> = (0..m * n).map(&mut value).collect();
+        c[3] = f32::MAX;
+        c[4] = -0.0;
+        for accumulate in [false, true] {
+            check_every_kernel(fma, format, (m, k, n), (&a, &b, &c), accumulate)
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
     }
 }
