@@ -488,9 +488,9 @@ fn scale_in_place<E: Element>(a: &mut ArrayD<E>, factor: E) {
     match a.as_slice_memory_order_mut() {
         Some(values) if values.len() > BLOCK => values
             .par_chunks_mut(BLOCK)
-            .for_each(|block| block.iter_mut().for_each(|v| *v = *v * factor)),
-        Some(values) => values.iter_mut().for_each(|v| *v = *v * factor),
-        None => a.map_inplace(|v| *v = *v * factor),
+            .for_each(|block| block.iter_mut().for_each(|v| *v *= factor)),
+        Some(values) => values.iter_mut().for_each(|v| *v *= factor),
+        None => a.map_inplace(|v| *v *= factor),
     }
 }
 
