@@ -1,6 +1,6 @@
 //! Throughput of `round_slice` on a large f32 buffer in every format (and of the saturating,
-//! counting conversion in the fp8 formats), next to a plain copy of the same size (and, for
-//! reference, on the same values as f64).
+//! counting conversion in the fp8 formats, and fp8's whole scaled cast with its amax), next
+//! to a plain copy of the same size (and, for reference, on the same values as f64).
 //!
 //! Autocast rounds every matmul operand and output, so rounding a slice must run near memory
 //! bandwidth; `copy_from_slice` (a memcpy) is the yardstick. Throughput is the buffer size in
@@ -11,7 +11,11 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use tl_numerics::{Format, round_slice, round_slice_saturating_counting};
+use std::mem::MaybeUninit;
+
+use tl_numerics::{
+    Format, round_slice, round_slice_saturating_counting, scale_round_saturating_into,
+};
 
 /// 16M values: 64 MiB per buffer, well beyond any cache, so this measures memory streaming.
 const LEN: usize = 1 << 24;
@@ -51,6 +55,17 @@ fn bench_round(c: &mut Criterion) {
         let mut xs = source.clone();
         group.bench_function(format!("round_slice_saturating_counting_{format}"), |b| {
             b.iter(|| round_slice_saturating_counting(black_box(xs.as_mut_slice()), format));
+        });
+    }
+
+    // fp8's cast as delayed scaling does it: scale, saturating round, range counts and the
+    // amax, read from one buffer and written to another (so beside memcpy, not in place).
+    for format in Format::FP8 {
+        let mut out = vec![MaybeUninit::<f32>::uninit(); LEN];
+        group.bench_function(format!("scale_round_saturating_into_{format}"), |b| {
+            b.iter(|| {
+                scale_round_saturating_into(black_box(source.as_slice()), 3.0, &mut out, format)
+            });
         });
     }
 

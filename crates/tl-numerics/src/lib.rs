@@ -38,7 +38,7 @@ mod round;
 pub use block_fma::{BlockFma, GemmElement, GemmKernel};
 pub use error::{NumericsError, Result};
 pub use format::Format;
-pub use round::{RangeCounts, Round};
+pub use round::{RangeCounts, Round, ScaledCast};
 
 /// Rounds `x` to the nearest bf16 value, ties to even, keeping its type.
 ///
@@ -244,4 +244,37 @@ pub fn round_slice_saturating<E: Round>(xs: &mut [E], f: Format) {
 /// ```
 pub fn round_slice_saturating_counting<E: Round>(xs: &mut [E], f: Format) -> RangeCounts {
     E::round_slice_saturating_counting(xs, f)
+}
+
+/// Writes `rd_sat(x · scale)` in format `f` of every `x` of `src` to `dst` (memory that need
+/// not be initialised) and returns the cast's [`RangeCounts`] and the largest `|x|` before
+/// scaling: fp8 delayed scaling's cast, its range counts and its amax in one pass
+/// ([`Round::scale_round_saturating_into`]), vectorized for the CPU at hand.
+///
+/// # Panics
+/// If the slices differ in length.
+///
+/// # Examples
+///
+/// ```
+/// use std::mem::MaybeUninit;
+/// use tl_numerics::{scale_round_saturating_into, Format, RangeCounts};
+///
+/// let src = [2.5_f32, -1.0, 1e-6, 0.0];
+/// let mut dst = [MaybeUninit::uninit(); 4];
+/// let cast = scale_round_saturating_into(&src, 200.0, &mut dst, Format::E4M3);
+/// // 500 saturates to 448; 2e-4 flushes to zero; the amax is of the unscaled values.
+/// assert_eq!(cast.counts, RangeCounts { saturated: 1, flushed: 1 });
+/// assert_eq!(cast.amax, 2.5);
+/// // SAFETY: the cast wrote every element.
+/// let dst = dst.map(|x| unsafe { x.assume_init() });
+/// assert_eq!(dst, [448.0, -192.0, 0.0, 0.0]);
+/// ```
+pub fn scale_round_saturating_into<E: Round>(
+    src: &[E],
+    scale: E,
+    dst: &mut [std::mem::MaybeUninit<E>],
+    f: Format,
+) -> ScaledCast {
+    E::scale_round_saturating_into(src, scale, dst, f)
 }

@@ -144,6 +144,71 @@ pub trait Round: Copy {
     /// that fell off either end of the range: those clamped to ±`max_finite` and the nonzero
     /// ones that became zero.
     fn round_slice_saturating_counting(xs: &mut [Self], f: Format) -> RangeCounts;
+
+    /// Writes `rd_sat(x · scale)` in format `f` of every `x` of `src` to `dst`, and returns
+    /// what the cast saw: the [`RangeCounts`] of the rounding (of the scaled values) and the
+    /// largest magnitude of `src` itself, before scaling ([`ScaledCast`]).
+    ///
+    /// This is fp8 delayed scaling's whole cast in one pass over memory: the same bits as
+    /// multiplying every element by `scale` (one IEEE product, no fused multiply-add),
+    /// then [`round_slice_saturating_counting`](Round::round_slice_saturating_counting),
+    /// then a fold of the magnitudes, which were three passes and an allocation.
+    ///
+    /// # Panics
+    /// If the slices differ in length.
+    fn scale_round_saturating_into(
+        src: &[Self],
+        scale: Self,
+        dst: &mut [MaybeUninit<Self>],
+        f: Format,
+    ) -> ScaledCast;
+}
+
+/// What a scaled saturating cast saw of a slice
+/// ([`scale_round_saturating_into`](crate::scale_round_saturating_into)): how many scaled
+/// values fell off the ends of the range, and the largest magnitude before scaling, which
+/// is what fp8 delayed scaling records as the tensor's amax.
+///
+/// Both are order-free, so the casts of separate blocks of one tensor, done in any order
+/// or on any thread, [`merge`](ScaledCast::merge) into exactly the cast of the whole.
+///
+/// # Examples
+///
+/// ```
+/// use tl_numerics::{RangeCounts, ScaledCast};
+///
+/// let a = ScaledCast { counts: RangeCounts { saturated: 1, flushed: 0 }, amax: 3.0 };
+/// let b = ScaledCast { counts: RangeCounts { saturated: 0, flushed: 2 }, amax: 5.0 };
+/// assert_eq!(a.merge(b), ScaledCast { counts: RangeCounts { saturated: 1, flushed: 2 }, amax: 5.0 });
+/// let nan = ScaledCast { amax: f32::NAN, ..ScaledCast::default() };
+/// assert!(a.merge(nan).amax.is_nan());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ScaledCast {
+    /// The scaled values clamped to ±`max_finite`, and the nonzero scaled values flushed to
+    /// zero, as [`round_slice_saturating_counting`](Round::round_slice_saturating_counting)
+    /// counts them.
+    pub counts: RangeCounts,
+    /// The largest `|x|` of the unscaled values, as an f32 (an f64 rounded to nearest), 0
+    /// for an empty slice; `f32::NAN` (the default quiet NaN) when any value is a NaN.
+    pub amax: f32,
+}
+
+impl ScaledCast {
+    /// The cast of two blocks together: counts added, the larger amax, and a NaN amax from
+    /// either side poisoning the result (as fp8's amax fold always has).
+    #[must_use]
+    pub fn merge(self, other: ScaledCast) -> ScaledCast {
+        let amax = if self.amax.is_nan() || other.amax.is_nan() {
+            f32::NAN
+        } else {
+            self.amax.max(other.amax)
+        };
+        ScaledCast {
+            counts: self.counts + other.counts,
+            amax,
+        }
+    }
 }
 
 /// How many values of a slice a rounding moved off the ends of the format's range, as
@@ -267,15 +332,42 @@ impl Round for f32 {
         }
         f32_slices::saturating_counting(xs, f)
     }
+
+    fn scale_round_saturating_into(
+        src: &[f32],
+        scale: f32,
+        dst: &mut [MaybeUninit<f32>],
+        f: Format,
+    ) -> ScaledCast {
+        assert_eq!(
+            src.len(),
+            dst.len(),
+            "scale_round_saturating_into: lengths differ"
+        );
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { f32_slices::scaled_saturating_into_avx512(src, scale, dst, f) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            return unsafe { f32_slices::scaled_saturating_into_avx2(src, scale, dst, f) };
+        }
+        f32_slices::scaled_saturating_into(src, scale, dst, f)
+    }
 }
 
 /// The f32 slice loops, each written once and compiled twice: for any x86-64 (SSE2, four
-/// lanes) and for AVX2 (eight lanes), chosen at run time. The kernels are pure integer and
-/// IEEE operations without fused multiply-adds, so both builds give the same bits.
+/// lanes) and for AVX2 (eight lanes), chosen at run time; fp8's scaled cast a third time,
+/// for AVX-512F (sixteen lanes). The kernels are pure integer and IEEE operations without
+/// fused multiply-adds, so every build gives the same bits.
 mod f32_slices {
     use std::mem::MaybeUninit;
 
-    use super::{Overflow, RangeCounts, f32_to_format_value};
+    use super::{
+        F32_ABS_MASK, F32_INF_BITS, Overflow, RangeCounts, ScaledCast, f32_to_format_value,
+    };
     use crate::format::Format;
 
     // Each loop matches the format once, outside (`with_format!`): with the kernel fixed,
@@ -351,6 +443,86 @@ mod f32_slices {
                 }
             })
             .sum()
+    }
+
+    #[inline(always)]
+    pub(super) fn scaled_saturating_into(
+        src: &[f32],
+        scale: f32,
+        dst: &mut [MaybeUninit<f32>],
+        f: Format,
+    ) -> ScaledCast {
+        with_format!(f, F => scaled_with(src, scale, dst, |x| {
+            f32_to_format_value(x, F, Overflow::Saturate)
+        }))
+    }
+
+    /// One pass: scale, round, write, count as [`saturating_counting_with`] does, and keep
+    /// the largest magnitude of the input as the largest of its magnitude *bits*.
+    ///
+    /// For f32s that are not NaN, the order of the bits with the sign cleared is the order
+    /// of the magnitudes, and every NaN's bits lie above infinity's; so an unsigned integer
+    /// max, which vectorizes (a float max with NaN propagation does not), gives the amax,
+    /// or a NaN's bits when there was one. The float fold it replaces (`0` to start, NaN
+    /// poisoning) gives exactly this: `+0` for zeros of either sign, the largest magnitude,
+    /// or the default NaN.
+    #[inline(always)]
+    fn scaled_with(
+        src: &[f32],
+        scale: f32,
+        dst: &mut [MaybeUninit<f32>],
+        round: impl Fn(f32) -> (f32, bool),
+    ) -> ScaledCast {
+        let (mut counts, mut amax_bits) = (RangeCounts::default(), 0_u32);
+        for (src, dst) in src.chunks(1 << 30).zip(dst.chunks_mut(1 << 30)) {
+            let (saturated, flushed, largest) = src.iter().zip(dst.iter_mut()).fold(
+                (0_u32, 0_u32, 0_u32),
+                |(s, n, m), (&x, out)| {
+                    let scaled = x * scale;
+                    let (rounded, beyond) = round(scaled);
+                    let was_flushed = (scaled != 0.0) & (rounded == 0.0);
+                    out.write(rounded);
+                    (
+                        s + u32::from(beyond),
+                        n + u32::from(was_flushed),
+                        m.max(x.to_bits() & F32_ABS_MASK),
+                    )
+                },
+            );
+            counts += RangeCounts {
+                saturated: u64::from(saturated),
+                flushed: u64::from(flushed),
+            };
+            amax_bits = amax_bits.max(largest);
+        }
+        let amax = if amax_bits > F32_INF_BITS {
+            f32::NAN
+        } else {
+            f32::from_bits(amax_bits)
+        };
+        ScaledCast { counts, amax }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn scaled_saturating_into_avx2(
+        src: &[f32],
+        scale: f32,
+        dst: &mut [MaybeUninit<f32>],
+        f: Format,
+    ) -> ScaledCast {
+        scaled_saturating_into(src, scale, dst, f)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scaled_saturating_into_avx512(
+        src: &[f32],
+        scale: f32,
+        dst: &mut [MaybeUninit<f32>],
+        f: Format,
+    ) -> ScaledCast {
+        scaled_saturating_into(src, scale, dst, f)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -491,6 +663,164 @@ mod f32_slices {
                 assert_eq!((counts, counts_avx2), (expected, expected), "{f} counts");
             }
         }
+
+        /// fp8's cast as it was before the fused loop, kept as the oracle: scale into a new
+        /// vector, round it with the saturating counting loop, fold the amax of the input.
+        fn scaled_reference(src: &[f32], scale: f32, f: Format) -> (Vec<f32>, ScaledCast) {
+            let mut scaled: Vec<f32> = src.iter().map(|&v| v * scale).collect();
+            let counts = saturating_counting(&mut scaled, f);
+            let amax = src.iter().fold(0.0f32, |m, &v| {
+                let a = v.abs();
+                if a.is_nan() || m.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(a)
+                }
+            });
+            (scaled, ScaledCast { counts, amax })
+        }
+
+        /// A build of the fused cast: portable, AVX2 or AVX-512F.
+        #[derive(Clone, Copy, Debug)]
+        enum Build {
+            Portable,
+            Avx2,
+            Avx512,
+        }
+
+        fn fused(src: &[f32], scale: f32, f: Format, build: Build) -> (Vec<f32>, ScaledCast) {
+            let mut out = vec![MaybeUninit::uninit(); src.len()];
+            let cast = match build {
+                Build::Portable => scaled_saturating_into(src, scale, &mut out, f),
+                // SAFETY: the caller checked AVX2.
+                Build::Avx2 => unsafe { scaled_saturating_into_avx2(src, scale, &mut out, f) },
+                // SAFETY: the caller checked AVX-512F.
+                Build::Avx512 => unsafe { scaled_saturating_into_avx512(src, scale, &mut out, f) },
+            };
+            // SAFETY: every build writes every element.
+            let out = out.iter().map(|x| unsafe { x.assume_init() }).collect();
+            (out, cast)
+        }
+
+        /// The builds this CPU can run, the portable one always; a build it cannot run is
+        /// said on stderr, so that a pass never hides an untested path.
+        fn builds() -> Vec<Build> {
+            let mut builds = vec![Build::Portable];
+            for (build, feature, present) in [
+                (
+                    Build::Avx2,
+                    "avx2",
+                    std::arch::is_x86_feature_detected!("avx2"),
+                ),
+                (
+                    Build::Avx512,
+                    "avx512f",
+                    std::arch::is_x86_feature_detected!("avx512f"),
+                ),
+            ] {
+                if present {
+                    builds.push(build);
+                } else {
+                    eprintln!("this CPU has no {feature}: its build of the fp8 cast is untested");
+                }
+            }
+            builds
+        }
+
+        /// xorshift64*: a reproducible stream without a dependency.
+        struct Rng(u64);
+
+        impl Rng {
+            fn next(&mut self) -> u64 {
+                self.0 ^= self.0 >> 12;
+                self.0 ^= self.0 << 25;
+                self.0 ^= self.0 >> 27;
+                self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+            }
+
+            fn below(&mut self, n: u64) -> u64 {
+                self.next() % n
+            }
+        }
+
+        /// `n` values of every kind the cast meets: ordinary ones near the scaled range, tiny
+        /// ones that flush, f32 subnormals, huge ones that saturate, ±0, ±inf, NaNs of
+        /// either sign with payloads, and arbitrary bit patterns; `kinds` is 7 for finite
+        /// values only, 8 for infinities too, 10 for NaNs as well.
+        fn values(rng: &mut Rng, n: usize, kinds: u64) -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    let sign = if rng.below(2) == 0 { 1.0 } else { -1.0 };
+                    let unit = (rng.below(1 << 24) as f32) / (1 << 24) as f32;
+                    match rng.below(kinds) {
+                        0 | 1 => sign * unit * 4.0,
+                        2 => sign * unit * 1e-6,
+                        3 => sign * f32::from_bits(rng.below(0x0080_0000) as u32),
+                        4 => sign * (1.0 + unit) * 1e6,
+                        5 => 0.0 * sign,
+                        6 => f32::from_bits(rng.next() as u32 & 0x7F7F_FFFF) * sign,
+                        7 => f32::INFINITY * sign,
+                        8 => f32::from_bits(0x7FC0_0000 | rng.below(1 << 22) as u32) * sign,
+                        _ => f32::from_bits(0x7F80_0001 | rng.below(1 << 22) as u32),
+                    }
+                })
+                .collect()
+        }
+
+        #[test]
+        fn the_fused_scaled_cast_is_the_three_passes_it_replaces_bit_for_bit() {
+            let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+            let builds = builds();
+            let scales = [
+                1.0,
+                448.0 / 3.7,
+                2f32.powi(-20),
+                2f32.powi(40),
+                57344.0,
+                0.3,
+            ];
+            let (mut nans, mut infinite, mut saturated, mut flushed) = (0, 0, 0, 0);
+            for round in 0..400 {
+                // Every small length (lane remainders of every build), then random ones.
+                let n = if round < 70 {
+                    round
+                } else {
+                    rng.below(5000) as usize
+                };
+                let src = values(&mut rng, n, [7, 8, 10][round % 3]);
+                let scale = scales[round % scales.len()];
+                for f in [Format::E4M3, Format::E5M2] {
+                    let (expected, expected_cast) = scaled_reference(&src, scale, f);
+                    for &build in &builds {
+                        let (got, cast) = fused(&src, scale, f, build);
+                        assert_eq!(bits(&got), bits(&expected), "{f} {build:?} n={n}");
+                        assert_eq!(cast.counts, expected_cast.counts, "{f} {build:?} n={n}");
+                        assert_eq!(
+                            cast.amax.to_bits(),
+                            expected_cast.amax.to_bits(),
+                            "{f} {build:?} n={n}: amax"
+                        );
+                    }
+                    nans += usize::from(expected_cast.amax.is_nan());
+                    infinite += usize::from(expected_cast.amax.is_infinite());
+                    saturated += expected_cast.counts.saturated;
+                    flushed += expected_cast.counts.flushed;
+                }
+            }
+            // The stream met every case the kernels tell apart.
+            assert!(nans > 0 && infinite > 0 && saturated > 0 && flushed > 0);
+            // The sweep of bit patterns too, on every format with saturation.
+            let src = sweep();
+            for f in Format::ALL {
+                let (expected, expected_cast) = scaled_reference(&src, 3.0, f);
+                for &build in &builds {
+                    let (got, cast) = fused(&src, 3.0, f, build);
+                    assert_eq!(bits(&got), bits(&expected), "{f} {build:?} sweep");
+                    assert_eq!(cast.counts, expected_cast.counts, "{f} {build:?} sweep");
+                    assert_eq!(cast.amax.to_bits(), expected_cast.amax.to_bits());
+                }
+            }
+        }
     }
 }
 
@@ -544,6 +874,43 @@ impl Round for f64 {
                 flushed: counts.flushed + u64::from(was_flushed),
             }
         }))
+    }
+
+    /// The amax is kept as the largest magnitude bits, as the f32 loop does (see
+    /// `f32_slices::scaled_with`), and rounded to f32 once at the end: rounding is monotone,
+    /// so that is the largest of the magnitudes rounded one by one.
+    fn scale_round_saturating_into(
+        src: &[f64],
+        scale: f64,
+        dst: &mut [MaybeUninit<f64>],
+        f: Format,
+    ) -> ScaledCast {
+        assert_eq!(
+            src.len(),
+            dst.len(),
+            "scale_round_saturating_into: lengths differ"
+        );
+        let start = (RangeCounts::default(), 0_u64);
+        let (counts, amax_bits) = with_format!(f, F => src.iter().zip(dst.iter_mut()).fold(
+            start,
+            |(counts, m), (&x, out)| {
+                let scaled = x * scale;
+                let (rounded, beyond) = f64_to_format_value(scaled, F, Overflow::Saturate);
+                let was_flushed = scaled != 0.0 && rounded == 0.0;
+                out.write(rounded);
+                let counts = RangeCounts {
+                    saturated: counts.saturated + u64::from(beyond),
+                    flushed: counts.flushed + u64::from(was_flushed),
+                };
+                (counts, m.max(x.to_bits() & F64_ABS_MASK))
+            },
+        ));
+        let amax = if amax_bits > F64_INF_BITS {
+            f32::NAN
+        } else {
+            f64::from_bits(amax_bits) as f32
+        };
+        ScaledCast { counts, amax }
     }
 }
 

@@ -86,7 +86,7 @@ fn cast_vjp<E: Element>(format: Format) -> impl FnOnce(ArrayD<E>) -> Vec<Option<
 /// Elements per task when rounding on the rayon pool (64 KiB of f32): large enough that a
 /// task's bookkeeping is small next to its work, small enough for both threads to share
 /// the work of a modest tensor.
-const BLOCK: usize = 1 << 14;
+pub(crate) const BLOCK: usize = 1 << 14;
 
 // Both directions round block by block on the rayon pool. Every element is rounded on its
 // own, so the split never changes a bit (nor a count: counts are per block, and integer sums

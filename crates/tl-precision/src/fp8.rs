@@ -18,12 +18,14 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
-use tl_numerics::{Format, RangeCounts, round_slice_saturating_counting};
+use tl_numerics::{Format, RangeCounts, ScaledCast, scale_round_saturating_into};
 use tl_tensor::kernels::gemm::matmul as gemm;
 use tl_tensor::ndarray::{ArrayD, Ix2, IxDyn};
 use tl_tensor::{Element, Tensor, in_backward};
 
+use crate::cast::BLOCK;
 use crate::error::{PrecisionError, Result};
 
 /// How the amax history gives the scale's amax.
@@ -372,9 +374,9 @@ pub fn fp8_matmul<E: Element>(
         );
         (Rc::new(xq), Rc::new(wq))
     });
-    let unscale = |product: ArrayD<E>, a: f32, b: f32| {
-        let inverse = E::from_f32(1.0 / a) * E::from_f32(1.0 / b);
-        product.mapv(|v| v * inverse)
+    let unscale = |mut product: ArrayD<E>, a: f32, b: f32| {
+        scale_in_place(&mut product, E::from_f32(1.0 / a) * E::from_f32(1.0 / b));
+        product
     };
     let mut out_shape = x_shape[..x_shape.len() - 1].to_vec();
     out_shape.push(n);
@@ -430,24 +432,19 @@ enum Role {
 
 /// `rd_sat(x · scale)` in `format`, as f32-or-f64 values; with a target, its amax (of `x`,
 /// unscaled) and range counts are recorded there.
+///
+/// One pass over `x` ([`scale_round_saturating_into`]: scale, round, count and amax per
+/// element, vectorized) in blocks on the rayon pool, into a buffer that is written once.
+/// The blocks are fixed, not per thread, and what they return is order-free (integer sums
+/// and a max), so the cast, its counts and its amax are the same bits on any thread count.
 fn cast_scaled<E: Element>(
     x: &ArrayD<E>,
     scale: f32,
     format: Format,
     record: Option<(&Rc<RefCell<Fp8State>>, usize, Role)>,
 ) -> ArrayD<E> {
-    let scale = E::from_f32(scale);
-    let mut scaled: Vec<E> = x.iter().map(|&v| v * scale).collect();
-    let counts = round_slice_saturating_counting(&mut scaled, format);
+    let (cast, seen) = scaled_copy(x, E::from_f32(scale), format);
     if let Some((state, layer, role)) = record {
-        let amax = x.iter().fold(0.0f32, |m, &v| {
-            let a = v.to_f32().abs();
-            if a.is_nan() || m.is_nan() {
-                f32::NAN
-            } else {
-                m.max(a)
-            }
-        });
         let mut state = state.borrow_mut();
         let scales = &mut state.layers[layer];
         let target = match role {
@@ -455,10 +452,46 @@ fn cast_scaled<E: Element>(
             Role::Weight => &mut scales.weight,
             Role::Grad => &mut scales.grad,
         };
-        target.observe(amax);
-        target.counts += counts;
+        target.observe(seen.amax);
+        target.counts += seen.counts;
     }
-    ArrayD::from_shape_vec(x.raw_dim(), scaled).expect("the input's shape")
+    cast
+}
+
+/// `rd_sat(x · scale)` of every element of `x`, in standard layout, with what the cast saw
+/// of the whole tensor: [`cast_scaled`] without the recording.
+fn scaled_copy<E: Element>(x: &ArrayD<E>, scale: E, format: Format) -> (ArrayD<E>, ScaledCast) {
+    // Activations, weights and gradients are contiguous; anything else is copied first.
+    let standard = x.as_standard_layout();
+    let src = standard.as_slice().expect("standard layout");
+    let mut cast = Vec::with_capacity(src.len());
+    let out = &mut cast.spare_capacity_mut()[..src.len()];
+    let seen = if src.len() <= BLOCK {
+        scale_round_saturating_into(src, scale, out, format)
+    } else {
+        out.par_chunks_mut(BLOCK)
+            .zip(src.par_chunks(BLOCK))
+            .map(|(out, block)| scale_round_saturating_into(block, scale, out, format))
+            .reduce(ScaledCast::default, ScaledCast::merge)
+    };
+    // SAFETY: the blocks above cover the first `src.len()` elements of the spare capacity,
+    // and `scale_round_saturating_into` initialised every element of each block.
+    unsafe { cast.set_len(src.len()) };
+    let cast = ArrayD::from_shape_vec(x.raw_dim(), cast).expect("the input's shape");
+    (cast, seen)
+}
+
+/// Multiplies every element of `a` by `factor`, in place: the unscaling of an fp8 product,
+/// without the new array a `mapv` would allocate, in blocks on the rayon pool. Each element
+/// is the one product `v · factor`, so the blocks change no bit.
+fn scale_in_place<E: Element>(a: &mut ArrayD<E>, factor: E) {
+    match a.as_slice_memory_order_mut() {
+        Some(values) if values.len() > BLOCK => values
+            .par_chunks_mut(BLOCK)
+            .for_each(|block| block.iter_mut().for_each(|v| *v *= factor)),
+        Some(values) => values.iter_mut().for_each(|v| *v *= factor),
+        None => a.map_inplace(|v| *v *= factor),
+    }
 }
 
 #[cfg(test)]
@@ -634,6 +667,138 @@ mod tests {
             layer.grad.counts.saturated, 1,
             "0.3 · 1024 = 307 > 57344? no: see below"
         );
+    }
+
+    /// `cast_scaled` as it was before the fused pass, kept as the oracle: a scaled copy,
+    /// the saturating counting round, then a fold of the magnitudes.
+    fn cast_reference<E: Element>(
+        x: &ArrayD<E>,
+        scale: f32,
+        format: Format,
+    ) -> (Vec<E>, ScaledCast) {
+        let scale = E::from_f32(scale);
+        let mut scaled: Vec<E> = x.iter().map(|&v| v * scale).collect();
+        let counts = tl_numerics::round_slice_saturating_counting(&mut scaled, format);
+        let amax = x.iter().fold(0.0f32, |m, &v| {
+            let a = v.to_f32().abs();
+            if a.is_nan() || m.is_nan() {
+                f32::NAN
+            } else {
+                m.max(a)
+            }
+        });
+        (scaled, ScaledCast { counts, amax })
+    }
+
+    /// Values of every kind, from a reproducible stream: ordinary, flushing, f32-subnormal,
+    /// saturating, ±0, and (for `specials` 8 or 10 of 10 kinds) ±inf and NaNs.
+    fn values(seed: &mut u64, n: usize, kinds: u64) -> Vec<f64> {
+        let mut next = || {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            *seed
+        };
+        (0..n)
+            .map(|_| {
+                let sign = if next() % 2 == 0 { 1.0 } else { -1.0 };
+                let unit = (next() % (1 << 40)) as f64 / (1u64 << 40) as f64;
+                match next() % kinds {
+                    0 | 1 => sign * unit * 4.0,
+                    2 => sign * unit * 1e-6,
+                    3 => sign * f64::from(f32::from_bits((next() % 0x0080_0000) as u32)),
+                    4 => sign * (1.0 + unit) * 1e6,
+                    5 => 0.0 * sign,
+                    6 => sign * unit * 3e4,
+                    7 => f64::INFINITY * sign,
+                    _ => f64::NAN * sign,
+                }
+            })
+            .collect()
+    }
+
+    fn bits<E: Element>(xs: &[E]) -> Vec<u64> {
+        xs.iter().map(|&x| Element::to_f64(x).to_bits()).collect()
+    }
+
+    /// The fused, blocked cast against the old three passes, for f32 and f64, both formats,
+    /// lengths around the block size and odd ones, on 1 and on 3 threads: the same values,
+    /// counts and amax. (The SIMD builds against the portable one are tl-numerics' test.)
+    #[test]
+    fn the_fused_cast_is_the_old_one_bit_for_bit_on_any_thread_count() {
+        fn check<E: Element>(x: &[f64], scale: f32, format: Format, what: &str) {
+            let x = ArrayD::from_shape_vec(
+                IxDyn(&[x.len()]),
+                x.iter().map(|&v| E::from_f64(v)).collect(),
+            )
+            .unwrap();
+            let (expected, expected_seen) = cast_reference(&x, scale, format);
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let (got, seen) = pool.install(|| scaled_copy(&x, E::from_f32(scale), format));
+                let got = got.as_slice().unwrap();
+                let at = format!("{what} {} {format} scale {scale} on {threads}", E::NAME);
+                assert_eq!(bits(got), bits(&expected), "{at}");
+                assert_eq!(seen.counts, expected_seen.counts, "{at}");
+                assert_eq!(seen.amax.to_bits(), expected_seen.amax.to_bits(), "{at}");
+            }
+        }
+        let mut seed = 0x2545_F491_4F6C_DD1D_u64;
+        let lengths = [
+            0,
+            1,
+            7,
+            33,
+            BLOCK - 1,
+            BLOCK,
+            BLOCK + 1,
+            3 * BLOCK + 17,
+            5 * BLOCK / 2,
+        ];
+        for (i, &n) in lengths.iter().enumerate() {
+            for kinds in [7, 8, 10] {
+                let x = values(&mut seed, n, kinds);
+                for (format, scale) in [(Format::E4M3, 448.0 / 3.9), (Format::E5M2, 2f32.powi(12))]
+                {
+                    let what = format!("length {n} (#{i}), {kinds} kinds");
+                    check::<f32>(&x, scale, format, &what);
+                    check::<f64>(&x, scale, format, &what);
+                }
+            }
+        }
+        // A NaN or an infinity in one block only, the last: the blocks' merge carries it.
+        let mut x = values(&mut seed, 3 * BLOCK + 5, 7);
+        x[3 * BLOCK + 2] = f64::INFINITY;
+        check::<f32>(&x, 1.0, Format::E4M3, "an inf in the last block");
+        x[3 * BLOCK + 1] = f64::NAN;
+        check::<f32>(&x, 1.0, Format::E4M3, "a NaN in the last block");
+    }
+
+    #[test]
+    fn scaling_in_place_is_the_mapv_it_replaces() {
+        let mut seed = 7_u64;
+        for n in [5, BLOCK + 3] {
+            let x = values(&mut seed, n, 10);
+            let a =
+                ArrayD::from_shape_vec(IxDyn(&[n]), x.iter().map(|&v| v as f32).collect()).unwrap();
+            let factor = (1.0f32 / 448.0) * (1.0 / 57344.0);
+            let expected = a.mapv(|v| v * factor);
+            let mut got = a.clone();
+            scale_in_place(&mut got, factor);
+            assert_eq!(
+                bits(got.as_slice().unwrap()),
+                bits(expected.as_slice().unwrap())
+            );
+            // A view that is not contiguous takes the element loop.
+            let mut t = a.clone().into_shape_with_order(IxDyn(&[1, n])).unwrap();
+            t.swap_axes(0, 1);
+            scale_in_place(&mut t, factor);
+            let t: Vec<f32> = t.iter().copied().collect();
+            assert_eq!(bits(&t), bits(expected.as_slice().unwrap()));
+        }
     }
 
     #[test]

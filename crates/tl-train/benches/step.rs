@@ -13,6 +13,8 @@
 //! - `fp16`: matmuls under emulated fp16 autocast, with dynamic loss scaling (a step whose
 //!   gradients overflow skips the AdamW update; the bench reports how many did).
 //! - `fp32+ckpt`, `bf16+ckpt`: as `fp32`/`bf16`, with per-block activation checkpointing.
+//! - `fp8`: the blocks' linear layers in fp8 with delayed scaling (`--fp8`), the other
+//!   products in fp32.
 //!
 //! The caching global allocator of the `tinyllm` binary is installed, so the figures match
 //! the binary's. A step takes several seconds: each mode warms up with one step (which also

@@ -222,6 +222,33 @@ fn cpu_features() -> Vec<String> {
 /// assert_eq!(recipe_name(Precision::Fp32, Checkpointing::Budget(2)), "fp32+ckpt2");
 /// ```
 pub fn recipe_name(precision: Precision, checkpointing: Checkpointing) -> String {
+    named_recipe(precision.name(), checkpointing)
+}
+
+/// The short name of the recipe `config` trains in: [`recipe_name`], with fp8 in front of
+/// the other products' precision: `fp8` for fp8 over fp32 (the [`STEP_RECIPES`] name of
+/// `tinyllm train --fp8`), `bf16+fp8` over bf16.
+///
+/// ```
+/// use tl_train::bench::config_recipe_name;
+/// use tl_train::model::Preset;
+/// use tl_train::train::TrainConfig;
+/// let mut config = TrainConfig::for_preset(Preset::Tiny);
+/// assert_eq!(config_recipe_name(&config), "fp32");
+/// config.fp8 = Some(Default::default());
+/// assert_eq!(config_recipe_name(&config), "fp8");
+/// ```
+pub fn config_recipe_name(config: &TrainConfig) -> String {
+    let precision = match (config.fp8.is_some(), config.precision) {
+        (false, precision) => precision.name().to_string(),
+        (true, Precision::Fp32) => "fp8".to_string(),
+        (true, precision) => format!("{}+fp8", precision.name()),
+    };
+    named_recipe(&precision, config.checkpointing)
+}
+
+/// `precision` followed by the suffix of `checkpointing`.
+fn named_recipe(precision: &str, checkpointing: Checkpointing) -> String {
     let checkpointing = match checkpointing {
         Checkpointing::Off => String::new(),
         Checkpointing::PerBlock => "+ckpt".into(),
@@ -229,15 +256,18 @@ pub fn recipe_name(precision: Precision, checkpointing: Checkpointing) -> String
         Checkpointing::FirstMatmul => "+ckpt-first-matmul".into(),
         Checkpointing::Budget(k) => format!("+ckpt{k}"),
     };
-    format!("{}{checkpointing}", precision.name())
+    format!("{precision}{checkpointing}")
 }
 
-/// `base` with the precision and checkpointing of `recipe`: the paired mode's two runs
-/// differ only there.
+/// `base` with the precision, checkpointing and fp8 of `recipe`: the paired mode's two runs
+/// differ only there. An fp8 recipe keeps `base`'s own fp8 recipe (its `--fp8-*` settings)
+/// when it has one, and a recipe without fp8 drops it.
 pub fn with_recipe(base: &TrainConfig, recipe: StepRecipe) -> TrainConfig {
+    let fp8 = recipe.fp8.then(|| base.fp8.unwrap_or_default());
     TrainConfig {
         precision: recipe.precision,
         checkpointing: recipe.checkpointing,
+        fp8,
         ..base.clone()
     }
 }
@@ -327,7 +357,7 @@ impl Timed {
         let config = self.trainer.config();
         let seconds = Spread::of(&self.step_s).expect("at least one timed step");
         RecipeTimes {
-            name: recipe_name(config.precision, config.checkpointing),
+            name: config_recipe_name(config),
             precision: config.precision,
             checkpointing: config.checkpointing,
             tokens_per_s: tokens_per_step as f64 / seconds.median,
@@ -476,7 +506,7 @@ mod tests {
     }
 
     #[test]
-    fn a_paired_recipe_changes_only_the_precision_and_the_checkpointing() {
+    fn a_paired_recipe_changes_only_the_precision_the_checkpointing_and_fp8() {
         let base = TrainConfig::for_preset(Preset::Tiny);
         let [a, b] = paired_recipes(&["fp32".into(), "bf16+ckpt".into()]).unwrap();
         let (a, b) = (with_recipe(&base, a), with_recipe(&base, b));
@@ -491,11 +521,28 @@ mod tests {
             },
             base
         );
+        let [bf16, fp8] = paired_recipes(&["bf16".into(), "fp8".into()]).unwrap();
+        let (bf16, fp8) = (with_recipe(&base, bf16), with_recipe(&base, fp8));
+        assert_eq!((bf16.precision, bf16.fp8), (Precision::Bf16, None));
+        assert_eq!(fp8.precision, Precision::Fp32);
+        assert_eq!(fp8.fp8, Some(tl_precision::Fp8Recipe::default()));
+        assert_eq!(TrainConfig { fp8: None, ..fp8 }, base);
+        // A recipe of fp8's own (`--fp8-margin 2`) is the one an fp8 run takes.
+        let tuned = TrainConfig {
+            fp8: Some(tl_precision::Fp8Recipe {
+                margin: 2,
+                ..Default::default()
+            }),
+            ..base.clone()
+        };
+        let [fp32, fp8] = paired_recipes(&["fp32".into(), "fp8".into()]).unwrap();
+        assert_eq!(with_recipe(&tuned, fp8), tuned);
+        assert_eq!(with_recipe(&tuned, fp32).fp8, None);
     }
 
     #[test]
     fn unknown_or_missing_paired_recipes_are_refused_by_name() {
-        for names in [vec!["fp32".to_string()], vec!["fp32".into(), "fp8".into()]] {
+        for names in [vec!["fp32".to_string()], vec!["fp32".into(), "fp9".into()]] {
             match paired_recipes(&names) {
                 Err(TrainError::InvalidArgument { name, reason, .. }) => {
                     assert_eq!(name, "paired");

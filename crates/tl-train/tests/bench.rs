@@ -95,6 +95,18 @@ fn the_paired_mode_times_both_recipes_in_turns() {
 }
 
 #[test]
+fn an_fp8_step_is_timed_alone_and_paired() {
+    let alone = report(&["--fp8", "--steps", "1"]);
+    assert!(alone.config.fp8.is_some());
+    let names: Vec<&str> = alone.recipes.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["fp8"]);
+    let paired = report(&["--paired", "bf16,fp8", "--steps", "1"]);
+    let names: Vec<&str> = paired.recipes.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["bf16", "fp8"]);
+    assert_eq!(paired.paired.unwrap().ratios.len(), 1);
+}
+
+#[test]
 fn a_custom_size_from_a_config_file_is_timed() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("wide.toml");
@@ -161,7 +173,7 @@ total = 10
 fn bad_bench_arguments_fail_before_any_step() {
     for (args, expected) in [
         (vec!["--paired", "fp32"], "expected two recipes"),
-        (vec!["--paired", "fp32,fp8"], "is not a recipe"),
+        (vec!["--paired", "fp32,fp9"], "is not a recipe"),
         (vec!["--steps", "0"], "steps"),
         (vec!["--threads", "0"], "threads"),
     ] {

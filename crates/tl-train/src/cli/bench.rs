@@ -29,9 +29,13 @@ pub struct BenchArgs {
     /// Untimed steps each trainer takes first.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub warmup: usize,
+    /// The blocks' linear layers in fp8 with delayed scaling, as `tinyllm train --fp8`.
+    #[arg(long)]
+    pub fp8: bool,
     /// Time two recipes against each other, taking turns step by step in one process:
     /// two of fp32, bf16, fp16, fp32+ckpt, bf16+ckpt, fp32+ckpt-matmuls,
-    /// fp32+ckpt-first-matmul (the precision and the checkpoint policy replace the recipe's).
+    /// fp32+ckpt-first-matmul, fp8 (the precision, the checkpoint policy and fp8 replace
+    /// the recipe's).
     #[arg(long, value_name = "A,B", value_delimiter = ',')]
     pub paired: Vec<String>,
     /// Print the figures as one JSON object on stdout (progress still goes to stderr).
@@ -59,6 +63,7 @@ fn bench_config(args: &BenchArgs) -> Result<TrainConfig> {
         recipe: args.recipe.clone(),
         config: args.config.clone(),
         seed: args.seed,
+        fp8: args.fp8,
         ..TrainArgs::default()
     };
     let mut config = config_from_flags(&train_args)?;

@@ -1,7 +1,7 @@
 //! The recipes a capstone step is timed in, by name: what `cargo bench -p tl-train --bench
 //! step` measures and `tinyllm bench --paired A,B` compares.
 
-use tl_precision::Precision;
+use tl_precision::{Fp8Recipe, Precision};
 
 use super::TrainConfig;
 use crate::model::{Checkpointing, Preset};
@@ -16,11 +16,15 @@ pub struct StepRecipe {
     pub precision: Precision,
     /// Per-block activation checkpointing, or none.
     pub checkpointing: Checkpointing,
+    /// The blocks' linear layers in fp8 with delayed scaling (the default recipe, as
+    /// `tinyllm train --fp8`), on top of `precision` for the other products.
+    pub fp8: bool,
 }
 
 /// Every timed recipe: plain fp32, the two emulated 16-bit formats, per-block checkpointing
-/// with fp32 and with bf16, and fp32 under the two other checkpoint policies.
-pub const STEP_RECIPES: [StepRecipe; 7] = [
+/// with fp32 and with bf16, fp32 under the two other checkpoint policies, and fp8 (the
+/// blocks' linear layers in fp8, the other products in fp32, as `tinyllm train --fp8`).
+pub const STEP_RECIPES: [StepRecipe; 8] = [
     StepRecipe::new("fp32", Precision::Fp32, Checkpointing::Off),
     StepRecipe::new("bf16", Precision::Bf16, Checkpointing::Off),
     StepRecipe::new("fp16", Precision::Fp16, Checkpointing::Off),
@@ -32,6 +36,7 @@ pub const STEP_RECIPES: [StepRecipe; 7] = [
         Precision::Fp32,
         Checkpointing::FirstMatmul,
     ),
+    StepRecipe::new("fp8", Precision::Fp32, Checkpointing::Off).with_fp8(),
 ];
 
 impl StepRecipe {
@@ -40,7 +45,12 @@ impl StepRecipe {
             name,
             precision,
             checkpointing,
+            fp8: false,
         }
+    }
+
+    const fn with_fp8(self) -> Self {
+        Self { fp8: true, ..self }
     }
 
     /// The recipe called `name` in [`STEP_RECIPES`], if there is one.
@@ -55,14 +65,15 @@ impl StepRecipe {
     }
 
     /// The config `tinyllm train --preset capstone --micro-batch 8 --accum 1` builds with
-    /// this recipe's flags (`--bf16`/`--fp16`, `--checkpoint-activations`): one optimizer
-    /// step of 8 × 512 = 4096 tokens.
+    /// this recipe's flags (`--bf16`/`--fp16`, `--checkpoint-activations`, `--fp8`): one
+    /// optimizer step of 8 × 512 = 4096 tokens.
     pub fn capstone_config(&self) -> TrainConfig {
         let mut config = TrainConfig::for_preset(Preset::Capstone);
         config.precision = self.precision;
         config.micro_batch = 8;
         config.accum = 1;
         config.checkpointing = self.checkpointing;
+        config.fp8 = self.fp8.then(Fp8Recipe::default);
         config
     }
 }
@@ -80,6 +91,7 @@ mod tests {
             assert_eq!((config.micro_batch, config.accum), (8, 1));
             assert_eq!(config.precision, recipe.precision);
             assert_eq!(config.checkpointing, recipe.checkpointing);
+            assert_eq!(config.fp8.is_some(), recipe.fp8);
         }
     }
 }
