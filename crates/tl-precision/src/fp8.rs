@@ -10,7 +10,10 @@
 //!
 //! The HYBRID recipe: the forward pass's operands (activations and weights) in E4M3, the
 //! backward pass's gradients in E5M2, which trades precision for range. Products are exact
-//! fp8 products accumulated in f32, then unscaled; the master weights stay f32.
+//! fp8 products accumulated in f32, then unscaled; the master weights stay f32. Every fp8
+//! value is a bf16 value, and fp8's exponents keep every product and sum far from the
+//! subnormals, so the products run as bf16 products (tl-tensor's `bf16_dot`: the CPU's
+//! bf16 units where it has them, their order on any CPU).
 //!
 //! [`fp8_matmul`] is one linear layer's product; [`Fp8State`] holds every layer's three
 //! [`ScaleState`]s (input, weight, gradient) and steps them with [`Fp8State::update`].
@@ -21,7 +24,7 @@ use std::rc::Rc;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use tl_numerics::{Format, RangeCounts, ScaledCast, scale_round_saturating_into};
-use tl_tensor::kernels::gemm::matmul as gemm;
+use tl_tensor::kernels::bf16_dot::bf16_matmul as gemm;
 use tl_tensor::ndarray::{ArrayD, Ix2, IxDyn};
 use tl_tensor::{Element, Tensor, in_backward};
 

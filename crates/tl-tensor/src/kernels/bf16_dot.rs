@@ -53,11 +53,11 @@ use std::arch::x86_64::*;
 
 use std::borrow::Cow;
 
-use ndarray::{ArrayView2, ArrayViewMut2, Axis, s};
+use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis, s};
 use rayon::prelude::*;
 
 use super::split::PARALLEL_WORK;
-use crate::ProductKernel;
+use crate::{Element, ProductKernel};
 
 /// Which code computed a product (returned for tests and benchmarks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -295,6 +295,18 @@ fn portable_tile() -> fn(Tile<'_, f32>) {
     }
     // SAFETY: `drive` gives the tile what it reads.
     |t| unsafe { portable_tile_body(t) }
+}
+
+/// `lhs · rhs` in a fresh array for matrices holding bf16 values — or narrower ones: every
+/// fp8 value is a bf16 value — by [`Bf16Products`]: f32 matrices in the units' order (on
+/// them where the CPU has them), f64 matrices by the plain f64 GEMM.
+///
+/// # Panics
+/// If the inner sizes differ.
+pub fn bf16_matmul<E: Element>(lhs: ArrayView2<'_, E>, rhs: ArrayView2<'_, E>) -> Array2<E> {
+    let mut out = Array2::zeros((lhs.nrows(), rhs.ncols()));
+    E::kernel_product_view(&Bf16Products, &mut out.view_mut(), lhs, rhs, false);
+    out
 }
 
 /// The products of autocast in bf16 with f32 accumulation, as a [`ProductKernel`]: f32
