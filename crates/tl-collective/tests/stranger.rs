@@ -24,6 +24,27 @@ fn wait_for(path: &std::path::Path) {
     }
 }
 
+/// A connection to the socket at `path`, retried while it is refused: the socket's file
+/// appears when the rank binds it, a moment before it listens, and a connection in between is
+/// refused (seen once under load).
+fn connect(path: &std::path::Path) -> UnixStream {
+    let start = Instant::now();
+    loop {
+        match UnixStream::connect(path) {
+            Ok(stream) => return stream,
+            Err(error) if error.kind() == std::io::ErrorKind::ConnectionRefused => {
+                assert!(
+                    start.elapsed() < Duration::from_secs(10),
+                    "{} kept refusing: {error}",
+                    path.display()
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(error) => panic!("{}: {error}", path.display()),
+        }
+    }
+}
+
 #[test]
 fn stranger_with_a_wrong_secret_is_refused_and_the_ring_still_forms() {
     let dir = support::rendezvous();
@@ -47,7 +68,7 @@ fn stranger_with_a_wrong_secret_is_refused_and_the_ring_still_forms() {
     // Rank 0 has not started: the only connection rank 1 can see is ours.
     let path = socket_path(dir.path(), 1);
     wait_for(&path);
-    let mut stranger = UnixStream::connect(&path).unwrap();
+    let mut stranger = connect(&path);
     stranger
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
@@ -185,9 +206,7 @@ fn silent_strangers_do_not_delay_the_ring(count: usize) {
     let rank1 = ring(config(1));
     let socket1 = socket_path(dir.path(), 1);
     wait_for(&socket1);
-    let mut silent: Vec<UnixStream> = (0..count)
-        .map(|_| UnixStream::connect(&socket1).unwrap())
-        .collect();
+    let mut silent: Vec<UnixStream> = (0..count).map(|_| connect(&socket1)).collect();
     let start = Instant::now();
     let rank0 = ring(config(0));
     // Rank 0's socket may not be there yet, or gone already (the ring formed): whichever

@@ -52,6 +52,7 @@
 use std::arch::x86_64::*;
 
 use std::borrow::Cow;
+use std::cell::Cell;
 
 use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis, s};
 use rayon::prelude::*;
@@ -184,19 +185,21 @@ pub fn bf16_gemm_into(
     #[cfg(target_arch = "x86_64")]
     if units_available() {
         let kp = k.div_ceil(2);
-        let (a, a_range) = pack_a_units(lhs);
-        let (b, b_range) = pack_b_units(rhs);
+        let (mut a, mut b) = SCRATCH.with(Cell::take).unwrap_or_default();
+        let (a_len, a_range) = pack_a_units(lhs, &mut a);
+        let (b_len, b_range) = pack_b_units(rhs, &mut b);
         let o_range = if accumulate {
             scan_old_outputs(out.view())
         } else {
             Range::EMPTY
         };
-        if in_window(a_range, b_range, o_range, k) {
+        let fast = in_window(a_range, b_range, o_range, k);
+        if fast {
             let packed = Packed {
-                a: &a,
+                a: &a[..a_len],
                 m_pad: m.next_multiple_of(UNITS_MR),
                 a_pair: 1,
-                b: &b,
+                b: &b[..b_len],
                 panels: n.div_ceil(UNITS_NR),
                 b_pair: UNITS_NR,
             };
@@ -212,6 +215,9 @@ pub fn bf16_gemm_into(
                 (UNITS_MR, UNITS_NR),
                 &tile,
             );
+        }
+        SCRATCH.with(|scratch| scratch.set(Some((a, b))));
+        if fast {
             return Bf16Route::Units;
         }
     }
@@ -455,6 +461,26 @@ fn scan_old_outputs(out: ArrayView2<'_, f32>) -> Range {
     range
 }
 
+thread_local! {
+    /// This thread's packing buffers for the units (left operand, right operand), kept from
+    /// one product to the next: a step packs the same sizes again and again, and a fresh
+    /// buffer would be zeroed first (4% of a capstone bf16 step). A product takes them out
+    /// for its duration, so a product that starts on this thread meanwhile (rayon runs
+    /// another task while waiting) finds none and allocates its own. Not on the memory
+    /// meter, like the other kernels' block scratch; at most the largest operands' packed
+    /// size, 2 bytes a value, per thread.
+    static SCRATCH: Cell<Option<(Vec<u32>, Vec<u32>)>> = const { Cell::new(None) };
+}
+
+/// `buffer`'s first `len` values, grown with zeros if it is shorter. What a previous product
+/// left there stays: the packing writes every value the tiles read, padding included.
+fn first(buffer: &mut Vec<u32>, len: usize) -> &mut [u32] {
+    if buffer.len() < len {
+        buffer.resize(len, 0);
+    }
+    &mut buffer[..len]
+}
+
 /// The rows of a matrix as slices: borrowed where they are contiguous, gathered otherwise.
 fn row_slices<'a>(x: ArrayView2<'a, f32>) -> Vec<Cow<'a, [f32]>> {
     (0..x.nrows())
@@ -478,10 +504,10 @@ fn by_columns(x: ArrayView2<'_, f32>) -> bool {
 /// of its values. Rows that are slices convert as they lie; a transposed operand pairs two
 /// of its columns (rows of the matrix it transposes) at a time, read in long runs.
 #[cfg(target_arch = "x86_64")]
-fn pack_a_units(lhs: ArrayView2<'_, f32>) -> (Vec<u32>, Range) {
+fn pack_a_units(lhs: ArrayView2<'_, f32>, buffer: &mut Vec<u32>) -> (usize, Range) {
     let (m, k) = lhs.dim();
     let (kp, m_pad) = (k.div_ceil(2), m.next_multiple_of(UNITS_MR));
-    let mut a = vec![0u32; m_pad * kp];
+    let a = first(buffer, m_pad * kp);
     let columns = by_columns(lhs);
     let lines = if columns {
         row_slices(lhs.t())
@@ -493,6 +519,7 @@ fn pack_a_units(lhs: ArrayView2<'_, f32>) -> (Vec<u32>, Range) {
     let mut range = Range::EMPTY;
     for (block, a) in a.chunks_mut(KC * m_pad).enumerate() {
         let (k0, pairs) = (block * KC, a.len() / m_pad);
+        a[m * pairs..].fill(0); // the tile's rows past m
         let block_range = a[..m * pairs]
             .par_chunks_mut(chunk * pairs)
             .enumerate()
@@ -525,7 +552,7 @@ fn pack_a_units(lhs: ArrayView2<'_, f32>) -> (Vec<u32>, Range) {
             .reduce(|| Range::EMPTY, Range::merge);
         range = range.merge(block_range);
     }
-    (a, range)
+    (m_pad * kp, range)
 }
 
 /// Writes the bf16 values of `row` into `packed` in order (two to a `u32`, the first in
@@ -554,6 +581,11 @@ unsafe fn bf16_row(row: &[f32], packed: &mut [u32], lanes: &mut LaneRange) {
         lanes.rest.add(bits, 0xffff);
         // SAFETY: `i < row.len() ≤ 2·packed.len()`.
         unsafe { *halves.add(i) = (bits >> 16) as u16 };
+    }
+    if row.len() % 2 == 1 {
+        // The zero past an odd row, in the last pair's upper half.
+        // SAFETY: `row.len() < 2·packed.len()` when `row.len()` is odd.
+        unsafe { *halves.add(row.len()) = 0 };
     }
 }
 
@@ -619,10 +651,10 @@ impl LaneRange {
 /// every panel: reading a panel's 32 columns down 4096 rows instead would fetch a new cache
 /// line for every 128 bytes, and measured several times slower.
 #[cfg(target_arch = "x86_64")]
-fn pack_b_units(rhs: ArrayView2<'_, f32>) -> (Vec<u32>, Range) {
+fn pack_b_units(rhs: ArrayView2<'_, f32>, buffer: &mut Vec<u32>) -> (usize, Range) {
     let (k, n) = rhs.dim();
     let (kp, panels) = (k.div_ceil(2), n.div_ceil(UNITS_NR));
-    let mut b = vec![0u32; panels * kp * UNITS_NR];
+    let b = first(buffer, panels * kp * UNITS_NR);
     let columns = by_columns(rhs);
     let lines = if columns {
         row_slices(rhs.t())
@@ -643,15 +675,16 @@ fn pack_b_units(rhs: ArrayView2<'_, f32>) -> (Vec<u32>, Range) {
                     let mut lanes = unsafe { LaneRange::new() };
                     let mut column_pairs = vec![0u32; pairs];
                     let span = 2 * k0..k.min(2 * (k0 + pairs));
-                    for (j, column) in lines[q * UNITS_NR..n.min((q + 1) * UNITS_NR)]
-                        .iter()
-                        .enumerate()
-                    {
+                    let cols = q * UNITS_NR..n.min((q + 1) * UNITS_NR);
+                    for (j, column) in lines[cols.clone()].iter().enumerate() {
                         // SAFETY: as above.
                         unsafe { bf16_row(&column[span.clone()], &mut column_pairs, &mut lanes) };
                         for (p, pair) in column_pairs.iter().enumerate() {
                             panel[p * UNITS_NR + j] = *pair;
                         }
+                    }
+                    for slots in panel.chunks_exact_mut(UNITS_NR) {
+                        slots[cols.len()..].fill(0); // columns past n
                     }
                     // SAFETY: as above.
                     unsafe { lanes.range() }
@@ -679,9 +712,11 @@ fn pack_b_units(rhs: ArrayView2<'_, f32>) -> (Vec<u32>, Range) {
                             let slots = unsafe {
                                 std::slice::from_raw_parts_mut(
                                     out.0.add((q * pairs + p) * UNITS_NR),
-                                    cols.len(),
+                                    UNITS_NR,
                                 )
                             };
+                            let (slots, past_n) = slots.split_at_mut(cols.len());
+                            past_n.fill(0);
                             let (even, odd) = (&even[cols.clone()], odd.map(|o| &o[cols]));
                             // SAFETY: the units' path only, as above.
                             unsafe { bf16_pairs(even, odd, slots, &mut lanes) };
@@ -694,7 +729,7 @@ fn pack_b_units(rhs: ArrayView2<'_, f32>) -> (Vec<u32>, Range) {
         };
         range = range.merge(block_range);
     }
-    (b, range)
+    (panels * kp * UNITS_NR, range)
 }
 
 /// The start of a packed block that tasks write at disjoint places.
@@ -1111,6 +1146,53 @@ mod tests {
     }
 
     #[test]
+    fn a_product_after_a_larger_one_reads_nothing_it_left_behind() {
+        // The packing buffers are kept per thread: run the shapes largest first on this
+        // thread, so every pad (rows past m, columns past n, the zero past an odd k) lies
+        // where a larger product wrote values, transposed operands included.
+        units_or_say_so();
+        let rng = Generator::new(15);
+        for (m, k, n) in SHAPES.iter().rev().copied() {
+            let lhs = bf16_values(m * k, 0, &rng);
+            let rhs = bf16_values(k * n, 0, &rng);
+            let mut expected = vec![0.0; m * n];
+            reference(m, k, n, &lhs, &rhs, &mut expected, false);
+            let mut out = vec![0.0; m * n];
+            bf16_gemm(m, k, n, &lhs, &rhs, &mut out, false);
+            assert_eq!(bits(&out), bits(&expected), "{m}×{k}×{n}");
+            let lhs_t = ndarray::Array2::from_shape_vec((m, k), lhs)
+                .unwrap()
+                .t()
+                .to_owned();
+            let rhs_t = ndarray::Array2::from_shape_vec((k, n), rhs)
+                .unwrap()
+                .t()
+                .to_owned();
+            let mut out = ndarray::Array2::zeros((m, n));
+            bf16_gemm_into(&mut out.view_mut(), lhs_t.t(), rhs_t.t(), false);
+            assert_eq!(
+                bits(out.as_slice().unwrap()),
+                bits(&expected),
+                "{m}×{k}×{n}ᵀ"
+            );
+        }
+        // An operand of infinities is packed (then sent to the portable path); the zero past
+        // an odd k of the next product lies where an infinity was, and ∞·0 would be NaN.
+        let (m, k, n) = (8, 63, 5);
+        let mut out = vec![0.0; m * (k + 1)];
+        let infinite = vec![f32::INFINITY; m * (k + 1)];
+        let ones = vec![1.0f32; (k + 1) * (k + 1)];
+        bf16_gemm(m, k + 1, k + 1, &infinite, &ones, &mut out, false);
+        let lhs = bf16_values(m * k, 0, &rng);
+        let rhs = bf16_values(k * n, 0, &rng);
+        let mut expected = vec![0.0; m * n];
+        reference(m, k, n, &lhs, &rhs, &mut expected, false);
+        let mut out = vec![0.0; m * n];
+        bf16_gemm(m, k, n, &lhs, &rhs, &mut out, false);
+        assert_eq!(bits(&out), bits(&expected), "after infinities");
+    }
+
+    #[test]
     fn operands_outside_the_window_take_the_portable_path_with_ieee_results() {
         units_or_say_so();
         let (m, k, n) = (9, 13, 35);
@@ -1198,8 +1280,9 @@ mod tests {
         }
         // One output of k = 2 (one pair) starting from `acc`, on the units.
         let units = |acc: f32, a: [f32; 2], b: [f32; 2]| {
-            let (packed_a, _) = pack_a_units(ArrayView2::from_shape((1, 2), &a).unwrap());
-            let (packed_b, _) = pack_b_units(ArrayView2::from_shape((2, 1), &b).unwrap());
+            let (mut packed_a, mut packed_b) = (Vec::new(), Vec::new());
+            pack_a_units(ArrayView2::from_shape((1, 2), &a).unwrap(), &mut packed_a);
+            pack_b_units(ArrayView2::from_shape((2, 1), &b).unwrap(), &mut packed_b);
             let mut out = ndarray::arr2(&[[acc]]);
             let packed = Packed {
                 a: &packed_a,
