@@ -186,7 +186,7 @@ pub fn bf16_gemm_into(
     if units_available() {
         let kp = k.div_ceil(2);
         let (mut a, mut b) = SCRATCH.with(Cell::take).unwrap_or_default();
-        let (a_len, a_range) = pack_a_units(lhs, &mut a);
+        let (a_len, a_range, a_pair_major) = pack_a_units(lhs, &mut a);
         let (b_len, b_range) = pack_b_units(rhs, &mut b);
         let o_range = if accumulate {
             scan_old_outputs(out.view())
@@ -199,6 +199,7 @@ pub fn bf16_gemm_into(
                 a: &a[..a_len],
                 m_pad: m.next_multiple_of(UNITS_MR),
                 a_pair: 1,
+                a_pair_major,
                 b: &b[..b_len],
                 panels: n.div_ceil(UNITS_NR),
                 b_pair: UNITS_NR,
@@ -247,6 +248,7 @@ pub fn bf16_gemm_portable_into(
         a: &a,
         m_pad: m.next_multiple_of(PORTABLE_MR),
         a_pair: 2,
+        a_pair_major: false,
         b: &b,
         panels: n.div_ceil(PORTABLE_NR),
         b_pair: 2 * PORTABLE_NR,
@@ -500,11 +502,12 @@ fn by_columns(x: ArrayView2<'_, f32>) -> bool {
 
 /// `lhs` (m×k, any strides) packed for the units as [`Packed`] lays it out: block by block
 /// of KC pairs, each row's pairs of the block side by side (the even element in the low
-/// half, a zero past an odd k), m rounded up to a whole tile with zero rows; and the range
-/// of its values. Rows that are slices convert as they lie; a transposed operand pairs two
-/// of its columns (rows of the matrix it transposes) at a time, read in long runs.
+/// half, a zero past an odd k), m rounded up to a whole tile with zero rows; the range of
+/// its values; and whether it is pair-major. Rows that are slices convert as they lie; a
+/// transposed operand is packed pair-major, each pair two of its columns (rows of the matrix
+/// it transposes) read whole.
 #[cfg(target_arch = "x86_64")]
-fn pack_a_units(lhs: ArrayView2<'_, f32>, buffer: &mut Vec<u32>) -> (usize, Range) {
+fn pack_a_units(lhs: ArrayView2<'_, f32>, buffer: &mut Vec<u32>) -> (usize, Range, bool) {
     let (m, k) = lhs.dim();
     let (kp, m_pad) = (k.div_ceil(2), m.next_multiple_of(UNITS_MR));
     let a = first(buffer, m_pad * kp);
@@ -514,45 +517,53 @@ fn pack_a_units(lhs: ArrayView2<'_, f32>, buffer: &mut Vec<u32>) -> (usize, Rang
     } else {
         row_slices(lhs)
     };
-    // Rows per task: a transposed operand reads runs of this many values of each column.
-    let chunk = if columns { 8 * MC } else { MC };
     let mut range = Range::EMPTY;
     for (block, a) in a.chunks_mut(KC * m_pad).enumerate() {
         let (k0, pairs) = (block * KC, a.len() / m_pad);
-        a[m * pairs..].fill(0); // the tile's rows past m
-        let block_range = a[..m * pairs]
-            .par_chunks_mut(chunk * pairs)
-            .enumerate()
-            .map(|(task, packed)| {
-                let (r0, r1) = (task * chunk, task * chunk + packed.len() / pairs);
-                // SAFETY (this closure's calls): the units' path only, whose CPU has
-                // AVX-512F and AVX-512BW (`units_available`).
-                let mut lanes = unsafe { LaneRange::new() };
-                if columns {
-                    let mut column_pairs = vec![0u32; r1 - r0];
-                    for p in 0..pairs {
-                        let even = &lines[2 * (k0 + p)][r0..r1];
-                        let odd = lines.get(2 * (k0 + p) + 1).map(|odd| &odd[r0..r1]);
+        let block_range = if columns {
+            // Pair-major: pair p of every row is columns 2p and 2p+1 side by side, which
+            // `bf16_pairs` makes from two whole columns (rows of the matrix `lhs`
+            // transposes) straight into place. Tasks of 16 pairs.
+            a.par_chunks_mut(16 * m_pad)
+                .enumerate()
+                .map(|(task, packed)| {
+                    // SAFETY (this closure's calls): the units' path only, whose CPU has
+                    // AVX-512F and AVX-512BW (`units_available`).
+                    let mut lanes = unsafe { LaneRange::new() };
+                    for (i, rows) in packed.chunks_exact_mut(m_pad).enumerate() {
+                        let p = k0 + 16 * task + i;
+                        let (rows, past_m) = rows.split_at_mut(m);
+                        past_m.fill(0);
+                        let odd = lines.get(2 * p + 1).map(|odd| &odd[..]);
                         // SAFETY: as above.
-                        unsafe { bf16_pairs(even, odd, &mut column_pairs, &mut lanes) };
-                        for (r, pair) in column_pairs.iter().enumerate() {
-                            packed[r * pairs + p] = *pair;
-                        }
+                        unsafe { bf16_pairs(&lines[2 * p], odd, rows, &mut lanes) };
                     }
-                } else {
+                    // SAFETY: as above.
+                    unsafe { lanes.range() }
+                })
+                .reduce(|| Range::EMPTY, Range::merge)
+        } else {
+            a[m * pairs..].fill(0); // the tile's rows past m
+            a[..m * pairs]
+                .par_chunks_mut(MC * pairs)
+                .enumerate()
+                .map(|(task, packed)| {
+                    let (r0, r1) = (task * MC, task * MC + packed.len() / pairs);
+                    // SAFETY (this closure's calls): as above.
+                    let mut lanes = unsafe { LaneRange::new() };
                     let span = 2 * k0..k.min(2 * (k0 + pairs));
                     for (packed, row) in packed.chunks_exact_mut(pairs).zip(&lines[r0..r1]) {
                         // SAFETY: as above.
                         unsafe { bf16_row(&row[span.clone()], packed, &mut lanes) };
                     }
-                }
-                // SAFETY: as above.
-                unsafe { lanes.range() }
-            })
-            .reduce(|| Range::EMPTY, Range::merge);
+                    // SAFETY: as above.
+                    unsafe { lanes.range() }
+                })
+                .reduce(|| Range::EMPTY, Range::merge)
+        };
         range = range.merge(block_range);
     }
-    (m_pad * kp, range)
+    (m_pad * kp, range, columns)
 }
 
 /// Writes the bf16 values of `row` into `packed` in order (two to a `u32`, the first in
@@ -822,25 +833,30 @@ fn pack_b_portable(rhs: ArrayView2<'_, f32>) -> Vec<f32> {
 /// shorter), so that a tile's operands for one block are contiguous runs:
 ///
 /// - `a`: block after block, each `m_pad` rows of that block's pairs (`a_pair` elements a
-///   pair), so a row of a block of `pairs` pairs takes `pairs·a_pair` elements;
+///   pair), so a row of a block of `pairs` pairs takes `pairs·a_pair` elements — or, when
+///   `a_pair_major` (a transposed operand, packed for the units), each block's pairs one after
+///   the other, every pair `m_pad` rows wide;
 /// - `b`: block after block, each `panels` panels of that block's pairs (`b_pair` elements a
 ///   pair: one row pair of the panel's columns).
 struct Packed<'a, T> {
     a: &'a [T],
     m_pad: usize,
     a_pair: usize,
+    a_pair_major: bool,
     b: &'a [T],
     panels: usize,
     b_pair: usize,
 }
 
 /// One call of a tile kernel: `pairs` pairs of the inner dimension of a tile's rows of `a`
-/// (starting at `a`, rows `a_stride` apart) and its panel of `b`, added to the tile of the
-/// output at `c` (rows `ldc` apart), which starts from zero if `zero`.
+/// (starting at `a`, rows `a_row` elements apart and pairs `a_step`) and its panel of `b`,
+/// added to the tile of the output at `c` (rows `ldc` apart), which starts from zero if
+/// `zero`.
 #[derive(Clone, Copy)]
 struct Tile<'a, T> {
     a: &'a [T],
-    a_stride: usize,
+    a_row: usize,
+    a_step: usize,
     b: &'a [T],
     pairs: usize,
     c: *mut f32,
@@ -887,8 +903,12 @@ fn drive<T: Sync>(
                 let b = &packed.b[(k0 * packed.panels + q * pairs) * packed.b_pair..];
                 for t in (0..rows).step_by(mr) {
                     let tile_rows = mr.min(rows - t);
-                    let a_stride = pairs * packed.a_pair;
-                    let a = &packed.a[k0 * packed.m_pad * packed.a_pair + (r0 + t) * a_stride..];
+                    let (a_row, a_step) = if packed.a_pair_major {
+                        (1, packed.m_pad)
+                    } else {
+                        (pairs * packed.a_pair, packed.a_pair)
+                    };
+                    let a = &packed.a[k0 * packed.m_pad * packed.a_pair + (r0 + t) * a_row..];
                     let whole = tile_rows == mr && cols == nr;
                     let (c, ldc) = if whole {
                         // SAFETY: row t, column c0 of the block lies inside it.
@@ -907,7 +927,8 @@ fn drive<T: Sync>(
                     };
                     tile(Tile {
                         a,
-                        a_stride,
+                        a_row,
+                        a_step,
                         b,
                         pairs,
                         c,
@@ -941,12 +962,12 @@ fn drive<T: Sync>(
 ///
 /// # Safety
 /// The CPU has AVX-512F and AVX512-BF16; `t.a` holds UNITS_MR rows of `t.pairs` pairs
-/// `t.a_stride` apart, `t.b` `t.pairs` rows of UNITS_NR pairs, and `t.c` addresses
+/// (`t.a_row` and `t.a_step` apart), `t.b` `t.pairs` rows of UNITS_NR pairs, and `t.c` addresses
 /// UNITS_MR rows of UNITS_NR writable f32 values `t.ldc` apart (initialised unless `t.zero`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn units_tile(t: Tile<'_, u32>) {
-    debug_assert!(t.a.len() > (UNITS_MR - 1) * t.a_stride + t.pairs - 1);
+    debug_assert!(t.a.len() > (UNITS_MR - 1) * t.a_row + (t.pairs - 1) * t.a_step);
     debug_assert!(t.b.len() >= t.pairs * UNITS_NR);
     let mut acc = [[_mm512_setzero_ps(); 2]; UNITS_MR];
     // SAFETY (whole function): the caller's contract covers every address formed below.
@@ -963,7 +984,7 @@ unsafe fn units_tile(t: Tile<'_, u32>) {
             let b1: __m512bh =
                 std::mem::transmute(_mm512_loadu_si512(b.add(p * UNITS_NR + 16).cast()));
             for (r, acc) in acc.iter_mut().enumerate() {
-                let pair = *a.add(r * t.a_stride + p);
+                let pair = *a.add(r * t.a_row + p * t.a_step);
                 let a: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair as i32));
                 acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
                 acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
@@ -980,7 +1001,7 @@ unsafe fn units_tile(t: Tile<'_, u32>) {
 /// element of each pair first.
 ///
 /// # Safety
-/// `t.a` holds PORTABLE_MR rows of `2·t.pairs` values `t.a_stride` apart, `t.b` `t.pairs`
+/// `t.a` holds PORTABLE_MR rows of `2·t.pairs` values (`t.a_row` and `t.a_step` apart), `t.b` `t.pairs`
 /// pairs of PORTABLE_NR-value rows, and `t.c` addresses PORTABLE_MR rows of PORTABLE_NR
 /// writable values `t.ldc` apart (initialised unless `t.zero`).
 #[inline(always)]
@@ -999,7 +1020,7 @@ unsafe fn portable_tile_body(t: Tile<'_, f32>) {
             let rows = &t.b[2 * p * NR..][..2 * NR];
             let (even, odd) = rows.split_at(NR);
             for (r, acc) in acc.iter_mut().enumerate() {
-                let a = &t.a[r * t.a_stride + 2 * p..][..2];
+                let a = &t.a[r * t.a_row + p * t.a_step..][..2];
                 for j in 0..NR {
                     acc[j] = a[1].mul_add(odd[j], acc[j]);
                     acc[j] = a[0].mul_add(even[j], acc[j]);
@@ -1281,13 +1302,14 @@ mod tests {
         // One output of k = 2 (one pair) starting from `acc`, on the units.
         let units = |acc: f32, a: [f32; 2], b: [f32; 2]| {
             let (mut packed_a, mut packed_b) = (Vec::new(), Vec::new());
-            pack_a_units(ArrayView2::from_shape((1, 2), &a).unwrap(), &mut packed_a);
+            let _ = pack_a_units(ArrayView2::from_shape((1, 2), &a).unwrap(), &mut packed_a);
             pack_b_units(ArrayView2::from_shape((2, 1), &b).unwrap(), &mut packed_b);
             let mut out = ndarray::arr2(&[[acc]]);
             let packed = Packed {
                 a: &packed_a,
                 m_pad: UNITS_MR,
                 a_pair: 1,
+                a_pair_major: false,
                 b: &packed_b,
                 panels: 1,
                 b_pair: UNITS_NR,
