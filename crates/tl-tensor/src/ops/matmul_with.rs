@@ -165,13 +165,7 @@ fn product<E: Element>(
 ) {
     let threads = rayon::current_num_threads();
     let work = m.saturating_mul(n).saturating_mul(k);
-    if kernel.spreads_itself()
-        || !parallel
-        || threads == 1
-        || work < PARALLEL_WORK
-        || m < 2 * MIN_ROWS_PER_TASK
-        || n == 0
-    {
+    if !parallel || threads == 1 || work < PARALLEL_WORK || m < 2 * MIN_ROWS_PER_TASK || n == 0 {
         E::kernel_product(kernel, (m, k, n), lhs, rhs, out, false);
         return;
     }
@@ -467,13 +461,56 @@ pub(crate) mod tests {
         }
     }
 
+    /// [`Naive`] announcing that it spreads itself: `matmul_with` then hands it each matrix
+    /// of a batch as the view it is (`batched_views`), with no row-major copies.
+    #[derive(Debug)]
+    pub(crate) struct NaiveOnViews;
+
+    impl ProductKernel for NaiveOnViews {
+        fn product_f32(
+            &self,
+            m: usize,
+            k: usize,
+            n: usize,
+            lhs: &[f32],
+            rhs: &[f32],
+            out: &mut [f32],
+            accumulate: bool,
+        ) {
+            naive(m, k, n, lhs, rhs, out, accumulate);
+        }
+        fn product_f64(
+            &self,
+            m: usize,
+            k: usize,
+            n: usize,
+            lhs: &[f64],
+            rhs: &[f64],
+            out: &mut [f64],
+            accumulate: bool,
+        ) {
+            naive(m, k, n, lhs, rhs, out, accumulate);
+        }
+        fn spreads_itself(&self) -> bool {
+            true
+        }
+    }
+
     fn integers(shape: &[usize], rng: &Generator) -> ArrayD<f64> {
         ArrayD::from_shape_simple_fn(IxDyn(shape), || rng.below(7) as f64 - 3.0)
     }
 
     #[test]
     fn values_and_gradients_equal_the_plain_products_on_every_shape() {
-        let kernel: Arc<dyn ProductKernel> = Arc::new(Naive);
+        // Through row-major copies, and on the views themselves (a batch broadcast from a
+        // size-1 axis included, and the transposed operands of both VJPs).
+        let kernels: [Arc<dyn ProductKernel>; 2] = [Arc::new(Naive), Arc::new(NaiveOnViews)];
+        for kernel in &kernels {
+            plain_products_on_every_shape(kernel);
+        }
+    }
+
+    fn plain_products_on_every_shape(kernel: &Arc<dyn ProductKernel>) {
         let rng = Generator::new(3);
         let shapes: [(&[usize], &[usize]); 5] = [
             (&[3, 4], &[4, 5]),
@@ -496,7 +533,7 @@ pub(crate) mod tests {
                     Tensor::<f64>::param(b.clone()),
                 );
                 let z = if with {
-                    x.matmul_with(&y, &kernel)
+                    x.matmul_with(&y, kernel)
                 } else {
                     x.matmul_plain(&y)
                 };
@@ -510,7 +547,7 @@ pub(crate) mod tests {
         let b = random_array(&[33, 9], &rng).mapv(|x| (x * 8.0).round() as f32);
         let (x, y) = (Tensor::from_array(a), Tensor::from_array(b));
         assert_eq!(
-            x.matmul_with(&y, &kernel).to_vec(),
+            x.matmul_with(&y, kernel).to_vec(),
             x.matmul_plain(&y).to_vec()
         );
     }
