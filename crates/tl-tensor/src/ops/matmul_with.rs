@@ -408,7 +408,11 @@ pub(crate) mod tests {
     /// A kernel that sums each output in plain f64 order, and counts nothing: with integer
     /// operands every order gives the same result, so it must equal the plain product.
     #[derive(Debug)]
-    pub(crate) struct Naive;
+    pub(crate) struct Naive {
+        /// Whether it says it spreads itself: `matmul_with` then hands it each matrix of a
+        /// batch as the view it is (`batched_views`), with no row-major copies.
+        pub(crate) on_views: bool,
+    }
 
     fn naive<E: Element>(
         m: usize,
@@ -459,40 +463,8 @@ pub(crate) mod tests {
         ) {
             naive(m, k, n, lhs, rhs, out, accumulate);
         }
-    }
-
-    /// [`Naive`] announcing that it spreads itself: `matmul_with` then hands it each matrix
-    /// of a batch as the view it is (`batched_views`), with no row-major copies.
-    #[derive(Debug)]
-    pub(crate) struct NaiveOnViews;
-
-    impl ProductKernel for NaiveOnViews {
-        fn product_f32(
-            &self,
-            m: usize,
-            k: usize,
-            n: usize,
-            lhs: &[f32],
-            rhs: &[f32],
-            out: &mut [f32],
-            accumulate: bool,
-        ) {
-            naive(m, k, n, lhs, rhs, out, accumulate);
-        }
-        fn product_f64(
-            &self,
-            m: usize,
-            k: usize,
-            n: usize,
-            lhs: &[f64],
-            rhs: &[f64],
-            out: &mut [f64],
-            accumulate: bool,
-        ) {
-            naive(m, k, n, lhs, rhs, out, accumulate);
-        }
         fn spreads_itself(&self) -> bool {
-            true
+            self.on_views
         }
     }
 
@@ -504,7 +476,8 @@ pub(crate) mod tests {
     fn values_and_gradients_equal_the_plain_products_on_every_shape() {
         // Through row-major copies, and on the views themselves (a batch broadcast from a
         // size-1 axis included, and the transposed operands of both VJPs).
-        let kernels: [Arc<dyn ProductKernel>; 2] = [Arc::new(Naive), Arc::new(NaiveOnViews)];
+        let kernels: [Arc<dyn ProductKernel>; 2] = [false, true]
+            .map(|on_views| -> Arc<dyn ProductKernel> { Arc::new(Naive { on_views }) });
         for kernel in &kernels {
             plain_products_on_every_shape(kernel);
         }
@@ -554,7 +527,7 @@ pub(crate) mod tests {
 
     #[test]
     fn the_split_over_threads_does_not_change_a_bit() {
-        let kernel: Arc<dyn ProductKernel> = Arc::new(Naive);
+        let kernel: Arc<dyn ProductKernel> = Arc::new(Naive { on_views: false });
         let rng = Generator::new(5);
         let a = random_array(&[300, 64], &rng).mapv(|x| x as f32);
         let b = random_array(&[64, 80], &rng).mapv(|x| x as f32);
