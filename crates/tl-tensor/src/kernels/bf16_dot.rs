@@ -391,6 +391,8 @@ const PORTABLE_NR: usize = 16;
 /// panel's 256 × 32 pairs stay in a core's L1 and L2 caches while the tiles walk them.
 const MC: usize = 32;
 const KC: usize = 256;
+/// The bits below a bf16 value's in an f32: zero in every operand the units may read.
+const BF16_LOW: i32 = 0xffff;
 
 /// Exponent range and cleanliness of the values a path will read (biased exponents of the
 /// nonzero values; `clean` when every value is zero or a normal number, finite, and — for an
@@ -455,12 +457,42 @@ fn in_window(a: Range, b: Range, old: Range, k: usize) -> bool {
     products_fit && old_fit
 }
 
+/// The range of the old outputs a product accumulates into (no bf16 mask: any normal f32
+/// value is fine), 16 values at a time where the rows are slices. The fused attention
+/// accumulates each head's key and value gradients block by block, so this runs once per
+/// small product: a scalar scan cost more than the product itself.
+#[cfg(target_arch = "x86_64")]
 fn scan_old_outputs(out: ArrayView2<'_, f32>) -> Range {
     let mut range = Range::EMPTY;
-    for x in out {
-        range.add(x.to_bits(), 0);
+    // SAFETY (this function's calls): the units' path only, whose CPU has AVX-512F
+    // (`units_available`).
+    let mut lanes = unsafe { LaneRange::new() };
+    for row in out.rows() {
+        match row.to_slice() {
+            // SAFETY: as above.
+            Some(row) => unsafe { old_output_row(row, &mut lanes) },
+            None => row.iter().for_each(|x| range.add(x.to_bits(), 0)),
+        }
     }
-    range
+    // SAFETY: as above.
+    range.merge(unsafe { lanes.range() })
+}
+
+/// Adds one row of old outputs to `lanes`, 16 values at a time.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn old_output_row(row: &[f32], lanes: &mut LaneRange) {
+    let mut chunks = row.chunks_exact(16);
+    for chunk in &mut chunks {
+        // SAFETY: a chunk holds 16 values.
+        lanes.add(unsafe { _mm512_loadu_si512(chunk.as_ptr().cast()) }, 0);
+    }
+    for x in chunks.remainder() {
+        lanes.rest.add(x.to_bits(), 0);
+    }
 }
 
 thread_local! {
@@ -582,14 +614,14 @@ unsafe fn bf16_row(row: &[f32], packed: &mut [u32], lanes: &mut LaneRange) {
         // SAFETY: `i + 16 ≤ row.len() ≤ 2·packed.len()`: both addresses are in bounds.
         unsafe {
             let v = _mm512_loadu_si512(row.as_ptr().add(i).cast());
-            lanes.add(v);
+            lanes.add(v, BF16_LOW);
             let h = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(v));
             _mm256_storeu_si256(halves.add(i).cast(), h);
         }
     }
     for (i, x) in row.iter().enumerate().skip(whole) {
         let bits = x.to_bits();
-        lanes.rest.add(bits, 0xffff);
+        lanes.rest.add(bits, BF16_LOW as u32);
         // SAFETY: `i < row.len() ≤ 2·packed.len()`.
         unsafe { *halves.add(i) = (bits >> 16) as u16 };
     }
@@ -625,16 +657,17 @@ impl LaneRange {
         }
     }
 
-    /// Adds 16 values given as f32 bits ([`Range::add`] with the bf16 mask).
+    /// Adds 16 values given as f32 bits ([`Range::add`]: `low_mask` selects the bits that
+    /// must be zero).
     #[inline(always)]
-    fn add(&mut self, v: __m512i) {
+    fn add(&mut self, v: __m512i, low_mask: i32) {
         // SAFETY: only called from functions compiled for AVX-512F.
         unsafe {
             let exponent = _mm512_and_si512(_mm512_srli_epi32::<23>(v), _mm512_set1_epi32(0xff));
             let nonzero = _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x7fff_ffff));
             let special = _mm512_cmpeq_epi32_mask(exponent, _mm512_setzero_si512())
                 | _mm512_cmpeq_epi32_mask(exponent, _mm512_set1_epi32(0xff))
-                | _mm512_test_epi32_mask(v, _mm512_set1_epi32(0xffff));
+                | _mm512_test_epi32_mask(v, _mm512_set1_epi32(low_mask));
             self.bad |= nonzero & special;
             self.min = _mm512_mask_min_epu32(self.min, nonzero, self.min, exponent);
             self.max = _mm512_mask_max_epu32(self.max, nonzero, self.max, exponent);
@@ -765,11 +798,11 @@ unsafe fn bf16_pairs(even: &[f32], odd: Option<&[f32]>, slots: &mut [u32], lanes
         // SAFETY: `i + 16 ≤ len`, within every slice (asserted above).
         unsafe {
             let e = _mm512_loadu_si512(even.as_ptr().add(i).cast());
-            lanes.add(e);
+            lanes.add(e, BF16_LOW);
             let mut pairs = _mm512_srli_epi32::<16>(e);
             if let Some(odd) = odd {
                 let o = _mm512_loadu_si512(odd.as_ptr().add(i).cast());
-                lanes.add(o);
+                lanes.add(o, BF16_LOW);
                 pairs = _mm512_or_si512(pairs, _mm512_and_si512(o, _mm512_set1_epi32(-65536)));
             }
             _mm512_storeu_si512(slots.as_mut_ptr().add(i).cast(), pairs);
@@ -778,8 +811,8 @@ unsafe fn bf16_pairs(even: &[f32], odd: Option<&[f32]>, slots: &mut [u32], lanes
     for j in whole..len {
         let e = even[j].to_bits();
         let o = odd.map_or(0, |odd| odd[j].to_bits());
-        lanes.rest.add(e, 0xffff);
-        lanes.rest.add(o, 0xffff);
+        lanes.rest.add(e, BF16_LOW as u32);
+        lanes.rest.add(o, BF16_LOW as u32);
         slots[j] = (e >> 16) | (o & 0xffff_0000);
     }
 }
@@ -1121,6 +1154,15 @@ mod tests {
         available
     }
 
+    /// The route of a product inside the window: the units where the CPU has them.
+    fn inside() -> Bf16Route {
+        if units_or_say_so() {
+            Bf16Route::Units
+        } else {
+            Bf16Route::Portable
+        }
+    }
+
     /// Odd and even sizes, a row count past one task of MC rows and not a whole tile, a
     /// column count past one panel and not a whole one, an inner size past one block of KC
     /// pairs and odd.
@@ -1252,26 +1294,42 @@ mod tests {
             bf16_gemm(m, k, n, &lhs, &rhs, &mut out, accumulate);
             assert_eq!(bits(&out), bits(&expected), "±0, accumulate {accumulate}");
         }
-        // An old output that is subnormal, or too small for its sums, takes the portable path.
-        for value in [tiny, 2f32.powi(-104)] {
+        // An old output that is subnormal, too small for its sums, too large, or not finite
+        // takes the portable path, whether the scan finds it in a vector of 16 (column 7)
+        // or in a row's remainder (column 33 of 35), in the first row or a later one.
+        let old_specials = [
+            tiny,
+            2f32.powi(-104),
+            2f32.powi(126),
+            f32::INFINITY,
+            f32::NAN,
+        ];
+        for (value, at) in old_specials
+            .into_iter()
+            .flat_map(|v| [7, 33, 4 * n + 20, 4 * n + 34].map(|at| (v, at)))
+        {
             let mut old = vec![0.5f32; m * n];
-            old[7] = value;
+            old[at] = value;
             let mut expected = old.clone();
             reference(m, k, n, &base_lhs, &rhs, &mut expected, true);
             let route = bf16_gemm(m, k, n, &base_lhs, &rhs, &mut old, true);
-            assert_eq!(route, Bf16Route::Portable, "{value:e}");
+            assert_eq!(route, Bf16Route::Portable, "{value:e} at {at}");
             assert_eq!(bits(&old), bits(&expected));
         }
+        // Old outputs in the window, anywhere, that are not bf16 values: the units.
+        let mut old = vec![0.5f32 + 2f32.powi(-20); m * n];
+        old[33] = 2f32.powi(-103);
+        old[4 * n + 20] = -2f32.powi(125);
+        let mut expected = old.clone();
+        reference(m, k, n, &base_lhs, &rhs, &mut expected, true);
+        let route = bf16_gemm(m, k, n, &base_lhs, &rhs, &mut old, true);
+        assert_eq!(route, inside(), "old outputs in the window");
+        assert_eq!(bits(&old), bits(&expected));
     }
 
     #[test]
     fn the_window_edges() {
-        let units = units_or_say_so();
-        let inside = if units {
-            Bf16Route::Units
-        } else {
-            Bf16Route::Portable
-        };
+        let inside = inside();
         let route = |a: f32, b: f32, k: usize| {
             let lhs = vec![a; k];
             let rhs = vec![b; k];
