@@ -9,7 +9,7 @@ use num_traits::Float;
 
 use crate::Tensor;
 use crate::ops::matmul::MatmulHook;
-use crate::ops::matmul_with::ProductKernel;
+use crate::ops::matmul_with::{PreparedRhs, ProductKernel};
 
 /// A floating-point element type of a [`Tensor`]: implemented for `f32` and `f64`.
 ///
@@ -83,6 +83,14 @@ pub trait Element:
         rhs: ArrayView2<'_, Self>,
         accumulate: bool,
     );
+
+    /// Asks the product kernel to lay out a right operand for several products (f32 only:
+    /// no kernel prepares f64 operands).
+    #[doc(hidden)]
+    fn kernel_prepare_rhs<'a>(
+        kernel: &dyn ProductKernel,
+        rhs: ArrayView2<'a, Self>,
+    ) -> Option<Box<dyn PreparedRhs<Self> + 'a>>;
 }
 
 impl Element for f32 {
@@ -131,6 +139,13 @@ impl Element for f32 {
         accumulate: bool,
     ) {
         kernel.product_view_f32(out, lhs, rhs, accumulate);
+    }
+
+    fn kernel_prepare_rhs<'a>(
+        kernel: &dyn ProductKernel,
+        rhs: ArrayView2<'a, f32>,
+    ) -> Option<Box<dyn PreparedRhs<f32> + 'a>> {
+        kernel.prepare_rhs_f32(rhs)
     }
 }
 
@@ -182,5 +197,12 @@ impl Element for f64 {
         accumulate: bool,
     ) {
         kernel.product_view_f64(out, lhs, rhs, accumulate);
+    }
+
+    fn kernel_prepare_rhs<'a>(
+        _kernel: &dyn ProductKernel,
+        _rhs: ArrayView2<'a, f64>,
+    ) -> Option<Box<dyn PreparedRhs<f64> + 'a>> {
+        None
     }
 }

@@ -35,7 +35,7 @@ pub use mode::{
 };
 pub use nn::Module;
 pub use ops::matmul::{MatmulHook, matmul_hook, set_matmul_hook};
-pub use ops::matmul_with::ProductKernel;
+pub use ops::matmul_with::{PreparedRhs, ProductKernel};
 pub use optim::Optimizer;
 pub use order::topological_order;
 pub use rng::{Generator, GeneratorState};

@@ -33,7 +33,7 @@ use rayon::prelude::*;
 use super::gemm::gemm_serial_into;
 use super::rows::{contiguous, copy_rows, lane_dot, lane_sum};
 use crate::ops::matmul_with::kernel_product_into;
-use crate::{Element, Finisher, ProductKernel};
+use crate::{Element, Finisher, PreparedRhs, ProductKernel};
 
 /// Query rows per block: 64 rows of up to 512 scores (128 KiB in f32) and their gradient
 /// fit in a core's L2 cache next to the head's keys and values.
@@ -200,12 +200,13 @@ impl<E: Element> CausalAttention<E> {
         rounding: Option<&Rounding<'_, E>>,
     ) -> u64 {
         let [k, v] = [k, v].map(|x| operand(x, rounding));
+        let shared = [k.t(), v.t(), k.view()].map(|x| Shared::new(x, rounding));
         let mut flushed = 0;
         let mut sums: Option<[Array2<E>; 2]> = None;
         for (j, (q, d_out, stats)) in queries.enumerate() {
             let columns = s![.., j * self.head_dim..(j + 1) * self.head_dim];
             let (head_sums, head_flushed) =
-                self.backward_head([q, d_out], [&k, &v], stats, dq.slice_mut(columns), rounding);
+                self.backward_head([q, d_out], &shared, stats, dq.slice_mut(columns), rounding);
             flushed += head_flushed;
             sums = Some(match sums {
                 None => head_sums,
@@ -239,9 +240,10 @@ impl<E: Element> CausalAttention<E> {
         rounding: Option<&Rounding<'_, E>>,
     ) {
         let [q, k, v] = inputs.map(|x| operand(x, rounding));
+        let [keys_t, values] = [k.t(), v.view()].map(|x| Shared::new(x, rounding));
         let mut scratch = self.block_scratch();
         for (start, end) in self.row_blocks() {
-            let mut probs = self.scores(&mut scratch, &q, &k, start, end, rounding);
+            let mut probs = self.scores(&mut scratch, &q, &keys_t, start, end, rounding);
             let rows = probs.as_slice_mut().expect("contiguous block");
             for (i, row) in rows.chunks_exact_mut(end).enumerate() {
                 let t = start + i;
@@ -262,13 +264,7 @@ impl<E: Element> CausalAttention<E> {
                 (rounding.values)(rows);
             }
             let mut out_rows = out.slice_mut(s![start..end, ..]);
-            product(
-                &mut out_rows,
-                probs.view(),
-                v.slice(s![..end, ..]),
-                false,
-                rounding,
-            );
+            values.product(&mut out_rows, probs.view(), rounding);
             if let Some(rounding) = rounding {
                 // A head's output rows are slices of the `[T, d]` result, `hd` apart.
                 for mut row in out_rows.rows_mut() {
@@ -278,14 +274,14 @@ impl<E: Element> CausalAttention<E> {
         }
     }
 
-    /// One query head's backward pass against its key/value head's operands `k`, `v`
-    /// (already rounded): writes the gradient of its columns of `q`; returns this head's
+    /// One query head's backward pass against its key/value head's operands `kᵀ`, `vᵀ` and
+    /// `k` (already rounded): writes the gradient of its columns of `q`; returns this head's
     /// gradients of `k` and `v` (rounded), and the number of gradient values rounded to
     /// zero.
     fn backward_head(
         &self,
         [q, d_out]: [ArrayView2<'_, E>; 2],
-        [k, v]: [&Array2<E>; 2],
+        [keys_t, values_t, keys]: &[Shared<'_, E>; 3],
         stats: &[E],
         mut dq: ArrayViewMut2<'_, E>,
         rounding: Option<&Rounding<'_, E>>,
@@ -306,20 +302,14 @@ impl<E: Element> CausalAttention<E> {
         let (mut scratch, mut d_scratch) = (self.block_scratch(), self.block_scratch());
         for (start, end) in self.row_blocks() {
             let d_out_rows = d_out.slice(s![start..end, ..]);
-            let mut probs = self.scores(&mut scratch, &q, k, start, end, rounding);
+            let mut probs = self.scores(&mut scratch, &q, keys_t, start, end, rounding);
             let mut d_scores = ArrayViewMut2::from_shape(
                 (end - start, end),
                 &mut d_scratch[..(end - start) * end],
             )
             .expect("the scratch holds a block");
             // dP = dO·vᵀ, then dS = scale·P ⊙ (dP − Σ_j dP_j P_j), row by row.
-            product(
-                &mut d_scores,
-                d_out_rows,
-                v.slice(s![..end, ..]).t(),
-                false,
-                rounding,
-            );
+            values_t.product(&mut d_scores, d_out_rows, rounding);
             let p_rows = probs.as_slice_mut().expect("contiguous block");
             let d_rows = d_scores.as_slice_mut().expect("contiguous block");
             for (t, (p_row, d_row)) in row_pairs(p_rows, d_rows, start, end) {
@@ -347,23 +337,23 @@ impl<E: Element> CausalAttention<E> {
             }
             let (probs, d_scores) = (probs.view(), d_scores.view());
             // dv[..end] += Pᵀ·dO, dk[..end] += dSᵀ·q, dq[rows] = dS·k.
-            let keys = s![..end, ..];
+            let seen = s![..end, ..];
             product(
-                &mut dv_sum.slice_mut(keys),
+                &mut dv_sum.slice_mut(seen),
                 probs.t(),
                 d_out_rows,
                 true,
                 rounding,
             );
             product(
-                &mut dk_sum.slice_mut(keys),
+                &mut dk_sum.slice_mut(seen),
                 d_scores.t(),
                 q.slice(s![start..end, ..]),
                 true,
                 rounding,
             );
             let mut dq_rows = dq_block.slice_mut(s![..end - start, ..]);
-            product(&mut dq_rows, d_scores, k.slice(keys), false, rounding);
+            keys.product(&mut dq_rows, d_scores, rounding);
             round_grad(dq_rows.as_slice_mut().expect("the front rows of a matrix"));
             copy_rows(dq.slice_mut(s![start..end, ..]), dq_rows.view());
         }
@@ -385,7 +375,7 @@ impl<E: Element> CausalAttention<E> {
         &self,
         scratch: &'s mut [E],
         q: &Array2<E>,
-        k: &Array2<E>,
+        keys_t: &Shared<'_, E>,
         start: usize,
         end: usize,
         rounding: Option<&Rounding<'_, E>>,
@@ -393,13 +383,7 @@ impl<E: Element> CausalAttention<E> {
         let mut block =
             ArrayViewMut2::from_shape((end - start, end), &mut scratch[..(end - start) * end])
                 .expect("the scratch holds a block");
-        product(
-            &mut block,
-            q.slice(s![start..end, ..]),
-            k.slice(s![..end, ..]).t(),
-            false,
-            rounding,
-        );
+        keys_t.product(&mut block, q.slice(s![start..end, ..]), rounding);
         if let Some(rounding) = rounding {
             (rounding.values)(block.as_slice_mut().expect("contiguous block"));
         }
@@ -511,6 +495,41 @@ pub(super) fn rounded_product<E: Element>(
         Some(kernel) => kernel_product_into(kernel, out, lhs, rhs, accumulate),
         None if serial => gemm_serial_into(out, lhs, rhs, accumulate),
         None => super::gemm::gemm_into(out, lhs, rhs, accumulate),
+    }
+}
+
+/// A head's operand that every block of query rows multiplies by, as far as the block's
+/// last row reaches (`k[..end]ᵀ`, `v[..end]`, …): laid out once by the rounding's product
+/// kernel where it gains from that ([`PreparedRhs`]: the bf16 units' packing), instead of
+/// once per block. The same bits either way.
+struct Shared<'a, E: Element> {
+    view: ArrayView2<'a, E>,
+    prepared: Option<Box<dyn PreparedRhs<E> + 'a>>,
+}
+
+impl<'a, E: Element> Shared<'a, E> {
+    fn new(view: ArrayView2<'a, E>, rounding: Option<&Rounding<'_, E>>) -> Self {
+        let prepared = rounding
+            .and_then(|r| r.products)
+            .and_then(|kernel| E::kernel_prepare_rhs(kernel, view));
+        Shared { view, prepared }
+    }
+
+    /// `out = lhs · view[..k, ..n]` on this thread, with k the columns of `lhs` and n those
+    /// of `out`.
+    fn product(
+        &self,
+        out: &mut ArrayViewMut2<'_, E>,
+        lhs: ArrayView2<'_, E>,
+        rounding: Option<&Rounding<'_, E>>,
+    ) {
+        match &self.prepared {
+            Some(prepared) => prepared.product_into(out, lhs, false),
+            None => {
+                let leading = self.view.slice(s![..lhs.ncols(), ..out.ncols()]);
+                product(out, lhs, leading, false, rounding);
+            }
+        }
     }
 }
 
@@ -805,6 +824,94 @@ mod tests {
             .chain(grads.iter().flatten().zip(plain_grads.iter().flatten()));
         for (x, y) in pairs {
             assert!((x - y).abs() < 1e-12, "{x} vs {y}");
+        }
+    }
+
+    /// The bf16 product kernel with its right operands prepared once per head
+    /// ([`Shared`]), against the same kernel multiplying by views block after block: the
+    /// same bits in every output, statistic and gradient, with heads of 32 and of 5
+    /// columns, grouped queries, and a last block that ends on an odd row.
+    #[test]
+    fn operands_prepared_once_per_head_give_the_bits_of_products_by_views() {
+        use crate::kernels::bf16_dot::Bf16Products;
+        use tl_numerics::{Format, round_slice, round_slice_counting_flushes};
+
+        /// Bf16Products without its preparation: every product by views.
+        #[derive(Debug)]
+        struct ByViews;
+        impl ProductKernel for ByViews {
+            fn product_f32(
+                &self,
+                m: usize,
+                k: usize,
+                n: usize,
+                lhs: &[f32],
+                rhs: &[f32],
+                out: &mut [f32],
+                accumulate: bool,
+            ) {
+                Bf16Products.product_f32(m, k, n, lhs, rhs, out, accumulate);
+            }
+            fn product_f64(
+                &self,
+                _: usize,
+                _: usize,
+                _: usize,
+                _: &[f64],
+                _: &[f64],
+                _: &mut [f64],
+                _: bool,
+            ) {
+                unreachable!("f32 only")
+            }
+            fn product_view_f32(
+                &self,
+                out: &mut ArrayViewMut2<'_, f32>,
+                lhs: ArrayView2<'_, f32>,
+                rhs: ArrayView2<'_, f32>,
+                accumulate: bool,
+            ) {
+                Bf16Products.product_view_f32(out, lhs, rhs, accumulate);
+            }
+        }
+
+        let rng = Generator::new(41);
+        let values = |xs: &mut [f32]| round_slice(xs, Format::Bf16);
+        let gradients = |xs: &mut [f32]| round_slice_counting_flushes(xs, Format::Bf16);
+        let geometries = [(2, 2, 32, 2 * ROW_BLOCK + 6), (4, 2, 5, ROW_BLOCK + 3)];
+        for (n_heads, n_kv_heads, head_dim, time) in geometries {
+            let kernel = CausalAttention {
+                batch: 2,
+                time,
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                scale: 0.25f32,
+            };
+            let [q, d_out] = [(); 2]
+                .map(|()| random_array(&[2, time, n_heads * head_dim], &rng).mapv(|x| x as f32));
+            let [k, v] = [(); 2]
+                .map(|()| random_array(&[2, time, n_kv_heads * head_dim], &rng).mapv(|x| x as f32));
+            let run = |products: &dyn ProductKernel| {
+                let rounding = Rounding {
+                    values: &values,
+                    gradients: &gradients,
+                    products: Some(products),
+                };
+                let (out, stats) = kernel.forward(&q, &k, &v, Some(&rounding));
+                let (grads, flushed) =
+                    kernel.backward([&q, &k, &v], &stats, &d_out, Some(&rounding));
+                let bits = |x: &ArrayD<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                let stats: Vec<u32> = stats.iter().map(|v| v.to_bits()).collect();
+                (bits(&out), stats, grads.each_ref().map(bits), flushed)
+            };
+            let prepared = run(&Bf16Products);
+            let by_views = run(&ByViews);
+            assert!(prepared.0.iter().any(|&b| b != 0), "a real output");
+            assert_eq!(
+                prepared, by_views,
+                "{n_heads} heads of {head_dim}, T = {time}"
+            );
         }
     }
 }

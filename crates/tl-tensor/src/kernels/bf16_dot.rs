@@ -58,6 +58,7 @@ use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis, s};
 use rayon::prelude::*;
 
 use super::split::PARALLEL_WORK;
+use crate::ops::matmul_with::PreparedRhs;
 use crate::{Element, ProductKernel};
 
 /// Which code computed a product (returned for tests and benchmarks).
@@ -179,44 +180,20 @@ pub fn bf16_gemm_into(
     rhs: ArrayView2<'_, f32>,
     accumulate: bool,
 ) -> Bf16Route {
-    let Some((m, k, n)) = chain(out, lhs, rhs, accumulate) else {
+    let Some((_, k, n)) = chain(out, lhs, rhs, accumulate) else {
         return Bf16Route::Portable;
     };
     #[cfg(target_arch = "x86_64")]
     if units_available() {
-        let kp = k.div_ceil(2);
         let (mut a, mut b) = SCRATCH.with(Cell::take).unwrap_or_default();
-        let (a_len, a_range, a_pair_major) = pack_a_units(lhs, &mut a);
-        let (b_len, b_range) = pack_b_units(rhs, &mut b);
-        let o_range = if accumulate {
-            scan_old_outputs(out.view())
-        } else {
-            Range::EMPTY
+        let (b_len, range) = pack_b_units(rhs, &mut b);
+        let packed_rhs = UnitsRhs {
+            b: &b[..b_len],
+            kp: k.div_ceil(2),
+            panels: n.div_ceil(UNITS_NR),
+            range,
         };
-        let fast = in_window(a_range, b_range, o_range, k);
-        if fast {
-            let packed = Packed {
-                a: &a[..a_len],
-                m_pad: m.next_multiple_of(UNITS_MR),
-                a_pair: 1,
-                a_pair_major,
-                b: &b[..b_len],
-                panels: n.div_ceil(UNITS_NR),
-                b_pair: UNITS_NR,
-            };
-            // SAFETY: the CPU has the units (checked above); `packed` holds m rounded up to
-            // UNITS_MR rows of kp pairs and ⌈n/UNITS_NR⌉ panels of kp × UNITS_NR pairs, what
-            // the tile reads.
-            let tile = |t: Tile<'_, u32>| unsafe { units_tile(t) };
-            drive(
-                (m, n, kp),
-                &packed,
-                out,
-                accumulate,
-                (UNITS_MR, UNITS_NR),
-                &tile,
-            );
-        }
+        let fast = units_product(out, lhs, packed_rhs, accumulate, &mut a);
         SCRATCH.with(|scratch| scratch.set(Some((a, b))));
         if fast {
             return Bf16Route::Units;
@@ -224,6 +201,157 @@ pub fn bf16_gemm_into(
     }
     bf16_gemm_portable_into(out, lhs, rhs, accumulate);
     Bf16Route::Portable
+}
+
+/// A right operand packed for the units: `kp` pairs of rows in `panels` panels, as
+/// [`Packed`] lays `b` out, its values in `range`.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct UnitsRhs<'a> {
+    b: &'a [u32],
+    kp: usize,
+    panels: usize,
+    range: Range,
+}
+
+/// `out = lhs · rhs` (or `+=`) on the units, `rhs` (or its leading rows and columns: `lhs`
+/// has k ≤ 2·`rhs.kp` columns, `out` n ≤ 32·`rhs.panels`) already packed, if the operands are
+/// in the window; `false`, with `out` untouched, if they are not. `a` is the buffer `lhs` is
+/// packed into.
+///
+/// A prefix of the rows must end at a pair (k even), or be all of them: a pair cut in two
+/// would multiply the zero past `lhs`'s last column by a row the product does not have.
+#[cfg(target_arch = "x86_64")]
+fn units_product(
+    out: &mut ArrayViewMut2<'_, f32>,
+    lhs: ArrayView2<'_, f32>,
+    rhs: UnitsRhs<'_>,
+    accumulate: bool,
+    a: &mut Vec<u32>,
+) -> bool {
+    let ((m, k), n) = (lhs.dim(), out.ncols());
+    let kp = k.div_ceil(2);
+    debug_assert!(kp <= rhs.kp && n.div_ceil(UNITS_NR) <= rhs.panels);
+    debug_assert!(k.is_multiple_of(2) || kp == rhs.kp);
+    let (a_len, a_range, a_pair_major) = pack_a_units(lhs, a);
+    let o_range = if accumulate {
+        scan_old_outputs(out.view())
+    } else {
+        Range::EMPTY
+    };
+    if !in_window(a_range, rhs.range, o_range, k) {
+        return false;
+    }
+    let packed = Packed {
+        a: &a[..a_len],
+        m_pad: m.next_multiple_of(UNITS_MR),
+        a_pair: 1,
+        a_pair_major,
+        b: rhs.b,
+        b_kp: rhs.kp,
+        panels: rhs.panels,
+        b_pair: UNITS_NR,
+    };
+    // SAFETY: the units' path only, whose CPU has them (`units_available`); `packed` holds
+    // m rounded up to UNITS_MR rows of kp pairs, and `rhs` at least kp pairs of
+    // ⌈n/UNITS_NR⌉ panels, what the tile reads.
+    let tile = |t: Tile<'_, u32>| unsafe { units_tile(t) };
+    drive(
+        (m, n, kp),
+        &packed,
+        out,
+        accumulate,
+        (UNITS_MR, UNITS_NR),
+        &tile,
+    );
+    true
+}
+
+/// A right operand packed once for the units, for several products that each read its
+/// leading rows and columns: the fused attention's keys and values, which every block of
+/// queries reads up to its last row. Each product gives the bits [`bf16_gemm_into`] gives
+/// on the same prefix (the units where the operands are in the window, else the portable
+/// path).
+///
+/// The window is checked against the range of the whole operand, which contains every
+/// prefix's: a prefix is never sent to the units that the check of its own values would
+/// keep from them.
+pub struct Bf16Rhs<'a> {
+    rhs: ArrayView2<'a, f32>,
+    /// The packed operand and its range, where the CPU has the units.
+    #[cfg(target_arch = "x86_64")]
+    units: Option<(Vec<u32>, Range)>,
+}
+
+impl<'a> Bf16Rhs<'a> {
+    /// Packs `rhs` (k×n, any strides) for the units where the CPU has them.
+    pub fn new(rhs: ArrayView2<'a, f32>) -> Self {
+        Bf16Rhs {
+            rhs,
+            #[cfg(target_arch = "x86_64")]
+            units: units_available().then(|| {
+                let mut b = Vec::new();
+                let (len, range) = pack_b_units(rhs, &mut b);
+                b.truncate(len);
+                (b, range)
+            }),
+        }
+    }
+
+    /// `out = lhs · rhs[..k, ..n]` (or `out += …` with `accumulate`), `lhs` m×k and `out`
+    /// m×n; which path computed it.
+    ///
+    /// # Panics
+    /// If the shapes do not fit: k or n past the operand's, or `out` not m×n.
+    pub fn product_into(
+        &self,
+        out: &mut ArrayViewMut2<'_, f32>,
+        lhs: ArrayView2<'_, f32>,
+        accumulate: bool,
+    ) -> Bf16Route {
+        let ((m, k), n) = (lhs.dim(), out.ncols());
+        let (rows, cols) = self.rhs.dim();
+        assert!(
+            k <= rows && n <= cols && out.nrows() == m,
+            "Bf16Rhs: cannot multiply {:?} by the leading {k}×{n} of a {rows}×{cols} operand \
+             into {:?}",
+            lhs.shape(),
+            out.shape()
+        );
+        let prefix = self.rhs.slice(s![..k, ..n]);
+        #[cfg(target_arch = "x86_64")]
+        if let Some((b, range)) = &self.units
+            && m > 0
+            && n > 0
+            && k > 0
+            && (k.is_multiple_of(2) || k == rows)
+        {
+            let (mut a, b_buffer) = SCRATCH.with(Cell::take).unwrap_or_default();
+            let packed_rhs = UnitsRhs {
+                b,
+                kp: rows.div_ceil(2),
+                panels: cols.div_ceil(UNITS_NR),
+                range: *range,
+            };
+            let fast = units_product(out, lhs, packed_rhs, accumulate, &mut a);
+            SCRATCH.with(|scratch| scratch.set(Some((a, b_buffer))));
+            if fast {
+                return Bf16Route::Units;
+            }
+        }
+        bf16_gemm_into(out, lhs, prefix, accumulate)
+    }
+}
+
+impl PreparedRhs<f32> for Bf16Rhs<'_> {
+    fn product_into(
+        &self,
+        out: &mut ArrayViewMut2<'_, f32>,
+        lhs: ArrayView2<'_, f32>,
+        accumulate: bool,
+    ) {
+        Bf16Rhs::product_into(self, out, lhs, accumulate);
+    }
 }
 
 /// [`bf16_gemm_into`] by the portable path alone, whatever the CPU: IEEE f32 fused
@@ -250,6 +378,7 @@ pub fn bf16_gemm_portable_into(
         a_pair: 2,
         a_pair_major: false,
         b: &b,
+        b_kp: kp,
         panels: n.div_ceil(PORTABLE_NR),
         b_pair: 2 * PORTABLE_NR,
     };
@@ -375,6 +504,13 @@ impl ProductKernel for Bf16Products {
 
     fn spreads_itself(&self) -> bool {
         true
+    }
+
+    fn prepare_rhs_f32<'a>(
+        &self,
+        rhs: ArrayView2<'a, f32>,
+    ) -> Option<Box<dyn PreparedRhs<f32> + 'a>> {
+        Some(Box::new(Bf16Rhs::new(rhs)))
     }
 }
 
@@ -869,14 +1005,17 @@ fn pack_b_portable(rhs: ArrayView2<'_, f32>) -> Vec<f32> {
 ///   pair), so a row of a block of `pairs` pairs takes `pairs·a_pair` elements — or, when
 ///   `a_pair_major` (a transposed operand, packed for the units), each block's pairs one after
 ///   the other, every pair `m_pad` rows wide;
-/// - `b`: block after block, each `panels` panels of that block's pairs (`b_pair` elements a
-///   pair: one row pair of the panel's columns).
+/// - `b`: block after block of the `b_kp` pairs it was packed with, each `panels` panels of
+///   that block's pairs (`b_pair` elements a pair: one row pair of the panel's columns). A
+///   product may read fewer pairs and panels than `b` holds: a prefix of its rows and
+///   columns ([`Bf16Rhs`]).
 struct Packed<'a, T> {
     a: &'a [T],
     m_pad: usize,
     a_pair: usize,
     a_pair_major: bool,
     b: &'a [T],
+    b_kp: usize,
     panels: usize,
     b_pair: usize,
 }
@@ -933,7 +1072,8 @@ fn drive<T: Sync>(
             let zero = k0 == 0 && !accumulate;
             for q in 0..n.div_ceil(nr) {
                 let (c0, cols) = (q * nr, nr.min(n - q * nr));
-                let b = &packed.b[(k0 * packed.panels + q * pairs) * packed.b_pair..];
+                let b_pairs = KC.min(packed.b_kp - k0);
+                let b = &packed.b[(k0 * packed.panels + q * b_pairs) * packed.b_pair..];
                 for t in (0..rows).step_by(mr) {
                     let tile_rows = mr.min(rows - t);
                     let (a_row, a_step) = if packed.a_pair_major {
@@ -1369,6 +1509,7 @@ mod tests {
                 a_pair: 1,
                 a_pair_major: false,
                 b: &packed_b,
+                b_kp: 1,
                 panels: 1,
                 b_pair: UNITS_NR,
             };
@@ -1459,6 +1600,113 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A prepared operand's product by its leading rows and columns is the product by that
+    /// block as a view, bit for bit: prefixes that end inside a block of KC pairs and a
+    /// panel, an odd prefix (not a pair: the view path) and the odd whole, a transposed
+    /// operand (the attention's `kᵀ`), accumulating or not, on 1 and 3 threads.
+    #[test]
+    fn a_prepared_operand_multiplies_as_the_view_of_its_leading_block() {
+        let units = units_or_say_so();
+        let rng = Generator::new(31);
+        let (rows, cols) = (1101, 70); // 551 pairs: blocks of 256, 256 and 39; 3 panels
+        let stored = bf16_values(rows * cols, 0, &rng);
+        let stored_t = bf16_values(cols * rows, 0, &rng);
+        let plain = ArrayView2::from_shape((rows, cols), &stored).unwrap();
+        let transposed = ArrayView2::from_shape((cols, rows), &stored_t).unwrap();
+        for (what, rhs) in [("rows", plain), ("transposed", transposed.t())] {
+            let prepared = Bf16Rhs::new(rhs);
+            let cases = [
+                (600, 40),
+                (1100, 70),
+                (1101, 70),
+                (64, 32),
+                (601, 7),
+                (2, 1),
+            ];
+            for ((k, n), threads) in cases.into_iter().flat_map(|c| [(c, 1), (c, 3)]) {
+                let m = 19;
+                let lhs = bf16_values(m * k, 0, &rng);
+                let lhs = ArrayView2::from_shape((m, k), &lhs).unwrap();
+                let old = Array2::from_shape_vec((m, n), bf16_values(m * n, 2, &rng)).unwrap();
+                for accumulate in [false, true] {
+                    let leading = rhs.slice(s![..k, ..n]);
+                    let mut expected = old.clone();
+                    bf16_gemm_into(&mut expected.view_mut(), lhs, leading, accumulate);
+                    let mut out = old.clone();
+                    let route = on(threads, || {
+                        prepared.product_into(&mut out.view_mut(), lhs, accumulate)
+                    });
+                    let case = format!("{what}, leading {k}×{n}, {threads} threads");
+                    assert_eq!(
+                        bits(out.as_slice().unwrap()),
+                        bits(expected.as_slice().unwrap()),
+                        "{case}"
+                    );
+                    // A prefix that cuts a pair takes the view's path; every other, the units.
+                    let pair_whole = k % 2 == 0 || k == rows;
+                    let expected_route = if units && pair_whole {
+                        Bf16Route::Units
+                    } else if units {
+                        bf16_gemm_into(&mut old.clone().view_mut(), lhs, leading, accumulate)
+                    } else {
+                        Bf16Route::Portable
+                    };
+                    assert_eq!(route, expected_route, "{case}");
+                }
+            }
+        }
+        // A prefix that cuts a pair must not read the row past it. From an old −0, the
+        // products −0·1 keep the sum at −0 and the pad (0, 0) past k = 3 adds +0: +0. Row 3,
+        // −1, in the pad's place would add 0·(−1) = −0 and leave −0.
+        let rhs = ndarray::arr2(&[[1.0f32], [1.0], [1.0], [-1.0]]);
+        let lhs = [-0.0f32; 3];
+        let lhs = ArrayView2::from_shape((1, 3), &lhs).unwrap();
+        let mut out = Array2::from_elem((1, 1), -0.0f32);
+        Bf16Rhs::new(rhs.view()).product_into(&mut out.view_mut(), lhs, true);
+        assert_eq!(out[[0, 0]].to_bits(), 0.0f32.to_bits());
+    }
+
+    /// The window is the whole prepared operand's: a value out of it past the block a
+    /// product reads sends that product to the view's path (which checks the block alone),
+    /// with the same bits.
+    #[test]
+    fn a_prepared_operand_out_of_the_window_past_the_block_read_takes_the_views_path() {
+        let inside = inside();
+        let rng = Generator::new(32);
+        let (rows, cols, m, k, n) = (40, 33, 9, 20, 17);
+        let mut stored = bf16_values(rows * cols, 0, &rng);
+        stored[rows * cols - 1] = f32::NAN;
+        let rhs = ArrayView2::from_shape((rows, cols), &stored).unwrap();
+        let lhs = bf16_values(m * k, 0, &rng);
+        let lhs = ArrayView2::from_shape((m, k), &lhs).unwrap();
+        let mut expected = Array2::zeros((m, n));
+        let leading = rhs.slice(s![..k, ..n]);
+        assert_eq!(
+            bf16_gemm_into(&mut expected.view_mut(), lhs, leading, false),
+            inside
+        );
+        let mut out = Array2::from_elem((m, n), f32::NAN);
+        let route = Bf16Rhs::new(rhs).product_into(&mut out.view_mut(), lhs, false);
+        assert_eq!(route, inside);
+        assert_eq!(
+            bits(out.as_slice().unwrap()),
+            bits(expected.as_slice().unwrap())
+        );
+        // The whole operand, NaN included: the portable path, IEEE's NaN in the last column.
+        let lhs = bf16_values(m * rows, 0, &rng);
+        let lhs = ArrayView2::from_shape((m, rows), &lhs).unwrap();
+        let mut expected = Array2::zeros((m, cols));
+        bf16_gemm_into(&mut expected.view_mut(), lhs, rhs, false);
+        let mut out = Array2::zeros((m, cols));
+        let route = Bf16Rhs::new(rhs).product_into(&mut out.view_mut(), lhs, false);
+        assert_eq!(route, Bf16Route::Portable);
+        assert!(out.column(cols - 1).iter().all(|x| x.is_nan()));
+        assert_eq!(
+            bits(out.as_slice().unwrap()),
+            bits(expected.as_slice().unwrap())
+        );
     }
 
     #[test]

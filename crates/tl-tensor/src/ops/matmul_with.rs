@@ -102,6 +102,30 @@ pub trait ProductKernel: Send + Sync + fmt::Debug {
     fn spreads_itself(&self) -> bool {
         false
     }
+
+    /// `rhs` laid out once for several products that each read its leading rows and
+    /// columns ([`PreparedRhs`]), or `None` (the default) for a kernel that gains nothing
+    /// from it; the caller then multiplies by the views.
+    fn prepare_rhs_f32<'a>(
+        &self,
+        _rhs: ArrayView2<'a, f32>,
+    ) -> Option<Box<dyn PreparedRhs<f32> + 'a>> {
+        None
+    }
+}
+
+/// A right operand a [`ProductKernel`] has laid out once (packed, decomposed) for several
+/// products that each read a leading block of it, as the fused attention's blocks of query
+/// rows read the keys and values up to their last row. Each product gives the bits of the
+/// kernel's product by the same block as a view.
+pub trait PreparedRhs<E>: Send + Sync {
+    /// `out = lhs · rhs[..k, ..n]` (or `out += …` with `accumulate`), `lhs` m×k, `out` m×n.
+    fn product_into(
+        &self,
+        out: &mut ArrayViewMut2<'_, E>,
+        lhs: ArrayView2<'_, E>,
+        accumulate: bool,
+    );
 }
 
 /// `out = lhs · rhs` (or `out += lhs · rhs` with `accumulate`) by `kernel` on the calling
