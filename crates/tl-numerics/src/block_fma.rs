@@ -414,8 +414,10 @@ pub enum GemmKernel {
     Portable,
     /// The integer kernel in AVX2, eight outputs at a time.
     Avx2,
-    /// The integer kernel in AVX-512 (F and CD), sixteen outputs at a time, up to four rows
-    /// per panel.
+    /// The kernel in AVX-512 (F and CD), sixteen outputs at a time, up to four rows per
+    /// panel: on binary32 arithmetic where every product is exact in binary32 and the
+    /// model's signed block sums fit 31 bits (fp16 and fp8 operands on the V100 and A100
+    /// models), else on integers.
     Avx512,
 }
 
