@@ -416,8 +416,9 @@ pub enum GemmKernel {
     Avx2,
     /// The kernel in AVX-512 (F and CD), sixteen outputs at a time, up to four rows per
     /// panel: on binary32 arithmetic where every product is exact in binary32 and the
-    /// model's signed block sums fit 31 bits (fp16 and fp8 operands on the V100 and A100
-    /// models), else on integers.
+    /// model's signed block sums fit 31 bits, whole or in two halves (fp16 and fp8
+    /// operands, and bf16 ones of a modest range, on the V100, A100 and H100 models), else
+    /// on integers.
     Avx512,
 }
 

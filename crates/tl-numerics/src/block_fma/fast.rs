@@ -19,11 +19,11 @@
 //!
 //! The AVX-512 kernel first tries a route on binary32 arithmetic instead (`scaled`): where
 //! every product of the operands is exact in binary32 and the model's signed block sums fit
-//! 31 bits (fp16 and fp8 operands on the V100's and the A100's models), each term is its
-//! binary32 product scaled to the block's units and truncated by one conversion, sign
-//! included, and the block's sum is truncated into binary32 by a conversion and a
-//! multiplication rounded toward zero. Elsewhere it takes the integer route; both give the
-//! same bits.
+//! 31 bits, whole or in two halves (fp16 and fp8 operands, and bf16 ones of a modest range,
+//! on the V100's, A100's and H100's models), each term is its binary32 product scaled to
+//! the block's units and truncated by one conversion, sign included, and the block's sum is
+//! truncated into binary32 by a conversion and a multiplication rounded toward zero.
+//! Elsewhere it takes the integer route; both give the same bits.
 
 use super::{BlockFma, GemmElement, GemmKernel, ZERO_EXPONENT};
 

@@ -1,6 +1,7 @@
 //! The AVX-512 kernel's binary32 route: for operands whose products binary32 holds
 //! exactly (fp16 and the fp8 formats, and bf16 values of a modest range), and models whose
-//! signed block sums fit 31 bits (the V100's and the A100's).
+//! signed block sums fit 31 bits (the V100's and the A100's) or do in two halves (the
+//! H100's).
 //!
 //! The integer route multiplies significands and moves each product to the block's
 //! alignment with a variable shift, which truncates magnitudes only, so it keeps a sum of
@@ -20,6 +21,10 @@
 //! Only the alignment exponent `M` is still found on integers: the largest `e(x) + e(y)`
 //! of the block, and the accumulator's.
 //!
+//! The H100's block of 16 terms of up to `2^27` units each (two extra bits) can sum beyond
+//! `2^31`; its sum is kept in two parts, the accumulator with the first eight products and
+//! the last eight, each below `2^31`, added exactly in binary64 and truncated from there.
+//!
 //! # When the route is exact, and why the model's floor never binds
 //!
 //! Write `c = 23 + extra` and `F = c − 126`. The route takes a product only when, over the
@@ -37,10 +42,11 @@
 //! - for the same reason the A100's floor of −132 (and the H100's −133) never binds: it
 //!   lies below `F`;
 //! - no sum reaches `2^128`: each block adds at most `block · 2^94` to a magnitude that
-//!   starts below `2^126`, and `k` is below `2^32`.
+//!   starts below `2^126`, and the route takes `k` below `2^32` only.
 //!
-//! Anything else (and any block or extra bits whose signed sums could reach `2^31`) takes
-//! the integer route, which gives the same bits.
+//! The V100's model has no floor at all; the kernel's floor `F` is the only one, and binds
+//! for no result, as shown. Anything else (and any block or extra bits whose signed sums
+//! could reach `2^31` even in halves) takes the integer route, which gives the same bits.
 
 use std::arch::x86_64::*;
 
@@ -110,12 +116,18 @@ pub(super) unsafe fn gemm<E: GemmElement>(
     accumulate: bool,
 ) -> bool {
     let extra = fma.extra_bits as i32;
-    let fits = (fma.block as u64) << (25 + extra) < (1u64 << 31) - (1u64 << (24 + extra));
-    if !fits || !matches!(fma.block, 1 | 2 | 4 | 8 | 16) {
+    // Signed sums of the accumulator and `terms` products stay below 2^31.
+    let fits =
+        |terms: usize| ((terms as u64) << (25 + extra)) + (1u64 << (24 + extra)) < 1u64 << 31;
+    let halves = !fits(fma.block);
+    if halves && !fits(fma.block / 2) {
         return false;
     }
     let c = 23 + extra;
     let floor = c - 126;
+    if k >= 1 << 32 {
+        return false;
+    }
     if accumulate
         && !out.iter().all(|o| {
             let x = o.to_f64() as f32;
@@ -123,6 +135,12 @@ pub(super) unsafe fn gemm<E: GemmElement>(
             x == 0.0 || (floor..=MAX_INITIAL_EXPONENT).contains(&e)
         })
     {
+        return false;
+    }
+    if !matches!(
+        (fma.block, halves),
+        (1 | 2 | 4 | 8 | 16, false) | (16, true)
+    ) {
         return false;
     }
     let products = (2 * c - 126, MAX_PRODUCT_EXPONENT);
@@ -148,13 +166,16 @@ pub(super) unsafe fn gemm<E: GemmElement>(
         }
         let columns = j0..(j0 + LANES).min(n);
         // SAFETY: the caller's.
+        let shape = (m, n, columns);
         unsafe {
-            match fma.block {
-                1 => run::<E, 1>(&rows, &panel, c, (m, n, columns), out, accumulate),
-                2 => run::<E, 2>(&rows, &panel, c, (m, n, columns), out, accumulate),
-                4 => run::<E, 4>(&rows, &panel, c, (m, n, columns), out, accumulate),
-                8 => run::<E, 8>(&rows, &panel, c, (m, n, columns), out, accumulate),
-                _ => run::<E, 16>(&rows, &panel, c, (m, n, columns), out, accumulate),
+            match (fma.block, halves) {
+                (1, false) => run::<E, 1, false>(&rows, &panel, c, shape, out, accumulate),
+                (2, false) => run::<E, 2, false>(&rows, &panel, c, shape, out, accumulate),
+                (4, false) => run::<E, 4, false>(&rows, &panel, c, shape, out, accumulate),
+                (8, false) => run::<E, 8, false>(&rows, &panel, c, shape, out, accumulate),
+                (16, false) => run::<E, 16, false>(&rows, &panel, c, shape, out, accumulate),
+                (16, true) => run::<E, 16, true>(&rows, &panel, c, shape, out, accumulate),
+                _ => unreachable!("blocks without a kernel are declined before packing"),
             }
         }
     }
@@ -323,7 +344,7 @@ impl Panel {
 /// Rows `0..m` against the panel of `columns`, four rows at a time where there are four,
 /// then two, then one.
 #[target_feature(enable = "avx512f,avx512cd")]
-fn run<E: GemmElement, const B: usize>(
+fn run<E: GemmElement, const B: usize, const HALVES: bool>(
     rows: &Rows,
     panel: &Panel,
     c: i32,
@@ -342,21 +363,21 @@ fn run<E: GemmElement, const B: usize>(
         };
         if i + 4 <= m {
             let acc = std::array::from_fn(|r| initial(&out[outputs(r)], accumulate));
-            let acc = tile::<4, B>(c, std::array::from_fn(row), panel, acc);
+            let acc = tile::<4, B, HALVES>(c, std::array::from_fn(row), panel, acc);
             for (r, acc) in acc.iter().enumerate() {
                 store(&mut out[outputs(r)], *acc);
             }
             i += 4;
         } else if i + 2 <= m {
             let acc = std::array::from_fn(|r| initial(&out[outputs(r)], accumulate));
-            let acc = tile::<2, B>(c, std::array::from_fn(row), panel, acc);
+            let acc = tile::<2, B, HALVES>(c, std::array::from_fn(row), panel, acc);
             for (r, acc) in acc.iter().enumerate() {
                 store(&mut out[outputs(r)], *acc);
             }
             i += 2;
         } else {
             let acc = [initial(&out[outputs(0)], accumulate)];
-            let acc = tile::<1, B>(c, [row(0)], panel, acc);
+            let acc = tile::<1, B, HALVES>(c, [row(0)], panel, acc);
             store(&mut out[outputs(0)], acc[0]);
             i += 1;
         }
@@ -387,9 +408,11 @@ fn store<E: GemmElement>(outputs: &mut [E], acc: __m512) {
     }
 }
 
-/// `R` rows against one panel, block by block of `B` inner indices.
+/// `R` rows against one panel, block by block of `B` inner indices; with `HALVES`, each
+/// block's sum in two parts (the accumulator and the first half of the products, then the
+/// second half), each below 2^31, added exactly in binary64.
 #[target_feature(enable = "avx512f,avx512cd")]
-fn tile<const R: usize, const B: usize>(
+fn tile<const R: usize, const B: usize, const HALVES: bool>(
     c: i32,
     rows: [(&[f32], &[i32]); R],
     (values, exponents): (&[f32], &[i32]),
@@ -424,6 +447,7 @@ fn tile<const R: usize, const B: usize>(
         }
         let mut scale = [_mm512_setzero_ps(); R];
         let mut sum = [_mm512_setzero_si512(); R];
+        let mut second = [_mm512_setzero_si512(); R];
         for r in 0..R {
             scale[r] = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_sub_epi32(down, top[r])));
             sum[r] = _mm512_cvttps_epi32(_mm512_mul_ps(acc[r], scale[r]));
@@ -435,17 +459,50 @@ fn tile<const R: usize, const B: usize>(
                 // SAFETY: as above.
                 let x = unsafe { *rows[r].0.get_unchecked(t) };
                 let product = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(x)), scale[r]);
-                sum[r] = _mm512_add_epi32(sum[r], _mm512_cvttps_epi32(product));
+                let term = _mm512_cvttps_epi32(product);
+                if HALVES && t - t0 >= B / 2 {
+                    second[r] = _mm512_add_epi32(second[r], term);
+                } else {
+                    sum[r] = _mm512_add_epi32(sum[r], term);
+                }
             }
         }
         for r in 0..R {
             let unit = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_sub_epi32(top[r], up)));
-            const TO_ZERO: i32 = _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC;
-            acc[r] =
-                _mm512_mul_round_ps::<TO_ZERO>(_mm512_cvt_roundepi32_ps::<TO_ZERO>(sum[r]), unit);
+            let truncated = if HALVES {
+                truncated_sum(sum[r], second[r])
+            } else {
+                _mm512_cvt_roundepi32_ps::<TO_ZERO>(sum[r])
+            };
+            acc[r] = _mm512_mul_round_ps::<TO_ZERO>(truncated, unit);
         }
     }
     acc
+}
+
+/// Rounding toward zero, without floating-point exceptions.
+const TO_ZERO: i32 = _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC;
+
+/// `a + b`, each below 2^31 in magnitude, truncated toward zero to binary32: added exactly
+/// in binary64 (eight lanes at a time), then rounded toward zero.
+#[inline]
+#[target_feature(enable = "avx512f,avx512cd")]
+fn truncated_sum(a: __m512i, b: __m512i) -> __m512 {
+    let half = |a: __m256i, b: __m256i| {
+        _mm512_cvt_roundpd_ps::<TO_ZERO>(_mm512_add_pd(
+            _mm512_cvtepi32_pd(a),
+            _mm512_cvtepi32_pd(b),
+        ))
+    };
+    let low = half(_mm512_castsi512_si256(a), _mm512_castsi512_si256(b));
+    let high = half(
+        _mm512_extracti64x4_epi64::<1>(a),
+        _mm512_extracti64x4_epi64::<1>(b),
+    );
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+        _mm512_castpd256_pd512(_mm256_castps_pd(low)),
+        _mm256_castps_pd(high),
+    ))
 }
 
 #[cfg(test)]
@@ -521,9 +578,20 @@ mod tests {
                 (Format::E5M2, BlockFma::V100),
                 (Format::Fp16, BlockFma::new(2, 3).unwrap()),
                 (Format::Fp16, BlockFma::new(16, 0).unwrap()),
+                // Block sums in two halves.
+                (Format::Fp16, BlockFma::H100),
+                (Format::Bf16, BlockFma::H100),
             ] {
-                let a = values(m * k, format, 1);
-                let mut b = values(k * n, format, 2);
+                // bf16 values of a modest range: its subnormals moved up to 2^-30.
+                let modest = |x: f32| {
+                    if x != 0.0 && x.abs() < 2f32.powi(-30) {
+                        x.signum() * 2f32.powi(-30)
+                    } else {
+                        x
+                    }
+                };
+                let a: Vec<f32> = values(m * k, format, 1).into_iter().map(modest).collect();
+                let mut b: Vec<f32> = values(k * n, format, 2).into_iter().map(modest).collect();
                 // Cancellation: a column that is another negated.
                 for p in 0..k {
                     if n > 5 {
@@ -532,7 +600,7 @@ mod tests {
                 }
                 // Starting accumulators of every size the route takes: up to 2^125, down
                 // to the smallest it takes (2^(extra - 103)), and zeros.
-                let mut c = values(m * n, format, 3);
+                let mut c: Vec<f32> = values(m * n, format, 3).into_iter().map(modest).collect();
                 c[0] = 1.5 * 2f32.powi(125);
                 if c.len() > 2 {
                     c[1] = -(2f32.powi(fma.extra_bits() as i32 - 103));
@@ -553,6 +621,29 @@ mod tests {
     }
 
     #[test]
+    fn an_h100_block_sum_beyond_2_to_the_31_is_added_in_halves() {
+        if !GemmKernel::Avx512.is_available() {
+            eprintln!("NOT TESTED: this CPU lacks AVX-512");
+            return;
+        }
+        // Sixteen products of the largest significands at the block's exponent, and an
+        // accumulator just below 2: about 2^31 + 2^26 units of 2^-25, of either sign.
+        for (format, x) in [
+            (Format::Bf16, 255.0 / 128.0),
+            (Format::Fp16, 2047.0 / 1024.0),
+        ] {
+            for sign in [1.0f32, -1.0] {
+                let (a, b) = (vec![sign * x; 16], vec![x; 16]);
+                let c = [sign * (2.0 - 2f32.powi(-23))];
+                let (got, expected) = both(BlockFma::H100, format, (1, 16, 1), (&a, &b, &c), true);
+                assert_eq!(got, Some(expected.clone()), "{format} {sign}");
+                // 2^31 units of 2^-25 are 64.
+                assert!(f32::from_bits(expected[0]).abs() > 64.0, "{format}");
+            }
+        }
+    }
+
+    #[test]
     fn the_route_declines_what_it_cannot_hold_exactly() {
         if !GemmKernel::Avx512.is_available() {
             eprintln!("NOT TESTED: this CPU lacks AVX-512");
@@ -562,8 +653,8 @@ mod tests {
         let (a, b) = (values(4 * 9, fp16, 4), values(9 * 5, fp16, 5));
         let shape = (4, 9, 5);
         let zeros = vec![0.0; 20];
-        // Block sums that may reach 2^31: the H100's; a block no kernel is built for.
-        for fma in [BlockFma::H100, BlockFma::new(3, 0).unwrap()] {
+        // Block sums that may reach 2^31 even in halves; a block no kernel is built for.
+        for fma in [BlockFma::new(16, 3).unwrap(), BlockFma::new(3, 0).unwrap()] {
             assert_eq!(both(fma, fp16, shape, (&a, &b, &zeros), false).0, None);
         }
         // A starting accumulator too small (subnormal, or below 2^(extra - 103)) or too
