@@ -414,8 +414,11 @@ pub enum GemmKernel {
     Portable,
     /// The integer kernel in AVX2, eight outputs at a time.
     Avx2,
-    /// The integer kernel in AVX-512 (F and CD), sixteen outputs at a time, up to four rows
-    /// per panel.
+    /// The kernel in AVX-512 (F and CD), sixteen outputs at a time, up to four rows per
+    /// panel: on binary32 arithmetic where every product is exact in binary32 and the
+    /// model's signed block sums fit 31 bits, whole or in two halves (fp16 and fp8
+    /// operands, and bf16 ones of a modest range, on the V100, A100 and H100 models), else
+    /// on integers.
     Avx512,
 }
 

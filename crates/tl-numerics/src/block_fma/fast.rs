@@ -16,8 +16,19 @@
 //! kernels a sum of positive and a sum of negative terms, the AVX-512 kernel the sum of all
 //! magnitudes and, under a mask of the product's sign, the sum of the negative ones. The
 //! accumulator is then normalised and truncated into binary32 from the difference.
+//!
+//! The AVX-512 kernel first tries a route on binary32 arithmetic instead (`scaled`): where
+//! every product of the operands is exact in binary32 and the model's signed block sums fit
+//! 31 bits, whole or in two halves (fp16 and fp8 operands, and bf16 ones of a modest range,
+//! on the V100's, A100's and H100's models), each term is its binary32 product scaled to
+//! the block's units and truncated by one conversion, sign included, and the block's sum is
+//! truncated into binary32 by a conversion and a multiplication rounded toward zero.
+//! Elsewhere it takes the integer route; both give the same bits.
 
 use super::{BlockFma, GemmElement, GemmKernel, ZERO_EXPONENT};
+
+#[cfg(target_arch = "x86_64")]
+mod scaled;
 
 /// Lanes of the portable and AVX2 kernels.
 pub(super) const LANES: usize = 8;
@@ -265,6 +276,13 @@ pub(super) fn gemm<E: GemmElement>(
     };
     #[cfg(not(target_arch = "x86_64"))]
     let width = LANES;
+    // SAFETY: the caller checked that the CPU supports AVX-512 F and CD.
+    #[cfg(target_arch = "x86_64")]
+    if kernel == GemmKernel::Avx512
+        && unsafe { scaled::gemm(fma, emin, (m, k, n), a, b, out, accumulate) }
+    {
+        return true;
+    }
     let Some(rows) = Rows::pack(a, k, emin, width != LANES) else {
         return false;
     };
@@ -670,7 +688,10 @@ mod avx512 {
     /// `emin` of at least -137 gives): the caller asks [`decompose`], lane by lane.
     #[inline]
     #[target_feature(enable = "avx512f,avx512cd")]
-    fn decompose16(bits: __m512i, emin: __m512i) -> Option<(__m512i, __m512i, __mmask16)> {
+    pub(super) fn decompose16(
+        bits: __m512i,
+        emin: __m512i,
+    ) -> Option<(__m512i, __m512i, __mmask16)> {
         let magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFF_FFFF));
         let field = _mm512_srli_epi32::<23>(magnitude);
         let is_zero = _mm512_testn_epi32_mask(magnitude, magnitude);
@@ -709,7 +730,7 @@ mod avx512 {
     }
 
     /// The lanes of a run of `len` (at most 16) elements.
-    fn lanes(len: usize) -> __mmask16 {
+    pub(super) fn lanes(len: usize) -> __mmask16 {
         (((1u32 << len) - 1) & 0xFFFF) as __mmask16
     }
 
