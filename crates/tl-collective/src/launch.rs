@@ -52,6 +52,10 @@ pub struct LaunchOptions {
     pub deadline: Option<Duration>,
     /// More environment variables for every rank.
     pub env: Vec<(OsString, OsString)>,
+    /// The CPUs each rank may run on (rank r on `cores[r]`, as `sched_setaffinity` sets
+    /// them before the program starts); `None`, or an empty list for a rank, leaves it the
+    /// launcher's [default: none]. See [`rank_cores`].
+    pub cores: Option<Vec<Vec<usize>>>,
 }
 
 impl Default for LaunchOptions {
@@ -61,6 +65,7 @@ impl Default for LaunchOptions {
             grace: Duration::from_secs(5),
             deadline: None,
             env: Vec::new(),
+            cores: None,
         }
     }
 }
@@ -139,6 +144,11 @@ fn run_ranks(
             // it once, instead of every rank getting it twice.
             .process_group(0);
         die_with_launcher(&mut command);
+        if let Some(cores) = options.cores.as_ref().and_then(|c| c.get(rank))
+            && !cores.is_empty()
+        {
+            bind_to(&mut command, cores);
+        }
         if let Some(timeout) = options.comm_timeout {
             command.env(ENV_TIMEOUT_MS, timeout.as_millis().to_string());
         }
@@ -216,6 +226,55 @@ fn die_with_launcher(command: &mut Command) {
             if rustix::process::getppid() != Some(launcher) {
                 return Err(Errno::SRCH.into());
             }
+            Ok(())
+        });
+    }
+}
+
+/// The CPUs of `available` that `n` ranks of `threads` compute threads each may own, one
+/// disjoint group per rank in order (rank r the r-th run of `threads` CPUs), as mpirun binds
+/// ranks to cores; `None` when the ranks need more CPUs than there are. A rank whose threads
+/// stay on its own cores keeps its caches, and the system stops moving two ranks' threads
+/// onto one core while the other idles: two capstone ranks (one thread each) on a 2-core
+/// machine stepped in 1.73–1.76 s bound, 1.80–1.82 s not (and up to 1.90 s in other runs).
+///
+/// ```
+/// use tl_collective::launch::rank_cores;
+/// assert_eq!(rank_cores(&[0, 1], 2, 1), Some(vec![vec![0], vec![1]]));
+/// assert_eq!(rank_cores(&[2, 3, 5, 7], 2, 2), Some(vec![vec![2, 3], vec![5, 7]]));
+/// assert_eq!(rank_cores(&[0, 1], 3, 1), None);
+/// ```
+pub fn rank_cores(available: &[usize], n: usize, threads: usize) -> Option<Vec<Vec<usize>>> {
+    let needed = n.checked_mul(threads)?;
+    (threads > 0 && needed <= available.len()).then(|| {
+        available[..needed]
+            .chunks(threads)
+            .map(<[usize]>::to_vec)
+            .collect()
+    })
+}
+
+/// The CPUs this process may run on, in order; `None` where the system does not say.
+pub fn available_cores() -> Option<Vec<usize>> {
+    let set = rustix::thread::sched_getaffinity(None).ok()?;
+    let cores: Vec<usize> = (0..rustix::thread::CpuSet::MAX_CPU)
+        .filter(|&cpu| set.is_set(cpu))
+        .collect();
+    (!cores.is_empty()).then_some(cores)
+}
+
+/// Has `command`'s process run on `cores` only, from before its program starts (so that
+/// every thread it makes inherits the mask).
+fn bind_to(command: &mut Command, cores: &[usize]) {
+    let mut set = rustix::thread::CpuSet::new();
+    for &cpu in cores {
+        set.set(cpu);
+    }
+    // SAFETY: runs in the child between fork and exec: sched_setaffinity is a single system
+    // call on a mask built before the fork, allocating nothing and taking no lock.
+    unsafe {
+        command.pre_exec(move || {
+            rustix::thread::sched_setaffinity(None, &set)?;
             Ok(())
         });
     }

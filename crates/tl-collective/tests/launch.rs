@@ -31,6 +31,7 @@ fn options(scenario: &str) -> LaunchOptions {
         grace: Duration::from_millis(500),
         deadline: Some(Duration::from_secs(60)),
         env: vec![(SCENARIO.into(), scenario.into())],
+        cores: None,
     }
 }
 
@@ -85,6 +86,17 @@ fn launched_rank() {
                 panic!("{e}");
             }
         }
+        "affinity" => {
+            // This rank's CPUs, as the launcher left them, for the test to read.
+            let set = rustix::thread::sched_getaffinity(None).unwrap();
+            let cores: Vec<String> = (0..rustix::thread::CpuSet::MAX_CPU)
+                .filter(|&cpu| set.is_set(cpu))
+                .map(|cpu| cpu.to_string())
+                .collect();
+            let dir = std::env::var("TL_TEST_READY_DIR").unwrap();
+            std::fs::write(format!("{dir}/cores-{}", comm.rank()), cores.join(",")).unwrap();
+            comm.barrier().unwrap();
+        }
         "sleep" => {
             // The ring formed and used once: rank 0 has removed the rendezvous directory.
             comm.barrier().unwrap();
@@ -115,6 +127,35 @@ fn launcher_entry() {
     for rank in &outcome.ranks {
         println!("RESULT rank{}={:?}", rank.rank, rank.status.signal());
     }
+}
+
+/// Each rank runs on the CPUs it was given (here the first and the last this test may use,
+/// one each: the same CPU twice on a one-CPU machine), and on the launcher's without them.
+#[test]
+fn ranks_run_on_the_cores_they_are_given() {
+    let exe = std::env::current_exe().unwrap();
+    let available = tl_collective::launch::available_cores().expect("Linux says");
+    let (first, last) = (available[0], available[available.len() - 1]);
+    let read = |cores: Option<Vec<Vec<usize>>>| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut options = options("affinity");
+        options
+            .env
+            .push(("TL_TEST_READY_DIR".into(), dir.path().into()));
+        options.cores = cores;
+        let outcome = launch(2, &exe, &rank_args(), &options).unwrap();
+        assert!(outcome.success(), "{outcome:?}");
+        [0, 1]
+            .map(|rank| std::fs::read_to_string(dir.path().join(format!("cores-{rank}"))).unwrap())
+    };
+    let bound = read(Some(vec![vec![first], vec![last]]));
+    assert_eq!(bound, [first.to_string(), last.to_string()]);
+    let everywhere = available
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    assert_eq!(read(None), [everywhere.clone(), everywhere]);
 }
 
 #[test]

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use clap::Args;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-use tl_collective::launch::{LaunchOptions, LaunchOutcome, launch as launch_ranks};
+use tl_collective::launch::{
+    LaunchOptions, LaunchOutcome, available_cores, launch as launch_ranks, rank_cores,
+};
 
 use super::Exit;
 use crate::error::{Result, TrainError};
@@ -28,12 +30,27 @@ pub struct LaunchArgs {
     /// shared out, at least 1], so that N ranks on one machine do not oversubscribe it.
     #[arg(long, value_name = "T")]
     pub threads_per_rank: Option<usize>,
+    /// Where the ranks run: `cores` gives each its own T cores (rank r the r-th T of the
+    /// cores this launcher may use), as mpirun binds ranks, when N·T of them exist; `none`
+    /// lets the system move every thread over every core.
+    #[arg(long, value_enum, default_value_t = Bind::Cores)]
+    pub bind: Bind,
     /// Once a rank fails, how long the others may go on before they are stopped.
     #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub grace_ms: u64,
     /// The tinyllm command and flags every rank runs, after `--`.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,
+}
+
+/// Where `launch` puts its ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Bind {
+    /// Each rank on cores of its own, when there are enough (else as `none`).
+    #[default]
+    Cores,
+    /// Anywhere: the system schedules every rank's threads over all the cores.
+    None,
 }
 
 /// The most ranks `launch` starts on one machine: far past its cores, short of a fork bomb.
@@ -73,6 +90,16 @@ pub(super) fn launch(args: &LaunchArgs) -> Result<Exit> {
         (None, Some(_)) => None, // the environment's choice reaches the ranks as it is
         (None, None) => Some((cores / args.nproc).max(1)),
     };
+    // The threads each rank computes on, where known (the environment's choice may not
+    // be a number rayon understands: then the ranks are not bound).
+    let rank_threads = threads.or_else(|| {
+        let value = std::env::var(THREADS_ENV).ok()?;
+        value.trim().parse().ok().filter(|&t: &usize| t > 0)
+    });
+    let binding = match (args.bind, rank_threads, available_cores()) {
+        (Bind::Cores, Some(t), Some(available)) => rank_cores(&available, args.nproc, t),
+        _ => None,
+    };
     let options = LaunchOptions {
         comm_timeout: args.timeout_ms.map(Duration::from_millis),
         grace: Duration::from_millis(args.grace_ms),
@@ -80,6 +107,7 @@ pub(super) fn launch(args: &LaunchArgs) -> Result<Exit> {
             .map(|t| (OsString::from(THREADS_ENV), OsString::from(t.to_string())))
             .into_iter()
             .collect(),
+        cores: binding,
         ..LaunchOptions::default()
     };
     let outcome = launch_ranks(args.nproc, &exe, &args.command, &options)?;
