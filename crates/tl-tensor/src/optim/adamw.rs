@@ -4,6 +4,7 @@ use ndarray::{ArrayD, Zip};
 use serde::{Deserialize, Serialize};
 
 use super::{Optimizer, assert_learning_rate, check_non_negative, check_shapes, restore};
+use crate::ops::elementwise::PARALLEL_MIN_LEN;
 use crate::{Element, Result, Tensor, TensorError};
 
 /// Adam with decoupled weight decay, as `torch.optim.AdamW` (non-amsgrad, single-tensor).
@@ -330,25 +331,30 @@ impl<E: Element> AdamW<E> {
         parameter.update_value(|p| {
             moments.exp_avg.update_value(|m| {
                 moments.exp_avg_sq.update_value(|v| {
-                    Zip::from(p)
-                        .and(m)
-                        .and(v)
-                        .and(grad)
-                        .for_each(|p, m, v, &g| {
-                            if decays {
-                                *p *= decay;
-                            }
-                            // torch's lerp picks the form that is exact at its nearer end.
-                            *m = if small_weight {
-                                *m + lerp_weight * (g - *m)
-                            } else {
-                                g - (g - *m) * one_minus_lerp_weight
-                            };
-                            *v *= beta2;
-                            *v += one_minus_beta2 * g * g;
-                            let denom = v.sqrt() / bias_correction2_sqrt + eps;
-                            *p += neg_step_size * *m / denom;
-                        });
+                    let update = |p: &mut E, m: &mut E, v: &mut E, &g: &E| {
+                        if decays {
+                            *p *= decay;
+                        }
+                        // torch's lerp picks the form that is exact at its nearer end.
+                        *m = if small_weight {
+                            *m + lerp_weight * (g - *m)
+                        } else {
+                            g - (g - *m) * one_minus_lerp_weight
+                        };
+                        *v *= beta2;
+                        *v += one_minus_beta2 * g * g;
+                        let denom = v.sqrt() / bias_correction2_sqrt + eps;
+                        *p += neg_step_size * *m / denom;
+                    };
+                    // Each value's update reads only its own p, m, v and g: the same bits on
+                    // any number of threads. On the pool for large parameters, which were a
+                    // stretch of a capstone step with one core idle.
+                    let zip = Zip::from(p).and(m).and(v).and(grad);
+                    if grad.len() >= PARALLEL_MIN_LEN {
+                        zip.par_for_each(update);
+                    } else {
+                        zip.for_each(update);
+                    }
                 });
             });
         });
@@ -553,5 +559,65 @@ mod tests {
             Err(TensorError::InvalidArgument { .. })
         ));
         assert_eq!(opt.state_dict(), before);
+    }
+
+    /// A parameter large enough to be updated on the pool gets, value for value, the bits
+    /// that the same values get as small parameters updated on the calling thread, on 1 and
+    /// 3 threads, through steps with and without weight decay.
+    #[test]
+    fn a_large_parameter_updated_on_the_pool_matches_small_ones_updated_in_turn() {
+        use crate::Generator;
+        use crate::testing::random_array;
+
+        let len = PARALLEL_MIN_LEN + 7;
+        let rng = Generator::new(38);
+        let start = random_array(&[len], &rng).mapv(|x| x as f32);
+        let grads: Vec<ArrayD<f32>> = (0..3)
+            .map(|_| random_array(&[len], &rng).mapv(|x| x as f32 * 1e-3))
+            .collect();
+        let chunk = 1000;
+        assert!(chunk < PARALLEL_MIN_LEN);
+        // Tensors stay on the thread that made them: the whole run happens on the pool.
+        let run = |starts: Vec<ArrayD<f32>>, threads: usize, wd: f64| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let params: Vec<Tensor<f32>> = starts.into_iter().map(Tensor::param).collect();
+                let mut opt = AdamW::new(params.clone(), 1e-2)
+                    .and_then(|o| o.with_weight_decay(wd))
+                    .unwrap();
+                for g in &grads {
+                    let flat = g.as_slice().unwrap();
+                    let mut offset = 0;
+                    for p in &params {
+                        let n = p.shape().iter().product::<usize>();
+                        let part = flat[offset..offset + n].to_vec();
+                        p.set_grad(Some(ArrayD::from_shape_vec(vec![n], part).unwrap()));
+                        offset += n;
+                    }
+                    opt.step();
+                }
+                params
+                    .iter()
+                    .flat_map(|p| p.to_vec())
+                    .map(f32::to_bits)
+                    .collect::<Vec<_>>()
+            })
+        };
+        let flat = start.as_slice().unwrap();
+        for wd in [0.0, 0.1] {
+            let small = flat.chunks(chunk).map(|c| arr1(c).into_dyn()).collect();
+            let expected = run(small, 1, wd);
+            for threads in [1, 3] {
+                let large = vec![start.clone()];
+                assert_eq!(
+                    run(large, threads, wd),
+                    expected,
+                    "{threads} threads, wd {wd}"
+                );
+            }
+        }
     }
 }
