@@ -88,10 +88,10 @@ fn launched_rank() {
         }
         "affinity" => {
             // This rank's CPUs, as the launcher left them, for the test to read.
-            let set = rustix::thread::sched_getaffinity(None).unwrap();
-            let cores: Vec<String> = (0..rustix::thread::CpuSet::MAX_CPU)
-                .filter(|&cpu| set.is_set(cpu))
-                .map(|cpu| cpu.to_string())
+            let cores: Vec<String> = tl_collective::launch::available_cores()
+                .unwrap()
+                .iter()
+                .map(usize::to_string)
                 .collect();
             let dir = std::env::var("TL_TEST_READY_DIR").unwrap();
             std::fs::write(format!("{dir}/cores-{}", comm.rank()), cores.join(",")).unwrap();
