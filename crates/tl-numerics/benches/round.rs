@@ -14,7 +14,8 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use std::mem::MaybeUninit;
 
 use tl_numerics::{
-    Format, round_slice, round_slice_saturating_counting, scale_round_saturating_into,
+    Format, round_slice, round_slice_counting_flushes, round_slice_into,
+    round_slice_saturating_counting, scale_round_saturating_into,
 };
 
 /// 16M values: 64 MiB per buffer, well beyond any cache, so this measures memory streaming.
@@ -91,5 +92,34 @@ fn bench_round_f64(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_round, bench_round_f64);
+/// A capstone activation's size (4096 tokens × 320 columns, 5 MiB): what autocast rounds in
+/// a step, in place (a product's output), counting flushes (a gradient) and into a copy (an
+/// operand). Unlike the 64 MiB buffers above it stays in a large last-level cache, so the
+/// loops' own speed shows, not only the memory's.
+fn bench_round_activation(c: &mut Criterion) {
+    const ACTIVATION: usize = 4096 * 320;
+    let source = &inputs()[..ACTIVATION];
+    let mut group = c.benchmark_group("round_activation_f32");
+    group.throughput(Throughput::Bytes((ACTIVATION * size_of::<f32>()) as u64));
+    group.sample_size(50);
+    let mut xs = source.to_vec();
+    group.bench_function("round_slice_bf16", |b| {
+        b.iter(|| round_slice(black_box(xs.as_mut_slice()), Format::Bf16));
+    });
+    group.bench_function("round_slice_counting_flushes_bf16", |b| {
+        b.iter(|| round_slice_counting_flushes(black_box(xs.as_mut_slice()), Format::Bf16));
+    });
+    let mut out = vec![MaybeUninit::<f32>::uninit(); ACTIVATION];
+    group.bench_function("round_slice_into_bf16", |b| {
+        b.iter(|| round_slice_into(black_box(source), &mut out, Format::Bf16));
+    });
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_round,
+    bench_round_f64,
+    bench_round_activation
+);
 criterion_main!(benches);

