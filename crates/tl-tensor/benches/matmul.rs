@@ -23,7 +23,9 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use ndarray::{Array, Array2, ArrayView2, Dimension, IntoDimension};
 use rayon::{ThreadPool, ThreadPoolBuilder};
 use tl_tensor::kernels::batched::{batched_matmul, batched_matmul_into};
-use tl_tensor::kernels::bf16_dot::{bf16_gemm, bf16_gemm_portable, units_available};
+use tl_tensor::kernels::bf16_dot::{
+    Bf16Rhs, bf16_gemm, bf16_gemm_into, bf16_gemm_portable, units_available,
+};
 use tl_tensor::kernels::gemm::{gemm_into, matmul};
 
 /// Rows of activations in one capstone step: 8 sequences of 512 tokens.
@@ -180,5 +182,58 @@ fn bf16_products(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, linear_layers, attention, bf16_products);
+/// The linear layers' weight gradients in bf16, `Xᵀ·dY` with both operands read where they
+/// lie (X transposed, dY's rows of 4096 tokens packed as the right operand): the products
+/// whose packing is the largest, on the units as autocast runs them.
+fn bf16_weight_gradients(c: &mut Criterion) {
+    let bf16 = |a: Array2<f32>| a.mapv(|x| f32::from_bits(x.to_bits() & 0xffff_0000));
+    for (inputs, outputs) in LINEAR {
+        let x = bf16(filled((ROWS, inputs), 5));
+        let dy = bf16(filled((ROWS, outputs), 6));
+        let (m, k, n) = (inputs, ROWS, outputs);
+        let mut group = c.benchmark_group(format!("bf16 Xᵀ·dY {m}x{k}x{n}"));
+        group.throughput(Throughput::Elements((2 * m * n * k) as u64));
+        let mut out = Array2::zeros((m, n));
+        for (threads, pool) in pools() {
+            group.bench_function(format!("units/{threads}t"), |b| {
+                pool.install(|| {
+                    b.iter(|| {
+                        bf16_gemm_into(&mut out.view_mut(), black_box(x.t()), dy.view(), false)
+                    })
+                });
+            });
+        }
+        group.finish();
+    }
+}
+
+/// One block of the fused attention's scores in bf16, `q[64 rows]·k[..512]ᵀ` for a head of
+/// 32 columns, with the keys packed once ([`Bf16Rhs`]) as the attention packs them per head:
+/// 16 pairs of the inner dimension per output, so the kernel's work between tiles counts as
+/// much as the tiles themselves. One thread, as the attention's tasks run.
+fn bf16_scores(c: &mut Criterion) {
+    let bf16 = |a: Array2<f32>| a.mapv(|x| f32::from_bits(x.to_bits() & 0xffff_0000));
+    let (m, k, n) = (64, 32, 512);
+    let (q, keys) = (bf16(filled((m, k), 3)), bf16(filled((n, k), 4)));
+    let mut group = c.benchmark_group(format!("bf16 scores {m}x{k}x{n}"));
+    group.throughput(Throughput::Elements((2 * m * n * k) as u64));
+    let mut out = Array2::zeros((m, n));
+    let prepared = Bf16Rhs::new(keys.t());
+    let pool = ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    group.bench_function("units-prepared/1t", |b| {
+        pool.install(|| {
+            b.iter(|| prepared.product_into(&mut out.view_mut(), black_box(q.view()), false))
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    linear_layers,
+    attention,
+    bf16_products,
+    bf16_weight_gradients,
+    bf16_scores
+);
 criterion_main!(benches);

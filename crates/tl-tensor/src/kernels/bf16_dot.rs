@@ -772,6 +772,7 @@ unsafe fn bf16_row(row: &[f32], packed: &mut [u32], lanes: &mut LaneRange) {
 /// block of packing and reduced once at its end (a horizontal reduction per row would cost
 /// as much as the row's conversion on a head's 32 columns).
 #[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
 struct LaneRange {
     min: __m512i,
     max: __m512i,
@@ -882,24 +883,14 @@ fn pack_b_units(rhs: ArrayView2<'_, f32>, buffer: &mut Vec<u32>) -> (usize, Rang
                     // SAFETY (this closure's calls): the units' path only, as above.
                     let mut lanes = unsafe { LaneRange::new() };
                     for p in 16 * task..pairs.min(16 * (task + 1)) {
-                        let even = &lines[2 * (k0 + p)];
-                        let odd = lines.get(2 * (k0 + p) + 1);
-                        for q in 0..panels {
-                            let cols = q * UNITS_NR..n.min((q + 1) * UNITS_NR);
-                            // SAFETY: pair p of panel q is written by this task alone (tasks
-                            // own disjoint runs of pairs), inside the block (p < pairs,
-                            // q < panels).
-                            let slots = unsafe {
-                                std::slice::from_raw_parts_mut(
-                                    out.0.add((q * pairs + p) * UNITS_NR),
-                                    UNITS_NR,
-                                )
-                            };
-                            let (slots, past_n) = slots.split_at_mut(cols.len());
-                            past_n.fill(0);
-                            let (even, odd) = (&even[cols.clone()], odd.map(|o| &o[cols]));
-                            // SAFETY: the units' path only, as above.
-                            unsafe { bf16_pairs(even, odd, slots, &mut lanes) };
+                        let even = &lines[2 * (k0 + p)][..n];
+                        let odd = lines.get(2 * (k0 + p) + 1).map(|odd| &odd[..n]);
+                        // SAFETY: the units' path only, as above; pair p of every panel is
+                        // written by this task alone (tasks own disjoint runs of pairs),
+                        // inside the block (p < pairs, panels of `pairs` pairs).
+                        unsafe {
+                            let first = out.0.add(p * UNITS_NR);
+                            bf16_pair_rows(even, odd, first, pairs * UNITS_NR, &mut lanes);
                         }
                     }
                     // SAFETY: as above.
@@ -919,6 +910,82 @@ struct SharedSlots(*mut u32);
 // outlives them (rayon joins them before `pack_b_units` goes on).
 unsafe impl Sync for SharedSlots {}
 
+/// A pair of rows (`even`, and `odd` or zeros) written into every panel of a packed block:
+/// panel q's UNITS_NR slots, `panel_stride` values after panel q−1's starting at `first`,
+/// get the pairs of columns 32q.., zeros past the rows' end; each value added to `lanes`.
+/// One call per pair of rows, with `lanes` in registers throughout: a call per panel (32
+/// pairs) spent as much on the calls as on the conversion.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512BW; `odd` is as long as `even`, and `first` addresses
+/// ⌈len/UNITS_NR⌉ runs of UNITS_NR writable values, `panel_stride` apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn bf16_pair_rows(
+    even: &[f32],
+    odd: Option<&[f32]>,
+    first: *mut u32,
+    panel_stride: usize,
+    lanes: &mut LaneRange,
+) {
+    let n = even.len();
+    assert!(odd.is_none_or(|odd| odd.len() == n));
+    let mut local = *lanes;
+    let whole = n / UNITS_NR;
+    for q in 0..whole {
+        let c0 = q * UNITS_NR;
+        for half in [0, 16] {
+            // SAFETY: columns c0..c0+32 lie in both rows (q < n/32), the panel's slots are
+            // the caller's, and this function has the features `pairs_16` needs.
+            unsafe {
+                let odd = odd.map(|odd| odd.as_ptr().add(c0 + half));
+                let slots = first.add(q * panel_stride + half);
+                pairs_16(even.as_ptr().add(c0 + half), odd, slots, &mut local);
+            }
+        }
+    }
+    if whole * UNITS_NR < n {
+        let cols = whole * UNITS_NR..n;
+        // SAFETY: the caller's contract.
+        let slots =
+            unsafe { std::slice::from_raw_parts_mut(first.add(whole * panel_stride), UNITS_NR) };
+        let (slots, past_n) = slots.split_at_mut(cols.len());
+        past_n.fill(0);
+        let (even, odd) = (&even[cols.clone()], odd.map(|odd| &odd[cols]));
+        // SAFETY: the caller's contract (the CPU's features).
+        unsafe { bf16_pairs(even, odd, slots, &mut local) };
+    }
+    *lanes = local;
+}
+
+/// Sixteen pairs: `slots[j]` = (`even[j]`, `odd[j]`) in bf16 (`odd` zero if absent), each
+/// value added to `lanes`.
+///
+/// # Safety
+/// Called from code compiled for AVX-512F and AVX-512BW; 16 values readable at `even` (and
+/// `odd`), 16 writable at `slots`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pairs_16(
+    even: *const f32,
+    odd: Option<*const f32>,
+    slots: *mut u32,
+    lanes: &mut LaneRange,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let e = _mm512_loadu_si512(even.cast());
+        lanes.add(e, BF16_LOW);
+        let mut pairs = _mm512_srli_epi32::<16>(e);
+        if let Some(odd) = odd {
+            let o = _mm512_loadu_si512(odd.cast());
+            lanes.add(o, BF16_LOW);
+            pairs = _mm512_or_si512(pairs, _mm512_and_si512(o, _mm512_set1_epi32(-65536)));
+        }
+        _mm512_storeu_si512(slots.cast(), pairs);
+    }
+}
+
 /// `slots[j]` = the pair (`even[j]`, `odd[j]`) in bf16 (`odd` zero if absent), each value
 /// added to `lanes`.
 ///
@@ -931,17 +998,11 @@ unsafe fn bf16_pairs(even: &[f32], odd: Option<&[f32]>, slots: &mut [u32], lanes
     assert!(even.len() >= len && odd.is_none_or(|odd| odd.len() >= len));
     let whole = len / 16 * 16;
     for i in (0..whole).step_by(16) {
-        // SAFETY: `i + 16 ≤ len`, within every slice (asserted above).
+        // SAFETY: `i + 16 ≤ len`, within every slice (asserted above); this function has
+        // the features `pairs_16` needs.
         unsafe {
-            let e = _mm512_loadu_si512(even.as_ptr().add(i).cast());
-            lanes.add(e, BF16_LOW);
-            let mut pairs = _mm512_srli_epi32::<16>(e);
-            if let Some(odd) = odd {
-                let o = _mm512_loadu_si512(odd.as_ptr().add(i).cast());
-                lanes.add(o, BF16_LOW);
-                pairs = _mm512_or_si512(pairs, _mm512_and_si512(o, _mm512_set1_epi32(-65536)));
-            }
-            _mm512_storeu_si512(slots.as_mut_ptr().add(i).cast(), pairs);
+            let odd = odd.map(|odd| odd.as_ptr().add(i));
+            pairs_16(even.as_ptr().add(i), odd, slots.as_mut_ptr().add(i), lanes);
         }
     }
     for j in whole..len {
@@ -1020,10 +1081,13 @@ struct Packed<'a, T> {
     b_pair: usize,
 }
 
-/// One call of a tile kernel: `pairs` pairs of the inner dimension of a tile's rows of `a`
-/// (starting at `a`, rows `a_row` elements apart and pairs `a_step`) and its panel of `b`,
-/// added to the tile of the output at `c` (rows `ldc` apart), which starts from zero if
-/// `zero`.
+/// One call of a tile kernel: `tiles` tiles stacked down one panel of the output, each
+/// `pairs` pairs of the inner dimension of its rows of `a` (the first tile's starting at
+/// `a`, rows `a_row` elements apart and pairs `a_step`, the next tile's a tile's rows further)
+/// times the panel of `b`, added to its tile of the output (the first at `c`, rows `ldc`
+/// apart), which starts from zero if `zero`. A call walks a whole panel of a block of rows,
+/// so that the per-tile work between two tiles stays inside the kernel: the scores of the
+/// fused attention are products of 16 pairs, where a call per tile took a tenth of the time.
 #[derive(Clone, Copy)]
 struct Tile<'a, T> {
     a: &'a [T],
@@ -1034,6 +1098,7 @@ struct Tile<'a, T> {
     c: *mut f32,
     ldc: usize,
     zero: bool,
+    tiles: usize,
 }
 
 /// Runs `tile` over the whole product: tasks of MC output rows (spread over the pool when
@@ -1074,45 +1139,55 @@ fn drive<T: Sync>(
                 let (c0, cols) = (q * nr, nr.min(n - q * nr));
                 let b_pairs = KC.min(packed.b_kp - k0);
                 let b = &packed.b[(k0 * packed.panels + q * b_pairs) * packed.b_pair..];
-                for t in (0..rows).step_by(mr) {
-                    let tile_rows = mr.min(rows - t);
-                    let (a_row, a_step) = if packed.a_pair_major {
-                        (1, packed.m_pad)
-                    } else {
-                        (pairs * packed.a_pair, packed.a_pair)
-                    };
-                    let a = &packed.a[k0 * packed.m_pad * packed.a_pair + (r0 + t) * a_row..];
-                    let whole = tile_rows == mr && cols == nr;
-                    let (c, ldc) = if whole {
-                        // SAFETY: row t, column c0 of the block lies inside it.
-                        (unsafe { rows_out.as_mut_ptr().add(t * ldc + c0) }, ldc)
-                    } else {
-                        for i in 0..mr {
-                            for j in 0..nr {
-                                edge[i * nr + j] = if zero || i >= tile_rows || j >= cols {
-                                    0.0
-                                } else {
-                                    rows_out[[t + i, c0 + j]]
-                                };
-                            }
-                        }
-                        (edge.as_mut_ptr(), nr)
-                    };
+                let (a_row, a_step) = if packed.a_pair_major {
+                    (1, packed.m_pad)
+                } else {
+                    (pairs * packed.a_pair, packed.a_pair)
+                };
+                let a_at =
+                    |t: usize| &packed.a[k0 * packed.m_pad * packed.a_pair + (r0 + t) * a_row..];
+                // The whole tiles of the panel in one call, then the ragged one through
+                // `edge`, a whole tile's buffer padded with zeros.
+                let whole = if cols == nr { rows / mr } else { 0 };
+                if whole > 0 {
                     tile(Tile {
-                        a,
+                        a: a_at(0),
                         a_row,
                         a_step,
                         b,
                         pairs,
-                        c,
+                        // SAFETY: column c0 of the block's first row lies inside it.
+                        c: unsafe { rows_out.as_mut_ptr().add(c0) },
                         ldc,
-                        zero: zero && whole,
+                        zero,
+                        tiles: whole,
                     });
-                    if !whole {
-                        for i in 0..tile_rows {
-                            for j in 0..cols {
-                                rows_out[[t + i, c0 + j]] = edge[i * nr + j];
-                            }
+                }
+                for t in (whole * mr..rows).step_by(mr) {
+                    let tile_rows = mr.min(rows - t);
+                    for i in 0..mr {
+                        for j in 0..nr {
+                            edge[i * nr + j] = if zero || i >= tile_rows || j >= cols {
+                                0.0
+                            } else {
+                                rows_out[[t + i, c0 + j]]
+                            };
+                        }
+                    }
+                    tile(Tile {
+                        a: a_at(t),
+                        a_row,
+                        a_step,
+                        b,
+                        pairs,
+                        c: edge.as_mut_ptr(),
+                        ldc: nr,
+                        zero: false,
+                        tiles: 1,
+                    });
+                    for i in 0..tile_rows {
+                        for j in 0..cols {
+                            rows_out[[t + i, c0 + j]] = edge[i * nr + j];
                         }
                     }
                 }
@@ -1131,77 +1206,88 @@ fn drive<T: Sync>(
 }
 
 /// The units' tile: UNITS_MR rows × UNITS_NR columns, one `vdpbf16ps` per row and 16
-/// columns per pair of the inner dimension.
+/// columns per pair of the inner dimension; `t.tiles` of them down the panel.
 ///
 /// # Safety
-/// The CPU has AVX-512F and AVX512-BF16; `t.a` holds UNITS_MR rows of `t.pairs` pairs
-/// (`t.a_row` and `t.a_step` apart), `t.b` `t.pairs` rows of UNITS_NR pairs, and `t.c` addresses
-/// UNITS_MR rows of UNITS_NR writable f32 values `t.ldc` apart (initialised unless `t.zero`).
+/// The CPU has AVX-512F and AVX512-BF16; `t.a` holds `t.tiles`·UNITS_MR rows of `t.pairs`
+/// pairs (`t.a_row` and `t.a_step` apart), `t.b` `t.pairs` rows of UNITS_NR pairs, and `t.c`
+/// addresses `t.tiles`·UNITS_MR rows of UNITS_NR writable f32 values `t.ldc` apart
+/// (initialised unless `t.zero`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn units_tile(t: Tile<'_, u32>) {
-    debug_assert!(t.a.len() > (UNITS_MR - 1) * t.a_row + (t.pairs - 1) * t.a_step);
+    debug_assert!(t.a.len() > (t.tiles * UNITS_MR - 1) * t.a_row + (t.pairs - 1) * t.a_step);
     debug_assert!(t.b.len() >= t.pairs * UNITS_NR);
-    let mut acc = [[_mm512_setzero_ps(); 2]; UNITS_MR];
-    // SAFETY (whole function): the caller's contract covers every address formed below.
-    unsafe {
-        if !t.zero {
-            for (r, acc) in acc.iter_mut().enumerate() {
-                acc[0] = _mm512_loadu_ps(t.c.add(r * t.ldc));
-                acc[1] = _mm512_loadu_ps(t.c.add(r * t.ldc + 16));
+    let b = t.b.as_ptr();
+    for tile in 0..t.tiles {
+        // SAFETY (this loop): the caller's contract covers every address formed below.
+        unsafe {
+            let a = t.a.as_ptr().add(tile * UNITS_MR * t.a_row);
+            let c = t.c.add(tile * UNITS_MR * t.ldc);
+            let mut acc = [[_mm512_setzero_ps(); 2]; UNITS_MR];
+            if !t.zero {
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    acc[0] = _mm512_loadu_ps(c.add(r * t.ldc));
+                    acc[1] = _mm512_loadu_ps(c.add(r * t.ldc + 16));
+                }
             }
-        }
-        let (a, b) = (t.a.as_ptr(), t.b.as_ptr());
-        for p in 0..t.pairs {
-            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * UNITS_NR).cast()));
-            let b1: __m512bh =
-                std::mem::transmute(_mm512_loadu_si512(b.add(p * UNITS_NR + 16).cast()));
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let pair = *a.add(r * t.a_row + p * t.a_step);
-                let a: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair as i32));
-                acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
-                acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
+            for p in 0..t.pairs {
+                let b0: __m512bh =
+                    std::mem::transmute(_mm512_loadu_si512(b.add(p * UNITS_NR).cast()));
+                let b1: __m512bh =
+                    std::mem::transmute(_mm512_loadu_si512(b.add(p * UNITS_NR + 16).cast()));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let pair = *a.add(r * t.a_row + p * t.a_step);
+                    let a: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair as i32));
+                    acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
+                    acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
+                }
             }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            _mm512_storeu_ps(t.c.add(r * t.ldc), acc[0]);
-            _mm512_storeu_ps(t.c.add(r * t.ldc + 16), acc[1]);
+            for (r, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(c.add(r * t.ldc), acc[0]);
+                _mm512_storeu_ps(c.add(r * t.ldc + 16), acc[1]);
+            }
         }
     }
 }
 
 /// The portable tile: PORTABLE_MR rows × PORTABLE_NR columns by fused multiply-adds, the odd
-/// element of each pair first.
+/// element of each pair first; `t.tiles` of them down the panel.
 ///
 /// # Safety
-/// `t.a` holds PORTABLE_MR rows of `2·t.pairs` values (`t.a_row` and `t.a_step` apart), `t.b` `t.pairs`
-/// pairs of PORTABLE_NR-value rows, and `t.c` addresses PORTABLE_MR rows of PORTABLE_NR
-/// writable values `t.ldc` apart (initialised unless `t.zero`).
+/// `t.a` holds `t.tiles`·PORTABLE_MR rows of `2·t.pairs` values (`t.a_row` and `t.a_step`
+/// apart), `t.b` `t.pairs` pairs of PORTABLE_NR-value rows, and `t.c` addresses
+/// `t.tiles`·PORTABLE_MR rows of PORTABLE_NR writable values `t.ldc` apart (initialised
+/// unless `t.zero`).
 #[inline(always)]
 unsafe fn portable_tile_body(t: Tile<'_, f32>) {
     const MR: usize = PORTABLE_MR;
     const NR: usize = PORTABLE_NR;
-    let mut acc = [[0.0f32; NR]; MR];
-    // SAFETY (whole function): the caller's contract covers every address formed below.
-    unsafe {
-        if !t.zero {
-            for (r, acc) in acc.iter_mut().enumerate() {
-                acc.copy_from_slice(std::slice::from_raw_parts(t.c.add(r * t.ldc), NR));
-            }
-        }
-        for p in 0..t.pairs {
-            let rows = &t.b[2 * p * NR..][..2 * NR];
-            let (even, odd) = rows.split_at(NR);
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let a = &t.a[r * t.a_row + p * t.a_step..][..2];
-                for j in 0..NR {
-                    acc[j] = a[1].mul_add(odd[j], acc[j]);
-                    acc[j] = a[0].mul_add(even[j], acc[j]);
+    for tile in 0..t.tiles {
+        let a = &t.a[tile * MR * t.a_row..];
+        let mut acc = [[0.0f32; NR]; MR];
+        // SAFETY (this loop): the caller's contract covers every address formed below.
+        unsafe {
+            let c = t.c.add(tile * MR * t.ldc);
+            if !t.zero {
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    acc.copy_from_slice(std::slice::from_raw_parts(c.add(r * t.ldc), NR));
                 }
             }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            std::slice::from_raw_parts_mut(t.c.add(r * t.ldc), NR).copy_from_slice(acc);
+            for p in 0..t.pairs {
+                let rows = &t.b[2 * p * NR..][..2 * NR];
+                let (even, odd) = rows.split_at(NR);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let a = &a[r * t.a_row + p * t.a_step..][..2];
+                    for j in 0..NR {
+                        acc[j] = a[1].mul_add(odd[j], acc[j]);
+                        acc[j] = a[0].mul_add(even[j], acc[j]);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                std::slice::from_raw_parts_mut(c.add(r * t.ldc), NR).copy_from_slice(acc);
+            }
         }
     }
 }
