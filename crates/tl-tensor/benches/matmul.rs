@@ -22,6 +22,7 @@ use std::hint::black_box;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use ndarray::{Array, Array2, ArrayView2, Dimension, IntoDimension};
 use rayon::{ThreadPool, ThreadPoolBuilder};
+use tl_tensor::kernels::attention::CausalAttention;
 use tl_tensor::kernels::batched::{batched_matmul, batched_matmul_into};
 use tl_tensor::kernels::bf16_dot::{
     Bf16Rhs, bf16_gemm, bf16_gemm_into, bf16_gemm_portable, units_available,
@@ -182,6 +183,35 @@ fn bf16_products(c: &mut Criterion) {
     }
 }
 
+/// The fused causal attention in f32 as one rank of the capstone runs it (micro-batch 4, one
+/// thread): forward, and backward from the forward's row statistics.
+fn fused_attention(c: &mut Criterion) {
+    let (batch, time, n_heads, head_dim) = (4, 512, 10, 32);
+    let kernel = CausalAttention {
+        batch,
+        time,
+        n_heads,
+        n_kv_heads: n_heads,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+    };
+    let shape = (batch, time, n_heads * head_dim);
+    let [q, k, v, d_out] = [8, 9, 10, 11].map(|seed| filled(shape, seed).into_dyn());
+    let mut group = c.benchmark_group(format!(
+        "fused attention f32 {batch}x{time}x{n_heads}x{head_dim}"
+    ));
+    group.sample_size(20);
+    let pool = ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    group.bench_function("forward/1t", |b| {
+        pool.install(|| b.iter(|| kernel.forward(black_box(&q), &k, &v, None)));
+    });
+    let (_, stats) = kernel.forward(&q, &k, &v, None);
+    group.bench_function("backward/1t", |b| {
+        pool.install(|| b.iter(|| kernel.backward([black_box(&q), &k, &v], &stats, &d_out, None)));
+    });
+    group.finish();
+}
+
 /// The linear layers' weight gradients in bf16, `Xᵀ·dY` with both operands read where they
 /// lie (X transposed, dY's rows of 4096 tokens packed as the right operand): the products
 /// whose packing is the largest, on the units as autocast runs them.
@@ -232,6 +262,7 @@ criterion_group!(
     benches,
     linear_layers,
     attention,
+    fused_attention,
     bf16_products,
     bf16_weight_gradients,
     bf16_scores
