@@ -146,6 +146,12 @@ fn attention(c: &mut Criterion) {
     }
 }
 
+/// `a` with every value cut to a bf16 value (its low 16 bits cleared): operands as autocast
+/// hands them to the bf16 kernel.
+fn bf16(a: Array2<f32>) -> Array2<f32> {
+    a.mapv(|x| f32::from_bits(x.to_bits() & 0xffff_0000))
+}
+
 /// The linear layers' forward products in bf16 (operands rounded to bf16 first): the f32 GEMM
 /// on the rounded values (what autocast computed before the bf16 kernel), the bf16 kernel as
 /// autocast runs it (on the CPU's bf16 units when it has them), and its portable path. Both
@@ -154,7 +160,6 @@ fn bf16_products(c: &mut Criterion) {
     if !units_available() {
         eprintln!("this CPU has no AVX512-BF16 units: `bf16/units` runs the portable path");
     }
-    let bf16 = |a: Array2<f32>| a.mapv(|x| f32::from_bits(x.to_bits() & 0xffff_0000));
     for (inputs, outputs) in LINEAR {
         let x = bf16(filled((ROWS, inputs), 1));
         let w = bf16(filled((inputs, outputs), 2));
@@ -216,7 +221,6 @@ fn fused_attention(c: &mut Criterion) {
 /// lie (X transposed, dY's rows of 4096 tokens packed as the right operand): the products
 /// whose packing is the largest, on the units as autocast runs them.
 fn bf16_weight_gradients(c: &mut Criterion) {
-    let bf16 = |a: Array2<f32>| a.mapv(|x| f32::from_bits(x.to_bits() & 0xffff_0000));
     for (inputs, outputs) in LINEAR {
         let x = bf16(filled((ROWS, inputs), 5));
         let dy = bf16(filled((ROWS, outputs), 6));
@@ -242,7 +246,6 @@ fn bf16_weight_gradients(c: &mut Criterion) {
 /// 16 pairs of the inner dimension per output, so the kernel's work between tiles counts as
 /// much as the tiles themselves. One thread, as the attention's tasks run.
 fn bf16_scores(c: &mut Criterion) {
-    let bf16 = |a: Array2<f32>| a.mapv(|x| f32::from_bits(x.to_bits() & 0xffff_0000));
     let (m, k, n) = (64, 32, 512);
     let (q, keys) = (bf16(filled((m, k), 3)), bf16(filled((n, k), 4)));
     let mut group = c.benchmark_group(format!("bf16 scores {m}x{k}x{n}"));
