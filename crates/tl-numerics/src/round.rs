@@ -273,6 +273,25 @@ enum Overflow {
     Saturate,
 }
 
+/// The widest build of an [`f32_slices`] loop this CPU runs, called with `$args`: its
+/// AVX-512F build, else its AVX2 build, else the portable one (every build gives the same
+/// bits).
+macro_rules! widest {
+    ($portable:ident, $avx2:ident, $avx512:ident, ($($arg:expr),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { f32_slices::$avx512($($arg),*) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            return unsafe { f32_slices::$avx2($($arg),*) };
+        }
+        f32_slices::$portable($($arg),*)
+    }};
+}
+
 impl Round for f32 {
     #[inline]
     fn round_to(self, f: Format) -> f32 {
@@ -285,80 +304,34 @@ impl Round for f32 {
     }
 
     fn round_slice_in_place(xs: &mut [f32], f: Format) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            unsafe { f32_slices::in_place_avx512(xs, f) };
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            unsafe { f32_slices::in_place_avx2(xs, f) };
-            return;
-        }
-        f32_slices::in_place(xs, f);
+        widest!(in_place, in_place_avx2, in_place_avx512, (xs, f));
     }
 
     fn round_slice_into(src: &[f32], dst: &mut [MaybeUninit<f32>], f: Format) {
         assert_eq!(src.len(), dst.len(), "round_slice_into: lengths differ");
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            unsafe { f32_slices::into_avx512(src, dst, f) };
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            unsafe { f32_slices::into_avx2(src, dst, f) };
-            return;
-        }
-        f32_slices::into(src, dst, f);
+        widest!(into, into_avx2, into_avx512, (src, dst, f));
     }
 
     fn round_slice_counting_flushes(xs: &mut [f32], f: Format) -> u64 {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { f32_slices::counting_avx512(xs, f) };
-        }
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { f32_slices::counting_avx2(xs, f) };
-        }
-        f32_slices::counting(xs, f)
+        widest!(counting, counting_avx2, counting_avx512, (xs, f))
     }
 
     fn round_slice_saturating_in_place(xs: &mut [f32], f: Format) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            unsafe { f32_slices::saturating_in_place_avx512(xs, f) };
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            unsafe { f32_slices::saturating_in_place_avx2(xs, f) };
-            return;
-        }
-        f32_slices::saturating_in_place(xs, f);
+        widest!(
+            saturating_in_place,
+            saturating_in_place_avx2,
+            saturating_in_place_avx512,
+            (xs, f)
+        );
     }
 
     fn round_slice_saturating_counting(xs: &mut [f32], f: Format) -> RangeCounts {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { f32_slices::saturating_counting_avx512(xs, f) };
-        }
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { f32_slices::saturating_counting_avx2(xs, f) };
-        }
-        f32_slices::saturating_counting(xs, f)
+        widest!(
+            saturating_counting,
+            saturating_counting_avx2,
+            saturating_counting_avx512,
+            (xs, f)
+        )
     }
 
     fn scale_round_saturating_into(
@@ -372,17 +345,12 @@ impl Round for f32 {
             dst.len(),
             "scale_round_saturating_into: lengths differ"
         );
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { f32_slices::scaled_saturating_into_avx512(src, scale, dst, f) };
-        }
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { f32_slices::scaled_saturating_into_avx2(src, scale, dst, f) };
-        }
-        f32_slices::scaled_saturating_into(src, scale, dst, f)
+        widest!(
+            scaled_saturating_into,
+            scaled_saturating_into_avx2,
+            scaled_saturating_into_avx512,
+            (src, scale, dst, f)
+        )
     }
 }
 
