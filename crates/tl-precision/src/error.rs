@@ -31,10 +31,10 @@ pub enum PrecisionError {
         /// The text that was given, verbatim.
         input: String,
     },
-    /// An accumulation model name other than `"f32"`, `"v100"`, `"a100"`, `"h100"` or a
+    /// An accumulation model name other than `"f32"`, `"amx"`, `"v100"`, `"a100"`, `"h100"` or a
     /// valid `"tensor-core:BLOCK:EXTRA_BITS"`.
     #[error(
-        "unknown accumulation `{input}`: expected one of \"f32\", \"v100\", \"a100\", \"h100\" \
+        "unknown accumulation `{input}`: expected one of \"f32\", \"amx\", \"v100\", \"a100\", \"h100\" \
          or \"tensor-core:BLOCK:EXTRA_BITS\" (a block of 1 to 65536 products, 0 to 40 extra bits)"
     )]
     UnknownAccumulation {

@@ -1,5 +1,6 @@
-//! [`Accumulation`]: how the products under autocast add up — in f32 as a CPU GEMM does, or
-//! as a tensor core of a given GPU does, emulated exactly by tl-numerics' [`BlockFma`].
+//! [`Accumulation`]: how the products under autocast add up — in f32 as a CPU GEMM does, as
+//! Intel's AMX tiles do, or as a tensor core of a given GPU does, emulated exactly by
+//! tl-numerics' [`BlockFma`].
 //!
 //! Under [`autocast_with`](crate::autocast_with) and a tensor-core model, every product reads
 //! its 16-bit operands, adds them up block by block as the GPU's multiply-accumulate
@@ -14,13 +15,13 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tl_numerics::{BlockFma, Format};
 use tl_tensor::ProductKernel;
-use tl_tensor::kernels::bf16_dot::Bf16Products;
+use tl_tensor::kernels::bf16_dot::{AmxProducts, Bf16Products};
 
 use crate::error::{PrecisionError, Result};
 
 /// How the products of autocast accumulate.
 ///
-/// Parsed from and displayed as `"f32"`, `"v100"`, `"a100"`, `"h100"` or
+/// Parsed from and displayed as `"f32"`, `"amx"`, `"v100"`, `"a100"`, `"h100"` or
 /// `"tensor-core:BLOCK:EXTRA_BITS"`.
 ///
 /// ```
@@ -43,6 +44,11 @@ pub enum Accumulation {
     /// has them), others in the GEMM's own order.
     #[default]
     F32,
+    /// Intel AMX's tiles (`tdpbf16ps`), bf16 operands only: per block of 32 products, an
+    /// even and an odd f32 sum, their sum added to the accumulator, every addition rounded
+    /// to nearest (tl-tensor's `amx_gemm`). On the tiles where the CPU has them, emulated
+    /// bit for bit elsewhere: what PyTorch's bf16 products compute on such a CPU.
+    Amx,
     /// NVIDIA V100's tensor cores: blocks of 4 products, no extra alignment bit.
     V100,
     /// NVIDIA A100's: blocks of 8, one extra bit.
@@ -60,21 +66,23 @@ pub enum Accumulation {
 
 impl Accumulation {
     /// The named models, in a fixed order.
-    pub const NAMED: [Accumulation; 4] = [
+    pub const NAMED: [Accumulation; 5] = [
         Accumulation::F32,
+        Accumulation::Amx,
         Accumulation::V100,
         Accumulation::A100,
         Accumulation::H100,
     ];
 
-    /// The block FMA of a tensor-core model, `None` for [`F32`](Accumulation::F32).
+    /// The block FMA of a tensor-core model, `None` for [`F32`](Accumulation::F32) and
+    /// [`Amx`](Accumulation::Amx).
     ///
     /// # Errors
     /// [`PrecisionError::Format`] wrapping tl-numerics' `InvalidBlockFma` for a
     /// [`TensorCore`](Accumulation::TensorCore) with a block of 0 or too many extra bits.
     pub fn block_fma(self) -> Result<Option<BlockFma>> {
         Ok(match self {
-            Accumulation::F32 => None,
+            Accumulation::F32 | Accumulation::Amx => None,
             Accumulation::V100 => Some(BlockFma::V100),
             Accumulation::A100 => Some(BlockFma::A100),
             Accumulation::H100 => Some(BlockFma::H100),
@@ -84,10 +92,14 @@ impl Accumulation {
         })
     }
 
-    /// Whether the GPU this models multiplies `format` on its tensor cores: a V100 has no
-    /// bf16 mode. `F32` and custom models take any format.
+    /// Whether the hardware this models multiplies `format` on its units: a V100 has no
+    /// bf16 mode, AMX-BF16 no other. `F32` and custom models take any format.
     pub fn supports(self, format: Format) -> bool {
-        !(self == Accumulation::V100 && format == Format::Bf16)
+        match self {
+            Accumulation::V100 => format != Format::Bf16,
+            Accumulation::Amx => format == Format::Bf16,
+            _ => true,
+        }
     }
 
     /// The product kernel of this model for operands of `format`: what autocast multiplies
@@ -97,7 +109,8 @@ impl Accumulation {
     /// `F32` has a kernel for bf16 operands: tl-tensor's [`Bf16Products`], which sums in f32
     /// in the order of the CPU's bf16 units and runs on them where the CPU has them (the
     /// same bits on every CPU). fp16 operands have no such units on a CPU, so `F32` keeps the
-    /// plain GEMM for them.
+    /// plain GEMM for them. `Amx` has tl-tensor's [`AmxProducts`] for bf16 operands, on the
+    /// tiles where the CPU has them, and takes no other format ([`supports`](Self::supports)).
     ///
     /// # Errors
     /// As [`block_fma`](Self::block_fma).
@@ -105,6 +118,12 @@ impl Accumulation {
         if self == Accumulation::F32 {
             return Ok((format == Format::Bf16).then(|| {
                 let kernel: Arc<dyn ProductKernel> = Arc::new(Bf16Products);
+                kernel
+            }));
+        }
+        if self == Accumulation::Amx {
+            return Ok((format == Format::Bf16).then(|| {
+                let kernel: Arc<dyn ProductKernel> = Arc::new(AmxProducts);
                 kernel
             }));
         }
@@ -119,6 +138,7 @@ impl fmt::Display for Accumulation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Accumulation::F32 => f.write_str("f32"),
+            Accumulation::Amx => f.write_str("amx"),
             Accumulation::V100 => f.write_str("v100"),
             Accumulation::A100 => f.write_str("a100"),
             Accumulation::H100 => f.write_str("h100"),
@@ -132,7 +152,7 @@ impl fmt::Display for Accumulation {
 impl FromStr for Accumulation {
     type Err = PrecisionError;
 
-    /// Parses exactly `"f32"`, `"v100"`, `"a100"`, `"h100"` or `"tensor-core:B:X"` with a
+    /// Parses exactly `"f32"`, `"amx"`, `"v100"`, `"a100"`, `"h100"` or `"tensor-core:B:X"` with a
     /// valid block `B` and extra bits `X`.
     ///
     /// # Errors
@@ -254,12 +274,20 @@ mod tests {
         assert!(!Accumulation::V100.supports(Format::Bf16));
         assert!(Accumulation::V100.supports(Format::Fp16));
         assert!(Accumulation::H100.supports(Format::Bf16));
+        // AMX-BF16: bf16 only, and no block FMA: its own kernel.
+        assert_eq!(Accumulation::Amx.block_fma(), Ok(None));
+        assert!(Accumulation::Amx.supports(Format::Bf16));
+        assert!(!Accumulation::Amx.supports(Format::Fp16));
+        let kernel = Accumulation::Amx.product_kernel(Format::Bf16).unwrap();
+        assert_eq!(format!("{:?}", kernel.unwrap()), "AmxProducts");
     }
 
     #[test]
     fn serde_names_are_stable() {
         let json = serde_json::to_string(&Accumulation::H100).unwrap();
         assert_eq!(json, "\"h100\"");
+        let json = serde_json::to_string(&Accumulation::Amx).unwrap();
+        assert_eq!(json, "\"amx\"");
         let custom = Accumulation::TensorCore {
             block: 8,
             extra_bits: 3,

@@ -25,7 +25,8 @@ use rayon::{ThreadPool, ThreadPoolBuilder};
 use tl_tensor::kernels::attention::CausalAttention;
 use tl_tensor::kernels::batched::{batched_matmul, batched_matmul_into};
 use tl_tensor::kernels::bf16_dot::{
-    Bf16Rhs, bf16_gemm, bf16_gemm_into, bf16_gemm_portable, units_available,
+    Bf16Rhs, amx_available, amx_gemm, amx_gemm_into, bf16_gemm, bf16_gemm_into, bf16_gemm_portable,
+    units_available,
 };
 use tl_tensor::kernels::gemm::{gemm_into, matmul};
 
@@ -154,11 +155,15 @@ fn bf16(a: Array2<f32>) -> Array2<f32> {
 
 /// The linear layers' forward products in bf16 (operands rounded to bf16 first): the f32 GEMM
 /// on the rounded values (what autocast computed before the bf16 kernel), the bf16 kernel as
-/// autocast runs it (on the CPU's bf16 units when it has them), and its portable path. Both
-/// bf16 kernels write into one output reused across iterations, as `gemm-into-reused` does.
+/// autocast runs it (on the CPU's bf16 units when it has them), its portable path, and the
+/// AMX order (on the tiles when the CPU has them). The bf16 kernels write into one output
+/// reused across iterations, as `gemm-into-reused` does.
 fn bf16_products(c: &mut Criterion) {
     if !units_available() {
         eprintln!("this CPU has no AVX512-BF16 units: `bf16/units` runs the portable path");
+    }
+    if !amx_available() {
+        eprintln!("this CPU has no AMX tiles: `amx-tiles` runs the AMX order's portable path");
     }
     for (inputs, outputs) in LINEAR {
         let x = bf16(filled((ROWS, inputs), 1));
@@ -182,6 +187,9 @@ fn bf16_products(c: &mut Criterion) {
                 pool.install(|| {
                     b.iter(|| bf16_gemm_portable(m, k, n, black_box(lhs), rhs, out, false))
                 });
+            });
+            group.bench_function(format!("amx-tiles/{threads}t"), |b| {
+                pool.install(|| b.iter(|| amx_gemm(m, k, n, black_box(lhs), rhs, out, false)));
             });
         }
         group.finish();
@@ -236,6 +244,13 @@ fn bf16_weight_gradients(c: &mut Criterion) {
                     })
                 });
             });
+            group.bench_function(format!("amx-tiles/{threads}t"), |b| {
+                pool.install(|| {
+                    b.iter(|| {
+                        amx_gemm_into(&mut out.view_mut(), black_box(x.t()), dy.view(), false)
+                    })
+                });
+            });
         }
         group.finish();
     }
@@ -251,13 +266,17 @@ fn bf16_scores(c: &mut Criterion) {
     let mut group = c.benchmark_group(format!("bf16 scores {m}x{k}x{n}"));
     group.throughput(Throughput::Elements((2 * m * n * k) as u64));
     let mut out = Array2::zeros((m, n));
-    let prepared = Bf16Rhs::new(keys.t());
     let pool = ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-    group.bench_function("units-prepared/1t", |b| {
-        pool.install(|| {
-            b.iter(|| prepared.product_into(&mut out.view_mut(), black_box(q.view()), false))
+    for (name, prepared) in [
+        ("units-prepared/1t", Bf16Rhs::new(keys.t())),
+        ("amx-tiles-prepared/1t", Bf16Rhs::amx(keys.t())),
+    ] {
+        group.bench_function(name, |b| {
+            pool.install(|| {
+                b.iter(|| prepared.product_into(&mut out.view_mut(), black_box(q.view()), false))
+            });
         });
-    });
+    }
     group.finish();
 }
 

@@ -75,6 +75,7 @@ fn a_model_without_16_bit_products_or_of_no_real_gpu_mode_is_refused() {
     for (extra, says) in [
         (&["--accumulate", "h100"][..], "--bf16 or --fp16"),
         (&["--bf16", "--accumulate", "v100"][..], "no bf16 mode"),
+        (&["--fp16", "--accumulate", "amx"][..], "bf16 operands only"),
     ] {
         let error = run_error(&train_args(out, extra));
         assert!(
@@ -119,4 +120,33 @@ fn compare_takes_the_model_for_the_recipe_and_not_for_the_fp32_baseline() {
     assert!(report.recipe.val_loss.unwrap().is_finite());
     let refused = tinyllm(&["compare", "--fp32", "--accumulate", "h100"]);
     assert!(refused.is_err());
+}
+
+#[test]
+fn an_amx_run_has_the_same_bits_on_any_thread_count_and_others_than_the_units_order() {
+    // `--accumulate amx` sums bf16 products as Intel's AMX tiles do: on the tiles where the
+    // CPU has them, emulated elsewhere, the same bits either way and on any thread count.
+    if !tl_tensor::kernels::bf16_dot::amx_available() {
+        eprintln!("this CPU has no AMX tiles: the AMX order runs emulated here");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let weights = |name: &str, extra: &[&str]| {
+        let run = dir.path().join(name);
+        let mut args = train_args(run.to_str().unwrap(), &["--bf16", "--steps", "3"]);
+        args.extend(extra);
+        assert_eq!(tinyllm(&args).unwrap(), Exit::Success, "{name}");
+        let latest = fs::read_to_string(run.join("LATEST")).unwrap();
+        let checkpoint = run.join(latest.lines().next().unwrap());
+        (run, fs::read(checkpoint.join("model.safetensors")).unwrap())
+    };
+    let (run, one) = weights("amx-1", &["--accumulate", "amx", "--threads", "1"]);
+    let (_, two) = weights("amx-2", &["--accumulate", "amx", "--threads", "2"]);
+    assert!(one == two, "the AMX order on 1 and 2 threads");
+    let json = fs::read_to_string(run.join("config.json")).unwrap();
+    assert!(json.contains("\"accumulation\": \"amx\""), "{json}");
+    let (_, units) = weights("units", &["--threads", "2"]);
+    assert!(
+        one != units,
+        "the AMX order and the units' order train apart"
+    );
 }

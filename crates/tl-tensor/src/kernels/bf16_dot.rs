@@ -47,6 +47,16 @@
 //! compute the same IEEE operations on normal numbers, so they give the same bits; the tests
 //! below compare them on random and on edge-case operands, and show the units' flush outside
 //! the window.
+//!
+//! # The AMX order
+//! Intel's AMX tiles (`tdpbf16ps`, AMX-BF16) sum in another order, probed on a Xeon that has
+//! them: per block of 32 values of the inner dimension (one instruction), an even and an odd
+//! f32 sum from +0, each addition rounded to nearest even, then `acc ← rne(acc + rne(e + o))`.
+//! [`amx_gemm_into`] computes that order, on the tiles where the CPU has them and by portable
+//! f32 code elsewhere, with the same bits; the window above applies to it unchanged. It is a
+//! second order, not a faster way to the first: the two give different bits, and a product
+//! takes the order its caller names (`--accumulate amx` in tinyllm). The probes, the argument
+//! and the kernel are in the `amx` submodule.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -61,14 +71,47 @@ use super::split::PARALLEL_WORK;
 use crate::ops::matmul_with::PreparedRhs;
 use crate::{Element, ProductKernel};
 
+mod amx;
+pub use amx::amx_available;
+#[cfg(target_arch = "x86_64")]
+use amx::{AMX_MR, amx_tile};
+
 /// Which code computed a product (returned for tests and benchmarks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16Route {
     /// The CPU's bf16 units (`vdpbf16ps`).
     Units,
-    /// Portable f32 arithmetic in the units' order: the CPU has no bf16 units, it was asked
-    /// for, or the operands fall outside the units' exact window.
+    /// The CPU's AMX tiles (`tdpbf16ps`), for a product in the AMX order.
+    Tiles,
+    /// Portable f32 arithmetic in the product's order: the CPU has no units (or tiles) for
+    /// it, it was asked for, or the operands fall outside the units' exact window.
     Portable,
+}
+
+/// The order a product of bf16 values adds up in: the AVX512-BF16 units' (this module's),
+/// or the AMX tiles' ([`amx`]'s).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Order {
+    Pairs,
+    Amx,
+}
+
+impl Order {
+    /// Whether this CPU computes the order on its own units.
+    fn on_hardware(self) -> bool {
+        match self {
+            Order::Pairs => units_available(),
+            Order::Amx => amx_available(),
+        }
+    }
+
+    /// The route of a product computed on those units.
+    fn route(self) -> Bf16Route {
+        match self {
+            Order::Pairs => Bf16Route::Units,
+            Order::Amx => Bf16Route::Tiles,
+        }
+    }
 }
 
 /// Whether this CPU has the bf16 dot-product units this module uses (AVX512-BF16, with the
@@ -180,11 +223,82 @@ pub fn bf16_gemm_into(
     rhs: ArrayView2<'_, f32>,
     accumulate: bool,
 ) -> Bf16Route {
+    gemm_in(Order::Pairs, out, lhs, rhs, accumulate)
+}
+
+/// `out = lhs · rhs` (or `+=`) for row-major slices in the AMX order ([`amx_gemm_into`]).
+///
+/// # Panics
+/// If a slice is shorter than its matrix.
+///
+/// ```
+/// use tl_tensor::kernels::bf16_dot::amx_gemm;
+///
+/// // From 1, the products 2⁻²⁴, 0, 2⁻²⁴, 0: the even sum 2⁻²³ is added once, where one
+/// // running sum would round 1 + 2⁻²⁴ back to 1 twice.
+/// let tiny = 2f32.powi(-24);
+/// let mut out = [1.0f32];
+/// amx_gemm(1, 4, 1, &[tiny, 0.0, tiny, 0.0], &[1.0; 4], &mut out, true);
+/// assert_eq!(out[0], 1.0 + 2f32.powi(-23));
+/// ```
+pub fn amx_gemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    lhs: &[f32],
+    rhs: &[f32],
+    out: &mut [f32],
+    accumulate: bool,
+) -> Bf16Route {
+    let (lhs, rhs, mut out) = slices_as_views((m, k, n), lhs, rhs, out);
+    amx_gemm_into(&mut out, lhs, rhs, accumulate)
+}
+
+/// `out = lhs · rhs` (or `out += lhs · rhs`) for matrices holding bf16 values, as
+/// [`bf16_gemm_into`] takes them, in the order of Intel's AMX tiles ([the module's
+/// documentation](self#the-amx-order)): on the tiles when this CPU has them and the operands
+/// are in the window, portably otherwise, with the same bits.
+///
+/// # Panics
+/// If the shapes do not chain: `lhs` is m×k, `rhs` k×n, `out` m×n.
+pub fn amx_gemm_into(
+    out: &mut ArrayViewMut2<'_, f32>,
+    lhs: ArrayView2<'_, f32>,
+    rhs: ArrayView2<'_, f32>,
+    accumulate: bool,
+) -> Bf16Route {
+    gemm_in(Order::Amx, out, lhs, rhs, accumulate)
+}
+
+/// [`amx_gemm_into`] by the portable path alone, whatever the CPU: IEEE f32 fused
+/// multiply-adds in the AMX order. The reference the tiles are tested against, and what a
+/// CPU without them runs.
+///
+/// # Panics
+/// If the shapes do not chain: `lhs` is m×k, `rhs` k×n, `out` m×n.
+pub fn amx_gemm_portable_into(
+    out: &mut ArrayViewMut2<'_, f32>,
+    lhs: ArrayView2<'_, f32>,
+    rhs: ArrayView2<'_, f32>,
+    accumulate: bool,
+) {
+    portable_in(Order::Amx, out, lhs, rhs, accumulate);
+}
+
+/// A product in `order`: on the CPU's units for it where it has them and the operands are in
+/// the window, portably otherwise.
+fn gemm_in(
+    order: Order,
+    out: &mut ArrayViewMut2<'_, f32>,
+    lhs: ArrayView2<'_, f32>,
+    rhs: ArrayView2<'_, f32>,
+    accumulate: bool,
+) -> Bf16Route {
     let Some((_, k, n)) = chain(out, lhs, rhs, accumulate) else {
         return Bf16Route::Portable;
     };
     #[cfg(target_arch = "x86_64")]
-    if units_available() {
+    if order.on_hardware() {
         let (mut a, mut b) = SCRATCH.with(Cell::take).unwrap_or_default();
         let (b_len, range) = pack_b_units(rhs, &mut b);
         let packed_rhs = UnitsRhs {
@@ -193,13 +307,13 @@ pub fn bf16_gemm_into(
             panels: n.div_ceil(UNITS_NR),
             range,
         };
-        let fast = units_product(out, lhs, packed_rhs, accumulate, &mut a);
+        let fast = units_product(order, out, lhs, packed_rhs, accumulate, &mut a);
         SCRATCH.with(|scratch| scratch.set(Some((a, b))));
         if fast {
-            return Bf16Route::Units;
+            return order.route();
         }
     }
-    bf16_gemm_portable_into(out, lhs, rhs, accumulate);
+    portable_in(order, out, lhs, rhs, accumulate);
     Bf16Route::Portable
 }
 
@@ -221,8 +335,12 @@ struct UnitsRhs<'a> {
 ///
 /// A prefix of the rows must end at a pair (k even), or be all of them: a pair cut in two
 /// would multiply the zero past `lhs`'s last column by a row the product does not have.
+///
+/// The tiles (`order` AMX) read the left operand a row at a time: a transposed one, packed
+/// pair-major, is laid out again by rows.
 #[cfg(target_arch = "x86_64")]
 fn units_product(
+    order: Order,
     out: &mut ArrayViewMut2<'_, f32>,
     lhs: ArrayView2<'_, f32>,
     rhs: UnitsRhs<'_>,
@@ -233,7 +351,11 @@ fn units_product(
     let kp = k.div_ceil(2);
     debug_assert!(kp <= rhs.kp && n.div_ceil(UNITS_NR) <= rhs.panels);
     debug_assert!(k.is_multiple_of(2) || kp == rhs.kp);
-    let (a_len, a_range, a_pair_major) = pack_a_units(lhs, a);
+    let mr = match order {
+        Order::Pairs => UNITS_MR,
+        Order::Amx => AMX_MR,
+    };
+    let (a_len, a_range, a_pair_major) = pack_a_units(lhs, a, mr);
     let o_range = if accumulate {
         scan_old_outputs(out.view())
     } else {
@@ -242,9 +364,18 @@ fn units_product(
     if !in_window(a_range, rhs.range, o_range, k) {
         return false;
     }
+    let m_pad = m.next_multiple_of(mr);
+    let by_rows;
+    let (a, a_pair_major) = match order {
+        Order::Amx if a_pair_major => {
+            by_rows = rows_from_pair_major(&a[..a_len], m_pad, kp);
+            (&by_rows[..], false)
+        }
+        _ => (&a[..a_len], a_pair_major),
+    };
     let packed = Packed {
-        a: &a[..a_len],
-        m_pad: m.next_multiple_of(UNITS_MR),
+        a,
+        m_pad,
         a_pair: 1,
         a_pair_major,
         b: rhs.b,
@@ -252,19 +383,107 @@ fn units_product(
         panels: rhs.panels,
         b_pair: UNITS_NR,
     };
-    // SAFETY: the units' path only, whose CPU has them (`units_available`); `packed` holds
-    // m rounded up to UNITS_MR rows of kp pairs, and `rhs` at least kp pairs of
-    // ⌈n/UNITS_NR⌉ panels, what the tile reads.
-    let tile = |t: Tile<'_, u32>| unsafe { units_tile(t) };
-    drive(
-        (m, n, kp),
-        &packed,
-        out,
-        accumulate,
-        (UNITS_MR, UNITS_NR),
-        &tile,
-    );
+    // SAFETY (both tiles): this order's units are there (`on_hardware`, checked by every
+    // caller); `packed` holds m rounded up to `mr` rows of kp pairs (by rows for the tiles),
+    // and `rhs` at least kp pairs of ⌈n/UNITS_NR⌉ panels, what the tile reads.
+    let units = |t: Tile<'_, u32>| unsafe { units_tile(t) };
+    let tiles = |t: Tile<'_, u32>| unsafe { amx_tile(t) };
+    let tile: &(dyn Fn(Tile<'_, u32>) + Sync) = match order {
+        Order::Pairs => &units,
+        Order::Amx => &tiles,
+    };
+    drive((m, n, kp), &packed, out, accumulate, (mr, UNITS_NR), tile);
     true
+}
+
+/// A left operand packed pair-major ([`Packed`]'s `a_pair_major`) laid out by rows: block
+/// by block of KC pairs, each row's pairs of the block side by side. Squares of 16 pairs ×
+/// 16 rows are turned in registers (`m_pad` is a whole number of tiles of 16 rows); the
+/// pairs of a last block past its last 16 one by one.
+#[cfg(target_arch = "x86_64")]
+fn rows_from_pair_major(a: &[u32], m_pad: usize, kp: usize) -> Vec<u32> {
+    assert!(a.len() == m_pad * kp && m_pad.is_multiple_of(16));
+    let mut rows = Vec::with_capacity(a.len());
+    let to = rows.spare_capacity_mut().as_mut_ptr().cast::<u32>();
+    for (block, from) in a.chunks(KC * m_pad).enumerate() {
+        let pairs = from.len() / m_pad;
+        // SAFETY: the tiles' path, whose CPU has AVX-512F (`amx_available`); the block
+        // starts `block·KC·m_pad` values into `rows`' capacity, and `turn_block` writes its
+        // `from.len()` values there, every one of them.
+        unsafe { turn_block(from, m_pad, pairs, to.add(block * KC * m_pad)) };
+    }
+    // SAFETY: the blocks wrote all `a.len()` values.
+    unsafe { rows.set_len(a.len()) };
+    rows
+}
+
+/// One block of [`rows_from_pair_major`]: `from` holds `pairs` runs of `m_pad` pairs; row i's
+/// pairs go to `to[i·pairs..]`.
+///
+/// # Safety
+/// The CPU has AVX-512F; `to` addresses `m_pad·pairs` writable values; 16 divides `m_pad`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn turn_block(from: &[u32], m_pad: usize, pairs: usize, to: *mut u32) {
+    let whole = pairs / 16 * 16;
+    for p0 in (0..whole).step_by(16) {
+        for i0 in (0..m_pad).step_by(16) {
+            // SAFETY: pairs p0..p0+16 of rows i0..i0+16 lie in `from`, and their places in
+            // `to` in its `m_pad·pairs` values.
+            unsafe {
+                let square: [__m512i; 16] = std::array::from_fn(|q| {
+                    _mm512_loadu_si512(from.as_ptr().add((p0 + q) * m_pad + i0).cast())
+                });
+                for (j, row) in transpose_16x16(square).into_iter().enumerate() {
+                    _mm512_storeu_si512(to.add((i0 + j) * pairs + p0).cast(), row);
+                }
+            }
+        }
+    }
+    for p in whole..pairs {
+        for i in 0..m_pad {
+            // SAFETY: as above, one value.
+            unsafe { *to.add(i * pairs + p) = from[p * m_pad + i] };
+        }
+    }
+}
+
+/// The transpose of a 16 × 16 square of 32-bit values, one row a register: pairs of rows
+/// interleaved by 32 and then 64 bits (each 128-bit lane then holds a 4 × 4 square turned),
+/// then the lanes themselves turned.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn transpose_16x16(r: [__m512i; 16]) -> [__m512i; 16] {
+    let t: [__m512i; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_epi32(a, b)
+        } else {
+            _mm512_unpackhi_epi32(a, b)
+        }
+    });
+    // u[4g + c], lane L: column 4L + c of rows 4g..4g+4.
+    let u: [__m512i; 16] = std::array::from_fn(|i| {
+        let (g, c) = (i / 4, i % 4);
+        let (a, b) = (t[4 * g + c / 2], t[4 * g + c / 2 + 2]);
+        if c % 2 == 0 {
+            _mm512_unpacklo_epi64(a, b)
+        } else {
+            _mm512_unpackhi_epi64(a, b)
+        }
+    });
+    let mut out = [_mm512_setzero_si512(); 16];
+    for c in 0..4 {
+        let x0 = _mm512_shuffle_i32x4::<0x88>(u[c], u[4 + c]);
+        let x1 = _mm512_shuffle_i32x4::<0xdd>(u[c], u[4 + c]);
+        let y0 = _mm512_shuffle_i32x4::<0x88>(u[8 + c], u[12 + c]);
+        let y1 = _mm512_shuffle_i32x4::<0xdd>(u[8 + c], u[12 + c]);
+        out[c] = _mm512_shuffle_i32x4::<0x88>(x0, y0);
+        out[4 + c] = _mm512_shuffle_i32x4::<0x88>(x1, y1);
+        out[8 + c] = _mm512_shuffle_i32x4::<0xdd>(x0, y0);
+        out[12 + c] = _mm512_shuffle_i32x4::<0xdd>(x1, y1);
+    }
+    out
 }
 
 /// A right operand packed once for the units, for several products that each read its
@@ -278,7 +497,8 @@ fn units_product(
 /// keep from them.
 pub struct Bf16Rhs<'a> {
     rhs: ArrayView2<'a, f32>,
-    /// The packed operand and its range, where the CPU has the units.
+    order: Order,
+    /// The packed operand and its range, where the CPU has the units (or tiles) of `order`.
     #[cfg(target_arch = "x86_64")]
     units: Option<(Vec<u32>, Range)>,
 }
@@ -286,10 +506,21 @@ pub struct Bf16Rhs<'a> {
 impl<'a> Bf16Rhs<'a> {
     /// Packs `rhs` (k×n, any strides) for the units where the CPU has them.
     pub fn new(rhs: ArrayView2<'a, f32>) -> Self {
+        Self::in_order(Order::Pairs, rhs)
+    }
+
+    /// Packs `rhs` for products in the AMX order ([`amx_gemm_into`]), for the tiles where
+    /// the CPU has them (the tiles read the units' packing).
+    pub fn amx(rhs: ArrayView2<'a, f32>) -> Self {
+        Self::in_order(Order::Amx, rhs)
+    }
+
+    fn in_order(order: Order, rhs: ArrayView2<'a, f32>) -> Self {
         Bf16Rhs {
             rhs,
+            order,
             #[cfg(target_arch = "x86_64")]
-            units: units_available().then(|| {
+            units: order.on_hardware().then(|| {
                 let mut b = Vec::new();
                 let (len, range) = pack_b_units(rhs, &mut b);
                 b.truncate(len);
@@ -333,13 +564,13 @@ impl<'a> Bf16Rhs<'a> {
                 panels: cols.div_ceil(UNITS_NR),
                 range: *range,
             };
-            let fast = units_product(out, lhs, packed_rhs, accumulate, &mut a);
+            let fast = units_product(self.order, out, lhs, packed_rhs, accumulate, &mut a);
             SCRATCH.with(|scratch| scratch.set(Some((a, b_buffer))));
             if fast {
-                return Bf16Route::Units;
+                return self.order.route();
             }
         }
-        bf16_gemm_into(out, lhs, prefix, accumulate)
+        gemm_in(self.order, out, lhs, prefix, accumulate)
     }
 }
 
@@ -366,6 +597,17 @@ pub fn bf16_gemm_portable_into(
     rhs: ArrayView2<'_, f32>,
     accumulate: bool,
 ) {
+    portable_in(Order::Pairs, out, lhs, rhs, accumulate);
+}
+
+/// A product in `order` by the portable tiles.
+fn portable_in(
+    order: Order,
+    out: &mut ArrayViewMut2<'_, f32>,
+    lhs: ArrayView2<'_, f32>,
+    rhs: ArrayView2<'_, f32>,
+    accumulate: bool,
+) {
     let Some((m, k, n)) = chain(out, lhs, rhs, accumulate) else {
         return;
     };
@@ -382,13 +624,17 @@ pub fn bf16_gemm_portable_into(
         panels: n.div_ceil(PORTABLE_NR),
         b_pair: 2 * PORTABLE_NR,
     };
+    let tile = match order {
+        Order::Pairs => portable_tile(),
+        Order::Amx => amx::portable_tile(),
+    };
     drive(
         (m, n, kp),
         &packed,
         out,
         accumulate,
         (PORTABLE_MR, PORTABLE_NR),
-        &portable_tile(),
+        &tile,
     );
 }
 
@@ -514,6 +760,71 @@ impl ProductKernel for Bf16Products {
     }
 }
 
+/// The products of autocast in bf16 in the AMX order, as a [`ProductKernel`]: f32 matrices
+/// by [`amx_gemm`] (on the tiles where the CPU has them), f64 matrices by the plain f64 GEMM
+/// as [`Bf16Products`] takes them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AmxProducts;
+
+impl ProductKernel for AmxProducts {
+    fn product_f32(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[f32],
+        rhs: &[f32],
+        out: &mut [f32],
+        accumulate: bool,
+    ) {
+        amx_gemm(m, k, n, lhs, rhs, out, accumulate);
+    }
+
+    fn product_view_f32(
+        &self,
+        out: &mut ArrayViewMut2<'_, f32>,
+        lhs: ArrayView2<'_, f32>,
+        rhs: ArrayView2<'_, f32>,
+        accumulate: bool,
+    ) {
+        amx_gemm_into(out, lhs, rhs, accumulate);
+    }
+
+    fn product_view_f64(
+        &self,
+        out: &mut ArrayViewMut2<'_, f64>,
+        lhs: ArrayView2<'_, f64>,
+        rhs: ArrayView2<'_, f64>,
+        accumulate: bool,
+    ) {
+        Bf16Products.product_view_f64(out, lhs, rhs, accumulate);
+    }
+
+    fn product_f64(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        lhs: &[f64],
+        rhs: &[f64],
+        out: &mut [f64],
+        accumulate: bool,
+    ) {
+        Bf16Products.product_f64(m, k, n, lhs, rhs, out, accumulate);
+    }
+
+    fn spreads_itself(&self) -> bool {
+        true
+    }
+
+    fn prepare_rhs_f32<'a>(
+        &self,
+        rhs: ArrayView2<'a, f32>,
+    ) -> Option<Box<dyn PreparedRhs<f32> + 'a>> {
+        Some(Box::new(Bf16Rhs::amx(rhs)))
+    }
+}
+
 /// Rows and columns of the units' tile: 8 rows × 32 columns are 16 accumulators of 16 lanes,
 /// enough independent sums to hide the instruction's latency, with room for the two panel
 /// loads and the broadcast in AVX-512's 32 registers.
@@ -527,6 +838,8 @@ const PORTABLE_NR: usize = 16;
 /// panel's 256 × 32 pairs stay in a core's L1 and L2 caches while the tiles walk them.
 const MC: usize = 32;
 const KC: usize = 256;
+// A block of KC pairs is whole AMX instructions, so a block's tile call starts one.
+const _: () = assert!(KC.is_multiple_of(amx::AMX_PAIRS) && MC.is_multiple_of(16));
 /// The bits below a bf16 value's in an f32: zero in every operand the units may read.
 const BF16_LOW: i32 = 0xffff;
 
@@ -670,14 +983,18 @@ fn by_columns(x: ArrayView2<'_, f32>) -> bool {
 
 /// `lhs` (m×k, any strides) packed for the units as [`Packed`] lays it out: block by block
 /// of KC pairs, each row's pairs of the block side by side (the even element in the low
-/// half, a zero past an odd k), m rounded up to a whole tile with zero rows; the range of
-/// its values; and whether it is pair-major. Rows that are slices convert as they lie; a
-/// transposed operand is packed pair-major, each pair two of its columns (rows of the matrix
-/// it transposes) read whole.
+/// half, a zero past an odd k), m rounded up to a whole tile of `mr` rows with zero rows;
+/// the range of its values; and whether it is pair-major. Rows that are slices convert as
+/// they lie; a transposed operand is packed pair-major, each pair two of its columns (rows
+/// of the matrix it transposes) read whole.
 #[cfg(target_arch = "x86_64")]
-fn pack_a_units(lhs: ArrayView2<'_, f32>, buffer: &mut Vec<u32>) -> (usize, Range, bool) {
+fn pack_a_units(
+    lhs: ArrayView2<'_, f32>,
+    buffer: &mut Vec<u32>,
+    mr: usize,
+) -> (usize, Range, bool) {
     let (m, k) = lhs.dim();
-    let (kp, m_pad) = (k.div_ceil(2), m.next_multiple_of(UNITS_MR));
+    let (kp, m_pad) = (k.div_ceil(2), m.next_multiple_of(mr));
     let a = first(buffer, m_pad * kp);
     let columns = by_columns(lhs);
     let lines = if columns {
@@ -1115,6 +1432,9 @@ fn drive<T: Sync>(
     (mr, nr): (usize, usize),
     tile: &(dyn Fn(Tile<'_, T>) + Sync),
 ) {
+    /// The largest tile: the AMX tiles' 16 rows × UNITS_NR.
+    const EDGE: usize = 16 * UNITS_NR;
+    assert!(mr * nr <= EDGE, "no tile has {mr}×{nr} outputs");
     if out.strides()[1] != 1 || out.strides()[0] < 0 {
         let mut copy = out.as_standard_layout().into_owned();
         drive(
@@ -1132,7 +1452,7 @@ fn drive<T: Sync>(
         let r0 = block * MC;
         let rows = rows_out.nrows();
         let ldc = rows_out.strides()[0] as usize;
-        let mut edge = [0.0f32; UNITS_MR * UNITS_NR];
+        let mut edge = [0.0f32; EDGE];
         for k0 in (0..kp).step_by(KC) {
             let pairs = KC.min(kp - k0);
             let zero = k0 == 0 && !accumulate;
@@ -1350,7 +1670,7 @@ mod tests {
     }
 
     /// Normal bf16 values of magnitude about 2^`scale`.
-    fn bf16_values(len: usize, scale: i32, rng: &Generator) -> Vec<f32> {
+    pub(super) fn bf16_values(len: usize, scale: i32, rng: &Generator) -> Vec<f32> {
         let mut v: Vec<f32> = (0..len)
             .map(|_| rng.next_normal() as f32 * 2f32.powi(scale))
             .collect();
@@ -1358,12 +1678,12 @@ mod tests {
         v
     }
 
-    fn bits(v: &[f32]) -> Vec<u32> {
+    pub(super) fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
     }
 
     /// Runs `f` on a pool of `threads` threads.
-    fn on<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    pub(super) fn on<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
@@ -1393,7 +1713,7 @@ mod tests {
     /// Odd and even sizes, a row count past one task of MC rows and not a whole tile, a
     /// column count past one panel and not a whole one, an inner size past one block of KC
     /// pairs and odd.
-    const SHAPES: [(usize, usize, usize); 8] = [
+    pub(super) const SHAPES: [(usize, usize, usize); 8] = [
         (1, 1, 1),
         (1, 7, 3),
         (3, 2, 33),
@@ -1587,7 +1907,11 @@ mod tests {
         // One output of k = 2 (one pair) starting from `acc`, on the units.
         let units = |acc: f32, a: [f32; 2], b: [f32; 2]| {
             let (mut packed_a, mut packed_b) = (Vec::new(), Vec::new());
-            let _ = pack_a_units(ArrayView2::from_shape((1, 2), &a).unwrap(), &mut packed_a);
+            let _ = pack_a_units(
+                ArrayView2::from_shape((1, 2), &a).unwrap(),
+                &mut packed_a,
+                UNITS_MR,
+            );
             pack_b_units(ArrayView2::from_shape((2, 1), &b).unwrap(), &mut packed_b);
             let mut out = ndarray::arr2(&[[acc]]);
             let packed = Packed {

@@ -44,8 +44,9 @@ pub struct CompareArgs {
     /// The recipe in fp32 (to isolate accumulation and checkpointing).
     #[arg(long)]
     pub fp32: bool,
-    /// The recipe's 16-bit products add up as these tensor cores do: v100, a100, h100 or
-    /// tensor-core:BLOCK:EXTRA_BITS [default: f32].
+    /// The recipe's 16-bit products add up as this hardware does: amx (Intel's AMX tiles,
+    /// bf16), the tensor cores of v100, a100 or h100, or tensor-core:BLOCK:EXTRA_BITS
+    /// [default: f32].
     #[arg(long, value_name = "MODEL", conflicts_with = "fp32")]
     pub accumulate: Option<tl_precision::Accumulation>,
     /// The recipe's block projections in fp8 with delayed scaling (HYBRID, Transformer

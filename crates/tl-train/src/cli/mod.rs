@@ -103,8 +103,9 @@ pub struct RecipeArgs {
     /// Matmuls under emulated fp16 autocast, with dynamic loss scaling.
     #[arg(long)]
     pub fp16: bool,
-    /// How the 16-bit products add up: f32 (a CPU GEMM), or as the tensor cores of v100,
-    /// a100 or h100 do (block FMA, truncated), or tensor-core:BLOCK:EXTRA_BITS [default: f32].
+    /// How the 16-bit products add up: f32 (a CPU GEMM), amx (as Intel's AMX tiles do,
+    /// bf16 only; on them where the CPU has them), as the tensor cores of v100, a100 or h100
+    /// do (block FMA, truncated), or tensor-core:BLOCK:EXTRA_BITS [default: f32].
     #[arg(long, value_name = "MODEL")]
     pub accumulate: Option<tl_precision::Accumulation>,
     /// Sequences per micro-batch [default: 8].

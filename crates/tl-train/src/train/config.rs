@@ -950,7 +950,7 @@ impl TrainConfig {
                 return invalid(
                     "accumulate",
                     value,
-                    "a tensor-core model multiplies 16-bit operands: add --bf16 or --fp16",
+                    "a tensor-core or AMX model multiplies 16-bit operands: add --bf16 or --fp16",
                 );
             };
             if self.accumulation.block_fma().is_err() {
@@ -961,11 +961,12 @@ impl TrainConfig {
                 );
             }
             if !self.accumulation.supports(format) {
-                return invalid(
-                    "accumulate",
-                    value,
-                    "V100 tensor cores have no bf16 mode: use --fp16, or a100/h100",
-                );
+                let reason = if self.accumulation == Accumulation::Amx {
+                    "AMX-BF16 tiles multiply bf16 operands only: use --bf16"
+                } else {
+                    "V100 tensor cores have no bf16 mode: use --fp16, or a100/h100"
+                };
+                return invalid("accumulate", value, reason);
             }
         }
         if let Some(recipe) = &self.fp8 {
@@ -974,7 +975,7 @@ impl TrainConfig {
                 return invalid(
                     "fp8",
                     self.accumulation.to_string(),
-                    "the tensor-core models are those of 16-bit inputs; fp8 products add \
+                    "the tensor-core and AMX models are those of 16-bit inputs; fp8 products add \
                      up in f32 here (--accumulate f32)",
                 );
             }
