@@ -4,7 +4,9 @@
 # PyTorch DDP. A shared machine drifts by ±15% within minutes, so one round says little:
 # each round runs the four commands back to back, and the summary gives every round's
 # ratio, their median, the lowest, and the ratio of each side's best step. About 75 s a
-# round on 2 cores.
+# round on 2 cores. On a CPU with AMX tiles, each round also runs the bf16 step in the tiles'
+# order (`--accumulate amx`, what PyTorch's bf16 products compute there) against the same
+# PyTorch figure.
 #
 #   TINYLLM=target/release/tinyllm PEERS=../shared/peers PYTHON=python3 \
 #     scripts/bench-rounds.sh bench-rounds-out 10
@@ -20,9 +22,14 @@ O=${1:-bench-rounds-out}
 N=${2:-10}
 mkdir -p "$O"
 date -u +%FT%TZ > "$O/start"
+AMX=$("$T" bench --preset tiny --steps 1 --warmup 1 --json | grep -c '"amx-bf16"')
 for round in $(seq 1 "$N"); do
   "$T" bench --preset capstone --micro-batch 8 --accum 1 --bf16 --steps 3 --warmup 1 --json \
     > "$O/tl-bf16-$round.json"
+  if [ "$AMX" -gt 0 ]; then
+    "$T" bench --preset capstone --micro-batch 8 --accum 1 --bf16 --accumulate amx --steps 3 \
+      --warmup 1 --json > "$O/tl-amx-$round.json"
+  fi
   "$PY" "$P/cpu_bench.py" bf16 0 8 1 capstone > "$O/pt-bf16-$round.json"
   "$T" launch -n 2 -- bench --preset capstone --micro-batch 4 --accum 1 --steps 3 --warmup 1 \
     --json > "$O/tl-ddp-$round.json"
@@ -31,7 +38,7 @@ for round in $(seq 1 "$N"); do
 done
 date -u +%FT%TZ > "$O/end"
 "$PY" - "$O" "$N" <<'EOF' | tee "$O/summary.md"
-import json, statistics, sys
+import json, os, statistics, sys
 
 out, rounds = sys.argv[1], int(sys.argv[2])
 
@@ -43,9 +50,13 @@ def pytorch(path):
     with open(path) as f:
         return json.loads(f.read().strip().splitlines()[-1])["step_s"]
 
-for kind, title in [("bf16", "bf16, 2 threads (PyTorch: autocast)"),
-                    ("ddp", "two ranks of one thread, fp32 (PyTorch: DDP)")]:
-    pairs = [(tinyllm(f"{out}/tl-{kind}-{r}.json"), pytorch(f"{out}/pt-{kind}-{r}.json"))
+for kind, peer, title in [
+        ("bf16", "bf16", "bf16, 2 threads (PyTorch: autocast)"),
+        ("amx", "bf16", "bf16 in the AMX tiles' order, 2 threads (PyTorch: autocast)"),
+        ("ddp", "ddp", "two ranks of one thread, fp32 (PyTorch: DDP)")]:
+    if not os.path.exists(f"{out}/tl-{kind}-1.json"):
+        continue
+    pairs = [(tinyllm(f"{out}/tl-{kind}-{r}.json"), pytorch(f"{out}/pt-{peer}-{r}.json"))
              for r in range(1, rounds + 1)]
     ratios = [pt / tl for tl, pt in pairs]
     print(f"\n{title}\n\n| round | tinyllm, s | PyTorch, s | ratio |\n|---|---|---|---|")

@@ -1,6 +1,7 @@
 #!/bin/bash
 # One sitting of docs/benchmarks.md's "Hardware units" figures (issue 38): the capstone step
 # in fp32, bf16 (on the CPU's bf16 units where it has them), bf16 on the H100 model and fp8,
+# bf16 in the AMX tiles' order where the CPU has them,
 # PyTorch's fp32 and bf16 autocast beside them, the bf16/fp32 cost paired, and two ranks
 # against PyTorch DDP. About 15 minutes on 2 cores.
 #
@@ -26,6 +27,12 @@ for round in 1 2; do
   "$PY" "$P/cpu_bench.py" bf16 0 8 1 capstone > "$O/pt-bf16-$round.json"
 done
 "$T" bench "${CAP[@]}" --bf16 --accumulate h100 --steps 2 --warmup 1 --json > "$O/tl-bf16-h100.json"
+if "$T" bench --preset tiny --steps 1 --warmup 1 --json | grep -q '"amx-bf16"'; then
+  # The AMX tiles' order, on them: twice, beside the bf16 figures above.
+  for round in 1 2; do
+    "$T" bench "${CAP[@]}" --bf16 --accumulate amx --steps 5 --json > "$O/tl-bf16-amx-$round.json"
+  done
+fi
 "$T" bench "${CAP[@]}" --paired fp32,bf16 --steps 8 --json > "$O/tl-paired-fp32-bf16.json"
 "$T" bench "${CAP[@]}" --paired bf16,fp8 --steps 8 --json > "$O/tl-paired-bf16-fp8.json"
 for round in 1 2; do

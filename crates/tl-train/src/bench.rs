@@ -20,7 +20,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use tl_precision::Precision;
+use tl_precision::{Accumulation, Precision};
 use tl_tensor::memory;
 
 use crate::error::{Result, TrainError};
@@ -128,7 +128,8 @@ pub struct Machine {
     pub cores: usize,
     /// Compute threads of this process (rayon's pool).
     pub threads: usize,
-    /// The vector units the kernels can use: `avx2`, `fma`, `avx512f`, `avx512bf16`.
+    /// The vector units the kernels can use: `avx2`, `fma`, `avx512f`, `avx512bf16`, and
+    /// `amx-bf16` when this process may use the AMX tiles.
     pub features: Vec<String>,
     /// The operating system and architecture.
     pub os: String,
@@ -204,6 +205,9 @@ fn cpu_features() -> Vec<String> {
                 features.push(name);
             }
         }
+        if tl_tensor::kernels::bf16_dot::amx_available() {
+            features.push("amx-bf16");
+        }
     }
     #[cfg(target_arch = "aarch64")]
     features.push("neon");
@@ -227,23 +231,32 @@ pub fn recipe_name(precision: Precision, checkpointing: Checkpointing) -> String
 
 /// The short name of the recipe `config` trains in: [`recipe_name`], with fp8 in front of
 /// the other products' precision: `fp8` for fp8 over fp32 (the [`STEP_RECIPES`] name of
-/// `tinyllm train --fp8`), `bf16+fp8` over bf16.
+/// `tinyllm train --fp8`), `bf16+fp8` over bf16; and the products' accumulation when it is
+/// not f32, `bf16+amx`, `fp16+v100`.
 ///
 /// ```
 /// use tl_train::bench::config_recipe_name;
 /// use tl_train::model::Preset;
 /// use tl_train::train::TrainConfig;
+/// use tl_precision::{Accumulation, Precision};
 /// let mut config = TrainConfig::for_preset(Preset::Tiny);
 /// assert_eq!(config_recipe_name(&config), "fp32");
 /// config.fp8 = Some(Default::default());
 /// assert_eq!(config_recipe_name(&config), "fp8");
+/// config.fp8 = None;
+/// config.precision = Precision::Bf16;
+/// config.accumulation = Accumulation::Amx;
+/// assert_eq!(config_recipe_name(&config), "bf16+amx");
 /// ```
 pub fn config_recipe_name(config: &TrainConfig) -> String {
-    let precision = match (config.fp8.is_some(), config.precision) {
+    let mut precision = match (config.fp8.is_some(), config.precision) {
         (false, precision) => precision.name().to_string(),
         (true, Precision::Fp32) => "fp8".to_string(),
         (true, precision) => format!("{}+fp8", precision.name()),
     };
+    if config.accumulation != Accumulation::F32 {
+        precision = format!("{precision}+{}", config.accumulation);
+    }
     named_recipe(&precision, config.checkpointing)
 }
 

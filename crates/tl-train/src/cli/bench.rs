@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
+use tl_precision::{Accumulation, Precision};
 
 use super::backend::{Backend, communicator};
 use super::train::{config_from_flags, mib, shrink_builtin_corpus};
@@ -169,6 +170,15 @@ fn print_header(config: &TrainConfig, world: usize, plan: &BenchPlan<'_>, paired
         config.tokens_per_step() * world,
     );
     say!("machine: {}", Machine::this().describe());
+    if config.precision == Precision::Bf16
+        && config.accumulation == Accumulation::F32
+        && tl_tensor::kernels::bf16_dot::amx_available()
+    {
+        say!(
+            "note: this CPU has AMX tiles; --accumulate amx sums the bf16 products in their \
+             order, on them (other bits than the default order, which its AVX512-BF16 units run)"
+        );
+    }
     let what = if paired { "pair" } else { "step" };
     say!(
         "{} untimed warm-up step{} per trainer, then {} timed {what}{}",
