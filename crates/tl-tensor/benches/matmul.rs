@@ -20,13 +20,13 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use ndarray::{Array, Array2, ArrayView2, Dimension, IntoDimension};
+use ndarray::{Array, Array2, ArrayView2, ArrayViewMut2, Dimension, IntoDimension};
 use rayon::{ThreadPool, ThreadPoolBuilder};
 use tl_tensor::kernels::attention::CausalAttention;
 use tl_tensor::kernels::batched::{batched_matmul, batched_matmul_into};
 use tl_tensor::kernels::bf16_dot::{
-    Bf16Rhs, amx_available, amx_gemm, amx_gemm_into, bf16_gemm, bf16_gemm_into, bf16_gemm_portable,
-    units_available,
+    Bf16Rhs, amx_available, amx_gemm, amx_gemm_into, amx_gemm_portable_into, bf16_gemm,
+    bf16_gemm_into, bf16_gemm_portable, units_available,
 };
 use tl_tensor::kernels::gemm::{gemm_into, matmul};
 
@@ -190,6 +190,13 @@ fn bf16_products(c: &mut Criterion) {
             });
             group.bench_function(format!("amx-tiles/{threads}t"), |b| {
                 pool.install(|| b.iter(|| amx_gemm(m, k, n, black_box(lhs), rhs, out, false)));
+            });
+            let (l, r) = (x.view(), w.view());
+            let mut view = ArrayViewMut2::from_shape((m, n), &mut *out).unwrap();
+            group.bench_function(format!("amx-portable/{threads}t"), |b| {
+                pool.install(|| {
+                    b.iter(|| amx_gemm_portable_into(&mut view, black_box(l), r, false))
+                });
             });
         }
         group.finish();
