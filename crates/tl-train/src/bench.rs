@@ -272,8 +272,8 @@ fn named_recipe(precision: &str, checkpointing: Checkpointing) -> String {
     format!("{precision}{checkpointing}")
 }
 
-/// `base` with the precision, checkpointing and fp8 of `recipe`: the paired mode's two runs
-/// differ only there. An fp8 recipe keeps `base`'s own fp8 recipe (its `--fp8-*` settings)
+/// `base` with the precision, checkpointing, fp8 and accumulation of `recipe`: the paired
+/// mode's two runs differ only there. An fp8 recipe keeps `base`'s own fp8 recipe (its `--fp8-*` settings)
 /// when it has one, and a recipe without fp8 drops it.
 pub fn with_recipe(base: &TrainConfig, recipe: StepRecipe) -> TrainConfig {
     let fp8 = recipe.fp8.then(|| base.fp8.unwrap_or_default());
@@ -281,6 +281,7 @@ pub fn with_recipe(base: &TrainConfig, recipe: StepRecipe) -> TrainConfig {
         precision: recipe.precision,
         checkpointing: recipe.checkpointing,
         fp8,
+        accumulation: recipe.accumulation,
         ..base.clone()
     }
 }

@@ -35,8 +35,8 @@ pub struct BenchArgs {
     pub fp8: bool,
     /// Time two recipes against each other, taking turns step by step in one process:
     /// two of fp32, bf16, fp16, fp32+ckpt, bf16+ckpt, fp32+ckpt-matmuls,
-    /// fp32+ckpt-first-matmul, fp8 (the precision, the checkpoint policy and fp8 replace
-    /// the recipe's).
+    /// fp32+ckpt-first-matmul, fp8, bf16+amx (the precision, the checkpoint policy, fp8 and
+    /// the accumulation replace the recipe's).
     #[arg(long, value_name = "A,B", value_delimiter = ',')]
     pub paired: Vec<String>,
     /// Print the figures as one JSON object on stdout (progress still goes to stderr).

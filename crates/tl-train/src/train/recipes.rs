@@ -1,7 +1,7 @@
 //! The recipes a capstone step is timed in, by name: what `cargo bench -p tl-train --bench
 //! step` measures and `tinyllm bench --paired A,B` compares.
 
-use tl_precision::{Fp8Recipe, Precision};
+use tl_precision::{Accumulation, Fp8Recipe, Precision};
 
 use super::TrainConfig;
 use crate::model::{Checkpointing, Preset};
@@ -19,12 +19,15 @@ pub struct StepRecipe {
     /// The blocks' linear layers in fp8 with delayed scaling (the default recipe, as
     /// `tinyllm train --fp8`), on top of `precision` for the other products.
     pub fp8: bool,
+    /// How the 16-bit products add up (`--accumulate`): f32 but for `bf16+amx`.
+    pub accumulation: Accumulation,
 }
 
 /// Every timed recipe: plain fp32, the two emulated 16-bit formats, per-block checkpointing
-/// with fp32 and with bf16, fp32 under the two other checkpoint policies, and fp8 (the
-/// blocks' linear layers in fp8, the other products in fp32, as `tinyllm train --fp8`).
-pub const STEP_RECIPES: [StepRecipe; 8] = [
+/// with fp32 and with bf16, fp32 under the two other checkpoint policies, fp8 (the blocks'
+/// linear layers in fp8, the other products in fp32, as `tinyllm train --fp8`), and bf16 in
+/// the AMX tiles' order (`--bf16 --accumulate amx`).
+pub const STEP_RECIPES: [StepRecipe; 9] = [
     StepRecipe::new("fp32", Precision::Fp32, Checkpointing::Off),
     StepRecipe::new("bf16", Precision::Bf16, Checkpointing::Off),
     StepRecipe::new("fp16", Precision::Fp16, Checkpointing::Off),
@@ -37,6 +40,7 @@ pub const STEP_RECIPES: [StepRecipe; 8] = [
         Checkpointing::FirstMatmul,
     ),
     StepRecipe::new("fp8", Precision::Fp32, Checkpointing::Off).with_fp8(),
+    StepRecipe::new("bf16+amx", Precision::Bf16, Checkpointing::Off).on(Accumulation::Amx),
 ];
 
 impl StepRecipe {
@@ -46,11 +50,19 @@ impl StepRecipe {
             precision,
             checkpointing,
             fp8: false,
+            accumulation: Accumulation::F32,
         }
     }
 
     const fn with_fp8(self) -> Self {
         Self { fp8: true, ..self }
+    }
+
+    const fn on(self, accumulation: Accumulation) -> Self {
+        Self {
+            accumulation,
+            ..self
+        }
     }
 
     /// The recipe called `name` in [`STEP_RECIPES`], if there is one.
@@ -65,8 +77,8 @@ impl StepRecipe {
     }
 
     /// The config `tinyllm train --preset capstone --micro-batch 8 --accum 1` builds with
-    /// this recipe's flags (`--bf16`/`--fp16`, `--checkpoint-activations`, `--fp8`): one
-    /// optimizer step of 8 × 512 = 4096 tokens.
+    /// this recipe's flags (`--bf16`/`--fp16`, `--checkpoint-activations`, `--fp8`,
+    /// `--accumulate`): one optimizer step of 8 × 512 = 4096 tokens.
     pub fn capstone_config(&self) -> TrainConfig {
         let mut config = TrainConfig::for_preset(Preset::Capstone);
         config.precision = self.precision;
@@ -74,6 +86,7 @@ impl StepRecipe {
         config.accum = 1;
         config.checkpointing = self.checkpointing;
         config.fp8 = self.fp8.then(Fp8Recipe::default);
+        config.accumulation = self.accumulation;
         config
     }
 }
