@@ -32,6 +32,7 @@ if "$T" bench --preset tiny --steps 1 --warmup 1 --json | grep -q '"amx-bf16"'; 
   for round in 1 2; do
     "$T" bench "${CAP[@]}" --bf16 --accumulate amx --steps 5 --json > "$O/tl-bf16-amx-$round.json"
   done
+  "$T" bench "${CAP[@]}" --paired fp32,bf16+amx --steps 8 --json > "$O/tl-paired-fp32-amx.json"
 fi
 "$T" bench "${CAP[@]}" --paired fp32,bf16 --steps 8 --json > "$O/tl-paired-fp32-bf16.json"
 "$T" bench "${CAP[@]}" --paired bf16,fp8 --steps 8 --json > "$O/tl-paired-bf16-fp8.json"
