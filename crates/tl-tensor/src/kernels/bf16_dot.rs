@@ -698,132 +698,83 @@ pub fn bf16_matmul<E: Element>(lhs: ArrayView2<'_, E>, rhs: ArrayView2<'_, E>) -
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Bf16Products;
 
-impl ProductKernel for Bf16Products {
-    fn product_f32(
-        &self,
-        m: usize,
-        k: usize,
-        n: usize,
-        lhs: &[f32],
-        rhs: &[f32],
-        out: &mut [f32],
-        accumulate: bool,
-    ) {
-        bf16_gemm(m, k, n, lhs, rhs, out, accumulate);
-    }
-
-    fn product_view_f32(
-        &self,
-        out: &mut ArrayViewMut2<'_, f32>,
-        lhs: ArrayView2<'_, f32>,
-        rhs: ArrayView2<'_, f32>,
-        accumulate: bool,
-    ) {
-        bf16_gemm_into(out, lhs, rhs, accumulate);
-    }
-
-    fn product_view_f64(
-        &self,
-        out: &mut ArrayViewMut2<'_, f64>,
-        lhs: ArrayView2<'_, f64>,
-        rhs: ArrayView2<'_, f64>,
-        accumulate: bool,
-    ) {
-        super::gemm::gemm_serial_into(out, lhs, rhs, accumulate);
-    }
-
-    fn product_f64(
-        &self,
-        m: usize,
-        k: usize,
-        n: usize,
-        lhs: &[f64],
-        rhs: &[f64],
-        out: &mut [f64],
-        accumulate: bool,
-    ) {
-        let lhs = ArrayView2::from_shape((m, k), &lhs[..m * k]).expect("m×k");
-        let rhs = ArrayView2::from_shape((k, n), &rhs[..k * n]).expect("k×n");
-        let mut out = ArrayViewMut2::from_shape((m, n), &mut out[..m * n]).expect("m×n");
-        super::gemm::gemm_serial_into(&mut out, lhs, rhs, accumulate);
-    }
-
-    fn spreads_itself(&self) -> bool {
-        true
-    }
-
-    fn prepare_rhs_f32<'a>(
-        &self,
-        rhs: ArrayView2<'a, f32>,
-    ) -> Option<Box<dyn PreparedRhs<f32> + 'a>> {
-        Some(Box::new(Bf16Rhs::new(rhs)))
-    }
-}
-
 /// The products of autocast in bf16 in the AMX order, as a [`ProductKernel`]: f32 matrices
 /// by [`amx_gemm`] (on the tiles where the CPU has them), f64 matrices by the plain f64 GEMM
 /// as [`Bf16Products`] takes them.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AmxProducts;
 
-impl ProductKernel for AmxProducts {
-    fn product_f32(
-        &self,
-        m: usize,
-        k: usize,
-        n: usize,
-        lhs: &[f32],
-        rhs: &[f32],
-        out: &mut [f32],
-        accumulate: bool,
-    ) {
-        amx_gemm(m, k, n, lhs, rhs, out, accumulate);
-    }
+/// The [`ProductKernel`] of one order: f32 products in it, views handed over whole (the
+/// kernel packs and spreads them itself), a right operand prepared by `$prepare`.
+macro_rules! product_kernel_in_order {
+    ($kernel:ty, $order:expr, $prepare:path) => {
+        impl ProductKernel for $kernel {
+            fn product_f32(
+                &self,
+                m: usize,
+                k: usize,
+                n: usize,
+                lhs: &[f32],
+                rhs: &[f32],
+                out: &mut [f32],
+                accumulate: bool,
+            ) {
+                let (lhs, rhs, mut out) = slices_as_views((m, k, n), lhs, rhs, out);
+                gemm_in($order, &mut out, lhs, rhs, accumulate);
+            }
 
-    fn product_view_f32(
-        &self,
-        out: &mut ArrayViewMut2<'_, f32>,
-        lhs: ArrayView2<'_, f32>,
-        rhs: ArrayView2<'_, f32>,
-        accumulate: bool,
-    ) {
-        amx_gemm_into(out, lhs, rhs, accumulate);
-    }
+            fn product_view_f32(
+                &self,
+                out: &mut ArrayViewMut2<'_, f32>,
+                lhs: ArrayView2<'_, f32>,
+                rhs: ArrayView2<'_, f32>,
+                accumulate: bool,
+            ) {
+                gemm_in($order, out, lhs, rhs, accumulate);
+            }
 
-    fn product_view_f64(
-        &self,
-        out: &mut ArrayViewMut2<'_, f64>,
-        lhs: ArrayView2<'_, f64>,
-        rhs: ArrayView2<'_, f64>,
-        accumulate: bool,
-    ) {
-        Bf16Products.product_view_f64(out, lhs, rhs, accumulate);
-    }
+            fn product_view_f64(
+                &self,
+                out: &mut ArrayViewMut2<'_, f64>,
+                lhs: ArrayView2<'_, f64>,
+                rhs: ArrayView2<'_, f64>,
+                accumulate: bool,
+            ) {
+                super::gemm::gemm_serial_into(out, lhs, rhs, accumulate);
+            }
 
-    fn product_f64(
-        &self,
-        m: usize,
-        k: usize,
-        n: usize,
-        lhs: &[f64],
-        rhs: &[f64],
-        out: &mut [f64],
-        accumulate: bool,
-    ) {
-        Bf16Products.product_f64(m, k, n, lhs, rhs, out, accumulate);
-    }
+            fn product_f64(
+                &self,
+                m: usize,
+                k: usize,
+                n: usize,
+                lhs: &[f64],
+                rhs: &[f64],
+                out: &mut [f64],
+                accumulate: bool,
+            ) {
+                let lhs = ArrayView2::from_shape((m, k), &lhs[..m * k]).expect("m×k");
+                let rhs = ArrayView2::from_shape((k, n), &rhs[..k * n]).expect("k×n");
+                let mut out = ArrayViewMut2::from_shape((m, n), &mut out[..m * n]).expect("m×n");
+                super::gemm::gemm_serial_into(&mut out, lhs, rhs, accumulate);
+            }
 
-    fn spreads_itself(&self) -> bool {
-        true
-    }
+            fn spreads_itself(&self) -> bool {
+                true
+            }
 
-    fn prepare_rhs_f32<'a>(
-        &self,
-        rhs: ArrayView2<'a, f32>,
-    ) -> Option<Box<dyn PreparedRhs<f32> + 'a>> {
-        Some(Box::new(Bf16Rhs::amx(rhs)))
-    }
+            fn prepare_rhs_f32<'a>(
+                &self,
+                rhs: ArrayView2<'a, f32>,
+            ) -> Option<Box<dyn PreparedRhs<f32> + 'a>> {
+                Some(Box::new($prepare(rhs)))
+            }
+        }
+    };
 }
+
+product_kernel_in_order!(Bf16Products, Order::Pairs, Bf16Rhs::new);
+product_kernel_in_order!(AmxProducts, Order::Amx, Bf16Rhs::amx);
 
 /// Rows and columns of the units' tile: 8 rows × 32 columns are 16 accumulators of 16 lanes,
 /// enough independent sums to hide the instruction's latency, with room for the two panel
@@ -1961,18 +1912,32 @@ mod tests {
         assert!(units(0.0, [f32::INFINITY, 0.0], [0.0, 0.0]).is_nan());
     }
 
-    #[test]
-    fn operands_and_outputs_of_any_strides_are_read_where_they_lie() {
-        units_or_say_so();
+    /// A definition of a product, one output at a time, on row-major slices.
+    pub(super) type Reference = fn(usize, usize, usize, &[f32], &[f32], &mut [f32], bool);
+
+    /// A product on views, and the route it reports.
+    pub(super) type OnViews<'a> = &'a dyn Fn(
+        &mut ArrayViewMut2<'_, f32>,
+        ArrayView2<'_, f32>,
+        ArrayView2<'_, f32>,
+        bool,
+    ) -> Bf16Route;
+
+    /// Each of `products` held to `reference` (and to its route, where given) on operands and
+    /// outputs of any strides: transposed copies read back through transposed views; an output
+    /// of 3n columns of which the product takes the middle n (rows that are slices, not
+    /// contiguous); and a transposed output.
+    pub(super) fn any_strides(
+        products: &[(OnViews<'_>, Option<Bf16Route>)],
+        reference: Reference,
+        seed: u64,
+    ) {
         use ndarray::Array2;
-        let rng = Generator::new(14);
+        let rng = Generator::new(seed);
         for (m, k, n) in [(37, 65, 70), (70, 601, 45), (5, 3, 2)] {
             let lhs = Array2::from_shape_vec((m, k), bf16_values(m * k, 0, &rng)).unwrap();
             let rhs = Array2::from_shape_vec((k, n), bf16_values(k * n, -2, &rng)).unwrap();
             let old = Array2::from_shape_vec((m, n), bf16_values(m * n, 1, &rng)).unwrap();
-            // Transposed copies, read back through transposed views; an output of 3n columns
-            // of which the product takes the middle n (rows that are slices, not contiguous);
-            // and a transposed output.
             let (lhs_t, rhs_t) = (lhs.t().to_owned(), rhs.t().to_owned());
             for accumulate in [false, true] {
                 let mut expected = old.clone();
@@ -1985,32 +1950,41 @@ mod tests {
                     expected.as_slice_mut().unwrap(),
                     accumulate,
                 );
-                for (l, r) in [
+                for ((l, r), (product, route)) in [
                     (lhs.view(), rhs.view()),
                     (lhs_t.t(), rhs.view()),
                     (lhs.view(), rhs_t.t()),
                     (lhs_t.t(), rhs_t.t()),
-                ] {
+                ]
+                .into_iter()
+                .flat_map(|operands| products.iter().map(move |p| (operands, p)))
+                {
+                    let case = format!("{m}×{k}×{n} {:?} {:?}", l.strides(), r.strides());
                     let mut wide = Array2::from_elem((m, 3 * n), f32::NAN);
                     wide.slice_mut(s![.., n..2 * n]).assign(&old);
                     let mut columns = wide.slice_mut(s![.., n..2 * n]);
-                    bf16_gemm_into(&mut columns, l, r, accumulate);
-                    assert_eq!(
-                        columns,
-                        expected,
-                        "{m}×{k}×{n} {:?} {:?}",
-                        l.strides(),
-                        r.strides()
-                    );
+                    let got = product(&mut columns, l, r, accumulate);
+                    assert!(route.is_none_or(|route| route == got), "{case}: {got:?}");
+                    assert_eq!(columns, expected, "{case}");
                     let mut transposed = old.t().to_owned();
-                    bf16_gemm_into(&mut transposed.view_mut().reversed_axes(), l, r, accumulate);
-                    assert_eq!(transposed.t(), expected);
-                    let mut portable = old.clone();
-                    bf16_gemm_portable_into(&mut portable.view_mut(), l, r, accumulate);
-                    assert_eq!(portable, expected);
+                    product(&mut transposed.view_mut().reversed_axes(), l, r, accumulate);
+                    assert_eq!(transposed.t(), expected, "{case}, a transposed output");
                 }
             }
         }
+    }
+
+    #[test]
+    fn operands_and_outputs_of_any_strides_are_read_where_they_lie() {
+        let portable: OnViews<'_> = &|out, l, r, accumulate| {
+            bf16_gemm_portable_into(out, l, r, accumulate);
+            Bf16Route::Portable
+        };
+        let products = [
+            (&bf16_gemm_into as OnViews<'_>, Some(inside())),
+            (portable, None),
+        ];
+        any_strides(&products, reference, 14);
     }
 
     /// A prepared operand's product by its leading rows and columns is the product by that

@@ -356,7 +356,7 @@ unsafe fn portable_tile_avx2(t: Tile<'_, f32>) {
 mod tests {
     use ndarray::{Array2, ArrayView2, s};
 
-    use super::super::tests::{SHAPES, bf16_values, bits, on};
+    use super::super::tests::{OnViews, SHAPES, any_strides, bf16_values, bits, on};
     use super::super::{
         Bf16Rhs, Bf16Route, amx_gemm, amx_gemm_into, amx_gemm_portable_into, bf16_gemm,
     };
@@ -544,40 +544,16 @@ mod tests {
     #[test]
     fn operands_of_any_strides_and_prepared_prefixes() {
         let route = inside();
-        let rng = Generator::new(43);
-        for (m, k, n) in [(37, 65, 70), (70, 601, 45), (5, 3, 2)] {
-            let lhs = Array2::from_shape_vec((m, k), bf16_values(m * k, 0, &rng)).unwrap();
-            let rhs = Array2::from_shape_vec((k, n), bf16_values(k * n, -2, &rng)).unwrap();
-            let old = Array2::from_shape_vec((m, n), bf16_values(m * n, 1, &rng)).unwrap();
-            let (lhs_t, rhs_t) = (lhs.t().to_owned(), rhs.t().to_owned());
-            for accumulate in [false, true] {
-                let mut expected = old.clone();
-                reference(
-                    m,
-                    k,
-                    n,
-                    lhs.as_slice().unwrap(),
-                    rhs.as_slice().unwrap(),
-                    expected.as_slice_mut().unwrap(),
-                    accumulate,
-                );
-                for (l, r) in [
-                    (lhs.view(), rhs.view()),
-                    (lhs_t.t(), rhs.view()),
-                    (lhs.view(), rhs_t.t()),
-                    (lhs_t.t(), rhs_t.t()),
-                ] {
-                    let mut wide = Array2::from_elem((m, 3 * n), f32::NAN);
-                    wide.slice_mut(s![.., n..2 * n]).assign(&old);
-                    let mut columns = wide.slice_mut(s![.., n..2 * n]);
-                    assert_eq!(amx_gemm_into(&mut columns, l, r, accumulate), route);
-                    assert_eq!(columns, expected, "{m}×{k}×{n} {:?}", l.strides());
-                    let mut transposed = old.t().to_owned();
-                    amx_gemm_into(&mut transposed.view_mut().reversed_axes(), l, r, accumulate);
-                    assert_eq!(transposed.t(), expected);
-                }
-            }
-        }
+        let portable: OnViews<'_> = &|out, l, r, accumulate| {
+            amx_gemm_portable_into(out, l, r, accumulate);
+            Bf16Route::Portable
+        };
+        let products = [
+            (&amx_gemm_into as OnViews<'_>, Some(route)),
+            (portable, None),
+        ];
+        any_strides(&products, reference, 43);
+        let rng = Generator::new(45);
         // A prepared operand's leading blocks, as the attention reads its keys.
         let (rows, cols) = (1101, 70);
         let stored = bf16_values(rows * cols, 0, &rng);
