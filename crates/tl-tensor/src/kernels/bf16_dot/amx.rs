@@ -41,6 +41,7 @@ use super::{UNITS_NR, units_available};
 /// Rows of the tiles' output block: one AMX tile is 16 rows of 16 f32 values; a call takes
 /// 16 rows × UNITS_NR (two tiles) per step down the panel, two steps at once where it can
 /// (four accumulating tiles, the two operand tiles of each side).
+#[cfg(target_arch = "x86_64")]
 pub(super) const AMX_MR: usize = 16;
 
 /// Pairs of the inner dimension in one `tdpbf16ps`: a tile row of 64 bytes.
@@ -241,6 +242,7 @@ pub(super) unsafe fn amx_tile(t: Tile<'_, u32>) {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
 thread_local! {
     /// Whether this thread's tiles hold [`CONFIG`]. Loading a configuration and releasing
     /// the tiles cost about 50 ns, a tenth of a call on the attention's small products, so a
