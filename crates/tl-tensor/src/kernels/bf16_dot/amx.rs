@@ -3,11 +3,12 @@
 //!
 //! # What the tiles compute
 //! One `tdpbf16ps` takes up to 16 pairs (32 values) of the inner dimension. Probed on an
-//! Intel Xeon with AMX-BF16 (the tests below hold the tiles to it), and as the newer revisions
-//! of Intel's manual write it with a temporary of two lanes per output, each output keeps
-//! *two* f32 sums that start from +0, one over the even inner indices and one over the odd
-//! ones, each addition rounded to nearest even; at the end of the instruction the two are
-//! added, rounded, and that sum is added to the accumulator, rounded again:
+//! Intel Xeon with AMX-BF16 (the tests below hold the tiles to it), each output keeps *two*
+//! f32 sums that start from +0, one over the even inner indices and one over the odd ones,
+//! each addition rounded to nearest even; at the end of the instruction the two are added,
+//! rounded, and that sum is added to the accumulator, rounded again. (The newer revisions of
+//! Intel's pseudocode fit this: a zeroed temporary of two f32 lanes per output, added
+//! horizontally at the end. The probes, not the manual, are what this module relies on.)
 //!
 //! ```text
 //! for each block of 32 inner indices (the last one shorter):
