@@ -625,8 +625,8 @@ fn portable_in(
         b_pair: 2 * PORTABLE_NR,
     };
     let tile = match order {
-        Order::Pairs => portable_tile(),
-        Order::Amx => amx::portable_tile(),
+        Order::Pairs => portable_tile::<false>(),
+        Order::Amx => portable_tile::<true>(),
     };
     drive(
         (m, n, kp),
@@ -663,21 +663,22 @@ fn chain(
     Some((m, k, n))
 }
 
-/// The portable tile compiled for the best vector unit of this CPU.
-fn portable_tile() -> fn(Tile<'_, f32>) {
+/// The portable tile of the units' order (or, with `AMX`, of the tiles') compiled for the
+/// best vector unit of this CPU.
+fn portable_tile<const AMX: bool>() -> fn(Tile<'_, f32>) {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU has AVX-512F (checked); `drive` gives the tile what it reads.
-            return |t| unsafe { portable_tile_avx512(t) };
+            return |t| unsafe { portable_tile_avx512::<AMX>(t) };
         }
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             // SAFETY: as above, for AVX2 and FMA.
-            return |t| unsafe { portable_tile_avx2(t) };
+            return |t| unsafe { portable_tile_avx2::<AMX>(t) };
         }
     }
     // SAFETY: `drive` gives the tile what it reads.
-    |t| unsafe { portable_tile_body(t) }
+    |t| unsafe { portable_tile_body::<AMX>(t) }
 }
 
 /// `lhs · rhs` in a fresh array for matrices holding bf16 values — or narrower ones: every
@@ -1524,7 +1525,8 @@ unsafe fn units_tile(t: Tile<'_, u32>) {
 }
 
 /// The portable tile: PORTABLE_MR rows × PORTABLE_NR columns by fused multiply-adds, the odd
-/// element of each pair first; `t.tiles` of them down the panel.
+/// element of each pair first (or, with `AMX`, in the tiles' order: [`amx::add_blocks`]);
+/// `t.tiles` of them down the panel.
 ///
 /// # Safety
 /// `t.a` holds `t.tiles`·PORTABLE_MR rows of `2·t.pairs` values (`t.a_row` and `t.a_step`
@@ -1532,7 +1534,7 @@ unsafe fn units_tile(t: Tile<'_, u32>) {
 /// `t.tiles`·PORTABLE_MR rows of PORTABLE_NR writable values `t.ldc` apart (initialised
 /// unless `t.zero`).
 #[inline(always)]
-unsafe fn portable_tile_body(t: Tile<'_, f32>) {
+unsafe fn portable_tile_body<const AMX: bool>(t: Tile<'_, f32>) {
     const MR: usize = PORTABLE_MR;
     const NR: usize = PORTABLE_NR;
     for tile in 0..t.tiles {
@@ -1546,14 +1548,18 @@ unsafe fn portable_tile_body(t: Tile<'_, f32>) {
                     acc.copy_from_slice(std::slice::from_raw_parts(c.add(r * t.ldc), NR));
                 }
             }
-            for p in 0..t.pairs {
-                let rows = &t.b[2 * p * NR..][..2 * NR];
-                let (even, odd) = rows.split_at(NR);
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let a = &a[r * t.a_row + p * t.a_step..][..2];
-                    for j in 0..NR {
-                        acc[j] = a[1].mul_add(odd[j], acc[j]);
-                        acc[j] = a[0].mul_add(even[j], acc[j]);
+            if AMX {
+                amx::add_blocks(&mut acc, a, t);
+            } else {
+                for p in 0..t.pairs {
+                    let rows = &t.b[2 * p * NR..][..2 * NR];
+                    let (even, odd) = rows.split_at(NR);
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let a = &a[r * t.a_row + p * t.a_step..][..2];
+                        for j in 0..NR {
+                            acc[j] = a[1].mul_add(odd[j], acc[j]);
+                            acc[j] = a[0].mul_add(even[j], acc[j]);
+                        }
                     }
                 }
             }
@@ -1570,9 +1576,9 @@ unsafe fn portable_tile_body(t: Tile<'_, f32>) {
 /// As [`portable_tile_body`], on a CPU with AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn portable_tile_avx512(t: Tile<'_, f32>) {
+unsafe fn portable_tile_avx512<const AMX: bool>(t: Tile<'_, f32>) {
     // SAFETY: the caller's contract.
-    unsafe { portable_tile_body(t) }
+    unsafe { portable_tile_body::<AMX>(t) }
 }
 
 /// [`portable_tile_body`] compiled for AVX2 and FMA.
@@ -1581,9 +1587,9 @@ unsafe fn portable_tile_avx512(t: Tile<'_, f32>) {
 /// As [`portable_tile_body`], on a CPU with AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn portable_tile_avx2(t: Tile<'_, f32>) {
+unsafe fn portable_tile_avx2<const AMX: bool>(t: Tile<'_, f32>) {
     // SAFETY: the caller's contract.
-    unsafe { portable_tile_body(t) }
+    unsafe { portable_tile_body::<AMX>(t) }
 }
 
 #[cfg(test)]

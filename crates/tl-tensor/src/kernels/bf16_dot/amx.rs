@@ -267,92 +267,34 @@ unsafe fn configure() {
     }
 }
 
-/// The portable tile in the AMX order: PORTABLE_MR rows × PORTABLE_NR columns, each block of
+/// One tile's sums in the AMX order, for the parent's portable tile: each block of
 /// AMX_PAIRS pairs summed into an even and an odd sum from +0 by fused multiply-adds, their
-/// sum then added to the output; `t.tiles` of them down the panel. The pairs of a call start
-/// at a multiple of AMX_PAIRS (`drive` walks blocks of KC pairs), so its blocks are the
-/// tiles' blocks.
-///
-/// # Safety
-/// As the parent's `portable_tile_body`.
+/// sum then added to `acc` (PORTABLE_MR rows × PORTABLE_NR columns, read from `a` and
+/// `t.b` as the portable tile reads them). The pairs of a call start at a multiple of
+/// AMX_PAIRS (`drive` walks blocks of KC pairs), so its blocks are the tiles' blocks.
 #[inline(always)]
-unsafe fn portable_tile_body(t: Tile<'_, f32>) {
+pub(super) fn add_blocks(acc: &mut [[f32; PORTABLE_NR]; PORTABLE_MR], a: &[f32], t: Tile<'_, f32>) {
     const MR: usize = PORTABLE_MR;
     const NR: usize = PORTABLE_NR;
-    for tile in 0..t.tiles {
-        let a = &t.a[tile * MR * t.a_row..];
-        let mut acc = [[0.0f32; NR]; MR];
-        // SAFETY (this loop): the caller's contract covers every address formed below.
-        unsafe {
-            let c = t.c.add(tile * MR * t.ldc);
-            if !t.zero {
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    acc.copy_from_slice(std::slice::from_raw_parts(c.add(r * t.ldc), NR));
+    for p0 in (0..t.pairs).step_by(AMX_PAIRS) {
+        let mut even_sums = [[0.0f32; NR]; MR];
+        let mut odd_sums = [[0.0f32; NR]; MR];
+        for p in p0..t.pairs.min(p0 + AMX_PAIRS) {
+            let (even, odd) = t.b[2 * p * NR..][..2 * NR].split_at(NR);
+            for r in 0..MR {
+                let a = &a[r * t.a_row + p * t.a_step..][..2];
+                for j in 0..NR {
+                    even_sums[r][j] = a[0].mul_add(even[j], even_sums[r][j]);
+                    odd_sums[r][j] = a[1].mul_add(odd[j], odd_sums[r][j]);
                 }
             }
-            for p0 in (0..t.pairs).step_by(AMX_PAIRS) {
-                let mut even_sums = [[0.0f32; NR]; MR];
-                let mut odd_sums = [[0.0f32; NR]; MR];
-                for p in p0..t.pairs.min(p0 + AMX_PAIRS) {
-                    let (even, odd) = t.b[2 * p * NR..][..2 * NR].split_at(NR);
-                    for r in 0..MR {
-                        let a = &a[r * t.a_row + p * t.a_step..][..2];
-                        for j in 0..NR {
-                            even_sums[r][j] = a[0].mul_add(even[j], even_sums[r][j]);
-                            odd_sums[r][j] = a[1].mul_add(odd[j], odd_sums[r][j]);
-                        }
-                    }
-                }
-                for r in 0..MR {
-                    for j in 0..NR {
-                        acc[r][j] += even_sums[r][j] + odd_sums[r][j];
-                    }
-                }
-            }
-            for (r, acc) in acc.iter().enumerate() {
-                std::slice::from_raw_parts_mut(c.add(r * t.ldc), NR).copy_from_slice(acc);
+        }
+        for r in 0..MR {
+            for j in 0..NR {
+                acc[r][j] += even_sums[r][j] + odd_sums[r][j];
             }
         }
     }
-}
-
-/// The portable AMX-order tile compiled for the best vector unit of this CPU.
-pub(super) fn portable_tile() -> fn(Tile<'_, f32>) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked); `drive` gives the tile what it reads.
-            return |t| unsafe { portable_tile_avx512(t) };
-        }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: as above, for AVX2 and FMA.
-            return |t| unsafe { portable_tile_avx2(t) };
-        }
-    }
-    // SAFETY: `drive` gives the tile what it reads.
-    |t| unsafe { portable_tile_body(t) }
-}
-
-/// [`portable_tile_body`] compiled for AVX-512F.
-///
-/// # Safety
-/// As [`portable_tile_body`], on a CPU with AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn portable_tile_avx512(t: Tile<'_, f32>) {
-    // SAFETY: the caller's contract.
-    unsafe { portable_tile_body(t) }
-}
-
-/// [`portable_tile_body`] compiled for AVX2 and FMA.
-///
-/// # Safety
-/// As [`portable_tile_body`], on a CPU with AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn portable_tile_avx2(t: Tile<'_, f32>) {
-    // SAFETY: the caller's contract.
-    unsafe { portable_tile_body(t) }
 }
 
 #[cfg(test)]
