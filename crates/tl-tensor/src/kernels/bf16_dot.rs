@@ -1759,11 +1759,23 @@ mod tests {
         assert_eq!(bits(&out), bits(&expected), "after infinities");
     }
 
-    #[test]
-    fn operands_outside_the_window_take_the_portable_path_with_ieee_results() {
-        units_or_say_so();
-        let (m, k, n) = (9, 13, 35);
-        let rng = Generator::new(12);
+    /// A product on row-major slices, and the route it reports.
+    pub(super) type OnSlices =
+        fn(usize, usize, usize, &[f32], &[f32], &mut [f32], bool) -> Bf16Route;
+
+    /// `product` on m×k by k×n operands of seed `seed`: one value of the left operand out of the
+    /// window at a time (a subnormal, infinities, a NaN, a value that is not bf16, values too
+    /// small or too large for the products) takes the portable path with `reference`'s bits;
+    /// signed zeros, inside the window, give `reference`'s bits too (on route `zeros`, if
+    /// given). Returns the operands.
+    pub(super) fn outside_the_window(
+        product: OnSlices,
+        reference: Reference,
+        (m, k, n): (usize, usize, usize),
+        zeros: Option<Bf16Route>,
+        seed: u64,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let rng = Generator::new(seed);
         let base_lhs = bf16_values(m * k, 0, &rng);
         let rhs = bf16_values(k * n, 0, &rng);
         let tiny = 2f32.powi(-130); // a subnormal, and a bf16 value
@@ -1782,11 +1794,11 @@ mod tests {
             let mut expected = vec![0.0; m * n];
             reference(m, k, n, &lhs, &rhs, &mut expected, false);
             let mut out = vec![0.0; m * n];
-            let route = bf16_gemm(m, k, n, &lhs, &rhs, &mut out, false);
+            let route = product(m, k, n, &lhs, &rhs, &mut out, false);
             assert_eq!(route, Bf16Route::Portable, "{what}");
             assert_eq!(bits(&out), bits(&expected), "{what}");
         }
-        // Signed zeros are inside the window: the units' -0 handling is IEEE's.
+        // Signed zeros are inside the window: the units' and tiles' -0 handling is IEEE's.
         let mut lhs = base_lhs.clone();
         lhs[..k].fill(-0.0);
         let mut old = vec![1.0f32; m * n];
@@ -1795,9 +1807,19 @@ mod tests {
             let mut expected = old.clone();
             reference(m, k, n, &lhs, &rhs, &mut expected, accumulate);
             let mut out = old.clone();
-            bf16_gemm(m, k, n, &lhs, &rhs, &mut out, accumulate);
+            let route = product(m, k, n, &lhs, &rhs, &mut out, accumulate);
+            assert!(zeros.is_none_or(|zeros| zeros == route), "±0: {route:?}");
             assert_eq!(bits(&out), bits(&expected), "±0, accumulate {accumulate}");
         }
+        (base_lhs, rhs)
+    }
+
+    #[test]
+    fn operands_outside_the_window_take_the_portable_path_with_ieee_results() {
+        units_or_say_so();
+        let (m, k, n) = (9, 13, 35);
+        let (base_lhs, rhs) = outside_the_window(bf16_gemm, reference, (m, k, n), None, 12);
+        let tiny = 2f32.powi(-130);
         // An old output that is subnormal, too small for its sums, too large, or not finite
         // takes the portable path, whether the scan finds it in a vector of 16 (column 7)
         // or in a row's remainder (column 33 of 35), in the first row or a later one.

@@ -301,7 +301,9 @@ pub(super) fn add_blocks(acc: &mut [[f32; PORTABLE_NR]; PORTABLE_MR], a: &[f32],
 mod tests {
     use ndarray::{Array2, ArrayView2, s};
 
-    use super::super::tests::{OnViews, SHAPES, any_strides, bf16_values, bits, on};
+    use super::super::tests::{
+        OnViews, SHAPES, any_strides, bf16_values, bits, on, outside_the_window,
+    };
     use super::super::{
         Bf16Rhs, Bf16Route, amx_gemm, amx_gemm_into, amx_gemm_portable_into, bf16_gemm,
     };
@@ -527,36 +529,7 @@ mod tests {
     fn operands_outside_the_window_take_the_portable_path() {
         let route = inside();
         let (m, k, n) = (9, 45, 35);
-        let rng = Generator::new(44);
-        let base = bf16_values(m * k, 0, &rng);
-        let rhs = bf16_values(k * n, 0, &rng);
-        for value in [
-            2f32.powi(-130),
-            f32::INFINITY,
-            f32::NAN,
-            1.0 + 2f32.powi(-10),
-        ] {
-            let mut lhs = base.clone();
-            lhs[2 * k + 5] = value;
-            let mut expected = vec![0.0; m * n];
-            reference(m, k, n, &lhs, &rhs, &mut expected, false);
-            let mut out = vec![0.0; m * n];
-            let got = amx_gemm(m, k, n, &lhs, &rhs, &mut out, false);
-            assert_eq!(got, Bf16Route::Portable, "{value:e}");
-            assert_eq!(bits(&out), bits(&expected), "{value:e}");
-        }
-        // Signed zeros are inside: −0 operands and old outputs, the IEEE results.
-        let mut lhs = base.clone();
-        lhs[..k].fill(-0.0);
-        let mut old = vec![1.0f32; m * n];
-        old[..n].fill(-0.0);
-        for accumulate in [false, true] {
-            let mut expected = old.clone();
-            reference(m, k, n, &lhs, &rhs, &mut expected, accumulate);
-            let mut out = old.clone();
-            assert_eq!(amx_gemm(m, k, n, &lhs, &rhs, &mut out, accumulate), route);
-            assert_eq!(bits(&out), bits(&expected), "±0, accumulate {accumulate}");
-        }
+        let (base, rhs) = outside_the_window(amx_gemm, reference, (m, k, n), Some(route), 44);
         // The two orders differ: the same operands in the units' order give other bits.
         let mut pairs = vec![0.0; m * n];
         let mut amx = vec![0.0; m * n];
