@@ -8,8 +8,8 @@
 //! `S` is multiplied by the growth factor to probe upward again.
 
 use serde::Serialize;
-use tl_tensor::kernels::finite::all_finite;
-use tl_tensor::optim::{Optimizer, grad_sum_squares};
+use tl_tensor::kernels::finite::all_finite_on_pool;
+use tl_tensor::optim::{Optimizer, grad_sum_squares, scale_grads};
 use tl_tensor::{Element, Tensor};
 
 use crate::cast::take_underflow_count;
@@ -246,7 +246,7 @@ impl DynamicLossScaler {
         let clip_coef = clip
             .zip(grad_norm)
             .map_or(1.0, |(max, n)| (max / (n + 1e-6)).min(1.0));
-        multiply_grads(params, inv_scale * clip_coef);
+        scale_grads(params, E::from_f64(inv_scale * clip_coef));
         opt.step();
         self.record_good_step();
         Ok(StepOutcome {
@@ -300,7 +300,7 @@ impl DynamicLossScaler {
 pub fn grad_is_finite<E: Element>(param: &Tensor<E>) -> bool {
     param.with_grad(|grad| {
         grad.is_none_or(|g| match g.as_slice_memory_order() {
-            Some(values) => all_finite(values),
+            Some(values) => all_finite_on_pool(values),
             None => g.iter().all(|v| v.is_finite()),
         })
     })
@@ -309,11 +309,4 @@ pub fn grad_is_finite<E: Element>(param: &Tensor<E>) -> bool {
 /// The 2-norm of all gradients together, summed in f64 and made global by `observer`.
 fn total_norm<E: Element>(params: &[Tensor<E>], observer: &mut impl StepObserver<E>) -> f64 {
     observer.total_sum_squares(grad_sum_squares(params)).sqrt()
-}
-
-fn multiply_grads<E: Element>(params: &[Tensor<E>], factor: f64) {
-    let factor = E::from_f64(factor);
-    for param in params {
-        param.update_grad(|grad| grad.mapv_inplace(|v| v * factor));
-    }
 }

@@ -1,6 +1,7 @@
 //! Gradient clipping by global norm: [`clip_grad_norm`], PyTorch's `clip_grad_norm_`, and
 //! [`clip_grad_norm_reduced`] for gradients split over several processes.
 
+use crate::kernels::finite::sum_squares;
 use crate::{Element, Result, Tensor, TensorError};
 
 /// Scales all gradients together so their global L2 norm is at most about `max_norm`, and
@@ -69,17 +70,33 @@ pub fn clip_grad_norm_reduced<E: Element>(
     }
     let coefficient = max_norm / (norm + 1e-6);
     if coefficient < 1.0 {
-        let coefficient = E::from_f64(coefficient);
-        for parameter in parameters {
-            parameter.update_grad(|grad| grad.mapv_inplace(|g| g * coefficient));
-        }
+        scale_grads(parameters, E::from_f64(coefficient));
     }
     Ok(norm)
 }
 
-/// `Σ g²` over every element of every parameter's gradient, accumulated in `f64` in
-/// parameter order (parameters without a gradient contribute nothing): the square of the
-/// norm that clipping and the loss scaler measure.
+/// Multiplies every parameter's gradient by `factor`, on the rayon pool: clipping's
+/// coefficient, or the loss scaler's unscaling.
+///
+/// ```
+/// use tl_tensor::optim::scale_grads;
+/// use tl_tensor::Tensor;
+/// let w = Tensor::<f32>::param(ndarray::arr1(&[0.0, 0.0]).into_dyn());
+/// w.set_grad(Some(ndarray::arr1(&[3.0, -4.0]).into_dyn()));
+/// scale_grads(&[w.clone()], 0.5);
+/// assert_eq!(w.grad().unwrap(), ndarray::arr1(&[1.5, -2.0]).into_dyn());
+/// ```
+pub fn scale_grads<E: Element>(parameters: &[Tensor<E>], factor: E) {
+    for parameter in parameters {
+        parameter.update_grad(|grad| grad.par_mapv_inplace(|g| g * factor));
+    }
+}
+
+/// `Σ g²` over every element of every parameter's gradient, accumulated in `f64`
+/// (parameters without a gradient contribute nothing): the square of the norm that clipping
+/// and the loss scaler measure. Each gradient is summed on the rayon pool in the order
+/// [`sum_squares`] documents, the same on any number of threads, and the sums are added in
+/// parameter order.
 ///
 /// ```
 /// use tl_tensor::optim::grad_sum_squares;
@@ -94,7 +111,10 @@ pub fn grad_sum_squares<E: Element>(parameters: &[Tensor<E>]) -> f64 {
         .iter()
         .map(|p| {
             p.with_grad(|grad| {
-                grad.map_or(0.0, |g| g.iter().map(|&x| x.to_f64() * x.to_f64()).sum())
+                grad.map_or(0.0, |g| match g.as_slice() {
+                    Some(values) => sum_squares(values),
+                    None => sum_squares(&g.iter().copied().collect::<Vec<_>>()),
+                })
             })
         })
         .sum()

@@ -5,7 +5,7 @@ mod clip;
 mod sgd;
 
 pub use adamw::{AdamW, AdamWParamState, AdamWState, SharedMoments};
-pub use clip::{clip_grad_norm, clip_grad_norm_reduced, grad_sum_squares};
+pub use clip::{clip_grad_norm, clip_grad_norm_reduced, grad_sum_squares, scale_grads};
 pub use sgd::{Sgd, SgdState};
 
 use ndarray::{ArrayD, IxDyn};
