@@ -13,6 +13,7 @@ use std::rc::Rc;
 use ndarray::{ArrayD, Zip};
 
 use crate::memory::{self, Kind, Stage, Tag};
+use crate::ops::elementwise::PARALLEL_MIN_LEN;
 use crate::storage::Buffer;
 use crate::{Element, Tensor};
 
@@ -173,7 +174,12 @@ fn topological_order<E: Element>(root: &Rc<GradNode<E>>) -> Vec<Rc<GradNode<E>>>
 fn add_into<E: Element>(acc: &mut Buffer<E>, grad: Option<&ArrayD<E>>) {
     match grad {
         Some(grad) if !acc.is_meta() => acc.update(|acc| {
-            Zip::from(acc).and(grad).for_each(|a, &g| *a += g);
+            let zip = Zip::from(acc).and(grad);
+            if grad.len() >= PARALLEL_MIN_LEN {
+                zip.par_for_each(|a, &g| *a += g);
+            } else {
+                zip.for_each(|a, &g| *a += g);
+            }
         }),
         _ => acc.make_meta(),
     }

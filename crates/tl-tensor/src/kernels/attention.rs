@@ -27,11 +27,12 @@
 //! Every split is a function of the shape, so the result has the same bits on any number of
 //! threads.
 
-use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewMut2, Axis, Ix2, IxDyn, s};
+use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewMut2, Axis, Ix2, s};
 use rayon::prelude::*;
 
 use super::gemm::gemm_serial_into;
 use super::rows::{contiguous, copy_rows, lane_dot, lane_sum};
+use crate::ops::elementwise::zeros_array_on_pool;
 use crate::ops::matmul_with::kernel_product_into;
 use crate::{Element, Finisher, PreparedRhs, ProductKernel};
 
@@ -104,11 +105,7 @@ impl<E: Element> CausalAttention<E> {
         rounding: Option<&Rounding<'_, E>>,
     ) -> (ArrayD<E>, Vec<E>) {
         self.check_shapes([q, k, v]);
-        let mut out = ArrayD::zeros(IxDyn(&[
-            self.batch,
-            self.time,
-            self.n_heads * self.head_dim,
-        ]));
+        let mut out = zeros_array_on_pool(&[self.batch, self.time, self.n_heads * self.head_dim]);
         let mut row_stats = vec![E::zero(); self.batch * self.n_heads * self.time * 2];
         self.columns_mut(&mut out)
             .into_par_iter()
@@ -139,9 +136,9 @@ impl<E: Element> CausalAttention<E> {
     ) -> ([ArrayD<E>; 3], u64) {
         self.check_shapes([q, k, v]);
         let (hd, group) = (self.head_dim, self.group());
-        let shape = |heads: usize| IxDyn(&[self.batch, self.time, heads * hd]);
+        let shape = |heads: usize| [self.batch, self.time, heads * hd];
         let mut grads = [self.n_heads, self.n_kv_heads, self.n_kv_heads]
-            .map(|heads| ArrayD::zeros(shape(heads)));
+            .map(|heads| zeros_array_on_pool(&shape(heads)));
         let [dq, dk, dv] = &mut grads;
         // One task per (sequence, key/value head): its group's query heads' columns of dq.
         let tasks: Vec<_> = columns_mut(dq, self.n_kv_heads, group * hd)
@@ -550,6 +547,7 @@ mod tests {
     use super::*;
     use crate::Generator;
     use crate::testing::random_array;
+    use ndarray::IxDyn;
 
     /// `softmax(q·kᵀ·scale + M)·v` one row at a time, the textbook way.
     fn naive(kernel: &CausalAttention<f64>, [q, k, v]: [&ArrayD<f64>; 3]) -> ArrayD<f64> {

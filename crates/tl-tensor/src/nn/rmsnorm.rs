@@ -4,6 +4,7 @@ use ndarray::{Array1, ArrayD, IxDyn};
 use rayon::prelude::*;
 
 use super::Module;
+use crate::ops::elementwise::zeros_on_pool;
 use crate::{Element, Finisher, Tensor};
 
 /// Root-mean-square layer normalisation over the last axis (Zhang & Sennrich, 2019), the
@@ -117,7 +118,7 @@ impl<E: Element> RmsNorm<E> {
             let xs = x_std.as_slice().expect("standard layout");
             let gain = self.gain.value();
             let gain = gain.as_slice().expect("a 1-D gain");
-            let mut out = vec![E::zero(); rows * dim];
+            let mut out = zeros_on_pool(rows * dim);
             let mut inv_rms = vec![E::zero(); rows];
             out.par_chunks_mut(block)
                 .zip(inv_rms.par_chunks_mut(ROWS_PER_TASK))
@@ -151,7 +152,7 @@ impl<E: Element> RmsNorm<E> {
             let grads = grad_std.as_slice().expect("standard layout");
             let gain = gain_saved.value();
             let gain = gain.as_slice().expect("a 1-D gain");
-            let mut x_grad = vec![E::zero(); rows * dim];
+            let mut x_grad = zeros_on_pool(rows * dim);
             // Each task writes its rows of ∂L/∂x and returns its rows' share of ∂L/∂g.
             let gain_partials: Vec<Vec<E>> = x_grad
                 .par_chunks_mut(block)

@@ -4,7 +4,8 @@
 
 use std::ops::{Add, Div, Mul, Neg, Sub};
 
-use ndarray::{ArrayD, Zip};
+use ndarray::{ArrayD, IxDyn, Zip};
+use rayon::prelude::*;
 
 use super::{broadcast_shape, unbroadcast};
 use crate::{Element, Tensor};
@@ -17,10 +18,11 @@ impl<E: Element> Tensor<E> {
     pub fn add(&self, rhs: &Tensor<E>) -> Tensor<E> {
         let (lhs_shape, rhs_shape) = (self.shape(), rhs.shape());
         let shape = broadcast_shape("add", &lhs_shape, &rhs_shape);
-        let value = || &*self.value() + &*rhs.value();
+        let value = || binary_elementwise(&self.value(), &rhs.value(), |a, b| a + b, |a, b| a + b);
         Tensor::from_op_shaped(&shape, value, &[self, rhs], move |grad| {
+            // Both parents receive the gradient: one gets a copy (on the pool if large).
             vec![
-                Some(unbroadcast(grad.clone(), &lhs_shape)),
+                Some(unbroadcast(map_elementwise(&grad, |g| g), &lhs_shape)),
                 Some(unbroadcast(grad, &rhs_shape)),
             ]
         })
@@ -33,7 +35,7 @@ impl<E: Element> Tensor<E> {
     pub fn sub(&self, rhs: &Tensor<E>) -> Tensor<E> {
         let (lhs_shape, rhs_shape) = (self.shape(), rhs.shape());
         let shape = broadcast_shape("sub", &lhs_shape, &rhs_shape);
-        let value = || &*self.value() - &*rhs.value();
+        let value = || binary_elementwise(&self.value(), &rhs.value(), |a, b| a - b, |a, b| a - b);
         Tensor::from_op_shaped(&shape, value, &[self, rhs], move |grad| {
             let neg = grad.mapv(|g| -g);
             vec![
@@ -49,7 +51,7 @@ impl<E: Element> Tensor<E> {
     /// If the shapes do not broadcast.
     pub fn mul(&self, rhs: &Tensor<E>) -> Tensor<E> {
         let shape = broadcast_shape("mul", &self.shape(), &rhs.shape());
-        let value = || &*self.value() * &*rhs.value();
+        let value = || binary_elementwise(&self.value(), &rhs.value(), |a, b| a * b, |a, b| a * b);
         let (lhs_saved, rhs_saved) = (self.clone(), rhs.clone());
         Tensor::from_op_shaped(&shape, value, &[self, rhs], move |grad| {
             let lhs_grad = lhs_saved
@@ -144,6 +146,38 @@ impl<E: Element> Tensor<E> {
 /// embedding) split where the library's own do.
 pub const PARALLEL_MIN_LEN: usize = 1 << 15;
 
+/// `len` zeros, written on the rayon pool when there are many: the output buffer of a
+/// kernel that then writes it in parallel. The C library's `calloc` would clear a reused
+/// block on the calling thread alone, while the pool's other threads wait.
+///
+/// ```
+/// use tl_tensor::ops::elementwise::zeros_on_pool;
+/// assert_eq!(zeros_on_pool::<f32>(3), [0.0; 3]);
+/// assert!(zeros_on_pool::<f64>(100_000).iter().all(|&x| x.to_bits() == 0));
+/// ```
+pub fn zeros_on_pool<E: Element>(len: usize) -> Vec<E> {
+    if len < PARALLEL_MIN_LEN {
+        return vec![E::zero(); len];
+    }
+    let mut zeros = Vec::with_capacity(len);
+    zeros.spare_capacity_mut()[..len]
+        .par_chunks_mut(PARALLEL_MIN_LEN)
+        .for_each(|chunk| {
+            for x in chunk {
+                x.write(E::zero());
+            }
+        });
+    // SAFETY: the first `len` elements were all written just above.
+    unsafe { zeros.set_len(len) };
+    zeros
+}
+
+/// [`zeros_on_pool`] of a shape.
+pub fn zeros_array_on_pool<E: Element>(shape: &[usize]) -> ArrayD<E> {
+    let zeros = zeros_on_pool(shape.iter().product());
+    ArrayD::from_shape_vec(IxDyn(shape), zeros).expect("the shape's element count")
+}
+
 /// `f` of every element, in a new array. Large arrays are split over the rayon pool; each
 /// element is computed alone, so the bits do not depend on the split.
 pub(crate) fn map_elementwise<E: Element>(
@@ -154,6 +188,22 @@ pub(crate) fn map_elementwise<E: Element>(
         Zip::from(x).par_map_collect(|&v| f(v))
     } else {
         x.mapv(f)
+    }
+}
+
+/// `f(a, b)` of every pair of elements, in a new array: split over the rayon pool when the
+/// shapes are equal and the arrays large, else `broadcasting(a, b)` (ndarray's operator,
+/// which broadcasts). Each element is computed alone, so the bits do not depend on the path.
+fn binary_elementwise<E: Element>(
+    a: &ArrayD<E>,
+    b: &ArrayD<E>,
+    f: impl Fn(E, E) -> E + Send + Sync,
+    broadcasting: impl FnOnce(&ArrayD<E>, &ArrayD<E>) -> ArrayD<E>,
+) -> ArrayD<E> {
+    if a.shape() == b.shape() && a.len() >= PARALLEL_MIN_LEN {
+        Zip::from(a).and(b).par_map_collect(|&a, &b| f(a, b))
+    } else {
+        broadcasting(a, b)
     }
 }
 

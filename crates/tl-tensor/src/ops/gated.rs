@@ -8,6 +8,7 @@
 use ndarray::ArrayD;
 use rayon::prelude::*;
 
+use crate::ops::elementwise::{zeros_array_on_pool, zeros_on_pool};
 use crate::{Element, Finisher, Tensor};
 
 /// Elements per rayon task: a few pages of each operand, and the buffer of logistic values
@@ -82,7 +83,7 @@ impl<E: Element> Tensor<E> {
             let (gate, up) = (self.value(), up.value());
             let (gate, up) = (gate.as_standard_layout(), up.as_standard_layout());
             let (gs, us) = (contiguous(&gate), contiguous(&up));
-            let mut out = vec![E::zero(); gs.len()];
+            let mut out = zeros_on_pool(gs.len());
             out.par_chunks_mut(CHUNK)
                 .zip(gs.par_chunks(CHUNK).zip(us.par_chunks(CHUNK)))
                 .for_each(|(y, (gs, us))| {
@@ -105,7 +106,7 @@ impl<E: Element> Tensor<E> {
             } else {
                 grad.as_standard_layout().into_owned()
             };
-            let mut up_grad = ArrayD::<E>::zeros(gate_grad.raw_dim());
+            let mut up_grad = zeros_array_on_pool::<E>(gate_grad.shape());
             let dgs = gate_grad.as_slice_mut().expect("standard layout");
             let dus = up_grad.as_slice_mut().expect("standard layout");
             dgs.par_chunks_mut(CHUNK)

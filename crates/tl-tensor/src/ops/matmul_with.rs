@@ -17,6 +17,7 @@ use rayon::prelude::*;
 use super::{broadcast_shape, unbroadcast};
 use crate::kernels::rows::contiguous;
 use crate::kernels::split::PARALLEL_WORK;
+use crate::ops::elementwise::{zeros_array_on_pool, zeros_on_pool};
 use crate::{Element, Tensor};
 
 /// The arithmetic of a matrix product's inner sums, for [`Tensor::matmul_with`] and the
@@ -222,7 +223,7 @@ fn batched<E: Element>(
     if kernel.spreads_itself() {
         return batched_views(kernel, lhs, rhs, &out_shape);
     }
-    let mut out = vec![E::zero(); count * m * n];
+    let mut out = zeros_on_pool(count * m * n);
     let lhs = lhs.as_standard_layout();
     let rhs = rhs.as_standard_layout();
     let (lhs, rhs) = (
@@ -261,7 +262,7 @@ fn batched_views<E: Element>(
     let nd = out_shape.len();
     let (m, n) = (out_shape[nd - 2], out_shape[nd - 1]);
     let count: usize = out_shape[..nd - 2].iter().product();
-    let mut out = ArrayD::zeros(IxDyn(out_shape));
+    let mut out = zeros_array_on_pool(out_shape);
     let (lhs_items, rhs_items) = (matrices(lhs), matrices(rhs));
     let mut flat = out
         .view_mut()

@@ -2,7 +2,7 @@
 
 use ndarray::{ArrayD, IxDyn};
 use rayon::prelude::*;
-use tl_tensor::ops::elementwise::PARALLEL_MIN_LEN;
+use tl_tensor::ops::elementwise::{PARALLEL_MIN_LEN, zeros_on_pool};
 use tl_tensor::{Element, Tensor};
 
 /// The rotary tables of a model: for position `t` and pair `i` of a head of size `hd`, the
@@ -89,7 +89,7 @@ impl<E: Element> Rope<E> {
         let shape = x.shape().to_vec();
         let x = x.as_standard_layout();
         let input = x.as_slice().expect("standard layout");
-        let mut out = vec![E::zero(); input.len()];
+        let mut out = zeros_on_pool(input.len());
         let head_dim = 2 * self.half;
         // A row is one position of one sequence (at least 1 wide, so an empty tensor chunks).
         let (time, row) = (shape[1], shape[2..].iter().product::<usize>().max(1));
