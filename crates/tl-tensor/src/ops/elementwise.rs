@@ -147,8 +147,8 @@ impl<E: Element> Tensor<E> {
 pub const PARALLEL_MIN_LEN: usize = 1 << 15;
 
 /// `len` zeros, written on the rayon pool when there are many: the output buffer of a
-/// kernel that then writes it in parallel. The C library's `calloc` would clear a reused
-/// block on the calling thread alone, while the pool's other threads wait.
+/// kernel that then writes it in parallel. `vec![0; len]` clears a reused block (the
+/// caching allocator's, or `calloc`'s) on the calling thread alone while the others wait.
 ///
 /// ```
 /// use tl_tensor::ops::elementwise::zeros_on_pool;
@@ -364,6 +364,32 @@ mod tests {
         scale_elementwise(&mut scaled, &x, f);
         let expected = Zip::from(&mapped).and(&x).map_collect(|&g, &v| g * f(v));
         assert_eq!(bits(&scaled), bits(&expected));
+    }
+
+    #[test]
+    fn large_binary_ops_and_their_gradients_match_ndarrays_on_the_pool() {
+        // Long enough for the pool; `a` used twice, so its gradient is summed in the graph
+        // (the pool's add_into) from the add's copied gradient and the mul's.
+        let shape = [3, PARALLEL_MIN_LEN + 5];
+        let [a, b] = [1.0f32, 2.0].map(|k| {
+            ArrayD::from_shape_fn(ndarray::IxDyn(&shape), |i| {
+                (i[1] as f32 * 0.37 * k).sin() * (i[0] as f32 + k)
+            })
+        });
+        let (ta, tb) = (Tensor::param(a.clone()), Tensor::param(b.clone()));
+        let bits = |x: &ArrayD<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&Tensor::add(&ta, &tb).value()), bits(&(&a + &b)));
+        assert_eq!(bits(&Tensor::sub(&ta, &tb).value()), bits(&(&a - &b)));
+        assert_eq!(bits(&Tensor::mul(&ta, &tb).value()), bits(&(&a * &b)));
+        // L = sum((a + b) + a·b): dL/da = 1 + b, dL/db = 1 + a.
+        let sum = Tensor::add(&ta, &tb);
+        Tensor::add(&sum, &Tensor::mul(&ta, &tb))
+            .sum_all()
+            .backward();
+        let expected_a = b.mapv(|b| 1.0 + b);
+        let expected_b = a.mapv(|a| 1.0 + a);
+        assert_eq!(bits(&ta.grad().unwrap()), bits(&expected_a));
+        assert_eq!(bits(&tb.grad().unwrap()), bits(&expected_b));
     }
     use ndarray::arr2;
 
