@@ -2,6 +2,7 @@
 //! [`clip_grad_norm_reduced`] for gradients split over several processes.
 
 use crate::kernels::finite::sum_squares;
+use crate::ops::elementwise::PARALLEL_MIN_LEN;
 use crate::{Element, Result, Tensor, TensorError};
 
 /// Scales all gradients together so their global L2 norm is at most about `max_norm`, and
@@ -75,8 +76,8 @@ pub fn clip_grad_norm_reduced<E: Element>(
     Ok(norm)
 }
 
-/// Multiplies every parameter's gradient by `factor`, on the rayon pool: clipping's
-/// coefficient, or the loss scaler's unscaling.
+/// Multiplies every parameter's gradient by `factor`, large ones on the rayon pool:
+/// clipping's coefficient, or the loss scaler's unscaling.
 ///
 /// ```
 /// use tl_tensor::optim::scale_grads;
@@ -88,7 +89,10 @@ pub fn clip_grad_norm_reduced<E: Element>(
 /// ```
 pub fn scale_grads<E: Element>(parameters: &[Tensor<E>], factor: E) {
     for parameter in parameters {
-        parameter.update_grad(|grad| grad.par_mapv_inplace(|g| g * factor));
+        parameter.update_grad(|grad| match grad.len() >= PARALLEL_MIN_LEN {
+            true => grad.par_mapv_inplace(|g| g * factor),
+            false => grad.mapv_inplace(|g| g * factor),
+        });
     }
 }
 
@@ -153,6 +157,22 @@ mod tests {
         // Scaled by 1/(5 + 1e-6): the new norm is 5/(5 + 1e-6) = 1 − 2e-7.
         assert!((norm_of(&parameters) - 1.0).abs() < 1e-6);
         assert!((parameters[0].grad().unwrap()[0] - 0.6).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_large_gradient_is_clipped_on_the_pool_as_a_small_one_is() {
+        // Past PARALLEL_MIN_LEN the norm and the scaling run on the pool: the norm is the
+        // documented sum's, and every value is scaled by the one coefficient in E.
+        let values: Vec<f32> = (0..PARALLEL_MIN_LEN + 3)
+            .map(|i| ((i % 7) as f32 - 3.0) * 0.25)
+            .collect();
+        let parameters = [with_grad(&values), with_grad(&[2.0])];
+        let norm = clip_grad_norm(&parameters, 1.0).unwrap();
+        assert_eq!(norm, (sum_squares(&values) + 4.0).sqrt());
+        let coefficient = (1.0 / (norm + 1e-6)) as f32;
+        let expected: Vec<f32> = values.iter().map(|&g| g * coefficient).collect();
+        assert_eq!(grad_values(&parameters[0]), expected);
+        assert_eq!(grad_values(&parameters[1]), [2.0 * coefficient]);
     }
 
     #[test]
