@@ -381,6 +381,10 @@ mod tests {
         assert_eq!(bits(&Tensor::add(&ta, &tb).value()), bits(&(&a + &b)));
         assert_eq!(bits(&Tensor::sub(&ta, &tb).value()), bits(&(&a - &b)));
         assert_eq!(bits(&Tensor::mul(&ta, &tb).value()), bits(&(&a * &b)));
+        // A large array and a broadcast row take ndarray's broadcasting path.
+        let row = Tensor::param(b.index_axis(ndarray::Axis(0), 1).to_owned());
+        let broadcast = &a + &b.index_axis(ndarray::Axis(0), 1);
+        assert_eq!(bits(&Tensor::add(&ta, &row).value()), bits(&broadcast));
         // L = sum((a + b) + a·b): dL/da = 1 + b, dL/db = 1 + a.
         let sum = Tensor::add(&ta, &tb);
         Tensor::add(&sum, &Tensor::mul(&ta, &tb))
