@@ -344,8 +344,8 @@ const PITFALLS: &[Pitfall] = &[
         package: PRECISION,
         file: "crates/tl-precision/src/scaler.rs",
         function: "DynamicLossScaler::step_observed",
-        pattern: "multiply_grads(params, inv_scale * clip_coef);",
-        replacement: "multiply_grads(params, clip_coef);",
+        pattern: "scale_grads(params, E::from_f64(inv_scale * clip_coef));",
+        replacement: "scale_grads(params, E::from_f64(clip_coef));",
         course_test: "test_hand_example_loss_scaler",
     },
     Pitfall {
