@@ -8,7 +8,7 @@
 //! `S` is multiplied by the growth factor to probe upward again.
 
 use serde::Serialize;
-use tl_tensor::kernels::finite::all_finite_on_pool;
+use tl_tensor::kernels::finite::array_all_finite;
 use tl_tensor::optim::{Optimizer, grad_sum_squares, scale_grads};
 use tl_tensor::{Element, Tensor};
 
@@ -298,12 +298,7 @@ impl DynamicLossScaler {
 /// assert!(!grad_is_finite(&w));
 /// ```
 pub fn grad_is_finite<E: Element>(param: &Tensor<E>) -> bool {
-    param.with_grad(|grad| {
-        grad.is_none_or(|g| match g.as_slice_memory_order() {
-            Some(values) => all_finite_on_pool(values),
-            None => g.iter().all(|v| v.is_finite()),
-        })
-    })
+    param.with_grad(|grad| grad.is_none_or(array_all_finite))
 }
 
 /// The 2-norm of all gradients together, summed in f64 and made global by `observer`.

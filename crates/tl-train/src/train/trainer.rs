@@ -13,7 +13,7 @@ use tl_parallel::{DataParallel, TensorParallel, ZeroStage};
 use tl_precision::{
     DynamicLossScaler, Fp8State, MicroBatch, Precision, StepReport, train_step_mixed,
 };
-use tl_tensor::kernels::finite::all_finite_on_pool;
+use tl_tensor::kernels::finite::array_all_finite;
 use tl_tensor::nn::Module;
 use tl_tensor::optim::{AdamW, Optimizer};
 use tl_tensor::{Generator, no_grad};
@@ -731,10 +731,7 @@ impl Trainer {
             .find_map(|(name, tensor)| {
                 let value = tensor.value();
                 // One vectorised pass on the pool; the bad value is looked for only if any.
-                let finite = match value.as_slice_memory_order() {
-                    Some(values) => all_finite_on_pool(values),
-                    None => value.iter().all(|v| v.is_finite()),
-                };
+                let finite = array_all_finite(&value);
                 let bad = (!finite).then(|| value.iter().find(|v| !v.is_finite()));
                 bad.flatten()
                     .map(|bad| format!("weight {name} holds {bad}"))
