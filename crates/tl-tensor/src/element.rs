@@ -53,6 +53,20 @@ pub trait Element:
     /// every x86-64 machine), for `f64` the C library's `exp` per element.
     fn exp_in_place(xs: &mut [Self]);
 
+    /// The largest `scale·x` of a row, NaNs ignored: for `f32` on AVX-512 where the CPU has
+    /// it, with the portable [`scaled_max`](crate::kernels::softmax_row::scaled_max)'s
+    /// value.
+    fn scaled_max(xs: &[Self], scale: Self) -> Self {
+        crate::kernels::softmax_row::scaled_max(xs, scale)
+    }
+
+    /// `x ← e^(scale·x − shift)` (then `× factor`) over a row, returning the exponentials'
+    /// sum: for `f32` on AVX-512 where the CPU has it, with the portable
+    /// [`scaled_exp`](crate::kernels::softmax_row::scaled_exp)'s bits.
+    fn scaled_exp(xs: &mut [Self], scale: Self, shift: Self, factor: Option<Self>) -> Self {
+        crate::kernels::softmax_row::scaled_exp(xs, scale, shift, factor)
+    }
+
     /// Calls the matmul hook's method for this element type (the dispatch behind
     /// [`Tensor::matmul`]'s override point).
     #[doc(hidden)]
@@ -114,6 +128,14 @@ impl Element for f32 {
 
     fn exp_in_place(xs: &mut [f32]) {
         crate::kernels::exp::exp_in_place(xs);
+    }
+
+    fn scaled_max(xs: &[f32], scale: f32) -> f32 {
+        crate::kernels::softmax_row::scaled_max_f32(xs, scale)
+    }
+
+    fn scaled_exp(xs: &mut [f32], scale: f32, shift: f32, factor: Option<f32>) -> f32 {
+        crate::kernels::softmax_row::scaled_exp_f32(xs, scale, shift, factor)
     }
 
     fn dispatch_matmul(hook: &dyn MatmulHook, lhs: &Tensor<f32>, rhs: &Tensor<f32>) -> Tensor<f32> {

@@ -31,7 +31,7 @@ use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewMut2, Axis, Ix2, s};
 use rayon::prelude::*;
 
 use super::gemm::gemm_serial_into;
-use super::rows::{contiguous, copy_rows, lane_dot, lane_sum};
+use super::rows::{contiguous, copy_rows, lane_dot};
 use crate::ops::elementwise::zeros_array_on_pool;
 use crate::ops::matmul_with::kernel_product_into;
 use crate::{Element, Finisher, PreparedRhs, ProductKernel};
@@ -245,11 +245,8 @@ impl<E: Element> CausalAttention<E> {
             for (i, row) in rows.chunks_exact_mut(end).enumerate() {
                 let t = start + i;
                 let (live, masked) = row.split_at_mut(t + 1);
-                let max = live
-                    .iter()
-                    .fold(E::neg_infinity(), |m, &s| m.max(s * self.scale));
-                self.exponentials(live, max);
-                let sum = lane_sum(live);
+                let max = E::scaled_max(live, self.scale);
+                let sum = E::scaled_exp(live, self.scale, max, None);
                 self.normalize(live, sum);
                 masked.fill(E::zero());
                 stats[2 * t] = max;
@@ -311,8 +308,7 @@ impl<E: Element> CausalAttention<E> {
                 let (max, sum) = (stats[2 * t], stats[2 * t + 1]);
                 let (p_live, p_masked) = p_row.split_at_mut(t + 1);
                 // The forward pass's formula on the forward pass's scores: the same bits.
-                self.exponentials(p_live, max);
-                self.normalize(p_live, sum);
+                E::scaled_exp(p_live, self.scale, max, Some(reciprocal(sum)));
                 p_masked.fill(E::zero());
                 d_row[t + 1..].fill(E::zero());
             }
@@ -355,24 +351,13 @@ impl<E: Element> CausalAttention<E> {
         ([dk_sum, dv_sum], flushed)
     }
 
-    /// `e^(scale·s − max)` for each score `s` of a row, in place: the softmax's numerators.
-    fn exponentials(&self, row: &mut [E], max: E) {
-        for s in row.iter_mut() {
-            *s = *s * self.scale - max;
-        }
-        E::exp_in_place(row);
-    }
-
     /// The softmax's probabilities from its numerators and their `sum`: each multiplied by
-    /// `1/sum`, as PyTorch's CPU softmax and flash attention do, rather than divided by `sum`.
-    /// A division per score cost about as much as the exponential (the divider takes 16
-    /// values per 8 cycles or so, whatever the vector width); the reciprocal rounds once more,
-    /// so a probability may differ from the quotient in its last bit. The forward pass and
-    /// the backward pass's recomputation both call this, so they agree bit for bit.
+    /// [`reciprocal`]`(sum)`, as the backward pass's recomputation does in the same pass as
+    /// its exponentials, so the two agree bit for bit.
     fn normalize(&self, numerators: &mut [E], sum: E) {
-        let reciprocal = E::one() / sum;
+        let reciprocal = reciprocal(sum);
         for p in numerators.iter_mut() {
-            *p = *p * reciprocal;
+            *p *= reciprocal;
         }
     }
 
@@ -472,6 +457,15 @@ fn row_pairs<'a, E>(
         .zip(grads.chunks_exact_mut(end))
         .enumerate()
         .map(move |(i, rows)| (start + i, rows))
+}
+
+/// `1/sum`, the factor of a softmax row: probabilities are multiplied by it, as PyTorch's
+/// CPU softmax and flash attention do, rather than divided by `sum`. A division per score
+/// cost about as much as the exponential (the divider takes some 16 values per 8 cycles,
+/// whatever the vector width); the reciprocal rounds once more, so a probability may differ
+/// from the quotient in its last bit.
+fn reciprocal<E: Element>(sum: E) -> E {
+    E::one() / sum
 }
 
 /// `out = lhs · rhs` (or `out += lhs · rhs` with `accumulate`) on this thread: a head's

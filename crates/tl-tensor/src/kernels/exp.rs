@@ -91,7 +91,7 @@ unsafe fn exp_avx512(xs: &mut [f32]) {
 /// [`exp`] of sixteen values (see [`exp_avx512`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+pub(crate) fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::{
         _mm512_add_ps, _mm512_max_ps, _mm512_min_ps, _mm512_mul_ps, _mm512_scalef_ps,
         _mm512_set1_ps, _mm512_sub_ps,

@@ -9,4 +9,5 @@ pub mod finite;
 pub mod gemm;
 pub mod linear_cross_entropy;
 pub mod rows;
+pub mod softmax_row;
 pub(crate) mod split;

@@ -1,0 +1,268 @@
+//! The passes of a softmax over one row of scores, `p_j = e^(scale·s_j − m) / Σ_k e^(scale·s_k − m)`
+//! with `m` the row's largest `scale·s`: what a fused attention does for every query row.
+//!
+//! Written as separate loops, a row costs five passes: the maximum, the shift, the
+//! exponentials, their sum, the normalisation. The baseline x86-64 build compiles the
+//! maximum to four lanes with a NaN test per step, and it took longer than the exponentials
+//! themselves in a profile of the attention's forward pass. Here the maximum is one pass and
+//! the shift, the exponentials and their sum another (with the normalisation folded in when
+//! the sum is already known, as in the backward pass's recomputation):
+//!
+//! - [`scaled_max`]: the largest `scale·x` of a row;
+//! - [`scaled_exp`]: `x ← e^(scale·x − shift)`, optionally then `x ← x·factor`, returning
+//!   the sum of the exponentials in the order of [`lane_sum`].
+//!
+//! Each has a portable version, generic over the element type, and for `f32` a sixteen-lane
+//! AVX-512 version chosen at run time ([`Element::scaled_max`], [`Element::scaled_exp`]).
+//! **Both give the same bits**: every value is computed by the same operations in the same
+//! order (the exponential is [`exp`](super::exp::exp)'s, the sum keeps
+//! [`lane_sum`]'s eight partial sums), and a maximum is exact in any order. The one freedom
+//! is the sign of a zero maximum, which changes no probability: `x − 0` and `x − (−0)` are
+//! the same number but for `x = ±0`, whose exponential is 1 either way.
+
+use super::rows::lane_sum;
+use crate::Element;
+
+/// The largest `scale·x` over `xs`, NaNs ignored (as `max` ignores them); −∞ for an empty
+/// row or one of NaNs only. The portable version of [`Element::scaled_max`].
+///
+/// ```
+/// use tl_tensor::kernels::softmax_row::scaled_max;
+/// assert_eq!(scaled_max(&[1.0_f64, f64::NAN, 3.0], 0.5), 1.5);
+/// assert_eq!(scaled_max::<f32>(&[], 2.0), f32::NEG_INFINITY);
+/// ```
+pub fn scaled_max<E: Element>(xs: &[E], scale: E) -> E {
+    xs.iter().fold(E::neg_infinity(), |m, &x| m.max(x * scale))
+}
+
+/// Replaces every `x` of `xs` by `e^(scale·x − shift)`, then, with a `factor`, by that times
+/// `factor`; returns the sum of the exponentials (before the factor) in the order of
+/// [`lane_sum`]. The portable version of [`Element::scaled_exp`].
+///
+/// ```
+/// use tl_tensor::kernels::softmax_row::scaled_exp;
+/// let mut row = [0.0_f64, 2.0];
+/// let sum = scaled_exp(&mut row, 0.5, 1.0, Some(2.0));
+/// assert_eq!(sum, (-1.0_f64).exp() + 1.0);
+/// assert_eq!(row, [2.0 * (-1.0_f64).exp(), 2.0]);
+/// ```
+pub fn scaled_exp<E: Element>(xs: &mut [E], scale: E, shift: E, factor: Option<E>) -> E {
+    for x in xs.iter_mut() {
+        *x = *x * scale - shift;
+    }
+    E::exp_in_place(xs);
+    let sum = lane_sum(xs);
+    if let Some(factor) = factor {
+        for x in xs.iter_mut() {
+            *x *= factor;
+        }
+    }
+    sum
+}
+
+/// [`scaled_max`] for `f32`, on AVX-512F when the CPU has it.
+pub(crate) fn scaled_max_f32(xs: &[f32], scale: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU supports AVX-512F, checked just above.
+        return unsafe { avx512::scaled_max(xs, scale) };
+    }
+    scaled_max(xs, scale)
+}
+
+/// [`scaled_exp`] for `f32`, on AVX-512F when the CPU has it.
+pub(crate) fn scaled_exp_f32(xs: &mut [f32], scale: f32, shift: f32, factor: Option<f32>) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU supports AVX-512F, checked just above.
+        return unsafe { avx512::scaled_exp(xs, scale, shift, factor) };
+    }
+    scaled_exp(xs, scale, shift, factor)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::{
+        __m256, __m512, _mm256_add_ps, _mm256_castpd_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+        _mm512_castps_pd, _mm512_castps512_ps256, _mm512_extractf64x4_pd, _mm512_loadu_ps,
+        _mm512_mask_loadu_ps, _mm512_mask_max_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps,
+        _mm512_max_ps, _mm512_mul_ps, _mm512_reduce_max_ps, _mm512_set1_ps, _mm512_storeu_ps,
+        _mm512_sub_ps,
+    };
+
+    use crate::kernels::exp::exp16;
+
+    /// [`super::scaled_max`] in sixteen lanes: `vmaxps` returns its second operand when
+    /// either is NaN, so `max(v, m)` keeps the running maximum past a NaN, as `f32::max` does.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scaled_max(xs: &[f32], scale: f32) -> f32 {
+        let scale = _mm512_set1_ps(scale);
+        let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut chunks = xs.chunks_exact(16);
+        for chunk in &mut chunks {
+            // SAFETY: the chunk holds 16 values.
+            let v = _mm512_mul_ps(unsafe { _mm512_loadu_ps(chunk.as_ptr()) }, scale);
+            max = _mm512_max_ps(v, max);
+        }
+        let tail = chunks.remainder();
+        if !tail.is_empty() {
+            let mask = (1u16 << tail.len()) - 1;
+            // SAFETY: the mask covers the tail's values only; masked-off lanes read nothing.
+            let v = unsafe { _mm512_mask_loadu_ps(max, mask, tail.as_ptr()) };
+            // Lanes past the tail keep the running maximum.
+            max = _mm512_mask_max_ps(max, mask, _mm512_mul_ps(v, scale), max);
+        }
+        _mm512_reduce_max_ps(max)
+    }
+
+    /// Lanes 8 to 15 (AVX-512F alone has no 32-bit-lane extract of eight, so through f64).
+    #[target_feature(enable = "avx512f")]
+    fn high_half(x: __m512) -> __m256 {
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x)))
+    }
+
+    /// [`super::scaled_exp`] in sixteen lanes. The sum keeps [`lane_sum`]'s order: eight
+    /// partial sums, the `j`-th value of each full group of eight going to sum `j` (a chunk
+    /// of sixteen is two groups, added low half first), the partial sums then added in order,
+    /// then the values past the last full group one by one.
+    ///
+    /// [`lane_sum`]: crate::kernels::rows::lane_sum
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scaled_exp(
+        xs: &mut [f32],
+        scale: f32,
+        shift: f32,
+        factor: Option<f32>,
+    ) -> f32 {
+        let (scale, shift) = (_mm512_set1_ps(scale), _mm512_set1_ps(shift));
+        let factor = factor.map(|f| _mm512_set1_ps(f));
+        let exponentials = |x: __m512| exp16(_mm512_sub_ps(_mm512_mul_ps(x, scale), shift));
+        let scaled = |e: __m512| factor.map_or(e, |f| _mm512_mul_ps(e, f));
+        let mut lanes: __m256 = _mm256_setzero_ps();
+        let mut chunks = xs.chunks_exact_mut(16);
+        for chunk in &mut chunks {
+            // SAFETY: the chunk holds 16 values.
+            let e = exponentials(unsafe { _mm512_loadu_ps(chunk.as_ptr()) });
+            lanes = _mm256_add_ps(lanes, _mm512_castps512_ps256(e));
+            lanes = _mm256_add_ps(lanes, high_half(e));
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(chunk.as_mut_ptr(), scaled(e)) };
+        }
+        let tail = chunks.into_remainder();
+        let mut rest = [0.0_f32; 16];
+        if !tail.is_empty() {
+            let mask = (1u16 << tail.len()) - 1;
+            // SAFETY: the mask covers the tail's values only; masked-off lanes touch nothing.
+            let e = exponentials(unsafe { _mm512_maskz_loadu_ps(mask, tail.as_ptr()) });
+            if tail.len() >= 8 {
+                lanes = _mm256_add_ps(lanes, _mm512_castps512_ps256(e));
+            }
+            // SAFETY: `rest` holds 16 values; the tail's, as above.
+            unsafe {
+                _mm512_storeu_ps(rest.as_mut_ptr(), e);
+                _mm512_mask_storeu_ps(tail.as_mut_ptr(), mask, scaled(e));
+            }
+        }
+        let mut partial = [0.0_f32; 8];
+        // SAFETY: `partial` holds 8 values.
+        unsafe { _mm256_storeu_ps(partial.as_mut_ptr(), lanes) };
+        let sum = partial.iter().fold(0.0, |sum, &lane| sum + lane);
+        let past_groups = tail.len() / 8 * 8..tail.len();
+        rest[past_groups].iter().fold(sum, |sum, &e| sum + e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows of every length up to 70 (every tail after 8 and 16 lanes), with NaNs, infinities,
+    /// signed zeros, subnormals and values whose exponentials overflow or vanish, scaled by
+    /// positive, negative and zero factors: the AVX-512 passes against the portable ones, bit
+    /// for bit (the maximum by value, as its zero's sign is free).
+    #[test]
+    fn the_avx512_passes_are_the_portable_ones_bit_for_bit() {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            let specials = [
+                f32::NAN,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                0.0,
+                -0.0,
+                1e-40,
+                -3e-39,
+                120.0,
+                -130.0,
+            ];
+            let mut state = 12_345_u64;
+            let mut next = || {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1);
+                (state >> 40) as f32 / (1u64 << 24) as f32 * 40.0 - 20.0
+            };
+            // Rust leaves a NaN's sign and payload unspecified (LLVM may swap an addition's
+            // operands), so every NaN counts as one value.
+            let bits = |xs: &[f32]| {
+                xs.iter()
+                    .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
+                    .collect::<Vec<_>>()
+            };
+            for len in 0..=70 {
+                for special_every in [0, 3, 17] {
+                    let row: Vec<f32> = (0..len)
+                        .map(|i| match special_every {
+                            0 => next(),
+                            n if i % n == 0 => specials[(i / n) % specials.len()],
+                            _ => next(),
+                        })
+                        .collect();
+                    for scale in [0.176_776_7_f32, 1.0, -0.5, 0.0] {
+                        // SAFETY: the CPU supports AVX-512F.
+                        let fast_max = unsafe { avx512::scaled_max(&row, scale) };
+                        let max = scaled_max(&row, scale);
+                        assert!(
+                            fast_max == max || (fast_max.is_nan() && max.is_nan()),
+                            "max of {row:?} × {scale}: {fast_max} against {max}"
+                        );
+                        for factor in [None, Some(0.013_f32)] {
+                            let (mut fast, mut portable) = (row.clone(), row.clone());
+                            let shift = if max.is_finite() { max } else { 0.0 };
+                            // SAFETY: as above.
+                            let fast_sum =
+                                unsafe { avx512::scaled_exp(&mut fast, scale, shift, factor) };
+                            let sum = scaled_exp(&mut portable, scale, shift, factor);
+                            assert_eq!(bits(&fast), bits(&portable), "{row:?} × {scale}");
+                            assert_eq!(bits(&[fast_sum]), bits(&[sum]), "{row:?} × {scale}");
+                        }
+                    }
+                }
+            }
+        } else {
+            eprintln!("this CPU has no AVX-512F: its passes are not tested here");
+        }
+    }
+
+    /// The sum is [`lane_sum`]'s, on whichever path this CPU takes, and the test can tell
+    /// orders apart: on some of these rows a plain left-to-right sum gives other bits.
+    #[test]
+    fn the_sum_keeps_the_order_of_eight_partial_sums() {
+        let mut orders_differ = 0;
+        for seed in 0..50_u32 {
+            let mut row: Vec<f32> = (0..37_u32)
+                .map(|i| ((i * 7919 + seed * 104_729) % 1601) as f32 / 100.0 - 8.0)
+                .collect();
+            let exponentials: Vec<f32> = row.iter().map(|&x| super::super::exp::exp(x)).collect();
+            let sum = scaled_exp_f32(&mut row, 1.0, 0.0, None);
+            assert_eq!(
+                sum.to_bits(),
+                lane_sum(&exponentials).to_bits(),
+                "seed {seed}"
+            );
+            let serial = exponentials.iter().fold(0.0_f32, |s, &e| s + e);
+            orders_differ += usize::from(sum.to_bits() != serial.to_bits());
+        }
+        assert!(orders_differ > 0, "no row told the two orders apart");
+    }
+}
