@@ -244,8 +244,9 @@ mod tests {
         }
     }
 
-    /// The sum is [`lane_sum`]'s, on whichever path this CPU takes, and the test can tell
-    /// orders apart: on some of these rows a plain left-to-right sum gives other bits.
+    /// On whichever path this CPU takes: the maximum is the portable one's, and the sum is
+    /// [`lane_sum`]'s, which the test can tell apart from other orders (on some of these rows
+    /// a plain left-to-right sum gives other bits).
     #[test]
     fn the_sum_keeps_the_order_of_eight_partial_sums() {
         let mut orders_differ = 0;
@@ -254,6 +255,11 @@ mod tests {
                 .map(|i| ((i * 7919 + seed * 104_729) % 1601) as f32 / 100.0 - 8.0)
                 .collect();
             let exponentials: Vec<f32> = row.iter().map(|&x| super::super::exp::exp(x)).collect();
+            // The dispatched maximum is the portable one (a wrong maximum would cancel out of
+            // the probabilities, so only a direct check sees it).
+            let max = scaled_max_f32(&row, 1.5);
+            assert_eq!(max, scaled_max(&row, 1.5), "seed {seed}");
+            assert_eq!(max, row.iter().fold(f32::MIN, |m, &x| m.max(x)) * 1.5);
             let sum = scaled_exp_f32(&mut row, 1.0, 0.0, None);
             assert_eq!(
                 sum.to_bits(),
