@@ -10,7 +10,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::ranks::{
-    LIMIT, binary, largest_difference, run_ranks, succeed, train_losses, wait_output, weights,
+    LIMIT, binary, largest_difference, median_difference, run_ranks, succeed, train_losses,
+    wait_output, weights,
 };
 use common::{TINY_TRAIN, latest_checkpoint, train_steps};
 use tl_collective::Communicator;
@@ -34,14 +35,6 @@ fn resume(run: &Path, extra: &[&str]) -> Vec<String> {
         .to_vec();
     args.extend(extra.iter().map(|s| s.to_string()));
     args
-}
-
-/// The median absolute difference of two weight lists.
-fn median_difference(left: &[f32], right: &[f32]) -> f32 {
-    assert_eq!(left.len(), right.len());
-    let mut differences: Vec<f32> = left.iter().zip(right).map(|(a, b)| (a - b).abs()).collect();
-    differences.sort_by(f32::total_cmp);
-    differences[differences.len() / 2]
 }
 
 fn assert_losses_close(left: &[f64], right: &[f64], tolerance: f64, what: &str) {

@@ -114,6 +114,14 @@ pub fn largest_difference(left: &[f32], right: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// The median absolute difference of two weight lists (of at least one weight).
+pub fn median_difference(left: &[f32], right: &[f32]) -> f32 {
+    assert_eq!(left.len(), right.len());
+    let mut differences: Vec<f32> = left.iter().zip(right).map(|(a, b)| (a - b).abs()).collect();
+    differences.sort_by(f32::total_cmp);
+    differences[differences.len() / 2]
+}
+
 /// The CLI tests' tiny run into `out` for 5 steps: micro-batches of `rows` sequences,
 /// `accum` of them per data-parallel replica, then `extra`.
 pub fn tiny_run(out: &Path, rows: usize, accum: usize, extra: &[&str]) -> Vec<String> {
