@@ -1,7 +1,7 @@
 //! The passes a training step makes over every gradient value before it updates, each
 //! vectorised: [`all_finite`] (no infinity, no NaN) and its forms on the rayon pool,
-//! [`all_finite_on_pool`] and [`array_all_finite`], and [`sum_squares`] (the square of the norm that clipping
-//! measures), on the pool.
+//! [`all_finite_on_pool`] and [`array_all_finite`], and [`sum_squares`] (the square of the
+//! norm that clipping measures), on the pool.
 //!
 //! The step runs them over all ten million of the capstone's gradients at its end, where
 //! nothing else is left to run beside them: one thread walking them alone would leave the
