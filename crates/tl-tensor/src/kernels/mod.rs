@@ -11,3 +11,4 @@ pub mod linear_cross_entropy;
 pub mod rows;
 pub mod softmax_row;
 pub(crate) mod split;
+pub mod written;

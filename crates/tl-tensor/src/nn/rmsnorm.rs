@@ -4,7 +4,7 @@ use ndarray::{Array1, ArrayD, IxDyn};
 use rayon::prelude::*;
 
 use super::Module;
-use crate::ops::elementwise::zeros_on_pool;
+use crate::kernels::written::{write_each, write_rows, written_on_pool};
 use crate::{Element, Finisher, Tensor};
 
 /// Root-mean-square layer normalisation over the last axis (Zhang & Sennrich, 2019), the
@@ -118,25 +118,21 @@ impl<E: Element> RmsNorm<E> {
             let xs = x_std.as_slice().expect("standard layout");
             let gain = self.gain.value();
             let gain = gain.as_slice().expect("a 1-D gain");
-            let mut out = zeros_on_pool(rows * dim);
             let mut inv_rms = vec![E::zero(); rows];
-            out.par_chunks_mut(block)
-                .zip(inv_rms.par_chunks_mut(ROWS_PER_TASK))
-                .zip(xs.par_chunks(block))
-                .for_each(|((out, inv_rms), xs)| {
-                    let rows = out
-                        .chunks_exact_mut(dim)
-                        .zip(inv_rms)
-                        .zip(xs.chunks_exact(dim));
-                    for ((y, r), x) in rows {
-                        let mean_square = x.iter().map(|&v| v * v).sum::<E>() / n;
-                        *r = E::one() / (mean_square + eps).sqrt();
-                        for ((y, &x), &g) in y.iter_mut().zip(x).zip(gain) {
-                            *y = x * *r * g;
-                        }
-                    }
-                    finish(out);
+            let inputs = inv_rms
+                .par_chunks_mut(ROWS_PER_TASK)
+                .zip(xs.par_chunks(block));
+            let (out, _) = written_on_pool(rows * dim, block, inputs, |out, (inv_rms, xs)| {
+                let out = write_rows(out, dim, |i, y| {
+                    let x = &xs[i * dim..(i + 1) * dim];
+                    let mean_square = x.iter().map(|&v| v * v).sum::<E>() / n;
+                    let r = E::one() / (mean_square + eps).sqrt();
+                    inv_rms[i] = r;
+                    write_each(y, x.iter().zip(gain).map(|(&x, &g)| x * r * g))
                 });
+                finish(out);
+                (out, ())
+            });
             let value = ArrayD::from_shape_vec(IxDyn(&shape), out).expect("same count");
             (value, inv_rms)
         });
@@ -152,37 +148,34 @@ impl<E: Element> RmsNorm<E> {
             let grads = grad_std.as_slice().expect("standard layout");
             let gain = gain_saved.value();
             let gain = gain.as_slice().expect("a 1-D gain");
-            let mut x_grad = zeros_on_pool(rows * dim);
             // Each task writes its rows of ∂L/∂x and returns its rows' share of ∂L/∂g.
-            let gain_partials: Vec<Vec<E>> = x_grad
-                .par_chunks_mut(block)
-                .zip(xs.par_chunks(block))
+            let inputs = xs
+                .par_chunks(block)
                 .zip(grads.par_chunks(block))
-                .zip(inv_rms.par_chunks(ROWS_PER_TASK))
-                .map(|(((dxs, xs), dys), inv_rms)| {
+                .zip(inv_rms.par_chunks(ROWS_PER_TASK));
+            let (x_grad, gain_partials) =
+                written_on_pool(rows * dim, block, inputs, |dxs, ((xs, dys), inv_rms)| {
                     let mut dg = vec![E::zero(); dim];
-                    let rows = dxs
-                        .chunks_exact_mut(dim)
-                        .zip(xs.chunks_exact(dim))
-                        .zip(dys.chunks_exact(dim))
-                        .zip(inv_rms);
-                    for (((dx, x), dy), &r) in rows {
+                    let dxs = write_rows(dxs, dim, |i, dx| {
+                        let (x, dy) = (&xs[i * dim..(i + 1) * dim], &dys[i * dim..(i + 1) * dim]);
+                        let r = inv_rms[i];
                         let dot = dy
                             .iter()
                             .zip(gain)
                             .zip(x)
                             .fold(E::zero(), |acc, ((&dy, &g), &xi)| acc + dy * g * xi);
                         let coefficient = r * r * r / n * dot;
-                        for (((dx, &dy), &g), &xi) in dx.iter_mut().zip(dy).zip(gain).zip(x) {
-                            *dx = r * g * dy - coefficient * xi;
-                        }
                         for ((dg, &dy), &xi) in dg.iter_mut().zip(dy).zip(x) {
                             *dg += dy * xi * r;
                         }
-                    }
-                    dg
-                })
-                .collect();
+                        let terms = dy.iter().zip(gain).zip(x);
+                        write_each(
+                            dx,
+                            terms.map(|((&dy, &g), &xi)| r * g * dy - coefficient * xi),
+                        )
+                    });
+                    (dxs, dg)
+                });
             let x_grad = x_saved
                 .requires_grad()
                 .then(|| ArrayD::from_shape_vec(IxDyn(&shape), x_grad).expect("same count"));
