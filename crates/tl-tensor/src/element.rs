@@ -2,6 +2,7 @@
 
 use std::fmt::{Debug, Display};
 use std::iter::Sum;
+use std::mem::MaybeUninit;
 use std::ops::{AddAssign, DivAssign, MulAssign, SubAssign};
 
 use ndarray::{ArrayView2, ArrayViewMut2, LinalgScalar, ScalarOperand};
@@ -65,6 +66,23 @@ pub trait Element:
     /// [`scaled_exp`](crate::kernels::softmax_row::scaled_exp)'s bits.
     fn scaled_exp(xs: &mut [Self], scale: Self, shift: Self, factor: Option<Self>) -> Self {
         crate::kernels::softmax_row::scaled_exp(xs, scale, shift, factor)
+    }
+
+    /// Every pair of each head of `src` turned by the angles of the pair tables `cos`, `sin`
+    /// (a rotary embedding), written into `out` and returned: for `f32` on AVX-512 where the
+    /// CPU has it, with the portable
+    /// [`rotate_pairs`](crate::kernels::rotary::rotate_pairs)'s bits.
+    ///
+    /// # Panics
+    /// As [`rotate_pairs`](crate::kernels::rotary::rotate_pairs) does, for lengths that do
+    /// not fit.
+    fn rotate_pairs<'a>(
+        src: &[Self],
+        out: &'a mut [MaybeUninit<Self>],
+        cos: &[Self],
+        sin: &[Self],
+    ) -> &'a mut [Self] {
+        crate::kernels::rotary::rotate_pairs(src, out, cos, sin)
     }
 
     /// Calls the matmul hook's method for this element type (the dispatch behind
@@ -136,6 +154,15 @@ impl Element for f32 {
 
     fn scaled_exp(xs: &mut [f32], scale: f32, shift: f32, factor: Option<f32>) -> f32 {
         crate::kernels::softmax_row::scaled_exp_f32(xs, scale, shift, factor)
+    }
+
+    fn rotate_pairs<'a>(
+        src: &[f32],
+        out: &'a mut [MaybeUninit<f32>],
+        cos: &[f32],
+        sin: &[f32],
+    ) -> &'a mut [f32] {
+        crate::kernels::rotary::rotate_pairs_f32(src, out, cos, sin)
     }
 
     fn dispatch_matmul(hook: &dyn MatmulHook, lhs: &Tensor<f32>, rhs: &Tensor<f32>) -> Tensor<f32> {

@@ -8,6 +8,7 @@ pub mod exp;
 pub mod finite;
 pub mod gemm;
 pub mod linear_cross_entropy;
+pub mod rotary;
 pub mod rows;
 pub mod softmax_row;
 pub(crate) mod split;

@@ -2,7 +2,9 @@
 
 use ndarray::{ArrayD, IxDyn};
 use rayon::prelude::*;
-use tl_tensor::ops::elementwise::{PARALLEL_MIN_LEN, zeros_on_pool};
+use tl_tensor::kernels::rotary::pair_tables;
+use tl_tensor::kernels::written::{write_rows, written_on_pool};
+use tl_tensor::ops::elementwise::PARALLEL_MIN_LEN;
 use tl_tensor::{Element, Tensor};
 
 /// The rotary tables of a model: for position `t` and pair `i` of a head of size `hd`, the
@@ -19,11 +21,15 @@ use tl_tensor::{Element, Tensor};
 /// A rotation is orthogonal, so the VJP rotates the gradient by `−θ`. Both directions are
 /// one pass over memory and save nothing but the tables, which the model shares.
 ///
-/// The angles are computed in `f64` and rounded once to the element type.
+/// The angles are computed in `f64` and rounded once to the element type. They are kept as
+/// tl-tensor's [pair tables](tl_tensor::kernels::rotary::pair_tables), a head's length per
+/// position, so that a rotation is one vector pass.
 pub struct Rope<E: Element> {
     cos: Vec<E>,
     sin: Vec<E>,
-    half: usize,
+    /// The pair tables' `sin` for `−θ`, for the VJP.
+    sin_inverse: Vec<E>,
+    head_dim: usize,
     context: usize,
 }
 
@@ -37,21 +43,19 @@ impl<E: Element> Rope<E> {
             head_dim > 0 && head_dim.is_multiple_of(2),
             "Rope: the head size must be even and positive, got {head_dim}"
         );
-        let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(context * half);
-        let mut sin = Vec::with_capacity(context * half);
-        for t in 0..context {
-            for i in 0..half {
-                let frequency = base.powf(-((2 * i) as f64) / head_dim as f64);
-                let angle = t as f64 * frequency;
-                cos.push(E::from_f64(angle.cos()));
-                sin.push(E::from_f64(angle.sin()));
-            }
-        }
+        let angles: Vec<f64> = (0..context)
+            .flat_map(|t| {
+                (0..head_dim / 2)
+                    .map(move |i| t as f64 * base.powf(-((2 * i) as f64) / head_dim as f64))
+            })
+            .collect();
+        let (cos, sin) = pair_tables(&angles, false);
+        let (_, sin_inverse) = pair_tables(&angles, true);
         Self {
             cos,
             sin,
-            half,
+            sin_inverse,
+            head_dim,
             context,
         }
     }
@@ -63,7 +67,7 @@ impl<E: Element> Rope<E> {
     /// If `x` is neither, for this head size, or `time` exceeds the tables' context.
     pub fn apply(self: &std::rc::Rc<Self>, x: &Tensor<E>) -> Tensor<E> {
         let shape = x.shape();
-        let head_dim = 2 * self.half;
+        let head_dim = self.head_dim;
         let heads_last = match shape.len() {
             4 => shape[3] == head_dim,
             3 => shape[2].is_multiple_of(head_dim),
@@ -89,39 +93,31 @@ impl<E: Element> Rope<E> {
         let shape = x.shape().to_vec();
         let x = x.as_standard_layout();
         let input = x.as_slice().expect("standard layout");
-        let mut out = zeros_on_pool(input.len());
-        let head_dim = 2 * self.half;
+        let head_dim = self.head_dim;
+        let sin = if inverse {
+            &self.sin_inverse
+        } else {
+            &self.sin
+        };
         // A row is one position of one sequence (at least 1 wide, so an empty tensor chunks).
         let (time, row) = (shape[1], shape[2..].iter().product::<usize>().max(1));
-        let rotate_row = |(position, (src, dst)): (usize, (&[E], &mut [E]))| {
-            let t = position % time;
-            let cos = &self.cos[t * self.half..(t + 1) * self.half];
-            let sin = &self.sin[t * self.half..(t + 1) * self.half];
-            for (src_head, dst_head) in src
-                .chunks_exact(head_dim)
-                .zip(dst.chunks_exact_mut(head_dim))
-            {
-                for i in 0..self.half {
-                    let (c, s) = (cos[i], if inverse { -sin[i] } else { sin[i] });
-                    let (x1, x2) = (src_head[2 * i], src_head[2 * i + 1]);
-                    dst_head[2 * i] = x1 * c - x2 * s;
-                    dst_head[2 * i + 1] = x1 * s + x2 * c;
-                }
-            }
-        };
-        if input.len() >= PARALLEL_MIN_LEN {
-            input
-                .par_chunks(row)
-                .zip(out.par_chunks_mut(row))
-                .enumerate()
-                .for_each(rotate_row);
+        // One task per position when the array is large, else one task for all.
+        let rows_per_task = if input.len() >= PARALLEL_MIN_LEN {
+            1
         } else {
-            input
-                .chunks(row)
-                .zip(out.chunks_mut(row))
-                .enumerate()
-                .for_each(rotate_row);
-        }
+            input.len().div_ceil(row).max(1)
+        };
+        let chunk = rows_per_task * row;
+        let tasks = input.par_chunks(chunk).enumerate();
+        let (out, _) = written_on_pool(input.len(), chunk, tasks, |out, (task, src)| {
+            let out = write_rows(out, row, |i, dst| {
+                let t = (task * rows_per_task + i) % time;
+                let tables = t * head_dim..(t + 1) * head_dim;
+                let src = &src[i * row..(i + 1) * row];
+                E::rotate_pairs(src, dst, &self.cos[tables.clone()], &sin[tables])
+            });
+            (out, ())
+        });
         ArrayD::from_shape_vec(IxDyn(&shape), out).expect("same count")
     }
 }
