@@ -68,6 +68,16 @@ pub trait Element:
         crate::kernels::softmax_row::scaled_exp(xs, scale, shift, factor)
     }
 
+    /// `dp ← scale·p·(dp − Σ_j dp_j·p_j)` over a row of a softmax's output gradient `grads`
+    /// and its probabilities `probs`: for `f32` on AVX-512 where the CPU has it, with the
+    /// portable [`scaled_grad`](crate::kernels::softmax_row::scaled_grad)'s bits.
+    ///
+    /// # Panics
+    /// If the rows differ in length.
+    fn scaled_grad(grads: &mut [Self], probs: &[Self], scale: Self) {
+        crate::kernels::softmax_row::scaled_grad(grads, probs, scale)
+    }
+
     /// Every pair of each head of `src` turned by the angles of the pair tables `cos`, `sin`
     /// (a rotary embedding), written into `out` and returned: for `f32` on AVX-512 where the
     /// CPU has it, with the portable
@@ -154,6 +164,10 @@ impl Element for f32 {
 
     fn scaled_exp(xs: &mut [f32], scale: f32, shift: f32, factor: Option<f32>) -> f32 {
         crate::kernels::softmax_row::scaled_exp_f32(xs, scale, shift, factor)
+    }
+
+    fn scaled_grad(grads: &mut [f32], probs: &[f32], scale: f32) {
+        crate::kernels::softmax_row::scaled_grad_f32(grads, probs, scale)
     }
 
     fn rotate_pairs<'a>(

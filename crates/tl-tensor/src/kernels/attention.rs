@@ -31,7 +31,7 @@ use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewMut2, Axis, Ix2, s};
 use rayon::prelude::*;
 
 use super::gemm::gemm_serial_into;
-use super::rows::{contiguous, copy_rows, lane_dot};
+use super::rows::{contiguous, copy_rows};
 use crate::ops::elementwise::zeros_array_on_pool;
 use crate::ops::matmul_with::kernel_product_into;
 use crate::{Element, Finisher, PreparedRhs, ProductKernel};
@@ -314,11 +314,7 @@ impl<E: Element> CausalAttention<E> {
             }
             round_grad(d_rows); // dP (its masked zeros flush nothing)
             for (t, (p_row, d_row)) in row_pairs(p_rows, d_rows, start, end) {
-                let (p_live, d_live) = (&p_row[..=t], &mut d_row[..=t]);
-                let dot = lane_dot(d_live, p_live);
-                for (d, &p) in d_live.iter_mut().zip(p_live) {
-                    *d = self.scale * p * (*d - dot);
-                }
+                E::scaled_grad(&mut d_row[..=t], &p_row[..=t], self.scale);
             }
             round_grad(d_rows); // dS
             if let Some(rounding) = rounding {

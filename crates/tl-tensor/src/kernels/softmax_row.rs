@@ -10,17 +10,20 @@
 //!
 //! - [`scaled_max`]: the largest `scale·x` of a row;
 //! - [`scaled_exp`]: `x ← e^(scale·x − shift)`, optionally then `x ← x·factor`, returning
-//!   the sum of the exponentials in the order of [`lane_sum`].
+//!   the sum of the exponentials in the order of [`lane_sum`];
+//! - [`scaled_grad`], the backward pass's row: `dp ← scale·p·(dp − Σ_j dp_j·p_j)`, the
+//!   gradient of the scores from that of the probabilities, the sum in [`lane_dot`]'s order.
 //!
 //! Each has a portable version, generic over the element type, and for `f32` a sixteen-lane
-//! AVX-512 version chosen at run time ([`Element::scaled_max`], [`Element::scaled_exp`]).
+//! AVX-512 version chosen at run time ([`Element::scaled_max`], [`Element::scaled_exp`],
+//! [`Element::scaled_grad`]).
 //! **Both give the same bits**: every value is computed by the same operations in the same
 //! order (the exponential is [`exp`](super::exp::exp)'s, the sum keeps
 //! [`lane_sum`]'s eight partial sums), and a maximum is exact in any order. The one freedom
 //! is the sign of a zero maximum, which changes no probability: `x − 0` and `x − (−0)` are
 //! the same number but for `x = ±0`, whose exponential is 1 either way.
 
-use super::rows::lane_sum;
+use super::rows::{lane_dot, lane_sum};
 use crate::Element;
 
 /// The largest `scale·x` over `xs`, NaNs ignored (as `max` ignores them); −∞ for an empty
@@ -60,6 +63,26 @@ pub fn scaled_exp<E: Element>(xs: &mut [E], scale: E, shift: E, factor: Option<E
     sum
 }
 
+/// Replaces every `dp` of `grads` by `scale·p·(dp − dot)`, with `p` the matching value of
+/// `probs` and `dot = Σ_j dp_j·p_j` in the order of [`lane_dot`]: a softmax row's VJP (with
+/// the scores' scale). The portable version of [`Element::scaled_grad`].
+///
+/// # Panics
+/// If the rows differ in length.
+///
+/// ```
+/// use tl_tensor::kernels::softmax_row::scaled_grad;
+/// let mut grads = [1.0_f64, 3.0];
+/// scaled_grad(&mut grads, &[0.25, 0.75], 2.0); // dot = 2.5
+/// assert_eq!(grads, [2.0 * 0.25 * -1.5, 2.0 * 0.75 * 0.5]);
+/// ```
+pub fn scaled_grad<E: Element>(grads: &mut [E], probs: &[E], scale: E) {
+    let dot = lane_dot(grads, probs);
+    for (d, &p) in grads.iter_mut().zip(probs) {
+        *d = scale * p * (*d - dot);
+    }
+}
+
 /// [`scaled_max`] for `f32`, on AVX-512F when the CPU has it.
 pub(crate) fn scaled_max_f32(xs: &[f32], scale: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -78,6 +101,17 @@ pub(crate) fn scaled_exp_f32(xs: &mut [f32], scale: f32, shift: f32, factor: Opt
         return unsafe { avx512::scaled_exp(xs, scale, shift, factor) };
     }
     scaled_exp(xs, scale, shift, factor)
+}
+
+/// [`scaled_grad`] for `f32`, on AVX-512F when the CPU has it.
+pub(crate) fn scaled_grad_f32(grads: &mut [f32], probs: &[f32], scale: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        assert_eq!(grads.len(), probs.len(), "lane_dot: lengths differ");
+        // SAFETY: the CPU supports AVX-512F, checked just above; the rows are as long.
+        return unsafe { avx512::scaled_grad(grads, probs, scale) };
+    }
+    scaled_grad(grads, probs, scale)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -143,8 +177,7 @@ mod avx512 {
         for chunk in &mut chunks {
             // SAFETY: the chunk holds 16 values.
             let e = exponentials(unsafe { _mm512_loadu_ps(chunk.as_ptr()) });
-            lanes = _mm256_add_ps(lanes, _mm512_castps512_ps256(e));
-            lanes = _mm256_add_ps(lanes, high_half(e));
+            lanes = add_groups(lanes, e);
             // SAFETY: as above.
             unsafe { _mm512_storeu_ps(chunk.as_mut_ptr(), scaled(e)) };
         }
@@ -163,12 +196,75 @@ mod avx512 {
                 _mm512_mask_storeu_ps(tail.as_mut_ptr(), mask, scaled(e));
             }
         }
+        finish_sum(lanes, &rest[tail.len() / 8 * 8..tail.len()])
+    }
+
+    /// The eight partial sums of [`lane_sum`]'s order plus one chunk of sixteen: its low
+    /// group of eight, then its high group.
+    ///
+    /// [`lane_sum`]: crate::kernels::rows::lane_sum
+    #[target_feature(enable = "avx512f")]
+    fn add_groups(lanes: __m256, chunk: __m512) -> __m256 {
+        _mm256_add_ps(
+            _mm256_add_ps(lanes, _mm512_castps512_ps256(chunk)),
+            high_half(chunk),
+        )
+    }
+
+    /// The partial sums added in order, then `rest`'s values one by one.
+    #[target_feature(enable = "avx512f")]
+    fn finish_sum(lanes: __m256, rest: &[f32]) -> f32 {
         let mut partial = [0.0_f32; 8];
         // SAFETY: `partial` holds 8 values.
         unsafe { _mm256_storeu_ps(partial.as_mut_ptr(), lanes) };
         let sum = partial.iter().fold(0.0, |sum, &lane| sum + lane);
-        let past_groups = tail.len() / 8 * 8..tail.len();
-        rest[past_groups].iter().fold(sum, |sum, &e| sum + e)
+        rest.iter().fold(sum, |sum, &x| sum + x)
+    }
+
+    /// [`super::scaled_grad`] in sixteen lanes, its dot product in [`lane_dot`]'s order (as
+    /// [`scaled_exp`]'s sum keeps [`lane_sum`]'s).
+    ///
+    /// [`lane_dot`]: crate::kernels::rows::lane_dot
+    /// [`lane_sum`]: crate::kernels::rows::lane_sum
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, and the rows must be as long.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scaled_grad(grads: &mut [f32], probs: &[f32], scale: f32) {
+        let full = grads.len() / 16 * 16;
+        let tail = grads.len() - full;
+        let mask = (1u16 << tail) - 1;
+        // SAFETY (the loads and stores below): a full chunk holds 16 values of each row;
+        // the mask covers the tail's values only, and masked-off lanes touch nothing.
+        let load = |xs: &[f32], at: usize| unsafe { _mm512_loadu_ps(xs[at..].as_ptr()) };
+        let load_tail = |xs: &[f32]| unsafe { _mm512_maskz_loadu_ps(mask, xs[full..].as_ptr()) };
+        let mut lanes = _mm256_setzero_ps();
+        for at in (0..full).step_by(16) {
+            lanes = add_groups(lanes, _mm512_mul_ps(load(grads, at), load(probs, at)));
+        }
+        let mut rest = [0.0_f32; 16];
+        if tail > 0 {
+            let products = _mm512_mul_ps(load_tail(grads), load_tail(probs));
+            if tail >= 8 {
+                lanes = _mm256_add_ps(lanes, _mm512_castps512_ps256(products));
+            }
+            // SAFETY: `rest` holds 16 values.
+            unsafe { _mm512_storeu_ps(rest.as_mut_ptr(), products) };
+        }
+        let dot = _mm512_set1_ps(finish_sum(lanes, &rest[tail / 8 * 8..tail]));
+        let scale = _mm512_set1_ps(scale);
+        let grad =
+            |d: __m512, p: __m512| _mm512_mul_ps(_mm512_mul_ps(scale, p), _mm512_sub_ps(d, dot));
+        for at in (0..full).step_by(16) {
+            let y = grad(load(grads, at), load(probs, at));
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(grads[at..].as_mut_ptr(), y) };
+        }
+        if tail > 0 {
+            let y = grad(load_tail(grads), load_tail(probs));
+            // SAFETY: as above.
+            unsafe { _mm512_mask_storeu_ps(grads[full..].as_mut_ptr(), mask, y) };
+        }
     }
 }
 
@@ -241,6 +337,67 @@ mod tests {
             }
         } else {
             eprintln!("this CPU has no AVX-512F: its passes are not tested here");
+        }
+    }
+
+    /// Rows of every length up to 70, gradients with specials every few values (NaN, ±∞,
+    /// ±0, subnormals, large values), probabilities in [0, 1] with zeros: the AVX-512
+    /// gradient against the portable one, bit for bit, and on whichever path this CPU takes
+    /// against the formula with [`lane_dot`]'s sum.
+    #[test]
+    fn the_gradient_row_is_the_portable_one_bit_for_bit() {
+        let specials = [
+            f32::NAN,
+            f32::INFINITY,
+            -0.0,
+            0.0,
+            1e-40,
+            -3e-39,
+            3e38,
+            -1e30,
+        ];
+        let mut state = 7_u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
+            (state >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let bits = |xs: &[f32]| {
+            xs.iter()
+                .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
+                .collect::<Vec<_>>()
+        };
+        for len in 0..=70 {
+            for special_every in [0, 4, 23] {
+                let grads: Vec<f32> = (0..len)
+                    .map(|i| match special_every {
+                        n if n > 0 && i % n == 0 => specials[(i / n) % specials.len()],
+                        _ => next() * 8.0 - 4.0,
+                    })
+                    .collect();
+                let probs: Vec<f32> = (0..len)
+                    .map(|i| if i % 9 == 4 { 0.0 } else { next() })
+                    .collect();
+                for scale in [0.176_776_7_f32, -2.0] {
+                    let mut portable = grads.clone();
+                    scaled_grad(&mut portable, &probs, scale);
+                    let dot = lane_dot(&grads, &probs);
+                    let formula: Vec<f32> = grads
+                        .iter()
+                        .zip(&probs)
+                        .map(|(&d, &p)| scale * p * (d - dot))
+                        .collect();
+                    assert_eq!(bits(&portable), bits(&formula), "{grads:?}");
+                    let mut dispatched = grads.clone();
+                    scaled_grad_f32(&mut dispatched, &probs, scale);
+                    assert_eq!(bits(&dispatched), bits(&portable), "{grads:?} by {probs:?}");
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("this CPU has no AVX-512F: the dispatched gradient was the portable one");
         }
     }
 
