@@ -13,3 +13,6 @@ pub mod rows;
 pub mod softmax_row;
 pub(crate) mod split;
 pub mod written;
+
+#[cfg(test)]
+mod test_values;

@@ -170,6 +170,7 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::test_values::{SPECIALS, bits, uniform};
 
     /// The rotation pair by pair, as the module documentation writes it, with `sin θ`
     /// negated for the inverse.
@@ -188,41 +189,21 @@ mod tests {
         out
     }
 
-    /// Bits, every NaN as one value (Rust leaves a NaN's sign and payload unspecified).
-    fn bits(xs: &[f32]) -> Vec<u32> {
-        let bits = |x: &f32| if x.is_nan() { u32::MAX } else { x.to_bits() };
-        xs.iter().map(bits).collect()
-    }
-
     /// Rows of 1 to 3 heads of every even size up to 40 (every tail of sixteen lanes), values
     /// random but for specials every few: NaN, ±∞, ±0, subnormals, the largest finite.
     fn rows() -> impl Iterator<Item = (Vec<f32>, Vec<f64>)> {
-        let specials = [
-            f32::NAN,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            0.0,
-            -0.0,
-            1e-40,
-            -3e-39,
-        ];
-        let mut state = 99_u64;
-        let mut next = move || {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1442695040888963407);
-            (state >> 40) as f64 / (1u64 << 24) as f64
-        };
+        let mut next = uniform(99);
         let mut cases = Vec::new();
         for head in (2..=40).step_by(2) {
             for heads in 1..=3 {
                 for special_every in [0, 5] {
-                    let angles: Vec<f64> = (0..head / 2).map(|_| next() * 1000.0).collect();
+                    let angles: Vec<f64> =
+                        (0..head / 2).map(|_| f64::from(next()) * 1000.0).collect();
                     let row = (0..head * heads)
                         .map(|j| match special_every {
-                            n if n > 0 && j % n == 0 => specials[j / n % specials.len()],
+                            n if n > 0 && j % n == 0 => SPECIALS[j / n % SPECIALS.len()],
                             _ if j % 13 == 12 => f32::MAX,
-                            _ => (next() * 20.0 - 10.0) as f32,
+                            _ => next() * 20.0 - 10.0,
                         })
                         .collect();
                     cases.push((row, angles));

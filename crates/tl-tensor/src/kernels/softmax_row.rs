@@ -271,6 +271,7 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::test_values::{SPECIALS, bits, uniform};
 
     /// Rows of every length up to 70 (every tail after 8 and 16 lanes), with NaNs, infinities,
     /// signed zeros, subnormals and values whose exponentials overflow or vanish, scaled by
@@ -280,31 +281,9 @@ mod tests {
     fn the_avx512_passes_are_the_portable_ones_bit_for_bit() {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") {
-            let specials = [
-                f32::NAN,
-                f32::INFINITY,
-                f32::NEG_INFINITY,
-                0.0,
-                -0.0,
-                1e-40,
-                -3e-39,
-                120.0,
-                -130.0,
-            ];
-            let mut state = 12_345_u64;
-            let mut next = || {
-                state = state
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1);
-                (state >> 40) as f32 / (1u64 << 24) as f32 * 40.0 - 20.0
-            };
-            // Rust leaves a NaN's sign and payload unspecified (LLVM may swap an addition's
-            // operands), so every NaN counts as one value.
-            let bits = |xs: &[f32]| {
-                xs.iter()
-                    .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
-                    .collect::<Vec<_>>()
-            };
+            let specials: Vec<f32> = SPECIALS.iter().chain(&[120.0, -130.0]).copied().collect();
+            let mut uniform = uniform(12_345);
+            let mut next = || uniform() * 40.0 - 20.0;
             for len in 0..=70 {
                 for special_every in [0, 3, 17] {
                     let row: Vec<f32> = (0..len)
@@ -346,28 +325,8 @@ mod tests {
     /// against the formula with [`lane_dot`]'s sum.
     #[test]
     fn the_gradient_row_is_the_portable_one_bit_for_bit() {
-        let specials = [
-            f32::NAN,
-            f32::INFINITY,
-            -0.0,
-            0.0,
-            1e-40,
-            -3e-39,
-            3e38,
-            -1e30,
-        ];
-        let mut state = 7_u64;
-        let mut next = || {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1);
-            (state >> 40) as f32 / (1u64 << 24) as f32
-        };
-        let bits = |xs: &[f32]| {
-            xs.iter()
-                .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
-                .collect::<Vec<_>>()
-        };
+        let specials: Vec<f32> = SPECIALS.iter().chain(&[3e38, -1e30]).copied().collect();
+        let mut next = uniform(7);
         for len in 0..=70 {
             for special_every in [0, 4, 23] {
                 let grads: Vec<f32> = (0..len)
