@@ -261,6 +261,13 @@ mod tests {
     }
 
     #[test]
+    fn heads_of_nothing_rotate_to_nothing() {
+        let out = rotate_pairs_f32(&[], &mut [], &[], &[]);
+        assert!(out.is_empty());
+        assert!(rotate_pairs::<f64>(&[], &mut [], &[], &[]).is_empty());
+    }
+
+    #[test]
     #[should_panic(expected = "rotate_pairs: tables of 4 and 4, a row of 6 into 6")]
     fn a_row_is_a_whole_number_of_heads() {
         let (cos, sin) = pair_tables::<f32>(&[0.0, 1.0], false);

@@ -211,6 +211,12 @@ mod tests {
     }
 
     #[test]
+    fn rows_of_nothing_tile_an_empty_output() {
+        let out = write_rows::<f32>(&mut [], 0, |_, _| unreachable!());
+        assert!(out.is_empty());
+    }
+
+    #[test]
     fn write_rows_passes_each_row_its_index() {
         let mut out = [MaybeUninit::<u32>::uninit(); 6];
         let out = write_rows(&mut out, 3, |i, row| {
