@@ -50,7 +50,8 @@ impl<E: Element> Rope<E> {
             })
             .collect();
         let (cos, sin) = pair_tables(&angles, false);
-        let (_, sin_inverse) = pair_tables(&angles, true);
+        // −θ has the same cosines and the sines negated (exactly).
+        let sin_inverse = sin.iter().map(|&s: &E| -s).collect();
         Self {
             cos,
             sin,
