@@ -612,30 +612,20 @@ fn portable_in(
         return;
     };
     let kp = k.div_ceil(2);
-    let a = pack_a_portable(lhs);
-    let b = pack_b_portable(rhs);
+    let (tile, (mr, nr)) = portable_tile(order);
+    let a = pack_a_portable(lhs, mr);
+    let b = pack_b_portable(rhs, nr);
     let packed = Packed {
         a: &a,
-        m_pad: m.next_multiple_of(PORTABLE_MR),
+        m_pad: m.next_multiple_of(mr),
         a_pair: 2,
         a_pair_major: false,
         b: &b,
         b_kp: kp,
-        panels: n.div_ceil(PORTABLE_NR),
-        b_pair: 2 * PORTABLE_NR,
+        panels: n.div_ceil(nr),
+        b_pair: 2 * nr,
     };
-    let tile = match order {
-        Order::Pairs => portable_tile::<false>(),
-        Order::Amx => portable_tile::<true>(),
-    };
-    drive(
-        (m, n, kp),
-        &packed,
-        out,
-        accumulate,
-        (PORTABLE_MR, PORTABLE_NR),
-        &tile,
-    );
+    drive((m, n, kp), &packed, out, accumulate, (mr, nr), &tile);
 }
 
 /// The sizes (m, k, n) of a product, checked; `None` when it is empty, after writing the
@@ -663,22 +653,37 @@ fn chain(
     Some((m, k, n))
 }
 
-/// The portable tile of the units' order (or, with `AMX`, of the tiles') compiled for the
-/// best vector unit of this CPU.
-fn portable_tile<const AMX: bool>() -> fn(Tile<'_, f32>) {
+/// A tile of the portable path, on f32 operands.
+type PortableTile = fn(Tile<'_, f32>);
+
+/// The portable tile of `order` for this CPU, and its rows and columns: on AVX-512F, the
+/// units' order by [`pairs_tile_avx512`] (8 × 32); otherwise the generic tile
+/// ([`portable_tile_body`], 4 × 16) compiled for the best vector unit there is.
+fn portable_tile(order: Order) -> (PortableTile, (usize, usize)) {
+    let generic = (PORTABLE_MR, PORTABLE_NR);
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked); `drive` gives the tile what it reads.
-            return |t| unsafe { portable_tile_avx512::<AMX>(t) };
+            // SAFETY (all three): the CPU has AVX-512F (checked); `drive` gives the tile
+            // what it reads, at the tile's size returned beside it.
+            return match order {
+                Order::Pairs => (|t| unsafe { pairs_tile_avx512(t) }, (FMA_MR, FMA_NR)),
+                Order::Amx => (|t| unsafe { portable_tile_avx512::<true>(t) }, generic),
+            };
         }
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             // SAFETY: as above, for AVX2 and FMA.
-            return |t| unsafe { portable_tile_avx2::<AMX>(t) };
+            return match order {
+                Order::Pairs => (|t| unsafe { portable_tile_avx2::<false>(t) }, generic),
+                Order::Amx => (|t| unsafe { portable_tile_avx2::<true>(t) }, generic),
+            };
         }
     }
     // SAFETY: `drive` gives the tile what it reads.
-    |t| unsafe { portable_tile_body::<AMX>(t) }
+    match order {
+        Order::Pairs => (|t| unsafe { portable_tile_body::<false>(t) }, generic),
+        Order::Amx => (|t| unsafe { portable_tile_body::<true>(t) }, generic),
+    }
 }
 
 /// `lhs · rhs` in a fresh array for matrices holding bf16 values — or narrower ones: every
@@ -785,6 +790,10 @@ const UNITS_NR: usize = 32;
 /// The portable tile: 4 rows × 16 columns, 8 accumulators of 8 lanes on AVX2.
 const PORTABLE_MR: usize = 4;
 const PORTABLE_NR: usize = 16;
+/// The units' order in fused multiply-adds on AVX-512F: 8 rows × 32 columns, 16
+/// accumulators of 16 lanes, as many as the units' tile.
+const FMA_MR: usize = 8;
+const FMA_NR: usize = 32;
 /// Rows of the output per task, and pairs of the inner dimension per pass over the panels:
 /// a block of 32 rows × 256 pairs of the left operand (32 KiB packed for the units) and a
 /// panel's 256 × 32 pairs stay in a core's L1 and L2 caches while the tiles walk them.
@@ -1286,9 +1295,9 @@ unsafe fn bf16_pairs(even: &[f32], odd: Option<&[f32]>, slots: &mut [u32], lanes
 /// `lhs` (any strides) packed for the portable tile as [`Packed`] lays it out: block by
 /// block of KC pairs, each row's 2·pairs values of the block side by side (a zero past an
 /// odd k), m rounded up to a whole tile.
-fn pack_a_portable(lhs: ArrayView2<'_, f32>) -> Vec<f32> {
+fn pack_a_portable(lhs: ArrayView2<'_, f32>, mr: usize) -> Vec<f32> {
     let (m, k) = lhs.dim();
-    let (kp, m_pad) = (k.div_ceil(2), m.next_multiple_of(PORTABLE_MR));
+    let (kp, m_pad) = (k.div_ceil(2), m.next_multiple_of(mr));
     let mut a = vec![0.0f32; m_pad * 2 * kp];
     for (block, a) in a.chunks_mut(KC * 2 * m_pad).enumerate() {
         let (k0, pairs) = (block * KC, a.len() / (2 * m_pad));
@@ -1303,17 +1312,17 @@ fn pack_a_portable(lhs: ArrayView2<'_, f32>) -> Vec<f32> {
 }
 
 /// `rhs` (any strides) packed for the portable tile as [`Packed`] lays it out: block by
-/// block of KC pairs, panel by panel of PORTABLE_NR columns, each pair of rows as row 2p's
+/// block of KC pairs, panel by panel of `nr` columns, each pair of rows as row 2p's
 /// columns then row 2p+1's (zero past an odd k and past n).
-fn pack_b_portable(rhs: ArrayView2<'_, f32>) -> Vec<f32> {
+fn pack_b_portable(rhs: ArrayView2<'_, f32>, nr: usize) -> Vec<f32> {
     let (k, n) = rhs.dim();
-    let (kp, panels) = (k.div_ceil(2), n.div_ceil(PORTABLE_NR));
-    let mut b = vec![0.0f32; panels * kp * 2 * PORTABLE_NR];
-    for (block, b) in b.chunks_mut(KC * panels * 2 * PORTABLE_NR).enumerate() {
-        let (k0, pairs) = (block * KC, b.len() / (panels * 2 * PORTABLE_NR));
-        for (q, panel) in b.chunks_exact_mut(pairs * 2 * PORTABLE_NR).enumerate() {
-            let cols = q * PORTABLE_NR..n.min((q + 1) * PORTABLE_NR);
-            for (r, slots) in panel.chunks_exact_mut(PORTABLE_NR).enumerate() {
+    let (kp, panels) = (k.div_ceil(2), n.div_ceil(nr));
+    let mut b = vec![0.0f32; panels * kp * 2 * nr];
+    for (block, b) in b.chunks_mut(KC * panels * 2 * nr).enumerate() {
+        let (k0, pairs) = (block * KC, b.len() / (panels * 2 * nr));
+        for (q, panel) in b.chunks_exact_mut(pairs * 2 * nr).enumerate() {
+            let cols = q * nr..n.min((q + 1) * nr);
+            for (r, slots) in panel.chunks_exact_mut(nr).enumerate() {
                 if 2 * k0 + r < k {
                     for (slot, x) in slots
                         .iter_mut()
@@ -1579,6 +1588,59 @@ unsafe fn portable_tile_body<const AMX: bool>(t: Tile<'_, f32>) {
 unsafe fn portable_tile_avx512<const AMX: bool>(t: Tile<'_, f32>) {
     // SAFETY: the caller's contract.
     unsafe { portable_tile_body::<AMX>(t) }
+}
+
+/// The units' order by fused multiply-adds in sixteen lanes: FMA_MR rows × FMA_NR columns
+/// of [`portable_tile_body`]'s arithmetic (`acc ← fma(a_odd, b_odd, acc)`, then the even
+/// element), with the operands packed as for it at this size. One `vfmadd231ps` adds 16
+/// products, where `vdpbf16ps` adds 32 but may issue at half the rate (one every two cycles
+/// on the Xeons with AMX, against two fused multiply-adds a cycle).
+///
+/// # Safety
+/// The CPU has AVX-512F; `t` as [`portable_tile_body`] describes it, at FMA_MR × FMA_NR.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pairs_tile_avx512(t: Tile<'_, f32>) {
+    const MR: usize = FMA_MR;
+    const NR: usize = FMA_NR;
+    const _: () = assert!(NR == 32);
+    debug_assert!(t.a.len() > (t.tiles * MR - 1) * t.a_row + (t.pairs - 1) * t.a_step + 1);
+    debug_assert!(t.b.len() >= t.pairs * 2 * NR);
+    let b = t.b.as_ptr();
+    for tile in 0..t.tiles {
+        // SAFETY (this loop): the caller's contract covers every address formed below.
+        unsafe {
+            let a = t.a.as_ptr().add(tile * MR * t.a_row);
+            let c = t.c.add(tile * MR * t.ldc);
+            let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+            if !t.zero {
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    acc[0] = _mm512_loadu_ps(c.add(r * t.ldc));
+                    acc[1] = _mm512_loadu_ps(c.add(r * t.ldc + 16));
+                }
+            }
+            for p in 0..t.pairs {
+                let rows = b.add(2 * p * NR);
+                let even = [_mm512_loadu_ps(rows), _mm512_loadu_ps(rows.add(16))];
+                let odd = [
+                    _mm512_loadu_ps(rows.add(NR)),
+                    _mm512_loadu_ps(rows.add(NR + 16)),
+                ];
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let pair = a.add(r * t.a_row + p * t.a_step);
+                    let (a_even, a_odd) = (_mm512_set1_ps(*pair), _mm512_set1_ps(*pair.add(1)));
+                    for h in 0..2 {
+                        acc[h] = _mm512_fmadd_ps(a_odd, odd[h], acc[h]);
+                        acc[h] = _mm512_fmadd_ps(a_even, even[h], acc[h]);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(c.add(r * t.ldc), acc[0]);
+                _mm512_storeu_ps(c.add(r * t.ldc + 16), acc[1]);
+            }
+        }
+    }
 }
 
 /// [`portable_tile_body`] compiled for AVX2 and FMA.
