@@ -1,6 +1,9 @@
 //! Products of bf16 values summed in f32, in the one order a CPU's bf16 units add them:
 //! computed on those units where the CPU has them and the operands allow it, and by portable
-//! f32 code with the same bits everywhere else.
+//! f32 code with the same bits everywhere else. Where the units add fewer products per cycle
+//! than the CPU's fused multiply-adds (timed once per process, [`units_preferred`]), the
+//! units' packing is read by a tile of fused multiply-adds instead (`split_pairs_tile`):
+//! the same bits, faster.
 //!
 //! # The order
 //! `vdpbf16ps` (AVX512-BF16) takes 16 lanes of bf16 pairs from each operand and adds both
@@ -72,9 +75,12 @@ use crate::ops::matmul_with::PreparedRhs;
 use crate::{Element, ProductKernel};
 
 mod amx;
+mod rate;
 pub use amx::amx_available;
 #[cfg(target_arch = "x86_64")]
 use amx::{AMX_MR, amx_tile};
+pub use rate::units_preferred;
+use rate::{PairsTile, pairs_tile};
 
 /// Which code computed a product (returned for tests and benchmarks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -387,10 +393,12 @@ fn units_product(
     // caller); `packed` holds m rounded up to `mr` rows of kp pairs (by rows for the tiles),
     // and `rhs` at least kp pairs of ⌈n/UNITS_NR⌉ panels, what the tile reads.
     let units = |t: Tile<'_, u32>| unsafe { units_tile(t) };
+    let split = |t: Tile<'_, u32>| unsafe { split_pairs_tile(t) };
     let tiles = |t: Tile<'_, u32>| unsafe { amx_tile(t) };
-    let tile: &(dyn Fn(Tile<'_, u32>) + Sync) = match order {
-        Order::Pairs => &units,
-        Order::Amx => &tiles,
+    let tile: &(dyn Fn(Tile<'_, u32>) + Sync) = match (order, pairs_tile()) {
+        (Order::Pairs, PairsTile::Units) => &units,
+        (Order::Pairs, PairsTile::Split) => &split,
+        (Order::Amx, _) => &tiles,
     };
     drive((m, n, kp), &packed, out, accumulate, (mr, UNITS_NR), tile);
     true
@@ -1533,6 +1541,56 @@ unsafe fn units_tile(t: Tile<'_, u32>) {
     }
 }
 
+/// The units' order on the units' packing by fused multiply-adds: [`units_tile`]'s tile
+/// and operands, each bf16 pair split in registers into its two f32 values (the even one
+/// shifted up 16 bits, the odd one with its low half cleared), then
+/// `acc ← fma(a_odd, b_odd, acc)`, `acc ← fma(a_even, b_even, acc)`: the portable tile's
+/// IEEE arithmetic, so its bits on any values, in or out of the units' window.
+///
+/// # Safety
+/// As [`units_tile`], on a CPU with AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn split_pairs_tile(t: Tile<'_, u32>) {
+    debug_assert!(t.a.len() > (t.tiles * UNITS_MR - 1) * t.a_row + (t.pairs - 1) * t.a_step);
+    debug_assert!(t.b.len() >= t.pairs * UNITS_NR);
+    let b = t.b.as_ptr();
+    let high = _mm512_set1_epi32(!BF16_LOW);
+    let even = |x: __m512i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(x));
+    let odd = |x: __m512i| _mm512_castsi512_ps(_mm512_and_si512(x, high));
+    for tile in 0..t.tiles {
+        // SAFETY (this loop): the caller's contract covers every address formed below.
+        unsafe {
+            let a = t.a.as_ptr().add(tile * UNITS_MR * t.a_row);
+            let c = t.c.add(tile * UNITS_MR * t.ldc);
+            let mut acc = [[_mm512_setzero_ps(); 2]; UNITS_MR];
+            if !t.zero {
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    acc[0] = _mm512_loadu_ps(c.add(r * t.ldc));
+                    acc[1] = _mm512_loadu_ps(c.add(r * t.ldc + 16));
+                }
+            }
+            for p in 0..t.pairs {
+                let b0 = _mm512_loadu_si512(b.add(p * UNITS_NR).cast());
+                let b1 = _mm512_loadu_si512(b.add(p * UNITS_NR + 16).cast());
+                let (b_even, b_odd) = ([even(b0), even(b1)], [odd(b0), odd(b1)]);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let pair = _mm512_set1_epi32(*a.add(r * t.a_row + p * t.a_step) as i32);
+                    let (a_even, a_odd) = (even(pair), odd(pair));
+                    for h in 0..2 {
+                        acc[h] = _mm512_fmadd_ps(a_odd, b_odd[h], acc[h]);
+                        acc[h] = _mm512_fmadd_ps(a_even, b_even[h], acc[h]);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(c.add(r * t.ldc), acc[0]);
+                _mm512_storeu_ps(c.add(r * t.ldc + 16), acc[1]);
+            }
+        }
+    }
+}
+
 /// The portable tile: PORTABLE_MR rows × PORTABLE_NR columns by fused multiply-adds, the odd
 /// element of each pair first (or, with `AMX`, in the tiles' order: [`amx::add_blocks`]);
 /// `t.tiles` of them down the panel.
@@ -1656,6 +1714,7 @@ unsafe fn portable_tile_avx2<const AMX: bool>(t: Tile<'_, f32>) {
 
 #[cfg(test)]
 mod tests {
+    use super::rate::with_pairs_tile;
     use super::*;
     use crate::Generator;
     use tl_numerics::{Format, round_slice};
@@ -1729,6 +1788,9 @@ mod tests {
         }
     }
 
+    /// Both tiles of the units' order on the units' packing.
+    const TILES: [PairsTile; 2] = [PairsTile::Units, PairsTile::Split];
+
     /// Odd and even sizes, a row count past one task of MC rows and not a whole tile, a
     /// column count past one panel and not a whole one, an inner size past one block of KC
     /// pairs and odd.
@@ -1757,18 +1819,22 @@ mod tests {
                 let mut portable = old.clone();
                 bf16_gemm_portable(m, k, n, &lhs, &rhs, &mut portable, accumulate);
                 assert_eq!(bits(&portable), bits(&expected), "portable {m}×{k}×{n}");
-                for threads in [1, 3] {
+                for (threads, tile) in [1, 3].into_iter().flat_map(|t| TILES.map(|tile| (t, tile)))
+                {
                     let mut auto = old.clone();
                     let route = on(threads, || {
-                        bf16_gemm(m, k, n, &lhs, &rhs, &mut auto, accumulate)
+                        with_pairs_tile(tile, || {
+                            bf16_gemm(m, k, n, &lhs, &rhs, &mut auto, accumulate)
+                        })
                     });
                     let want = if units {
                         Bf16Route::Units
                     } else {
                         Bf16Route::Portable
                     };
-                    assert_eq!(route, want, "{m}×{k}×{n}");
-                    assert_eq!(bits(&auto), bits(&expected), "{m}×{k}×{n} on {threads}");
+                    let case = format!("{m}×{k}×{n} on {threads}, {tile:?}");
+                    assert_eq!(route, want, "{case}");
+                    assert_eq!(bits(&auto), bits(&expected), "{case}");
                 }
             }
         }
@@ -2070,8 +2136,17 @@ mod tests {
             bf16_gemm_portable_into(out, l, r, accumulate);
             Bf16Route::Portable
         };
+        let [units, split]: [OnViews<'_>; 2] = [
+            &|out, l, r, accumulate| {
+                with_pairs_tile(PairsTile::Units, || bf16_gemm_into(out, l, r, accumulate))
+            },
+            &|out, l, r, accumulate| {
+                with_pairs_tile(PairsTile::Split, || bf16_gemm_into(out, l, r, accumulate))
+            },
+        ];
         let products = [
-            (&bf16_gemm_into as OnViews<'_>, Some(inside())),
+            (units, Some(inside())),
+            (split, Some(inside())),
             (portable, None),
         ];
         any_strides(&products, reference, 14);
@@ -2109,26 +2184,30 @@ mod tests {
                     let leading = rhs.slice(s![..k, ..n]);
                     let mut expected = old.clone();
                     bf16_gemm_into(&mut expected.view_mut(), lhs, leading, accumulate);
-                    let mut out = old.clone();
-                    let route = on(threads, || {
-                        prepared.product_into(&mut out.view_mut(), lhs, accumulate)
-                    });
-                    let case = format!("{what}, leading {k}×{n}, {threads} threads");
-                    assert_eq!(
-                        bits(out.as_slice().unwrap()),
-                        bits(expected.as_slice().unwrap()),
-                        "{case}"
-                    );
-                    // A prefix that cuts a pair takes the view's path; every other, the units.
-                    let pair_whole = k % 2 == 0 || k == rows;
-                    let expected_route = if units && pair_whole {
-                        Bf16Route::Units
-                    } else if units {
-                        bf16_gemm_into(&mut old.clone().view_mut(), lhs, leading, accumulate)
-                    } else {
-                        Bf16Route::Portable
-                    };
-                    assert_eq!(route, expected_route, "{case}");
+                    for tile in TILES {
+                        let mut out = old.clone();
+                        let route = on(threads, || {
+                            with_pairs_tile(tile, || {
+                                prepared.product_into(&mut out.view_mut(), lhs, accumulate)
+                            })
+                        });
+                        let case = format!("{what}, leading {k}×{n}, {threads} threads, {tile:?}");
+                        assert_eq!(
+                            bits(out.as_slice().unwrap()),
+                            bits(expected.as_slice().unwrap()),
+                            "{case}"
+                        );
+                        // A prefix that cuts a pair takes the view's path; every other, the units.
+                        let pair_whole = k % 2 == 0 || k == rows;
+                        let expected_route = if units && pair_whole {
+                            Bf16Route::Units
+                        } else if units {
+                            bf16_gemm_into(&mut old.clone().view_mut(), lhs, leading, accumulate)
+                        } else {
+                            Bf16Route::Portable
+                        };
+                        assert_eq!(route, expected_route, "{case}");
+                    }
                 }
             }
         }

@@ -174,9 +174,14 @@ fn print_header(config: &TrainConfig, world: usize, plan: &BenchPlan<'_>, paired
         && config.accumulation == Accumulation::F32
         && tl_tensor::kernels::bf16_dot::amx_available()
     {
+        let default_on = if tl_tensor::kernels::bf16_dot::units_preferred() {
+            "on its AVX512-BF16 units"
+        } else {
+            "by fused multiply-adds, which outpace its AVX512-BF16 units"
+        };
         say!(
             "note: this CPU has AMX tiles; --accumulate amx sums the bf16 products in their \
-             order, on them (other bits than the default order, which its AVX512-BF16 units run)"
+             order, on them (other bits than the default order, computed here {default_on})"
         );
     }
     let what = if paired { "pair" } else { "step" };
