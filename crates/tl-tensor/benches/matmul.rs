@@ -155,12 +155,16 @@ fn bf16(a: Array2<f32>) -> Array2<f32> {
 
 /// The linear layers' forward products in bf16 (operands rounded to bf16 first): the f32 GEMM
 /// on the rounded values (what autocast computed before the bf16 kernel), the bf16 kernel as
-/// autocast runs it (on the CPU's bf16 units when it has them), its portable path, and the
+/// autocast runs it (`units`: on the CPU's bf16 units, or by fused multiply-adds on their
+/// packing where those outpace them, `units_preferred`), its portable path, and the
 /// AMX order (on the tiles when the CPU has them). The bf16 kernels write into one output
 /// reused across iterations, as `gemm-into-reused` does.
 fn bf16_products(c: &mut Criterion) {
     if !units_available() {
-        eprintln!("this CPU has no AVX512-BF16 units: `bf16/units` runs the portable path");
+        eprintln!(
+            "this CPU has no AVX512-BF16 units: `units` runs fused multiply-adds on their \
+             packing where it has AVX-512, the portable path otherwise"
+        );
     }
     if !amx_available() {
         eprintln!("this CPU has no AMX tiles: `amx-tiles` runs the AMX order's portable path");

@@ -1,9 +1,9 @@
 //! Products of bf16 values summed in f32, in the one order a CPU's bf16 units add them:
 //! computed on those units where the CPU has them and the operands allow it, and by portable
 //! f32 code with the same bits everywhere else. Where the units add fewer products per cycle
-//! than the CPU's fused multiply-adds (timed once per process, [`units_preferred`]), the
-//! units' packing is read by a tile of fused multiply-adds instead (`split_pairs_tile`):
-//! the same bits, faster.
+//! than the CPU's fused multiply-adds (timed once per process, [`units_preferred`]), or the
+//! CPU has AVX-512 without them, the units' packing is read by a tile of fused multiply-adds
+//! in sixteen lanes instead (`split_pairs_tile`): the same bits.
 //!
 //! # The order
 //! `vdpbf16ps` (AVX512-BF16) takes 16 lanes of bf16 pairs from each operand and adds both
@@ -87,6 +87,10 @@ use rate::{PairsTile, pairs_tile};
 pub enum Bf16Route {
     /// The CPU's bf16 units (`vdpbf16ps`).
     Units,
+    /// Fused multiply-adds in sixteen lanes on the units' packing, in the units' order: where
+    /// the units add fewer products per cycle than the fused multiply-adds
+    /// ([`units_preferred`]), or the CPU has AVX-512 without them.
+    Fma,
     /// The CPU's AMX tiles (`tdpbf16ps`), for a product in the AMX order.
     Tiles,
     /// Portable f32 arithmetic in the product's order: the CPU has no units (or tiles) for
@@ -103,20 +107,36 @@ enum Order {
 }
 
 impl Order {
-    /// Whether this CPU computes the order on its own units.
+    /// Whether this CPU computes the order by a packed kernel: the units' order on its units
+    /// or by fused multiply-adds in sixteen lanes (AVX-512F and BW, for the packing), the
+    /// AMX order on the tiles.
     fn on_hardware(self) -> bool {
         match self {
-            Order::Pairs => units_available(),
+            Order::Pairs => packing_available(),
             Order::Amx => amx_available(),
         }
     }
 
-    /// The route of a product computed on those units.
+    /// The route of a product computed by that kernel.
     fn route(self) -> Bf16Route {
-        match self {
-            Order::Pairs => Bf16Route::Units,
-            Order::Amx => Bf16Route::Tiles,
+        match (self, pairs_tile()) {
+            (Order::Pairs, PairsTile::Units) => Bf16Route::Units,
+            (Order::Pairs, PairsTile::Split) => Bf16Route::Fma,
+            (Order::Amx, _) => Bf16Route::Tiles,
         }
+    }
+}
+
+/// Whether this CPU has the AVX-512 instructions the units' packing and the fused
+/// multiply-add tile run on (AVX-512F and BW): with or without the bf16 units.
+fn packing_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }
 
@@ -512,7 +532,7 @@ pub struct Bf16Rhs<'a> {
 }
 
 impl<'a> Bf16Rhs<'a> {
-    /// Packs `rhs` (k×n, any strides) for the units where the CPU has them.
+    /// Packs `rhs` (k×n, any strides) for the units' tiles where the CPU has AVX-512.
     pub fn new(rhs: ArrayView2<'a, f32>) -> Self {
         Self::in_order(Order::Pairs, rhs)
     }
@@ -1769,22 +1789,32 @@ mod tests {
             .install(f)
     }
 
-    /// What a test of the units path says when the CPU has none: the portable path is still
+    /// What a test of the units path says when the CPU has none: the other paths are still
     /// tested against the reference, and the units' absence is printed, never silent.
     fn units_or_say_so() -> bool {
         let available = units_available();
         if !available {
-            eprintln!("this CPU has no AVX512-BF16 units: only the portable path is tested here");
+            eprintln!(
+                "this CPU has no AVX512-BF16 units: their tile is not tested here (the portable \
+                 path is, and the fused multiply-add tile where the CPU has AVX-512)"
+            );
         }
         available
     }
 
-    /// The route of a product inside the window: the units where the CPU has them.
+    /// The route of a product inside the window: the units' packing where the CPU has
+    /// AVX-512, on the units or by fused multiply-adds as [`pairs_tile`] says.
     fn inside() -> Bf16Route {
-        if units_or_say_so() {
-            Bf16Route::Units
-        } else {
-            Bf16Route::Portable
+        units_or_say_so();
+        routed(pairs_tile())
+    }
+
+    /// The route of a product inside the window on `tile`.
+    fn routed(tile: PairsTile) -> Bf16Route {
+        match tile {
+            _ if !packing_available() => Bf16Route::Portable,
+            PairsTile::Units if units_available() => Bf16Route::Units,
+            _ => Bf16Route::Fma,
         }
     }
 
@@ -1807,7 +1837,7 @@ mod tests {
 
     #[test]
     fn units_and_portable_paths_equal_the_definition_bit_for_bit() {
-        let units = units_or_say_so();
+        units_or_say_so();
         let rng = Generator::new(11);
         for (m, k, n) in SHAPES {
             let lhs = bf16_values(m * k, 0, &rng);
@@ -1827,13 +1857,8 @@ mod tests {
                             bf16_gemm(m, k, n, &lhs, &rhs, &mut auto, accumulate)
                         })
                     });
-                    let want = if units {
-                        Bf16Route::Units
-                    } else {
-                        Bf16Route::Portable
-                    };
                     let case = format!("{m}×{k}×{n} on {threads}, {tile:?}");
-                    assert_eq!(route, want, "{case}");
+                    assert_eq!(route, routed(tile), "{case}");
                     assert_eq!(bits(&auto), bits(&expected), "{case}");
                 }
             }
@@ -2145,8 +2170,8 @@ mod tests {
             },
         ];
         let products = [
-            (units, Some(inside())),
-            (split, Some(inside())),
+            (units, Some(routed(PairsTile::Units))),
+            (split, Some(routed(PairsTile::Split))),
             (portable, None),
         ];
         any_strides(&products, reference, 14);
@@ -2158,7 +2183,7 @@ mod tests {
     /// operand (the attention's `kᵀ`), accumulating or not, on 1 and 3 threads.
     #[test]
     fn a_prepared_operand_multiplies_as_the_view_of_its_leading_block() {
-        let units = units_or_say_so();
+        units_or_say_so();
         let rng = Generator::new(31);
         let (rows, cols) = (1101, 70); // 551 pairs: blocks of 256, 256 and 39; 3 panels
         let stored = bf16_values(rows * cols, 0, &rng);
@@ -2197,14 +2222,16 @@ mod tests {
                             bits(expected.as_slice().unwrap()),
                             "{case}"
                         );
-                        // A prefix that cuts a pair takes the view's path; every other, the units.
+                        // A prefix that cuts a pair takes the view's path; every other, the
+                        // units' packing.
                         let pair_whole = k % 2 == 0 || k == rows;
-                        let expected_route = if units && pair_whole {
-                            Bf16Route::Units
-                        } else if units {
-                            bf16_gemm_into(&mut old.clone().view_mut(), lhs, leading, accumulate)
+                        let expected_route = if pair_whole {
+                            routed(tile)
                         } else {
-                            Bf16Route::Portable
+                            let mut out = old.clone();
+                            with_pairs_tile(tile, || {
+                                bf16_gemm_into(&mut out.view_mut(), lhs, leading, accumulate)
+                            })
                         };
                         assert_eq!(route, expected_route, "{case}");
                     }

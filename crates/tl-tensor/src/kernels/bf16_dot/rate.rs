@@ -39,11 +39,16 @@ thread_local! {
     static CHOSEN: std::cell::Cell<Option<PairsTile>> = const { std::cell::Cell::new(None) };
 }
 
-/// The tile for this CPU ([`units_preferred`]), or the one a test chose on this thread.
+/// The tile for this CPU ([`units_preferred`]), or the one a test chose on this thread
+/// (the units only where the CPU has them).
 pub(super) fn pairs_tile() -> PairsTile {
     #[cfg(test)]
     if let Some(tile) = CHOSEN.get() {
-        return tile;
+        return if units_available() {
+            tile
+        } else {
+            PairsTile::Split
+        };
     }
     if units_preferred() {
         PairsTile::Units
