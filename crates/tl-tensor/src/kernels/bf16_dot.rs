@@ -127,6 +127,17 @@ impl Order {
     }
 }
 
+/// The route a product in the units' order takes on this CPU when its operands lie in the
+/// units' window: [`Bf16Route::Units`], [`Bf16Route::Fma`] or, without AVX-512,
+/// [`Bf16Route::Portable`]. The bits are the same on every route.
+pub fn pairs_route() -> Bf16Route {
+    if Order::Pairs.on_hardware() {
+        Order::Pairs.route()
+    } else {
+        Bf16Route::Portable
+    }
+}
+
 /// Whether this CPU has the AVX-512 instructions the units' packing and the fused
 /// multiply-add tile run on (AVX-512F and BW): with or without the bf16 units.
 fn packing_available() -> bool {
@@ -1863,6 +1874,18 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_route_this_cpu_reports_is_the_one_its_products_take() {
+        let rng = Generator::new(5);
+        let (m, k, n) = (9, 6, 17);
+        let lhs = bf16_values(m * k, 0, &rng);
+        let rhs = bf16_values(k * n, 0, &rng);
+        let mut out = vec![0.0; m * n];
+        let route = bf16_gemm(m, k, n, &lhs, &rhs, &mut out, false);
+        assert_eq!(route, pairs_route());
+        assert_eq!(route, inside());
     }
 
     #[test]

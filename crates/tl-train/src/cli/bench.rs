@@ -154,6 +154,23 @@ pub(super) fn bench(args: &BenchArgs) -> Result<Exit> {
     Ok(Exit::Success)
 }
 
+/// How this CPU computes bf16 products in the default order (the units'), operands in the
+/// units' window: the bits are the same on every route.
+fn bf16_products_here() -> &'static str {
+    use tl_tensor::kernels::bf16_dot::{Bf16Route, pairs_route, units_available};
+    match pairs_route() {
+        Bf16Route::Units => "on the CPU's AVX512-BF16 units",
+        Bf16Route::Fma if units_available() => {
+            "by fused multiply-adds in 16 lanes, which outpace this CPU's AVX512-BF16 units \
+             (the same bits)"
+        }
+        Bf16Route::Fma => {
+            "by fused multiply-adds in 16 lanes (AVX-512 without bf16 units; the same bits)"
+        }
+        _ => "by the portable path (no AVX-512; the same bits)",
+    }
+}
+
 fn print_header(config: &TrainConfig, world: usize, plan: &BenchPlan<'_>, paired: bool) {
     say!(
         "tinyllm bench: {} ({} parameters), micro-batch {} x accum {} x context {}{} = {} tokens/step",
@@ -170,19 +187,14 @@ fn print_header(config: &TrainConfig, world: usize, plan: &BenchPlan<'_>, paired
         config.tokens_per_step() * world,
     );
     say!("machine: {}", Machine::this().describe());
-    if config.precision == Precision::Bf16
-        && config.accumulation == Accumulation::F32
-        && tl_tensor::kernels::bf16_dot::amx_available()
-    {
-        let default_on = if tl_tensor::kernels::bf16_dot::units_preferred() {
-            "on its AVX512-BF16 units"
-        } else {
-            "by fused multiply-adds, which outpace its AVX512-BF16 units"
-        };
-        say!(
-            "note: this CPU has AMX tiles; --accumulate amx sums the bf16 products in their \
-             order, on them (other bits than the default order, computed here {default_on})"
-        );
+    if config.precision == Precision::Bf16 && config.accumulation == Accumulation::F32 {
+        say!("bf16 products: {}", bf16_products_here());
+        if tl_tensor::kernels::bf16_dot::amx_available() {
+            say!(
+                "note: this CPU has AMX tiles; --accumulate amx sums the bf16 products in \
+                 their order, on them (other bits than the default order)"
+            );
+        }
     }
     let what = if paired { "pair" } else { "step" };
     say!(
