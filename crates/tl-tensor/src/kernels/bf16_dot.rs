@@ -1886,6 +1886,11 @@ mod tests {
         let route = bf16_gemm(m, k, n, &lhs, &rhs, &mut out, false);
         assert_eq!(route, pairs_route());
         assert_eq!(route, inside());
+        // A CPU with AVX-512F and BW computes it by a packed kernel, never the portable path.
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+            assert_ne!(route, Bf16Route::Portable);
+        }
     }
 
     #[test]
