@@ -1545,13 +1545,7 @@ unsafe fn units_tile(t: Tile<'_, u32>) {
         unsafe {
             let a = t.a.as_ptr().add(tile * UNITS_MR * t.a_row);
             let c = t.c.add(tile * UNITS_MR * t.ldc);
-            let mut acc = [[_mm512_setzero_ps(); 2]; UNITS_MR];
-            if !t.zero {
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    acc[0] = _mm512_loadu_ps(c.add(r * t.ldc));
-                    acc[1] = _mm512_loadu_ps(c.add(r * t.ldc + 16));
-                }
-            }
+            let mut acc = load_block(c, t.ldc, t.zero);
             for p in 0..t.pairs {
                 let b0: __m512bh =
                     std::mem::transmute(_mm512_loadu_si512(b.add(p * UNITS_NR).cast()));
@@ -1564,10 +1558,7 @@ unsafe fn units_tile(t: Tile<'_, u32>) {
                     acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
                 }
             }
-            for (r, acc) in acc.iter().enumerate() {
-                _mm512_storeu_ps(c.add(r * t.ldc), acc[0]);
-                _mm512_storeu_ps(c.add(r * t.ldc + 16), acc[1]);
-            }
+            store_block(c, t.ldc, &acc);
         }
     }
 }
@@ -1585,39 +1576,61 @@ unsafe fn units_tile(t: Tile<'_, u32>) {
 unsafe fn split_pairs_tile(t: Tile<'_, u32>) {
     debug_assert!(t.a.len() > (t.tiles * UNITS_MR - 1) * t.a_row + (t.pairs - 1) * t.a_step);
     debug_assert!(t.b.len() >= t.pairs * UNITS_NR);
-    let b = t.b.as_ptr();
     let high = _mm512_set1_epi32(!BF16_LOW);
     let even = |x: __m512i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(x));
     let odd = |x: __m512i| _mm512_castsi512_ps(_mm512_and_si512(x, high));
-    for tile in 0..t.tiles {
-        // SAFETY (this loop): the caller's contract covers every address formed below.
+    // SAFETY (all three): the caller's contract covers the tile and the addresses read.
+    unsafe {
+        fma_tile_body(
+            t,
+            UNITS_NR,
+            |rows| {
+                let [b0, b1] = [0, 16].map(|j| _mm512_loadu_si512(rows.add(j).cast()));
+                [[even(b0), even(b1)], [odd(b0), odd(b1)]]
+            },
+            |pair| {
+                let pair = _mm512_set1_epi32(*pair as i32);
+                [even(pair), odd(pair)]
+            },
+        )
+    }
+}
+
+/// The accumulators of an 8 × 32 tile (the units' and the fused multiply-adds'): its block of
+/// the output at `c`, rows `ldc` apart, or zeros if `zero`.
+///
+/// # Safety
+/// The CPU has AVX-512F; unless `zero`, `c` addresses 8 rows of 32 initialised values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn load_block(c: *const f32, ldc: usize, zero: bool) -> [[__m512; 2]; UNITS_MR] {
+    let mut acc = [[_mm512_setzero_ps(); 2]; UNITS_MR];
+    if !zero {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: the caller's contract.
+            unsafe {
+                acc[0] = _mm512_loadu_ps(c.add(r * ldc));
+                acc[1] = _mm512_loadu_ps(c.add(r * ldc + 16));
+            }
+        }
+    }
+    acc
+}
+
+/// Writes an 8 × 32 tile's accumulators to its block of the output at `c`, rows `ldc` apart.
+///
+/// # Safety
+/// The CPU has AVX-512F; `c` addresses 8 rows of 32 writable values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_block(c: *mut f32, ldc: usize, acc: &[[__m512; 2]; UNITS_MR]) {
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: the caller's contract.
         unsafe {
-            let a = t.a.as_ptr().add(tile * UNITS_MR * t.a_row);
-            let c = t.c.add(tile * UNITS_MR * t.ldc);
-            let mut acc = [[_mm512_setzero_ps(); 2]; UNITS_MR];
-            if !t.zero {
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    acc[0] = _mm512_loadu_ps(c.add(r * t.ldc));
-                    acc[1] = _mm512_loadu_ps(c.add(r * t.ldc + 16));
-                }
-            }
-            for p in 0..t.pairs {
-                let b0 = _mm512_loadu_si512(b.add(p * UNITS_NR).cast());
-                let b1 = _mm512_loadu_si512(b.add(p * UNITS_NR + 16).cast());
-                let (b_even, b_odd) = ([even(b0), even(b1)], [odd(b0), odd(b1)]);
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let pair = _mm512_set1_epi32(*a.add(r * t.a_row + p * t.a_step) as i32);
-                    let (a_even, a_odd) = (even(pair), odd(pair));
-                    for h in 0..2 {
-                        acc[h] = _mm512_fmadd_ps(a_odd, b_odd[h], acc[h]);
-                        acc[h] = _mm512_fmadd_ps(a_even, b_even[h], acc[h]);
-                    }
-                }
-            }
-            for (r, acc) in acc.iter().enumerate() {
-                _mm512_storeu_ps(c.add(r * t.ldc), acc[0]);
-                _mm512_storeu_ps(c.add(r * t.ldc + 16), acc[1]);
-            }
+            _mm512_storeu_ps(c.add(r * ldc), acc[0]);
+            _mm512_storeu_ps(c.add(r * ldc + 16), acc[1]);
         }
     }
 }
@@ -1690,44 +1703,54 @@ unsafe fn portable_tile_avx512<const AMX: bool>(t: Tile<'_, f32>) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn pairs_tile_avx512(t: Tile<'_, f32>) {
-    const MR: usize = FMA_MR;
     const NR: usize = FMA_NR;
-    const _: () = assert!(NR == 32);
-    debug_assert!(t.a.len() > (t.tiles * MR - 1) * t.a_row + (t.pairs - 1) * t.a_step + 1);
+    const _: () = assert!(FMA_MR == UNITS_MR && NR == UNITS_NR);
+    debug_assert!(t.a.len() > (t.tiles * FMA_MR - 1) * t.a_row + (t.pairs - 1) * t.a_step + 1);
     debug_assert!(t.b.len() >= t.pairs * 2 * NR);
-    let b = t.b.as_ptr();
+    // SAFETY (all three): the caller's contract covers the tile and the addresses read.
+    unsafe {
+        fma_tile_body(
+            t,
+            2 * NR,
+            |rows| [[0, 16], [NR, NR + 16]].map(|at| at.map(|j| _mm512_loadu_ps(rows.add(j)))),
+            |pair| [_mm512_set1_ps(*pair), _mm512_set1_ps(*pair.add(1))],
+        )
+    }
+}
+
+/// The 8 × 32 tile of fused multiply-adds in the units' order, `t.tiles` of them down the
+/// panel, on either packing: `rows(at)` reads the pair of rows of the right operand at
+/// `at` (`b_step` elements a pair) as f32 values, `[even row, odd row]` × two vectors of 16
+/// columns; `pair(at)` the left operand's pair at `at`, each value in all 16 lanes.
+///
+/// # Safety
+/// The CPU has AVX-512F (the callers are compiled for it); `t` as its tile's contract says,
+/// and `rows` and `pair` read only what it covers.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn fma_tile_body<T>(
+    t: Tile<'_, T>,
+    b_step: usize,
+    rows: impl Fn(*const T) -> [[__m512; 2]; 2],
+    pair: impl Fn(*const T) -> [__m512; 2],
+) {
     for tile in 0..t.tiles {
         // SAFETY (this loop): the caller's contract covers every address formed below.
         unsafe {
-            let a = t.a.as_ptr().add(tile * MR * t.a_row);
-            let c = t.c.add(tile * MR * t.ldc);
-            let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-            if !t.zero {
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    acc[0] = _mm512_loadu_ps(c.add(r * t.ldc));
-                    acc[1] = _mm512_loadu_ps(c.add(r * t.ldc + 16));
-                }
-            }
+            let a = t.a.as_ptr().add(tile * UNITS_MR * t.a_row);
+            let c = t.c.add(tile * UNITS_MR * t.ldc);
+            let mut acc = load_block(c, t.ldc, t.zero);
             for p in 0..t.pairs {
-                let rows = b.add(2 * p * NR);
-                let even = [_mm512_loadu_ps(rows), _mm512_loadu_ps(rows.add(16))];
-                let odd = [
-                    _mm512_loadu_ps(rows.add(NR)),
-                    _mm512_loadu_ps(rows.add(NR + 16)),
-                ];
+                let [b_even, b_odd] = rows(t.b.as_ptr().add(p * b_step));
                 for (r, acc) in acc.iter_mut().enumerate() {
-                    let pair = a.add(r * t.a_row + p * t.a_step);
-                    let (a_even, a_odd) = (_mm512_set1_ps(*pair), _mm512_set1_ps(*pair.add(1)));
+                    let [a_even, a_odd] = pair(a.add(r * t.a_row + p * t.a_step));
                     for h in 0..2 {
-                        acc[h] = _mm512_fmadd_ps(a_odd, odd[h], acc[h]);
-                        acc[h] = _mm512_fmadd_ps(a_even, even[h], acc[h]);
+                        acc[h] = _mm512_fmadd_ps(a_odd, b_odd[h], acc[h]);
+                        acc[h] = _mm512_fmadd_ps(a_even, b_even[h], acc[h]);
                     }
                 }
             }
-            for (r, acc) in acc.iter().enumerate() {
-                _mm512_storeu_ps(c.add(r * t.ldc), acc[0]);
-                _mm512_storeu_ps(c.add(r * t.ldc + 16), acc[1]);
-            }
+            store_block(c, t.ldc, &acc);
         }
     }
 }
