@@ -1695,8 +1695,8 @@ unsafe fn portable_tile_avx512<const AMX: bool>(t: Tile<'_, f32>) {
 /// The units' order by fused multiply-adds in sixteen lanes: FMA_MR rows × FMA_NR columns
 /// of [`portable_tile_body`]'s arithmetic (`acc ← fma(a_odd, b_odd, acc)`, then the even
 /// element), with the operands packed as for it at this size. One `vfmadd231ps` adds 16
-/// products, where `vdpbf16ps` adds 32 but may issue at half the rate (one every two cycles
-/// on the Xeons with AMX, against two fused multiply-adds a cycle).
+/// products, where `vdpbf16ps` adds 32 but may issue at a quarter of the rate (one every two
+/// cycles on the Xeon of docs/benchmarks.md, against two fused multiply-adds a cycle).
 ///
 /// # Safety
 /// The CPU has AVX-512F; `t` as [`portable_tile_body`] describes it, at FMA_MR × FMA_NR.
