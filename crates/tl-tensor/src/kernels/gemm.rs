@@ -307,7 +307,10 @@ mod tests {
         for (m, n, k) in shapes {
             let lhs = hashed((m, k), 3);
             let rhs = hashed((k, n), 4);
-            let (lhs_t, rhs_t) = (lhs.t().to_owned(), rhs.t().to_owned());
+            let (lhs_t, rhs_t) = (
+                lhs.t().as_standard_layout().into_owned(),
+                rhs.t().as_standard_layout().into_owned(),
+            );
             let naive = Array2::from_shape_fn((m, n), |(i, j)| {
                 (0..k)
                     .map(|p| f64::from(lhs[[i, p]]) * f64::from(rhs[[p, j]]))
