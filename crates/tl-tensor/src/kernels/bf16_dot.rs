@@ -2,8 +2,9 @@
 //! computed on those units where the CPU has them and the operands allow it, and by portable
 //! f32 code with the same bits everywhere else. Where the units add fewer products per cycle
 //! than the CPU's fused multiply-adds (timed once per process, [`units_preferred`]), or the
-//! CPU has AVX-512 without them, the units' packing is read by a tile of fused multiply-adds
-//! in sixteen lanes instead (`split_pairs_tile`): the same bits.
+//! CPU has AVX-512 without them, a tile of fused multiply-adds in sixteen lanes computes the
+//! same order on the units' packing of the right operand (`split_pairs_tile`), the left one
+//! packed with each value in an f32 of its own: the same bits.
 //!
 //! # The order
 //! `vdpbf16ps` (AVX512-BF16) takes 16 lanes of bf16 pairs from each operand and adds both
@@ -386,11 +387,18 @@ fn units_product(
     let kp = k.div_ceil(2);
     debug_assert!(kp <= rhs.kp && n.div_ceil(UNITS_NR) <= rhs.panels);
     debug_assert!(k.is_multiple_of(2) || kp == rhs.kp);
-    let mr = match order {
-        Order::Pairs => UNITS_MR,
-        Order::Amx => AMX_MR,
+    let (mr, tile) = match order {
+        Order::Pairs => (UNITS_MR, Some(pairs_tile())),
+        Order::Amx => (AMX_MR, None),
     };
-    let (a_len, a_range, a_pair_major) = pack_a_units(lhs, a, mr);
+    // The fused multiply-adds read the left operand wide: broadcast from memory, a value
+    // needs no splitting in registers, which would cost two instructions per row and pair
+    // on the ports that do the multiply-adds.
+    let width = match tile {
+        Some(PairsTile::Split) => Width::Wide,
+        _ => Width::Pairs,
+    };
+    let (a_len, a_range, a_pair_major) = pack_a_units(lhs, a, mr, width);
     let o_range = if accumulate {
         scan_old_outputs(out.view())
     } else {
@@ -411,7 +419,7 @@ fn units_product(
     let packed = Packed {
         a,
         m_pad,
-        a_pair: 1,
+        a_pair: width.slots(),
         a_pair_major,
         b: rhs.b,
         b_kp: rhs.kp,
@@ -424,10 +432,10 @@ fn units_product(
     let units = |t: Tile<'_, u32>| unsafe { units_tile(t) };
     let split = |t: Tile<'_, u32>| unsafe { split_pairs_tile(t) };
     let tiles = |t: Tile<'_, u32>| unsafe { amx_tile(t) };
-    let tile: &(dyn Fn(Tile<'_, u32>) + Sync) = match (order, pairs_tile()) {
-        (Order::Pairs, PairsTile::Units) => &units,
-        (Order::Pairs, PairsTile::Split) => &split,
-        (Order::Amx, _) => &tiles,
+    let tile: &(dyn Fn(Tile<'_, u32>) + Sync) = match tile {
+        Some(PairsTile::Units) => &units,
+        Some(PairsTile::Split) => &split,
+        None => &tiles,
     };
     drive((m, n, kp), &packed, out, accumulate, (mr, UNITS_NR), tile);
     true
@@ -979,21 +987,45 @@ fn by_columns(x: ArrayView2<'_, f32>) -> bool {
     x.strides()[1] != 1 && x.strides()[0] == 1 && x.ncols() > 1
 }
 
+/// How a packed left operand holds a pair of bf16 values.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Width {
+    /// In one `u32`, the even element in the low half: what the units read.
+    Pairs,
+    /// In two, the even element's f32 bits then the odd one's: what a fused multiply-add
+    /// broadcasts straight from memory.
+    Wide,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Width {
+    /// The `u32` slots of one pair.
+    fn slots(self) -> usize {
+        match self {
+            Width::Pairs => 1,
+            Width::Wide => 2,
+        }
+    }
+}
+
 /// `lhs` (m×k, any strides) packed for the units as [`Packed`] lays it out: block by block
-/// of KC pairs, each row's pairs of the block side by side (the even element in the low
-/// half, a zero past an odd k), m rounded up to a whole tile of `mr` rows with zero rows;
-/// the range of its values; and whether it is pair-major. Rows that are slices convert as
-/// they lie; a transposed operand is packed pair-major, each pair two of its columns (rows
-/// of the matrix it transposes) read whole.
+/// of KC pairs, each row's pairs of the block side by side (each pair as `width` says, a
+/// zero past an odd k), m rounded up to a whole tile of `mr` rows with zero rows; the range
+/// of its values; and whether it is pair-major. Rows that are slices convert as they lie;
+/// a transposed operand is packed pair-major, each pair two of its columns (rows of the
+/// matrix it transposes) read whole.
 #[cfg(target_arch = "x86_64")]
 fn pack_a_units(
     lhs: ArrayView2<'_, f32>,
     buffer: &mut Vec<u32>,
     mr: usize,
+    width: Width,
 ) -> (usize, Range, bool) {
     let (m, k) = lhs.dim();
     let (kp, m_pad) = (k.div_ceil(2), m.next_multiple_of(mr));
-    let a = first(buffer, m_pad * kp);
+    let w = width.slots();
+    let a = first(buffer, m_pad * kp * w);
     let columns = by_columns(lhs);
     let lines = if columns {
         row_slices(lhs.t())
@@ -1001,43 +1033,55 @@ fn pack_a_units(
         row_slices(lhs)
     };
     let mut range = Range::EMPTY;
-    for (block, a) in a.chunks_mut(KC * m_pad).enumerate() {
-        let (k0, pairs) = (block * KC, a.len() / m_pad);
+    for (block, a) in a.chunks_mut(KC * m_pad * w).enumerate() {
+        let (k0, pairs) = (block * KC, a.len() / (m_pad * w));
         let block_range = if columns {
             // Pair-major: pair p of every row is columns 2p and 2p+1 side by side, which
-            // `bf16_pairs` makes from two whole columns (rows of the matrix `lhs`
-            // transposes) straight into place. Tasks of 16 pairs.
-            a.par_chunks_mut(16 * m_pad)
+            // `bf16_pairs` (or `wide_pairs`) makes from two whole columns (rows of the
+            // matrix `lhs` transposes) straight into place. Tasks of 16 pairs.
+            a.par_chunks_mut(16 * m_pad * w)
                 .enumerate()
                 .map(|(task, packed)| {
                     // SAFETY (this closure's calls): the units' path only, whose CPU has
                     // AVX-512F and AVX-512BW (`units_available`).
                     let mut lanes = unsafe { LaneRange::new() };
-                    for (i, rows) in packed.chunks_exact_mut(m_pad).enumerate() {
+                    for (i, rows) in packed.chunks_exact_mut(m_pad * w).enumerate() {
                         let p = k0 + 16 * task + i;
-                        let (rows, past_m) = rows.split_at_mut(m);
+                        let (rows, past_m) = rows.split_at_mut(m * w);
                         past_m.fill(0);
                         let odd = lines.get(2 * p + 1).map(|odd| &odd[..]);
                         // SAFETY: as above.
-                        unsafe { bf16_pairs(&lines[2 * p], odd, rows, &mut lanes) };
+                        unsafe {
+                            match width {
+                                Width::Pairs => bf16_pairs(&lines[2 * p], odd, rows, &mut lanes),
+                                Width::Wide => wide_pairs(&lines[2 * p], odd, rows, &mut lanes),
+                            }
+                        };
                     }
                     // SAFETY: as above.
                     unsafe { lanes.range() }
                 })
                 .reduce(|| Range::EMPTY, Range::merge)
         } else {
-            a[m * pairs..].fill(0); // the tile's rows past m
-            a[..m * pairs]
-                .par_chunks_mut(MC * pairs)
+            let row_len = pairs * w;
+            a[m * row_len..].fill(0); // the tile's rows past m
+            a[..m * row_len]
+                .par_chunks_mut(MC * row_len)
                 .enumerate()
                 .map(|(task, packed)| {
-                    let (r0, r1) = (task * MC, task * MC + packed.len() / pairs);
+                    let (r0, r1) = (task * MC, task * MC + packed.len() / row_len);
                     // SAFETY (this closure's calls): as above.
                     let mut lanes = unsafe { LaneRange::new() };
                     let span = 2 * k0..k.min(2 * (k0 + pairs));
-                    for (packed, row) in packed.chunks_exact_mut(pairs).zip(&lines[r0..r1]) {
+                    for (packed, row) in packed.chunks_exact_mut(row_len).zip(&lines[r0..r1]) {
+                        let row = &row[span.clone()];
                         // SAFETY: as above.
-                        unsafe { bf16_row(&row[span.clone()], packed, &mut lanes) };
+                        unsafe {
+                            match width {
+                                Width::Pairs => bf16_row(row, packed, &mut lanes),
+                                Width::Wide => wide_row(row, packed, &mut lanes),
+                            }
+                        };
                     }
                     // SAFETY: as above.
                     unsafe { lanes.range() }
@@ -1046,7 +1090,7 @@ fn pack_a_units(
         };
         range = range.merge(block_range);
     }
-    (m_pad * kp, range, columns)
+    (m_pad * kp * w, range, columns)
 }
 
 /// Writes the bf16 values of `row` into `packed` in order (two to a `u32`, the first in
@@ -1080,6 +1124,81 @@ unsafe fn bf16_row(row: &[f32], packed: &mut [u32], lanes: &mut LaneRange) {
         // The zero past an odd row, in the last pair's upper half.
         // SAFETY: `row.len() < 2·packed.len()` when `row.len()` is odd.
         unsafe { *halves.add(row.len()) = 0 };
+    }
+}
+
+/// Writes the values of `row` into `packed` truncated to bf16, as f32 bits in order (a zero
+/// past an odd length), adding each to `lanes`: [`Width::Wide`]'s pairs. The truncation is
+/// exact for a bf16 value; a value that is not one marks the range unclean.
+///
+/// # Safety
+/// The CPU has AVX-512F; `packed` holds at least `row.len()` rounded up to even values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn wide_row(row: &[f32], packed: &mut [u32], lanes: &mut LaneRange) {
+    assert!(packed.len() >= row.len().next_multiple_of(2));
+    let whole = row.len() / 16 * 16;
+    for i in (0..whole).step_by(16) {
+        // SAFETY: `i + 16 ≤ row.len() ≤ packed.len()`: both addresses are in bounds.
+        unsafe {
+            let v = _mm512_loadu_si512(row.as_ptr().add(i).cast());
+            lanes.add(v, BF16_LOW);
+            // (Stored as loaded, the row would be copied by a call to `memcpy` per 16 values.)
+            let bf16 = _mm512_andnot_si512(_mm512_set1_epi32(BF16_LOW), v);
+            _mm512_storeu_si512(packed.as_mut_ptr().add(i).cast(), bf16);
+        }
+    }
+    for (slot, x) in packed[whole..].iter_mut().zip(&row[whole..]) {
+        let bits = x.to_bits();
+        lanes.rest.add(bits, BF16_LOW as u32);
+        *slot = bits & !(BF16_LOW as u32);
+    }
+    if row.len() % 2 == 1 {
+        packed[row.len()] = 0;
+    }
+}
+
+/// `slots[2j]`, `slots[2j + 1]` = `even[j]`, `odd[j]` as f32 bits (`odd` zero if absent),
+/// for `slots.len() / 2` values of `j`, each value added to `lanes`: [`Width::Wide`]'s
+/// pairs, as [`bf16_pairs`] makes the units'.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn wide_pairs(even: &[f32], odd: Option<&[f32]>, slots: &mut [u32], lanes: &mut LaneRange) {
+    let len = slots.len() / 2;
+    assert!(even.len() >= len && odd.is_none_or(|odd| odd.len() >= len));
+    // Lane i of the first half takes even[i/2] or odd[i/2]; of the second half, 8 further.
+    let low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    let high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    let whole = len / 16 * 16;
+    for i in (0..whole).step_by(16) {
+        // SAFETY: `i + 16 ≤ len`, within `even` and `odd` (asserted above), and slots
+        // 2i..2i+32 within `slots`.
+        unsafe {
+            let e = _mm512_loadu_si512(even.as_ptr().add(i).cast());
+            lanes.add(e, BF16_LOW);
+            let o = match odd {
+                Some(odd) => {
+                    let o = _mm512_loadu_si512(odd.as_ptr().add(i).cast());
+                    lanes.add(o, BF16_LOW);
+                    o
+                }
+                None => _mm512_setzero_si512(),
+            };
+            let to = slots.as_mut_ptr().add(2 * i);
+            _mm512_storeu_si512(to.cast(), _mm512_permutex2var_epi32(e, low, o));
+            _mm512_storeu_si512(to.add(16).cast(), _mm512_permutex2var_epi32(e, high, o));
+        }
+    }
+    for j in whole..len {
+        let e = even[j].to_bits();
+        let o = odd.map_or(0, |odd| odd[j].to_bits());
+        lanes.rest.add(e, BF16_LOW as u32);
+        lanes.rest.add(o, BF16_LOW as u32);
+        slots[2 * j] = e;
+        slots[2 * j + 1] = o;
     }
 }
 
@@ -1380,7 +1499,7 @@ fn pack_b_portable(rhs: ArrayView2<'_, f32>, nr: usize) -> Vec<f32> {
 /// - `a`: block after block, each `m_pad` rows of that block's pairs (`a_pair` elements a
 ///   pair), so a row of a block of `pairs` pairs takes `pairs·a_pair` elements — or, when
 ///   `a_pair_major` (a transposed operand, packed for the units), each block's pairs one after
-///   the other, every pair `m_pad` rows wide;
+///   the other, every pair `m_pad` rows of `a_pair` elements wide;
 /// - `b`: block after block of the `b_kp` pairs it was packed with, each `panels` panels of
 ///   that block's pairs (`b_pair` elements a pair: one row pair of the panel's columns). A
 ///   product may read fewer pairs and panels than `b` holds: a prefix of its rows and
@@ -1459,7 +1578,7 @@ fn drive<T: Sync>(
                 let b_pairs = KC.min(packed.b_kp - k0);
                 let b = &packed.b[(k0 * packed.panels + q * b_pairs) * packed.b_pair..];
                 let (a_row, a_step) = if packed.a_pair_major {
-                    (1, packed.m_pad)
+                    (packed.a_pair, packed.m_pad * packed.a_pair)
                 } else {
                     (pairs * packed.a_pair, packed.a_pair)
                 };
@@ -1561,14 +1680,15 @@ unsafe fn units_tile(t: Tile<'_, u32>) {
     }
 }
 
-/// The units' order on the units' packing by fused multiply-adds: [`units_tile`]'s tile
-/// and operands, each bf16 pair split in registers into its two f32 values (the even one
-/// shifted up 16 bits, the odd one with its low half cleared), then
-/// `acc ← fma(a_odd, b_odd, acc)`, `acc ← fma(a_even, b_even, acc)`: the portable tile's
-/// IEEE arithmetic, so its bits on any values, in or out of the units' window.
+/// The units' order by fused multiply-adds: [`units_tile`]'s tile and right operand, each
+/// bf16 pair of it split in registers into its two f32 values (the even one shifted up 16
+/// bits, the odd one with its low half cleared), and the left operand packed
+/// [`Width::Wide`], each value broadcast from memory; then `acc ← fma(a_odd, b_odd, acc)`,
+/// `acc ← fma(a_even, b_even, acc)`: the portable tile's IEEE arithmetic, so its bits on any
+/// values, in or out of the units' window.
 ///
 /// # Safety
-/// As [`units_tile`], on a CPU with AVX-512F.
+/// As [`units_tile`], on a CPU with AVX-512F, with `t.a` packed wide (two slots a pair).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn split_pairs_tile(t: Tile<'_, u32>) {
@@ -1586,9 +1706,11 @@ unsafe fn split_pairs_tile(t: Tile<'_, u32>) {
                 let [b0, b1] = [0, 16].map(|j| _mm512_loadu_si512(rows.add(j).cast()));
                 [[even(b0), even(b1)], [odd(b0), odd(b1)]]
             },
+            // Two loads of an f32 each, which become broadcasts from memory: read as one u64
+            // and split, the pair would take two more instructions on the multiply-adds' port.
             |pair| {
-                let pair = _mm512_set1_epi32(*pair as i32);
-                [even(pair), odd(pair)]
+                let pair = pair.cast::<f32>();
+                [_mm512_set1_ps(*pair), _mm512_set1_ps(*pair.add(1))]
             },
         )
     }
@@ -2092,6 +2214,7 @@ mod tests {
                 ArrayView2::from_shape((1, 2), &a).unwrap(),
                 &mut packed_a,
                 UNITS_MR,
+                Width::Pairs,
             );
             pack_b_units(ArrayView2::from_shape((2, 1), &b).unwrap(), &mut packed_b);
             let mut out = ndarray::arr2(&[[acc]]);

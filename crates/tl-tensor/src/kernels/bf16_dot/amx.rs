@@ -432,11 +432,11 @@ mod tests {
         }
         // One output from `acc`, its k ≤ 32 values on the tiles directly (no window).
         let tiles = |acc: f32, a: &[f32], b: &[f32]| {
-            use super::super::{Packed, UNITS_NR, drive, pack_a_units, pack_b_units};
+            use super::super::{Packed, UNITS_NR, Width, drive, pack_a_units, pack_b_units};
             let k = a.len();
             let (mut packed_a, mut packed_b) = (Vec::new(), Vec::new());
             let a = ArrayView2::from_shape((1, k), a).unwrap();
-            let (a_len, _, _) = pack_a_units(a, &mut packed_a, AMX_MR);
+            let (a_len, _, _) = pack_a_units(a, &mut packed_a, AMX_MR, Width::Pairs);
             pack_b_units(ArrayView2::from_shape((k, 1), b).unwrap(), &mut packed_b);
             let mut out = ndarray::arr2(&[[acc]]);
             let packed = Packed {
