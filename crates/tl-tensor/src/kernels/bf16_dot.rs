@@ -367,7 +367,7 @@ struct UnitsRhs<'a> {
 /// `out = lhs · rhs` (or `+=`) on the units, `rhs` (or its leading rows and columns: `lhs`
 /// has k ≤ 2·`rhs.kp` columns, `out` n ≤ 32·`rhs.panels`) already packed, if the operands are
 /// in the window; `false`, with `out` untouched, if they are not. `a` is the buffer `lhs` is
-/// packed into.
+/// packed into, unless the tile reads its rows where they lie ([`rows_in_place`]).
 ///
 /// A prefix of the rows must end at a pair (k even), or be all of them: a pair cut in two
 /// would multiply the zero past `lhs`'s last column by a row the product does not have.
@@ -398,7 +398,14 @@ fn units_product(
         Some(PairsTile::Split) => Width::Wide,
         _ => Width::Pairs,
     };
-    let (a_len, a_range, a_pair_major) = pack_a_units(lhs, a, mr, width);
+    // Rows the tile can read where they lie are only scanned for their range.
+    let in_place = (width == Width::Wide)
+        .then(|| rows_in_place(lhs, mr))
+        .flatten();
+    let (a_len, a_range, a_pair_major) = match in_place {
+        Some(_) => (0, range_of_rows(lhs), false),
+        None => pack_a_units(lhs, a, mr, width),
+    };
     let o_range = if accumulate {
         scan_old_outputs(out.view())
     } else {
@@ -409,18 +416,27 @@ fn units_product(
     }
     let m_pad = m.next_multiple_of(mr);
     let by_rows;
-    let (a, a_pair_major) = match order {
-        Order::Amx if a_pair_major => {
-            by_rows = rows_from_pair_major(&a[..a_len], m_pad, kp);
-            (&by_rows[..], false)
+    let (a, a_layout) = match (order, in_place) {
+        (_, Some(row)) => {
+            // SAFETY: the rows of `lhs` are slices `row` elements apart (`rows_in_place`),
+            // so its (m−1)·row + k elements from the first lie inside it, and f32 and u32
+            // have one layout.
+            let rows =
+                unsafe { std::slice::from_raw_parts(lhs.as_ptr().cast(), (m - 1) * row + k) };
+            (rows, ALayout::InPlace { row })
         }
-        _ => (&a[..a_len], a_pair_major),
+        (Order::Amx, None) if a_pair_major => {
+            by_rows = rows_from_pair_major(&a[..a_len], m_pad, kp);
+            (&by_rows[..], ALayout::Rows)
+        }
+        (_, None) if a_pair_major => (&a[..a_len], ALayout::PairMajor),
+        (_, None) => (&a[..a_len], ALayout::Rows),
     };
     let packed = Packed {
         a,
         m_pad,
         a_pair: width.slots(),
-        a_pair_major,
+        a_layout,
         b: rhs.b,
         b_kp: rhs.kp,
         panels: rhs.panels,
@@ -664,7 +680,7 @@ fn portable_in(
         a: &a,
         m_pad: m.next_multiple_of(mr),
         a_pair: 2,
-        a_pair_major: false,
+        a_layout: ALayout::Rows,
         b: &b,
         b_kp: kp,
         panels: n.div_ceil(nr),
@@ -987,6 +1003,35 @@ fn by_columns(x: ArrayView2<'_, f32>) -> bool {
     x.strides()[1] != 1 && x.strides()[0] == 1 && x.ncols() > 1
 }
 
+/// The distance between the rows of `lhs` if [`Width::Wide`]'s tile can read them where they
+/// lie: rows that are slices, an even k (no pair past a row's end) and whole tiles of `mr`
+/// rows (none past the last).
+#[cfg(target_arch = "x86_64")]
+fn rows_in_place(lhs: ArrayView2<'_, f32>, mr: usize) -> Option<usize> {
+    let (m, k) = lhs.dim();
+    let [row, column] = [lhs.strides()[0], lhs.strides()[1]];
+    let slices = column == 1 && usize::try_from(row).is_ok_and(|row| row >= k);
+    (slices && k > 0 && k.is_multiple_of(2) && m > 0 && m.is_multiple_of(mr))
+        .then_some(row as usize)
+}
+
+/// The [`Range`] of the values of `lhs`, whose rows are slices, as packing it would find.
+#[cfg(target_arch = "x86_64")]
+fn range_of_rows(lhs: ArrayView2<'_, f32>) -> Range {
+    row_slices(lhs)
+        .par_chunks(MC)
+        .map(|rows| {
+            // SAFETY (both calls): the units' path only, whose CPU has AVX-512F.
+            let mut lanes = unsafe { LaneRange::new() };
+            for row in rows {
+                unsafe { lanes.add_row(row) };
+            }
+            // SAFETY: as above.
+            unsafe { lanes.range() }
+        })
+        .reduce(|| Range::EMPTY, Range::merge)
+}
+
 /// How a packed left operand holds a pair of bf16 values.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1245,6 +1290,25 @@ impl LaneRange {
         }
     }
 
+    /// Adds every value of `row` ([`Range::add`] with bf16's low bits).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn add_row(&mut self, row: &[f32]) {
+        let whole = row.len() / 16 * 16;
+        for i in (0..whole).step_by(16) {
+            // SAFETY: `i + 16 ≤ row.len()`.
+            self.add(
+                unsafe { _mm512_loadu_si512(row.as_ptr().add(i).cast()) },
+                BF16_LOW,
+            );
+        }
+        for x in &row[whole..] {
+            self.rest.add(x.to_bits(), BF16_LOW as u32);
+        }
+    }
+
     /// # Safety
     /// The CPU has AVX-512F.
     #[target_feature(enable = "avx512f")]
@@ -1496,10 +1560,7 @@ fn pack_b_portable(rhs: ArrayView2<'_, f32>, nr: usize) -> Vec<f32> {
 /// Packed operands, both cut into blocks of KC pairs of the inner dimension (the last block
 /// shorter), so that a tile's operands for one block are contiguous runs:
 ///
-/// - `a`: block after block, each `m_pad` rows of that block's pairs (`a_pair` elements a
-///   pair), so a row of a block of `pairs` pairs takes `pairs·a_pair` elements — or, when
-///   `a_pair_major` (a transposed operand, packed for the units), each block's pairs one after
-///   the other, every pair `m_pad` rows of `a_pair` elements wide;
+/// - `a`: as `a_layout` says, `a_pair` elements a pair;
 /// - `b`: block after block of the `b_kp` pairs it was packed with, each `panels` panels of
 ///   that block's pairs (`b_pair` elements a pair: one row pair of the panel's columns). A
 ///   product may read fewer pairs and panels than `b` holds: a prefix of its rows and
@@ -1508,11 +1569,25 @@ struct Packed<'a, T> {
     a: &'a [T],
     m_pad: usize,
     a_pair: usize,
-    a_pair_major: bool,
+    a_layout: ALayout,
     b: &'a [T],
     b_kp: usize,
     panels: usize,
     b_pair: usize,
+}
+
+/// How [`Packed`]'s `a` holds the left operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ALayout {
+    /// Block after block, each `m_pad` rows of that block's pairs, so a row of a block of
+    /// `pairs` pairs takes `pairs·a_pair` elements.
+    Rows,
+    /// Block after block, each block's pairs one after the other, every pair `m_pad` rows of
+    /// `a_pair` elements wide: a transposed operand, packed for the units.
+    PairMajor,
+    /// Not packed: the operand's own f32 rows, `row` elements apart, read where they lie
+    /// (`a_pair` 2, `m_pad` m).
+    InPlace { row: usize },
 }
 
 /// One call of a tile kernel: `tiles` tiles stacked down one panel of the output, each
@@ -1577,13 +1652,13 @@ fn drive<T: Sync>(
                 let (c0, cols) = (q * nr, nr.min(n - q * nr));
                 let b_pairs = KC.min(packed.b_kp - k0);
                 let b = &packed.b[(k0 * packed.panels + q * b_pairs) * packed.b_pair..];
-                let (a_row, a_step) = if packed.a_pair_major {
-                    (packed.a_pair, packed.m_pad * packed.a_pair)
-                } else {
-                    (pairs * packed.a_pair, packed.a_pair)
+                let block = k0 * packed.m_pad * packed.a_pair;
+                let (a_start, a_row, a_step) = match packed.a_layout {
+                    ALayout::Rows => (block, pairs * packed.a_pair, packed.a_pair),
+                    ALayout::PairMajor => (block, packed.a_pair, packed.m_pad * packed.a_pair),
+                    ALayout::InPlace { row } => (2 * k0, row, 2),
                 };
-                let a_at =
-                    |t: usize| &packed.a[k0 * packed.m_pad * packed.a_pair + (r0 + t) * a_row..];
+                let a_at = |t: usize| &packed.a[a_start + (r0 + t) * a_row..];
                 // The whole tiles of the panel in one call, then the ragged one through
                 // `edge`, a whole tile's buffer padded with zeros.
                 let whole = if cols == nr { rows / mr } else { 0 };
@@ -1688,7 +1763,7 @@ unsafe fn units_tile(t: Tile<'_, u32>) {
 /// values, in or out of the units' window.
 ///
 /// # Safety
-/// As [`units_tile`], on a CPU with AVX-512F, with `t.a` packed wide (two slots a pair).
+/// As [`units_tile`], on a CPU with AVX-512F, with `t.a` wide (two slots a pair).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn split_pairs_tile(t: Tile<'_, u32>) {
@@ -2141,6 +2216,11 @@ mod tests {
     #[test]
     fn operands_outside_the_window_take_the_portable_path_with_ieee_results() {
         units_or_say_so();
+        // Rows the fused multiply-adds would read where they lie (whole tiles, an even k)
+        // are scanned all the same: the value is in a vector of 16, then in a remainder.
+        for shape in [(16, 40, 35), (16, 6, 35)] {
+            outside_the_window(bf16_gemm, reference, shape, None, 11);
+        }
         let (m, k, n) = (9, 13, 35);
         let (base_lhs, rhs) = outside_the_window(bf16_gemm, reference, (m, k, n), None, 12);
         let tiny = 2f32.powi(-130);
@@ -2222,7 +2302,7 @@ mod tests {
                 a: &packed_a,
                 m_pad: UNITS_MR,
                 a_pair: 1,
-                a_pair_major: false,
+                a_layout: ALayout::Rows,
                 b: &packed_b,
                 b_kp: 1,
                 panels: 1,
@@ -2287,7 +2367,16 @@ mod tests {
     ) {
         use ndarray::Array2;
         let rng = Generator::new(seed);
-        for (m, k, n) in [(37, 65, 70), (70, 601, 45), (5, 3, 2)] {
+        // The fused multiply-adds read rows where they lie in whole tiles of rows and with an
+        // even k, over two blocks of pairs in the fourth shape; not in the fifth.
+        let shapes = [
+            (37, 65, 70),
+            (70, 601, 45),
+            (5, 3, 2),
+            (40, 602, 70),
+            (37, 66, 33),
+        ];
+        for (m, k, n) in shapes {
             let lhs = Array2::from_shape_vec((m, k), bf16_values(m * k, 0, &rng)).unwrap();
             let rhs = Array2::from_shape_vec((k, n), bf16_values(k * n, -2, &rng)).unwrap();
             let old = Array2::from_shape_vec((m, n), bf16_values(m * n, 1, &rng)).unwrap();
@@ -2295,6 +2384,11 @@ mod tests {
                 lhs.t().as_standard_layout().into_owned(),
                 rhs.t().as_standard_layout().into_owned(),
             );
+            // `lhs` as columns 1..=k of a wider matrix: rows k + 3 apart, the first unaligned;
+            // and as the rows of a matrix read backwards.
+            let mut lhs_wider = Array2::from_elem((m, k + 3), f32::NAN);
+            lhs_wider.slice_mut(s![.., 1..=k]).assign(&lhs);
+            let lhs_backwards = lhs.slice(s![..;-1, ..]).as_standard_layout().into_owned();
             for accumulate in [false, true] {
                 let mut expected = old.clone();
                 reference(
@@ -2311,6 +2405,8 @@ mod tests {
                     (lhs_t.t(), rhs.view()),
                     (lhs.view(), rhs_t.t()),
                     (lhs_t.t(), rhs_t.t()),
+                    (lhs_wider.slice(s![.., 1..=k]), rhs.view()),
+                    (lhs_backwards.slice(s![..;-1, ..]), rhs.view()),
                 ]
                 .into_iter()
                 .flat_map(|operands| products.iter().map(move |p| (operands, p)))

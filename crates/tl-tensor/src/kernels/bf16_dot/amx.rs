@@ -432,7 +432,9 @@ mod tests {
         }
         // One output from `acc`, its k ≤ 32 values on the tiles directly (no window).
         let tiles = |acc: f32, a: &[f32], b: &[f32]| {
-            use super::super::{Packed, UNITS_NR, Width, drive, pack_a_units, pack_b_units};
+            use super::super::{
+                ALayout, Packed, UNITS_NR, Width, drive, pack_a_units, pack_b_units,
+            };
             let k = a.len();
             let (mut packed_a, mut packed_b) = (Vec::new(), Vec::new());
             let a = ArrayView2::from_shape((1, k), a).unwrap();
@@ -443,7 +445,7 @@ mod tests {
                 a: &packed_a[..a_len],
                 m_pad: AMX_MR,
                 a_pair: 1,
-                a_pair_major: false,
+                a_layout: ALayout::Rows,
                 b: &packed_b,
                 b_kp: k.div_ceil(2),
                 panels: 1,
