@@ -398,12 +398,11 @@ fn units_product(
         Some(PairsTile::Split) => Width::Wide,
         _ => Width::Pairs,
     };
-    // Rows the tile can read where they lie are only scanned for their range.
-    let in_place = (width == Width::Wide)
-        .then(|| rows_in_place(lhs, mr))
-        .flatten();
+    // An operand the tile can read where it lies is only scanned for its range.
+    let in_place = (width == Width::Wide).then(|| in_place(lhs, mr)).flatten();
     let (a_len, a_range, a_pair_major) = match in_place {
-        Some(_) => (0, range_of_rows(lhs), false),
+        Some(ALayout::ColumnsInPlace { .. }) => (0, range_of_lines(row_slices(lhs.t())), true),
+        Some(_) => (0, range_of_lines(row_slices(lhs)), false),
         None => pack_a_units(lhs, a, mr, width),
     };
     let o_range = if accumulate {
@@ -417,13 +416,17 @@ fn units_product(
     let m_pad = m.next_multiple_of(mr);
     let by_rows;
     let (a, a_layout) = match (order, in_place) {
-        (_, Some(row)) => {
-            // SAFETY: the rows of `lhs` are slices `row` elements apart (`rows_in_place`),
-            // so its (m−1)·row + k elements from the first lie inside it, and f32 and u32
-            // have one layout.
-            let rows =
-                unsafe { std::slice::from_raw_parts(lhs.as_ptr().cast(), (m - 1) * row + k) };
-            (rows, ALayout::InPlace { row })
+        (_, Some(layout)) => {
+            let len = match layout {
+                ALayout::InPlace { row } => (m - 1) * row + k,
+                ALayout::ColumnsInPlace { column } => (k - 1) * column + m,
+                _ => unreachable!("`in_place` gives only these two"),
+            };
+            // SAFETY: the rows (or columns) of `lhs` are slices `row` (`column`) elements
+            // apart (`in_place`), so the `len` elements from its first lie inside it, and f32
+            // and u32 have one layout.
+            let a = unsafe { std::slice::from_raw_parts(lhs.as_ptr().cast(), len) };
+            (a, layout)
         }
         (Order::Amx, None) if a_pair_major => {
             by_rows = rows_from_pair_major(&a[..a_len], m_pad, kp);
@@ -1003,22 +1006,28 @@ fn by_columns(x: ArrayView2<'_, f32>) -> bool {
     x.strides()[1] != 1 && x.strides()[0] == 1 && x.ncols() > 1
 }
 
-/// The distance between the rows of `lhs` if [`Width::Wide`]'s tile can read them where they
-/// lie: rows that are slices, an even k (no pair past a row's end) and whole tiles of `mr`
-/// rows (none past the last).
+/// How [`Width::Wide`]'s tile can read `lhs` where it lies, if it can: by rows that are
+/// slices ([`ALayout::InPlace`]) or, transposed, by columns that are
+/// ([`ALayout::ColumnsInPlace`]), with an even k (no pair past a row's end) and whole tiles
+/// of `mr` rows (none past the last).
 #[cfg(target_arch = "x86_64")]
-fn rows_in_place(lhs: ArrayView2<'_, f32>, mr: usize) -> Option<usize> {
+fn in_place(lhs: ArrayView2<'_, f32>, mr: usize) -> Option<ALayout> {
     let (m, k) = lhs.dim();
-    let [row, column] = [lhs.strides()[0], lhs.strides()[1]];
-    let slices = column == 1 && usize::try_from(row).is_ok_and(|row| row >= k);
-    (slices && k > 0 && k.is_multiple_of(2) && m > 0 && m.is_multiple_of(mr))
-        .then_some(row as usize)
+    if !(k > 0 && k.is_multiple_of(2) && m > 0 && m.is_multiple_of(mr)) {
+        return None;
+    }
+    let apart = |stride: isize, len: usize| usize::try_from(stride).ok().filter(|&s| s >= len);
+    match *lhs.strides() {
+        [row, 1] => apart(row, k).map(|row| ALayout::InPlace { row }),
+        [1, column] => apart(column, m).map(|column| ALayout::ColumnsInPlace { column }),
+        _ => None,
+    }
 }
 
-/// The [`Range`] of the values of `lhs`, whose rows are slices, as packing it would find.
+/// The [`Range`] of the values of `lines`, as packing them would find.
 #[cfg(target_arch = "x86_64")]
-fn range_of_rows(lhs: ArrayView2<'_, f32>) -> Range {
-    row_slices(lhs)
+fn range_of_lines(lines: Vec<Cow<'_, [f32]>>) -> Range {
+    lines
         .par_chunks(MC)
         .map(|rows| {
             // SAFETY (both calls): the units' path only, whose CPU has AVX-512F.
@@ -1588,11 +1597,16 @@ enum ALayout {
     /// Not packed: the operand's own f32 rows, `row` elements apart, read where they lie
     /// (`a_pair` 2, `m_pad` m).
     InPlace { row: usize },
+    /// Not packed: a transposed operand's own f32 columns, `column` elements apart, read
+    /// where they lie (`a_pair` 2, `m_pad` m): a pair's odd element a column after its even
+    /// one.
+    ColumnsInPlace { column: usize },
 }
 
 /// One call of a tile kernel: `tiles` tiles stacked down one panel of the output, each
 /// `pairs` pairs of the inner dimension of its rows of `a` (the first tile's starting at
-/// `a`, rows `a_row` elements apart and pairs `a_step`, the next tile's a tile's rows further)
+/// `a`, rows `a_row` elements apart and pairs `a_step`, a wide pair's odd element `a_odd`
+/// after its even one, the next tile's a tile's rows further)
 /// times the panel of `b`, added to its tile of the output (the first at `c`, rows `ldc`
 /// apart), which starts from zero if `zero`. A call walks a whole panel of a block of rows,
 /// so that the work between two tiles stays inside the kernel: the fused attention's scores
@@ -1603,6 +1617,7 @@ struct Tile<'a, T> {
     a: &'a [T],
     a_row: usize,
     a_step: usize,
+    a_odd: usize,
     b: &'a [T],
     pairs: usize,
     c: *mut f32,
@@ -1653,10 +1668,11 @@ fn drive<T: Sync>(
                 let b_pairs = KC.min(packed.b_kp - k0);
                 let b = &packed.b[(k0 * packed.panels + q * b_pairs) * packed.b_pair..];
                 let block = k0 * packed.m_pad * packed.a_pair;
-                let (a_start, a_row, a_step) = match packed.a_layout {
-                    ALayout::Rows => (block, pairs * packed.a_pair, packed.a_pair),
-                    ALayout::PairMajor => (block, packed.a_pair, packed.m_pad * packed.a_pair),
-                    ALayout::InPlace { row } => (2 * k0, row, 2),
+                let (a_start, a_row, a_step, a_odd) = match packed.a_layout {
+                    ALayout::Rows => (block, pairs * packed.a_pair, packed.a_pair, 1),
+                    ALayout::PairMajor => (block, packed.a_pair, packed.m_pad * packed.a_pair, 1),
+                    ALayout::InPlace { row } => (2 * k0, row, 2, 1),
+                    ALayout::ColumnsInPlace { column } => (2 * k0 * column, 1, 2 * column, column),
                 };
                 let a_at = |t: usize| &packed.a[a_start + (r0 + t) * a_row..];
                 // The whole tiles of the panel in one call, then the ragged one through
@@ -1667,6 +1683,7 @@ fn drive<T: Sync>(
                         a: a_at(0),
                         a_row,
                         a_step,
+                        a_odd,
                         b,
                         pairs,
                         // SAFETY: column c0 of the block's first row lies inside it.
@@ -1691,6 +1708,7 @@ fn drive<T: Sync>(
                         a: a_at(t),
                         a_row,
                         a_step,
+                        a_odd,
                         b,
                         pairs,
                         c: edge.as_mut_ptr(),
@@ -1767,7 +1785,9 @@ unsafe fn units_tile(t: Tile<'_, u32>) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn split_pairs_tile(t: Tile<'_, u32>) {
-    debug_assert!(t.a.len() > (t.tiles * UNITS_MR - 1) * t.a_row + (t.pairs - 1) * t.a_step);
+    debug_assert!(
+        t.a.len() > (t.tiles * UNITS_MR - 1) * t.a_row + (t.pairs - 1) * t.a_step + t.a_odd
+    );
     debug_assert!(t.b.len() >= t.pairs * UNITS_NR);
     let high = _mm512_set1_epi32(!BF16_LOW);
     let even = |x: __m512i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(x));
@@ -1785,7 +1805,7 @@ unsafe fn split_pairs_tile(t: Tile<'_, u32>) {
             // and split, the pair would take two more instructions on the multiply-adds' port.
             |pair| {
                 let pair = pair.cast::<f32>();
-                [_mm512_set1_ps(*pair), _mm512_set1_ps(*pair.add(1))]
+                [_mm512_set1_ps(*pair), _mm512_set1_ps(*pair.add(t.a_odd))]
             },
         )
     }
@@ -2367,8 +2387,9 @@ mod tests {
     ) {
         use ndarray::Array2;
         let rng = Generator::new(seed);
-        // The fused multiply-adds read rows where they lie in whole tiles of rows and with an
-        // even k, over two blocks of pairs in the fourth shape; not in the fifth.
+        // The fused multiply-adds read rows (or a transposed operand's columns) where they lie
+        // in whole tiles of rows and with an even k, over two blocks of pairs in the fourth
+        // shape; not in the fifth.
         let shapes = [
             (37, 65, 70),
             (70, 601, 45),
@@ -2385,9 +2406,11 @@ mod tests {
                 rhs.t().as_standard_layout().into_owned(),
             );
             // `lhs` as columns 1..=k of a wider matrix: rows k + 3 apart, the first unaligned;
-            // and as the rows of a matrix read backwards.
+            // transposed, its columns m + 3 apart; and as the rows of a matrix read backwards.
             let mut lhs_wider = Array2::from_elem((m, k + 3), f32::NAN);
             lhs_wider.slice_mut(s![.., 1..=k]).assign(&lhs);
+            let mut lhs_t_wider = Array2::from_elem((k, m + 3), f32::NAN);
+            lhs_t_wider.slice_mut(s![.., 1..=m]).assign(&lhs.t());
             let lhs_backwards = lhs.slice(s![..;-1, ..]).as_standard_layout().into_owned();
             for accumulate in [false, true] {
                 let mut expected = old.clone();
@@ -2406,6 +2429,7 @@ mod tests {
                     (lhs.view(), rhs_t.t()),
                     (lhs_t.t(), rhs_t.t()),
                     (lhs_wider.slice(s![.., 1..=k]), rhs.view()),
+                    (lhs_t_wider.slice(s![.., 1..=m]).reversed_axes(), rhs.view()),
                     (lhs_backwards.slice(s![..;-1, ..]), rhs.view()),
                 ]
                 .into_iter()
