@@ -26,8 +26,10 @@ pub fn units_preferred() -> bool {
     *PREFERRED.get_or_init(|| units_available() && units_outpace_fma())
 }
 
-/// The tile that computes a product in the units' order on the units' packing: the units'
-/// own (`vdpbf16ps`), or fused multiply-adds on the pairs split in registers. The same bits.
+/// The tile that computes a product in the units' order on the units' packing of the right
+/// operand: the units' own (`vdpbf16ps`), or fused multiply-adds (`Split`: the right
+/// operand's pairs split in registers, the left operand read one f32 a value). The same
+/// bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum PairsTile {
     Units,
