@@ -2277,6 +2277,37 @@ mod tests {
         assert_eq!(bits(&old), bits(&expected));
     }
 
+    /// Which left operands the fused multiply-adds read where they lie (the choice changes no
+    /// bit, only how much is packed, so only this test sees it).
+    #[test]
+    fn operands_read_in_place_are_whole_tiles_of_slices_with_an_even_k() {
+        use ndarray::Array2;
+        let x = Array2::<f32>::zeros((16, 12));
+        let rows = |row| Some(ALayout::InPlace { row });
+        let columns = |column| Some(ALayout::ColumnsInPlace { column });
+        assert_eq!(in_place(x.view(), 8), rows(12));
+        assert_eq!(in_place(x.slice(s![.., 2..8]), 8), rows(12));
+        assert_eq!(in_place(x.slice(s![..8, ..]).reversed_axes(), 8), None); // 12 rows
+        assert_eq!(
+            in_place(x.slice(s![.., ..8]).reversed_axes(), 4),
+            columns(12)
+        );
+        assert_eq!(in_place(x.t(), 4), columns(12));
+        // An odd k, a ragged last tile, no rows or no columns, every other stride.
+        assert_eq!(in_place(x.slice(s![.., ..7]), 8), None);
+        assert_eq!(in_place(x.slice(s![..12, ..]), 8), None);
+        assert_eq!(in_place(x.slice(s![..0, ..]), 8), None);
+        assert_eq!(in_place(x.slice(s![.., ..0]), 8), None);
+        assert_eq!(in_place(x.slice(s![.., ..;2]), 8), None);
+        assert_eq!(in_place(x.slice(s![..;-1, ..]), 8), None);
+        // Rows (or columns) closer together than their length: a broadcast.
+        let row = ndarray::Array1::<f32>::zeros(12);
+        assert_eq!(in_place(row.broadcast((16, 12)).unwrap(), 8), None);
+        let column = ndarray::Array1::<f32>::zeros(16);
+        let broadcast = column.broadcast((12, 16)).unwrap().reversed_axes();
+        assert_eq!(in_place(broadcast, 8), None);
+    }
+
     #[test]
     fn the_window_edges() {
         let inside = inside();
