@@ -4,7 +4,7 @@
 //! than the CPU's fused multiply-adds (timed once per process, [`units_preferred`]), or the
 //! CPU has AVX-512 without them, a tile of fused multiply-adds in sixteen lanes computes the
 //! same order on the units' packing of the right operand (`split_pairs_tile`), the left one
-//! packed with each value in an f32 of its own: the same bits.
+//! read with each value in an f32 of its own: the same bits.
 //!
 //! # The order
 //! `vdpbf16ps` (AVX512-BF16) takes 16 lanes of bf16 pairs from each operand and adds both
@@ -367,7 +367,7 @@ struct UnitsRhs<'a> {
 /// `out = lhs · rhs` (or `+=`) on the units, `rhs` (or its leading rows and columns: `lhs`
 /// has k ≤ 2·`rhs.kp` columns, `out` n ≤ 32·`rhs.panels`) already packed, if the operands are
 /// in the window; `false`, with `out` untouched, if they are not. `a` is the buffer `lhs` is
-/// packed into, unless the tile reads its rows where they lie ([`rows_in_place`]).
+/// packed into, unless the tile reads `lhs` where it lies ([`in_place`]).
 ///
 /// A prefix of the rows must end at a pair (k even), or be all of them: a pair cut in two
 /// would multiply the zero past `lhs`'s last column by a row the product does not have.
@@ -1030,7 +1030,7 @@ fn range_of_lines(lines: Vec<Cow<'_, [f32]>>) -> Range {
     lines
         .par_chunks(MC)
         .map(|rows| {
-            // SAFETY (both calls): the units' path only, whose CPU has AVX-512F.
+            // SAFETY (the three calls): the units' path only, whose CPU has AVX-512F.
             let mut lanes = unsafe { LaneRange::new() };
             for row in rows {
                 unsafe { lanes.add_row(row) };
