@@ -400,9 +400,11 @@ fn units_product(
     };
     // An operand the tile can read where it lies is only scanned for its range.
     let in_place = (width == Width::Wide).then(|| in_place(lhs, mr)).flatten();
-    let (a_len, a_range, a_pair_major) = match in_place {
-        Some(ALayout::ColumnsInPlace { .. }) => (0, range_of_lines(row_slices(lhs.t())), true),
-        Some(_) => (0, range_of_lines(row_slices(lhs)), false),
+    let (a_len, a_range, a_layout) = match in_place {
+        Some(layout @ ALayout::ColumnsInPlace { .. }) => {
+            (0, range_of_lines(row_slices(lhs.t())), layout)
+        }
+        Some(layout) => (0, range_of_lines(row_slices(lhs)), layout),
         None => pack_a_units(lhs, a, mr, width),
     };
     let o_range = if accumulate {
@@ -415,25 +417,20 @@ fn units_product(
     }
     let m_pad = m.next_multiple_of(mr);
     let by_rows;
-    let (a, a_layout) = match (order, in_place) {
-        (_, Some(layout)) => {
-            let len = match layout {
-                ALayout::InPlace { row } => (m - 1) * row + k,
-                ALayout::ColumnsInPlace { column } => (k - 1) * column + m,
-                _ => unreachable!("`in_place` gives only these two"),
-            };
-            // SAFETY: the rows (or columns) of `lhs` are slices `row` (`column`) elements
-            // apart (`in_place`), so the `len` elements from its first lie inside it, and f32
-            // and u32 have one layout.
-            let a = unsafe { std::slice::from_raw_parts(lhs.as_ptr().cast(), len) };
-            (a, layout)
-        }
-        (Order::Amx, None) if a_pair_major => {
+    let in_place_len = |len| {
+        // SAFETY: the rows (or columns) of `lhs` are slices `row` (`column`) elements apart
+        // (`in_place`), so the `len` elements from its first lie inside it, and f32 and u32
+        // have one layout.
+        unsafe { std::slice::from_raw_parts(lhs.as_ptr().cast(), len) }
+    };
+    let (a, a_layout) = match (order, a_layout) {
+        (_, ALayout::InPlace { row }) => (in_place_len((m - 1) * row + k), a_layout),
+        (_, ALayout::ColumnsInPlace { column }) => (in_place_len((k - 1) * column + m), a_layout),
+        (Order::Amx, ALayout::PairMajor) => {
             by_rows = rows_from_pair_major(&a[..a_len], m_pad, kp);
             (&by_rows[..], ALayout::Rows)
         }
-        (_, None) if a_pair_major => (&a[..a_len], ALayout::PairMajor),
-        (_, None) => (&a[..a_len], ALayout::Rows),
+        (_, ALayout::PairMajor | ALayout::Rows) => (&a[..a_len], a_layout),
     };
     let packed = Packed {
         a,
@@ -1066,16 +1063,16 @@ impl Width {
 /// `lhs` (m×k, any strides) packed for the units as [`Packed`] lays it out: block by block
 /// of KC pairs, each row's pairs of the block side by side (each pair as `width` says, a
 /// zero past an odd k), m rounded up to a whole tile of `mr` rows with zero rows; the range
-/// of its values; and whether it is pair-major. Rows that are slices convert as they lie;
-/// a transposed operand is packed pair-major, each pair two of its columns (rows of the
-/// matrix it transposes) read whole.
+/// of its values; and its layout, [`ALayout::Rows`] or [`ALayout::PairMajor`]. Rows that
+/// are slices convert as they lie; a transposed operand is packed pair-major, each pair two
+/// of its columns (rows of the matrix it transposes) read whole.
 #[cfg(target_arch = "x86_64")]
 fn pack_a_units(
     lhs: ArrayView2<'_, f32>,
     buffer: &mut Vec<u32>,
     mr: usize,
     width: Width,
-) -> (usize, Range, bool) {
+) -> (usize, Range, ALayout) {
     let (m, k) = lhs.dim();
     let (kp, m_pad) = (k.div_ceil(2), m.next_multiple_of(mr));
     let w = width.slots();
@@ -1144,7 +1141,12 @@ fn pack_a_units(
         };
         range = range.merge(block_range);
     }
-    (m_pad * kp * w, range, columns)
+    let layout = if columns {
+        ALayout::PairMajor
+    } else {
+        ALayout::Rows
+    };
+    (m_pad * kp * w, range, layout)
 }
 
 /// Writes the bf16 values of `row` into `packed` in order (two to a `u32`, the first in
