@@ -11,7 +11,8 @@
 //! block projections        2T(4d² + 3dh)        2 × forward (dX and dW)       as forward, less
 //!                                                                             what the policy keeps
 //! block attention          4d·pairs(T)          10d·pairs(T)                  0 (kept)
-//! head                     2TdV                 4TdV                          —
+//! head                     2TdV                 4TdV                          2TdV with the
+//!                                                                             chunked loss
 //! ```
 //!
 //! `pairs(T)` is the (query, key) pairs the fused attention computes: it multiplies each block
@@ -25,6 +26,10 @@
 //!
 //! Summed, the projections and the head give the well-known `6·P·T` per sequence, with `P`
 //! the parameters that take part in products (all but the embedding and the norms' gains).
+//!
+//! The chunked loss (`--chunked-loss`, on by default for a vocabulary of 8 widths or more)
+//! keeps no logits for backward and multiplies them again there, one block of rows at a
+//! time: the head's forward product once more.
 //!
 //! With checkpointing, every checkpointed block (all but the last segment's) reruns its
 //! forward pass during backward, taking the attention's result back rather than recomputing
@@ -171,10 +176,16 @@ pub fn step_flops(
     let head_forward = if head { per.head } else { 0 };
     let forward = n_blocks * (per.projections + per.attention) + head_forward;
     let backward = n_blocks * (2 * per.projections + 5 * per.attention / 2) + 2 * head_forward;
+    // The chunked loss computes the head's logits again in backward, block by block.
+    let head_rerun = if config.chunked_loss.resolve(model) {
+        head_forward
+    } else {
+        0
+    };
     Ok(StepFlops {
         forward: sequences * forward / tensor,
         backward: sequences * backward / tensor,
-        recompute: sequences * n_rerun * per.rerun / tensor,
+        recompute: sequences * (n_rerun * per.rerun + head_rerun) / tensor,
     })
 }
 
@@ -229,6 +240,25 @@ mod tests {
         // x·Wq is kept: 2 · 64 · 64² FLOPs per sequence fewer.
         assert_eq!(ckpt(Checkpointing::FirstMatmul), 3 * (per_block - 524_288));
         assert_eq!(ckpt(Checkpointing::Off), 0);
+    }
+
+    #[test]
+    fn the_chunked_loss_multiplies_the_head_once_more_in_backward() {
+        use crate::model::head_loss::ChunkedLoss;
+        let flops = |chunked, checkpointing| {
+            let config = TrainConfig {
+                chunked_loss: chunked,
+                ..tiny(3, checkpointing)
+            };
+            step_flops(&config, &DataParallelism::new(1, 0).unwrap(), 0).unwrap()
+        };
+        // The tiny preset's byte vocabulary is 4 widths: auto is off.
+        assert_eq!(flops(ChunkedLoss::Auto, Checkpointing::Off).recompute, 0);
+        let on = flops(ChunkedLoss::On, Checkpointing::PerBlock);
+        let off = flops(ChunkedLoss::Off, Checkpointing::PerBlock);
+        // 2 · 64 tokens · 64 · 256 per sequence, three sequences.
+        assert_eq!(on.recompute - off.recompute, 3 * 2_097_152);
+        assert_eq!((on.forward, on.backward), (off.forward, off.backward));
     }
 
     #[test]
