@@ -21,6 +21,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use tl_precision::{Accumulation, Precision};
+use tl_tensor::kernels::gemm_limit::{GemmLimit, record_products};
 use tl_tensor::memory;
 
 use crate::error::{Result, TrainError};
@@ -117,6 +118,10 @@ pub struct BenchReport {
     /// The process's peak resident memory (rank 0), single mode only; `None` where the
     /// system does not say.
     pub peak_rss_bytes: Option<u64>,
+    /// What the GEMM alone takes for one step's products (`--gemm-limit`, single mode): the
+    /// step after the timed ones, its products recorded, then each timed alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm_limit: Option<GemmLimit>,
 }
 
 /// The machine a bench ran on: figures from different CPUs compare only as ratios.
@@ -324,6 +329,10 @@ pub struct BenchPlan<'a> {
     pub warmup_steps: usize,
     /// Timed steps, or pairs in the paired mode.
     pub steps: usize,
+    /// Whether to measure the step's GEMM limit after the timed steps (fp32 recipes, single
+    /// mode): one more step with its products recorded, then each product timed alone
+    /// ([`tl_tensor::kernels::gemm_limit`]).
+    pub gemm_limit: bool,
 }
 
 impl BenchPlan<'_> {
@@ -390,9 +399,9 @@ fn trainer(
     start: &mut dyn FnMut(TrainConfig, &Path) -> Result<Trainer>,
 ) -> Result<Timed> {
     let mut config = config.clone();
-    // Steps enough for the warm-up and the timed ones; no checkpoint or evaluation is taken
-    // by `train_step` anyway.
-    let steps = (plan.warmup_steps + plan.steps) as u64;
+    // Steps enough for the warm-up, the timed ones and the one recorded for the GEMM limit;
+    // no checkpoint or evaluation is taken by `train_step` anyway.
+    let steps = (plan.warmup_steps + plan.steps + usize::from(plan.gemm_limit)) as u64;
     config.steps = config.steps.max(steps);
     config.lr.total = config.lr.total.max(steps);
     let trainer = start(config, &plan.dir.join(name))?;
@@ -403,13 +412,14 @@ fn trainer(
     })
 }
 
-/// Times `plan.steps` steps of `config` after the warm-up. `start` makes a trainer of a
-/// config in a run directory (on this process's ranks); `on_step` hears each timed step's
-/// index and seconds.
+/// Times `plan.steps` steps of `config` after the warm-up, then measures the step's GEMM
+/// limit if the plan asks. `start` makes a trainer of a config in a run directory (on this
+/// process's ranks); `on_step` hears each timed step's index and seconds.
 ///
 /// # Errors
 /// Whatever starting the trainer or a step returns, or [`TrainError::InvalidArgument`] for
-/// a plan out of range.
+/// a plan out of range or a GEMM limit asked of a recipe whose products are not the f32
+/// GEMM's.
 pub fn bench_one(
     config: &TrainConfig,
     plan: &BenchPlan<'_>,
@@ -417,6 +427,9 @@ pub fn bench_one(
     on_step: &mut dyn FnMut(usize, f64),
 ) -> Result<BenchReport> {
     plan.check()?;
+    if plan.gemm_limit {
+        check_gemm_limit(config)?;
+    }
     let mut timed = trainer(config, plan, "run", start)?;
     for _ in 0..plan.warmup_steps {
         timed.step(false)?;
@@ -428,7 +441,31 @@ pub fn bench_one(
         on_step(i, seconds);
     }
     let peaks = (Some(memory::peak_bytes() as u64), peak_rss_bytes());
-    Ok(report(vec![timed], plan, None, peaks))
+    let limit = if plan.gemm_limit {
+        let (taken, products) = record_products(|| timed.step(false));
+        taken?;
+        Some(products.time_alone())
+    } else {
+        None
+    };
+    let mut report = report(vec![timed], plan, None, peaks);
+    report.gemm_limit = limit;
+    Ok(report)
+}
+
+/// Refuses a GEMM limit for a recipe whose products do not all run on the f32 GEMM: a
+/// limit of some of them would bound nothing.
+fn check_gemm_limit(config: &TrainConfig) -> Result<()> {
+    if config.precision == Precision::Fp32 && config.fp8.is_none() {
+        return Ok(());
+    }
+    Err(TrainError::InvalidArgument {
+        name: "gemm-limit",
+        value: config_recipe_name(config),
+        reason: "the GEMM limit bounds a step whose products all run on the f32 GEMM: an fp32 \
+                 recipe (bf16, fp16 and fp8 products run on kernels of their own)"
+            .into(),
+    })
 }
 
 /// The paired mode: `plan.steps` pairs of one step of `base` in recipe A and one in
@@ -445,6 +482,13 @@ pub fn bench_paired(
     on_pair: &mut dyn FnMut(usize, f64, f64),
 ) -> Result<BenchReport> {
     plan.check()?;
+    if plan.gemm_limit {
+        return Err(TrainError::InvalidArgument {
+            name: "gemm-limit",
+            value: "true".into(),
+            reason: "measures one recipe's step: leave out --paired".into(),
+        });
+    }
     let mut a = trainer(&with_recipe(base, recipes[0]), plan, "a", start)?;
     let mut b = trainer(&with_recipe(base, recipes[1]), plan, "b", start)?;
     for _ in 0..plan.warmup_steps {
@@ -498,6 +542,7 @@ fn report(
         paired,
         peak_live_bytes,
         peak_rss_bytes,
+        gemm_limit: None,
         config,
     }
 }
@@ -574,6 +619,62 @@ mod tests {
         assert!(machine.describe().contains(&machine.cpu));
     }
 
+    /// The GEMM limit of `config`'s step on a fresh trainer in `dir` (one warm-up, one timed
+    /// step).
+    fn gemm_limit_of(config: &TrainConfig, dir: &Path) -> Result<BenchReport> {
+        let plan = BenchPlan {
+            dir,
+            warmup_steps: 1,
+            steps: 1,
+            gemm_limit: true,
+        };
+        bench_one(
+            config,
+            &plan,
+            &mut |c, d| Trainer::new(c, d),
+            &mut |_, _| {},
+        )
+    }
+
+    #[test]
+    fn a_gemm_limit_is_refused_where_products_leave_the_f32_gemm_or_for_two_recipes() {
+        let dir = tempfile::tempdir().unwrap();
+        let tiny = TrainConfig::tiny_for_tests();
+        let refused = |result: Result<BenchReport>, recipe: &str| match result {
+            Err(TrainError::InvalidArgument { name, value, .. }) => {
+                assert_eq!((name, value.as_str()), ("gemm-limit", recipe));
+            }
+            other => panic!("{recipe}: {other:?}"),
+        };
+        let bf16 = TrainConfig {
+            precision: Precision::Bf16,
+            ..tiny.clone()
+        };
+        refused(gemm_limit_of(&bf16, dir.path()), "bf16");
+        let fp8 = TrainConfig {
+            fp8: Some(tl_precision::Fp8Recipe::default()),
+            ..tiny.clone()
+        };
+        refused(gemm_limit_of(&fp8, dir.path()), "fp8");
+        let plan = BenchPlan {
+            dir: dir.path(),
+            warmup_steps: 1,
+            steps: 1,
+            gemm_limit: true,
+        };
+        let recipes = paired_recipes(&["fp32".into(), "fp32+ckpt".into()]).unwrap();
+        let paired = bench_paired(
+            &tiny,
+            recipes,
+            &plan,
+            &mut |c, d| Trainer::new(c, d),
+            &mut |_, _, _| {},
+        );
+        refused(paired, "true");
+        // Nothing was started: no run directory.
+        assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none());
+    }
+
     #[test]
     fn a_bench_times_the_steps_it_was_asked_for_after_the_warmup() {
         let dir = tempfile::tempdir().unwrap();
@@ -586,6 +687,7 @@ mod tests {
             dir: dir.path(),
             warmup_steps: 1,
             steps: 3,
+            gemm_limit: false,
         };
         let mut seen = Vec::new();
         let report = bench_one(

@@ -107,6 +107,38 @@ fn an_fp8_step_is_timed_alone_and_paired() {
 }
 
 #[test]
+fn the_gemm_limit_times_the_very_products_the_plan_counts() {
+    use tl_train::plan::{DataParallelism, step_flops};
+    // The step's GEMM calls, recorded in a process of their own, carry exactly the FLOPs the
+    // plan counts from the model's shape: the projections, the fused attention's blocks,
+    // the head, and a checkpointed block's rerun less what its policy keeps.
+    for policy in [
+        &[][..],
+        &["--checkpoint-activations"],
+        &["--checkpoint-policy", "first-matmul"],
+        &["--checkpoint-activations", "--chunked-loss", "on"],
+    ] {
+        let mut args = vec!["--gemm-limit", "--steps", "1", "--threads", "2"];
+        args.extend(policy);
+        let report = report(&args);
+        let limit = report.gemm_limit.expect("asked for");
+        let planned = step_flops(&report.config, &DataParallelism::new(1, 0).unwrap(), 0);
+        assert_eq!(limit.flops, planned.unwrap().total(), "{policy:?}");
+        assert_eq!(
+            limit.calls,
+            limit.products.iter().map(|p| p.count).sum::<u64>()
+        );
+        let sum: f64 = limit
+            .products
+            .iter()
+            .map(|p| p.count as f64 * p.seconds)
+            .sum();
+        assert!(limit.seconds > 0.0 && (limit.seconds - sum).abs() <= 1e-9 * sum);
+        assert!((limit.spread_s + limit.serial_s - limit.seconds).abs() <= 1e-9 * sum);
+    }
+}
+
+#[test]
 fn a_custom_size_from_a_config_file_is_timed() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("wide.toml");
@@ -176,6 +208,11 @@ fn bad_bench_arguments_fail_before_any_step() {
         (vec!["--paired", "fp32,fp9"], "is not a recipe"),
         (vec!["--steps", "0"], "steps"),
         (vec!["--threads", "0"], "threads"),
+        (vec!["--bf16", "--gemm-limit"], "gemm-limit"),
+        (
+            vec!["--paired", "fp32,fp32+ckpt", "--gemm-limit"],
+            "gemm-limit",
+        ),
     ] {
         let mut all = TINY.to_vec();
         all.extend(&args);

@@ -102,6 +102,7 @@ pub(super) fn gemm_with<E: Element>(
     threads: Threads,
 ) {
     check_shapes(out.dim(), lhs, rhs);
+    super::gemm_limit::note(out.strides(), &lhs, &rhs, accumulate, false, threads);
     spread(out, lhs, rhs, threads, |out, lhs, rhs, parallelism| {
         let strides = [out.strides()[0], out.strides()[1]];
         // SAFETY: `out` is a live, initialised view of the product's shape (`spread` hands
@@ -120,6 +121,7 @@ pub(super) fn gemm_overwrite<E: Element>(
     threads: Threads,
 ) {
     check_shapes(out.dim(), lhs, rhs);
+    super::gemm_limit::note(out.strides(), &lhs, &rhs, false, true, threads);
     spread(out, lhs, rhs, threads, |out, lhs, rhs, parallelism| {
         let (m, n) = out.dim();
         if !gemm_only_writes(m, n) {

@@ -7,6 +7,7 @@ pub mod bf16_dot;
 pub mod exp;
 pub mod finite;
 pub mod gemm;
+pub mod gemm_limit;
 pub mod linear_cross_entropy;
 pub mod rotary;
 pub mod rows;

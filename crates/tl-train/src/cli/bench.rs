@@ -13,6 +13,7 @@ use crate::bench::{BenchPlan, BenchReport, Machine, bench_one, bench_paired, pai
 use crate::error::{Result, TrainError};
 use crate::model::Preset;
 use crate::train::{TrainConfig, Trainer};
+use tl_tensor::kernels::gemm_limit::{GemmCall, GemmLimit, Spread};
 
 /// Options of `tinyllm bench`.
 #[derive(Debug, Args)]
@@ -39,6 +40,11 @@ pub struct BenchArgs {
     /// the accumulation replace the recipe's).
     #[arg(long, value_name = "A,B", value_delimiter = ',')]
     pub paired: Vec<String>,
+    /// After the timed steps, record one more step's products and time each alone on the
+    /// f32 GEMM: what the step would take if it did nothing but its products, and the
+    /// fraction of that the step reaches (fp32 recipes; not with --paired).
+    #[arg(long)]
+    pub gemm_limit: bool,
     /// Print the figures as one JSON object on stdout (progress still goes to stderr).
     #[arg(long)]
     pub json: bool,
@@ -88,6 +94,7 @@ pub(super) fn bench(args: &BenchArgs) -> Result<Exit> {
         dir: dir.path(),
         warmup_steps: args.warmup,
         steps,
+        gemm_limit: args.gemm_limit,
     };
     let mut comm = Some(communicator(args.backend)?);
     let (rank, world) = {
@@ -142,6 +149,9 @@ pub(super) fn bench(args: &BenchArgs) -> Result<Exit> {
     };
     if !leader {
         return Ok(Exit::Success);
+    }
+    if report.gemm_limit.is_some() {
+        say!("timed every product of one more step alone on the GEMM");
     }
     if args.json {
         println!(
@@ -231,6 +241,9 @@ fn print_summary(report: &BenchReport) {
             paired.ratios.len()
         );
     }
+    if let Some(limit) = &report.gemm_limit {
+        print_gemm_limit(limit, report.recipes[0].seconds.median);
+    }
     if let Some(live) = report.peak_live_bytes {
         let rss = report.peak_rss_bytes.map_or_else(
             || "peak process memory unavailable here".to_string(),
@@ -241,4 +254,55 @@ fn print_summary(report: &BenchReport) {
             mib(live)
         );
     }
+}
+
+/// The products that take the longest, listed under the GEMM limit.
+const LIMIT_ROWS: usize = 6;
+
+/// The GEMM limit of a step, its split, the fraction the step reaches, and the products
+/// that take the most of it.
+fn print_gemm_limit(limit: &GemmLimit, step_s: f64) {
+    println!(
+        "GEMM limit: {:.3} s for one step's {} products ({:.1} GFLOP, {:.0} GFLOP/s): {:.3} s \
+         spread over the pool, {:.3} s one per task; the median step reaches {:.1}% of it",
+        limit.seconds,
+        limit.calls,
+        limit.flops as f64 / 1e9,
+        limit.flops as f64 / limit.seconds / 1e9,
+        limit.spread_s,
+        limit.serial_s,
+        100.0 * limit.seconds / step_s,
+    );
+    let mut products: Vec<_> = limit.products.iter().collect();
+    products.sort_by(|a, b| (b.seconds * b.count as f64).total_cmp(&(a.seconds * a.count as f64)));
+    for product in products.iter().take(LIMIT_ROWS) {
+        let call = &product.call;
+        let [m, k, n] = call.shape;
+        let total = product.seconds * product.count as f64;
+        println!(
+            "  {:>5.1}%  {m}x{k}x{n} {} {}, {} x {:.3} ms = {:.3} s",
+            100.0 * total / limit.seconds,
+            layouts(call),
+            match call.spread {
+                Spread::Serial => "one per task".to_string(),
+                Spread::Gemm => "split by gemm".to_string(),
+                Spread::RowBlocks(rows) => format!("in blocks of {rows} rows"),
+            },
+            product.count,
+            product.seconds * 1e3,
+            total,
+        );
+    }
+}
+
+/// How a product's operands lie: `N` a matrix in rows (unit column stride), `T` in columns
+/// (unit row stride), `S` neither; left, right, then the output, and `+=` if it accumulates.
+fn layouts(call: &GemmCall) -> String {
+    let layout = |[row, column]: [isize; 2]| match (row, column) {
+        (_, 1) => 'N',
+        (1, _) => 'T',
+        _ => 'S',
+    };
+    let [l, r, o] = call.strides.map(layout);
+    format!("{l}{r}->{o}{}", if call.accumulate { "+=" } else { "" })
 }

@@ -312,6 +312,7 @@ fn bench_rate(config: &TrainConfig) -> Result<ComputeRate> {
         dir: dir.path(),
         warmup_steps: 1,
         steps: 2,
+        gemm_limit: false,
     };
     say!("measuring this node's compute rate: one untimed and two timed steps of the recipe...");
     let report = bench_one(
