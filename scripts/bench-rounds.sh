@@ -6,7 +6,8 @@
 # ratio, their median, the lowest, and the ratio of each side's best step. About 75 s a
 # round on 2 cores. On a CPU with AMX tiles, each round also runs the bf16 step in the tiles'
 # order (`--accumulate amx`, what PyTorch's bf16 products compute there) against the same
-# PyTorch figure.
+# PyTorch figure. And each round times the fp32 step with its GEMM limit (`--gemm-limit`: the
+# step's own products, each timed alone), for the fraction of the limit the step reaches.
 #
 #   TINYLLM=target/release/tinyllm PEERS=../shared/peers PYTHON=python3 \
 #     scripts/bench-rounds.sh bench-rounds-out 10
@@ -35,6 +36,8 @@ for round in $(seq 1 "$N"); do
     --json > "$O/tl-ddp-$round.json"
   OMP_NUM_THREADS=1 "$TORCHRUN" --nproc_per_node=2 "$P/ddp_bench.py" fp32 4 1 \
     > "$O/pt-ddp-$round.json"
+  "$T" bench --preset capstone --micro-batch 8 --accum 1 --steps 3 --warmup 1 --gemm-limit \
+    --json > "$O/tl-limit-$round.json"
 done
 date -u +%FT%TZ > "$O/end"
 "$PY" - "$O" "$N" <<'EOF' | tee "$O/summary.md"
@@ -65,4 +68,16 @@ for kind, peer, title in [
     best = min(pt for _, pt in pairs) / min(tl for tl, _ in pairs)
     print(f"\nratio: median {statistics.median(ratios):.2f}×, lowest {min(ratios):.2f}×, "
           f"highest {max(ratios):.2f}×; best step against best step {best:.2f}×")
+
+print("\nfp32, 2 threads, against the GEMM limit of its own products\n")
+print("| round | step, s | limit, s | fraction |\n|---|---|---|---|")
+fractions = []
+for r in range(1, rounds + 1):
+    with open(f"{out}/tl-limit-{r}.json") as f:
+        report = json.load(f)
+    step, limit = report["recipes"][0]["seconds"]["median"], report["gemm_limit"]["seconds"]
+    fractions.append(limit / step)
+    print(f"| {r} | {step:.3f} | {limit:.3f} | {100 * limit / step:.1f}% |")
+print(f"\nfraction: median {100 * statistics.median(fractions):.1f}%, "
+      f"lowest {100 * min(fractions):.1f}%, highest {100 * max(fractions):.1f}%")
 EOF
