@@ -27,8 +27,8 @@
 //!   caches and the memory bus as they did in the program. A small product a program calls
 //!   alone on one thread is timed this way too: it would count a little short.
 //!
-//! Calls are run in batches of at least [`BATCH_S`] after one untimed batch, and the median
-//! of [`BATCHES`] batches is kept. The limit is the sum over the distinct calls of their
+//! Calls are run in batches of about [`BATCH_S`], sized by three untimed ones, and the
+//! median of [`BATCHES`] batches is kept. The limit is the sum over the distinct calls of their
 //! count times their median time per call.
 //!
 //! ```
@@ -62,7 +62,7 @@ use super::split::Threads;
 use crate::Element;
 
 /// The shortest timed batch of calls, in seconds.
-pub const BATCH_S: f64 = 0.005;
+pub const BATCH_S: f64 = 0.01;
 
 /// Timed batches per distinct call; the median is kept.
 pub const BATCHES: usize = 5;
@@ -350,6 +350,28 @@ impl<E: Element> Operands<E> {
     }
 }
 
+/// The most calls per thread in one batch.
+const MAX_REPS: usize = 1 << 20;
+
+/// Untimed batches that size the timed ones.
+const CALIBRATION: usize = 3;
+
+/// Calls per thread in a timed batch, from [`CALIBRATION`] untimed batches of `batch(reps)`
+/// seconds (the calls doubling while a batch is shorter than half of [`BATCH_S`]): enough
+/// for [`BATCH_S`] at the fastest time per call seen. A batch slowed by a thread waiting
+/// for its core (a preemption, a wake-up) then cannot size the timed ones alone.
+fn batch_reps(mut batch: impl FnMut(usize) -> f64) -> usize {
+    let (mut reps, mut fastest) = (1, f64::INFINITY);
+    for _ in 0..CALIBRATION {
+        let seconds = batch(reps);
+        fastest = fastest.min(seconds / reps as f64);
+        if seconds < BATCH_S / 2.0 {
+            reps = (2 * reps).min(MAX_REPS);
+        }
+    }
+    ((BATCH_S / fastest.max(1e-12)).ceil() as usize).clamp(1, MAX_REPS)
+}
+
 /// The median time of one `call`, alone (see the module's documentation).
 fn time_call<E: Element>(call: &GemmCall) -> f64 {
     let threads = match call.spread {
@@ -377,9 +399,7 @@ fn time_call<E: Element>(call: &GemmCall) -> f64 {
         }
         start.elapsed().as_secs_f64()
     };
-    // The untimed batch, which also sizes the timed ones.
-    let once = batch(1).max(1e-9);
-    let reps = ((BATCH_S / once).ceil() as usize).clamp(1, 1 << 20);
+    let reps = batch_reps(&batch);
     let mut seconds: Vec<f64> = (0..BATCHES).map(|_| batch(reps)).collect();
     seconds.sort_by(f64::total_cmp);
     seconds[BATCHES / 2] / (reps * threads) as f64
@@ -499,6 +519,29 @@ mod tests {
         assert!(close(limit.spread_s, 3.0 * time(&big).seconds));
         assert!(close(limit.serial_s, 40.0 * time(&small).seconds));
         assert!(close(limit.seconds, limit.spread_s + limit.serial_s));
+    }
+
+    #[test]
+    fn one_slow_batch_does_not_size_the_timed_ones() {
+        // 2⁻¹⁹ s (1.9 µs) a call, but the first batch waited 4 ms for its core.
+        let call = 1.0 / 524_288.0;
+        let mut sizes = Vec::new();
+        let reps = batch_reps(|reps| {
+            sizes.push(reps);
+            call * reps as f64 + if sizes.len() == 1 { 4e-3 } else { 0.0 }
+        });
+        assert_eq!(sizes, [1, 2, 4], "short batches double");
+        assert_eq!(reps, 5_243, "0.01 s · 2¹⁹, rounded up");
+        // A call longer than a batch runs once a batch; one near half a batch is not doubled.
+        assert_eq!(batch_reps(|reps| 0.03 * reps as f64), 1);
+        let mut sizes = Vec::new();
+        let reps = batch_reps(|reps| {
+            sizes.push(reps);
+            0.006 * reps as f64
+        });
+        assert_eq!((sizes, reps), (vec![1, 1, 1], 2));
+        // A clock that reads zero does not divide by it.
+        assert_eq!(batch_reps(|_| 0.0), MAX_REPS);
     }
 
     #[test]

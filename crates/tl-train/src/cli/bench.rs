@@ -150,9 +150,6 @@ pub(super) fn bench(args: &BenchArgs) -> Result<Exit> {
     if !leader {
         return Ok(Exit::Success);
     }
-    if report.gemm_limit.is_some() {
-        say!("timed every product of one more step alone on the GEMM");
-    }
     if args.json {
         println!(
             "{}",
@@ -214,6 +211,9 @@ fn print_header(config: &TrainConfig, world: usize, plan: &BenchPlan<'_>, paired
         plan.steps,
         if plan.steps == 1 { "" } else { "s" },
     );
+    if plan.gemm_limit {
+        say!("then one more step with its GEMM calls recorded, and each call timed alone");
+    }
 }
 
 /// The figures, as lines on stdout.
