@@ -545,6 +545,17 @@ mod tests {
     }
 
     #[test]
+    fn a_view_spans_from_its_first_element_to_its_last() {
+        assert_eq!(span(4, 5, [5, 1]), 20); // row-major, rows of 5
+        assert_eq!(span(4, 5, [1, 4]), 20); // column-major
+        assert_eq!(span(3, 1, [7, 1]), 15); // one column of a matrix 7 wide
+        assert_eq!(span(1, 3, [9, 2]), 5); // every other element of a row
+        assert_eq!(span(2, 3, [-3, 1]), 6); // rows read backwards
+        assert_eq!(span(1, 1, [9, 9]), 1);
+        assert_eq!((span(0, 5, [7, 1]), span(5, 0, [1, 3])), (0, 0));
+    }
+
+    #[test]
     fn a_replayed_call_computes_the_product_it_times() {
         // Strided, transposed and accumulating, overwriting: the replay builds views of the
         // recorded strides, so it runs the product the program ran.
