@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use tl_precision::{Accumulation, Precision};
+use tl_tensor::kernels::gemm_limit::{GemmCall, GemmLimit, Spread};
 
 use super::backend::{Backend, communicator};
 use super::train::{config_from_flags, mib, shrink_builtin_corpus};
@@ -13,7 +14,6 @@ use crate::bench::{BenchPlan, BenchReport, Machine, bench_one, bench_paired, pai
 use crate::error::{Result, TrainError};
 use crate::model::Preset;
 use crate::train::{TrainConfig, Trainer};
-use tl_tensor::kernels::gemm_limit::{GemmCall, GemmLimit, Spread};
 
 /// Options of `tinyllm bench`.
 #[derive(Debug, Args)]
