@@ -135,6 +135,9 @@ fn the_gemm_limit_times_the_very_products_the_plan_counts() {
             .sum();
         assert!(limit.seconds > 0.0 && (limit.seconds - sum).abs() <= 1e-9 * sum);
         assert!((limit.spread_s + limit.serial_s - limit.seconds).abs() <= 1e-9 * sum);
+        // The recorded step's calls, timed where they ran.
+        assert!(limit.in_program_s > 0.0);
+        assert!(limit.products.iter().all(|p| p.in_program_s > 0.0));
     }
 }
 

@@ -102,13 +102,16 @@ pub(super) fn gemm_with<E: Element>(
     threads: Threads,
 ) {
     check_shapes(out.dim(), lhs, rhs);
-    super::gemm_limit::note(out.strides(), &lhs, &rhs, accumulate, false, threads);
-    spread(out, lhs, rhs, threads, |out, lhs, rhs, parallelism| {
-        let strides = [out.strides()[0], out.strides()[1]];
-        // SAFETY: `out` is a live, initialised view of the product's shape (`spread` hands
-        // out matching blocks of `out` and `lhs`) whose strides are passed unchanged, and a
-        // unique borrow, so it aliases neither operand.
-        unsafe { gemm_raw(out.as_mut_ptr(), strides, lhs, rhs, accumulate, parallelism) }
+    let out_strides = [out.strides()[0], out.strides()[1]];
+    let kind = (accumulate, false);
+    super::gemm_limit::noted(out_strides, &lhs, &rhs, kind, threads, || {
+        spread(out, lhs, rhs, threads, |out, lhs, rhs, parallelism| {
+            let strides = [out.strides()[0], out.strides()[1]];
+            // SAFETY: `out` is a live, initialised view of the product's shape (`spread`
+            // hands out matching blocks of `out` and `lhs`) whose strides are passed
+            // unchanged, and a unique borrow, so it aliases neither operand.
+            unsafe { gemm_raw(out.as_mut_ptr(), strides, lhs, rhs, accumulate, parallelism) }
+        });
     });
 }
 
@@ -121,22 +124,24 @@ pub(super) fn gemm_overwrite<E: Element>(
     threads: Threads,
 ) {
     check_shapes(out.dim(), lhs, rhs);
-    super::gemm_limit::note(out.strides(), &lhs, &rhs, false, true, threads);
-    spread(out, lhs, rhs, threads, |out, lhs, rhs, parallelism| {
-        let (m, n) = out.dim();
-        if !gemm_only_writes(m, n) {
-            // A vector, or a target where the audit below does not hold: zeroing costs little.
-            out.fill(MaybeUninit::new(E::zero()));
-        }
-        let strides = [out.strides()[0], out.strides()[1]];
-        let out = out.as_mut_ptr().cast::<E>();
-        // SAFETY: `MaybeUninit<E>` has the layout of `E`, so the cast pointer addresses the
-        // same elements, a block of the product's shape (`spread` hands out matching blocks
-        // of `out` and `lhs`), each valid for writes; `out` is a unique borrow aliasing
-        // neither operand. If it was not zero-filled above, gemm only writes it
-        // (`gemm_only_writes`), so no uninitialised value is read, and on return all its
-        // elements hold the product.
-        unsafe { gemm_raw(out, strides, lhs, rhs, false, parallelism) }
+    let out_strides = [out.strides()[0], out.strides()[1]];
+    super::gemm_limit::noted(out_strides, &lhs, &rhs, (false, true), threads, || {
+        spread(out, lhs, rhs, threads, |out, lhs, rhs, parallelism| {
+            let (m, n) = out.dim();
+            if !gemm_only_writes(m, n) {
+                // A vector, or a target where the audit below does not hold: zeroing costs little.
+                out.fill(MaybeUninit::new(E::zero()));
+            }
+            let strides = [out.strides()[0], out.strides()[1]];
+            let out = out.as_mut_ptr().cast::<E>();
+            // SAFETY: `MaybeUninit<E>` has the layout of `E`, so the cast pointer addresses the
+            // same elements, a block of the product's shape (`spread` hands out matching blocks
+            // of `out` and `lhs`), each valid for writes; `out` is a unique borrow aliasing
+            // neither operand. If it was not zero-filled above, gemm only writes it
+            // (`gemm_only_writes`), so no uninitialised value is read, and on return all its
+            // elements hold the product.
+            unsafe { gemm_raw(out, strides, lhs, rhs, false, parallelism) }
+        });
     });
 }
 

@@ -10,7 +10,7 @@
 //! [`matmul`](super::gemm::matmul), the batched products, the fused attention's block
 //! products) while [`record_products`] runs, from any thread: its element type, its shape,
 //! the strides of its three views, whether it accumulates into its output or overwrites it,
-//! and how it is spread over threads. The recorder is process-wide, as a profiler is: a
+//! how it is spread over threads, and the time it took there. The recorder is process-wide, as a profiler is: a
 //! product another thread asks for meanwhile is counted too. Products on other kernels (the
 //! bf16 kernel, the tensor-core models) are not GEMM calls and are not recorded.
 //!
@@ -70,8 +70,17 @@ pub const BATCHES: usize = 5;
 /// How many [`record_products`] are running: while it is not zero, every GEMM call is noted.
 static RECORDING: AtomicUsize = AtomicUsize::new(0);
 
-/// The calls noted, by kind, with their counts.
-static CALLS: Mutex<BTreeMap<GemmCall, u64>> = Mutex::new(BTreeMap::new());
+/// The calls noted, by kind, with their counts and the seconds they took in the program.
+static CALLS: Mutex<BTreeMap<GemmCall, Noted>> = Mutex::new(BTreeMap::new());
+
+/// What a recording noted of one kind of call.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Noted {
+    /// How many times it was called.
+    count: u64,
+    /// The seconds those calls took in the program, summed over the threads that ran them.
+    seconds: f64,
+}
 
 /// One recording at a time: a second waits for the first to finish.
 static RECORDER: Mutex<()> = Mutex::new(());
@@ -152,31 +161,36 @@ impl GemmCall {
     }
 }
 
-/// Notes a call of the GEMM, if a recording runs.
-pub(super) fn note<E: Element>(
-    out_strides: &[isize],
+/// Runs `product`, the GEMM call these arguments describe, and notes it with the time it
+/// took, if a recording runs.
+pub(super) fn noted<E: Element>(
+    out_strides: [isize; 2],
     lhs: &ArrayView2<'_, E>,
     rhs: &ArrayView2<'_, E>,
-    accumulate: bool,
-    overwrite: bool,
+    (accumulate, overwrite): (bool, bool),
     threads: Threads,
+    product: impl FnOnce(),
 ) {
-    if RECORDING.load(Ordering::Relaxed) == 0 {
-        return;
-    }
-    let Some(element) = GemmElement::of::<E>() else {
-        return;
+    let element = GemmElement::of::<E>();
+    let (Some(element), true) = (element, RECORDING.load(Ordering::Relaxed) > 0) else {
+        return product();
     };
+    let start = Instant::now();
+    product();
+    let seconds = start.elapsed().as_secs_f64();
     let two = |s: &[isize]| [s[0], s[1]];
     let call = GemmCall {
         element,
         shape: [lhs.nrows(), lhs.ncols(), rhs.ncols()],
-        strides: [two(lhs.strides()), two(rhs.strides()), two(out_strides)],
+        strides: [two(lhs.strides()), two(rhs.strides()), out_strides],
         accumulate,
         overwrite,
         spread: Spread::of(threads),
     };
-    *lock(&CALLS).entry(call).or_insert(0) += 1;
+    let mut calls = lock(&CALLS);
+    let noted = calls.entry(call).or_default();
+    noted.count += 1;
+    noted.seconds += seconds;
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -205,9 +219,9 @@ pub fn record_products<R>(f: impl FnOnce() -> R) -> (R, Products) {
 }
 
 /// The products a program asked the GEMM for, as [`record_products`] noted them.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Products {
-    calls: BTreeMap<GemmCall, u64>,
+    calls: BTreeMap<GemmCall, Noted>,
 }
 
 /// What the GEMM alone takes for a program's products.
@@ -223,6 +237,11 @@ pub struct GemmLimit {
     pub calls: u64,
     /// Their floating-point operations.
     pub flops: u64,
+    /// About how long the calls took inside the program: those spread over the pool end to
+    /// end, those run one per task summed over threads and divided by the pool's threads
+    /// (an estimate: it takes the tasks as spread evenly).
+    #[serde(default)]
+    pub in_program_s: f64,
     /// Each distinct call: how often it was asked for and its median time alone.
     pub products: Vec<TimedCall>,
 }
@@ -236,17 +255,20 @@ pub struct TimedCall {
     pub count: u64,
     /// Its median time alone, per call, in seconds.
     pub seconds: f64,
+    /// The seconds its calls took in the program, summed over the threads that ran them.
+    #[serde(default)]
+    pub in_program_s: f64,
 }
 
 impl Products {
     /// Each distinct call, with how many times it was asked for, in a fixed order.
     pub fn calls(&self) -> impl Iterator<Item = (&GemmCall, u64)> {
-        self.calls.iter().map(|(call, &count)| (call, count))
+        self.calls.iter().map(|(call, noted)| (call, noted.count))
     }
 
     /// The calls, all told.
     pub fn count(&self) -> u64 {
-        self.calls.values().sum()
+        self.calls.values().map(|noted| noted.count).sum()
     }
 
     /// Their floating-point operations.
@@ -258,14 +280,16 @@ impl Products {
     /// pool.
     pub fn time_alone(&self) -> GemmLimit {
         let products: Vec<TimedCall> = self
-            .calls()
-            .map(|(call, count)| TimedCall {
+            .calls
+            .iter()
+            .map(|(call, noted)| TimedCall {
                 call: *call,
-                count,
+                count: noted.count,
                 seconds: match call.element {
                     GemmElement::F32 => time_call::<f32>(call),
                     GemmElement::F64 => time_call::<f64>(call),
                 },
+                in_program_s: noted.seconds,
             })
             .collect();
         let sum = |serial: bool| -> f64 {
@@ -276,12 +300,22 @@ impl Products {
                 .sum()
         };
         let (spread_s, serial_s) = (sum(false), sum(true));
+        let in_program = |serial: bool| -> f64 {
+            products
+                .iter()
+                .filter(|p| (p.call.spread == Spread::Serial) == serial)
+                .map(|p| p.in_program_s)
+                .sum()
+        };
+        let in_program_s =
+            in_program(false) + in_program(true) / rayon::current_num_threads() as f64;
         GemmLimit {
             seconds: spread_s + serial_s,
             spread_s,
             serial_s,
             calls: self.count(),
             flops: self.flops(),
+            in_program_s,
             products,
         }
     }
@@ -462,6 +496,10 @@ mod tests {
         assert!(serial.0.accumulate && !serial.0.overwrite);
         assert_eq!(serial.0.spread, Spread::Serial);
         assert_eq!(serial.0.element, GemmElement::F32);
+        // Each kind with the time its calls took, here.
+        for (call, _) in calls {
+            assert!(products.calls[&call].seconds > 0.0, "{call:?}");
+        }
     }
 
     /// Whether a call of this shape is among those noted so far.
@@ -507,8 +545,9 @@ mod tests {
         };
         let big = call([512, 256, 384], spread_for([512, 256, 384]), true);
         let small = call([64, 32, 96], Spread::Serial, false);
-        products.calls.insert(big, 3);
-        products.calls.insert(small, 40);
+        let noted = |count, seconds| Noted { count, seconds };
+        products.calls.insert(big, noted(3, 0.5));
+        products.calls.insert(small, noted(40, 0.25));
         let limit = products.time_alone();
         assert_eq!(limit.calls, 43);
         assert_eq!(limit.flops, 3 * 2 * 512 * 256 * 384 + 40 * 2 * 64 * 32 * 96);
@@ -519,6 +558,10 @@ mod tests {
         assert!(close(limit.spread_s, 3.0 * time(&big).seconds));
         assert!(close(limit.serial_s, 40.0 * time(&small).seconds));
         assert!(close(limit.seconds, limit.spread_s + limit.serial_s));
+        // Inside the program: the spread calls end to end, the serial ones over the threads.
+        let threads = rayon::current_num_threads() as f64;
+        assert!(close(limit.in_program_s, 0.5 + 0.25 / threads));
+        assert_eq!(time(&small).in_program_s, 0.25);
     }
 
     #[test]

@@ -273,6 +273,14 @@ fn print_gemm_limit(limit: &GemmLimit, step_s: f64) {
         limit.serial_s,
         100.0 * limit.seconds / step_s,
     );
+    println!(
+        "inside the step the products took about {:.3} s ({:.1}% of the median step), \
+         {:.2}x their time alone; the rest of the step, {:.3} s, is everything else",
+        limit.in_program_s,
+        100.0 * limit.in_program_s / step_s,
+        limit.in_program_s / limit.seconds,
+        step_s - limit.in_program_s,
+    );
     let mut products: Vec<_> = limit.products.iter().collect();
     products.sort_by(|a, b| (b.seconds * b.count as f64).total_cmp(&(a.seconds * a.count as f64)));
     for product in products.iter().take(LIMIT_ROWS) {
