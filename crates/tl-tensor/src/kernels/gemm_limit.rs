@@ -61,7 +61,7 @@ use super::gemm::{gemm_overwrite, gemm_with};
 use super::split::Threads;
 use crate::Element;
 
-/// The shortest timed batch of calls, in seconds.
+/// About how long a timed batch of calls lasts, in seconds.
 pub const BATCH_S: f64 = 0.01;
 
 /// Timed batches per distinct call; the median is kept.
@@ -292,23 +292,16 @@ impl Products {
                 in_program_s: noted.seconds,
             })
             .collect();
-        let sum = |serial: bool| -> f64 {
-            products
-                .iter()
-                .filter(|p| (p.call.spread == Spread::Serial) == serial)
-                .map(|p| p.count as f64 * p.seconds)
-                .sum()
+        // Over the calls spread over the pool, or over those run one per task.
+        let sum = |serial: bool, seconds: fn(&TimedCall) -> f64| -> f64 {
+            let serial = |p: &&TimedCall| (p.call.spread == Spread::Serial) == serial;
+            products.iter().filter(serial).map(seconds).sum()
         };
-        let (spread_s, serial_s) = (sum(false), sum(true));
-        let in_program = |serial: bool| -> f64 {
-            products
-                .iter()
-                .filter(|p| (p.call.spread == Spread::Serial) == serial)
-                .map(|p| p.in_program_s)
-                .sum()
-        };
+        let alone = |p: &TimedCall| p.count as f64 * p.seconds;
+        let (spread_s, serial_s) = (sum(false, alone), sum(true, alone));
+        let inside = |p: &TimedCall| p.in_program_s;
         let in_program_s =
-            in_program(false) + in_program(true) / rayon::current_num_threads() as f64;
+            sum(false, inside) + sum(true, inside) / rayon::current_num_threads() as f64;
         GemmLimit {
             seconds: spread_s + serial_s,
             spread_s,
