@@ -78,6 +78,32 @@ pub trait Element:
         crate::kernels::softmax_row::scaled_grad(grads, probs, scale)
     }
 
+    /// The SwiGLU gate `g·σ(g)·u` of every `g` of `gate` and `u` of `up`, written into
+    /// `out` and returned: for `f32` on AVX-512 where the CPU has it, with the portable
+    /// [`swiglu`](crate::kernels::swiglu::swiglu)'s bits.
+    ///
+    /// # Panics
+    /// If the three differ in length.
+    fn swiglu<'a>(gate: &[Self], up: &[Self], out: &'a mut [MaybeUninit<Self>]) -> &'a mut [Self] {
+        crate::kernels::swiglu::swiglu(gate, up, out)
+    }
+
+    /// The SwiGLU gate's VJP: `grads` (the output gradient on entry) overwritten with the
+    /// gate's gradient, the up projection's written into `up_grads` and returned: for `f32`
+    /// on AVX-512 where the CPU has it, with the portable
+    /// [`swiglu_grads`](crate::kernels::swiglu::swiglu_grads)'s bits.
+    ///
+    /// # Panics
+    /// If the four differ in length.
+    fn swiglu_grads<'a>(
+        grads: &mut [Self],
+        gate: &[Self],
+        up: &[Self],
+        up_grads: &'a mut [MaybeUninit<Self>],
+    ) -> &'a mut [Self] {
+        crate::kernels::swiglu::swiglu_grads(grads, gate, up, up_grads)
+    }
+
     /// Every pair of each head of `src` turned by the angles of the pair tables `cos`, `sin`
     /// (a rotary embedding), written into `out` and returned: for `f32` on AVX-512 where the
     /// CPU has it, with the portable
@@ -168,6 +194,19 @@ impl Element for f32 {
 
     fn scaled_grad(grads: &mut [f32], probs: &[f32], scale: f32) {
         crate::kernels::softmax_row::scaled_grad_f32(grads, probs, scale)
+    }
+
+    fn swiglu<'a>(gate: &[f32], up: &[f32], out: &'a mut [MaybeUninit<f32>]) -> &'a mut [f32] {
+        crate::kernels::swiglu::swiglu_f32(gate, up, out)
+    }
+
+    fn swiglu_grads<'a>(
+        grads: &mut [f32],
+        gate: &[f32],
+        up: &[f32],
+        up_grads: &'a mut [MaybeUninit<f32>],
+    ) -> &'a mut [f32] {
+        crate::kernels::swiglu::swiglu_grads_f32(grads, gate, up, up_grads)
     }
 
     fn rotate_pairs<'a>(

@@ -13,6 +13,7 @@ pub mod rotary;
 pub mod rows;
 pub mod softmax_row;
 pub(crate) mod split;
+pub mod swiglu;
 pub mod written;
 
 #[cfg(test)]

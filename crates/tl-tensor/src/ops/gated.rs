@@ -5,29 +5,15 @@
 //! once forward and once in the VJP of `silu`. Fused, it reads `g` and `u` once, writes the
 //! product once, and saves only its two inputs; the VJP writes both gradients in one pass.
 
-use std::mem::MaybeUninit;
-
 use ndarray::ArrayD;
 use rayon::prelude::*;
 
-use crate::kernels::written::{write_each, written_on_pool};
+use crate::kernels::written::written_on_pool;
 use crate::{Element, Finisher, Tensor};
 
 /// Elements per rayon task: a few pages of each operand, and the buffer of logistic values
 /// stays in the L1 cache.
 const CHUNK: usize = 4096;
-
-/// σ(g) = 1 / (1 + e^(−g)) for every `g` of `gate`, written into `out` (of the same length)
-/// with the vectorized [`Element::exp_in_place`]; returns `out`, initialised. For very
-/// negative `g`, e^(−g) overflows to +∞ and σ is exactly 0, never NaN.
-fn logistic_into<'a, E: Element>(gate: &[E], out: &'a mut [MaybeUninit<E>]) -> &'a mut [E] {
-    let out = write_each(out, gate.iter().map(|&g| -g));
-    E::exp_in_place(out);
-    for s in out.iter_mut() {
-        *s = E::one() / (E::one() + *s);
-    }
-    out
-}
 
 impl<E: Element> Tensor<E> {
     /// `silu(self) ⊙ up`, the gate of a SwiGLU MLP, with `self` the gate's pre-activation
@@ -86,10 +72,7 @@ impl<E: Element> Tensor<E> {
             let (gs, us) = (contiguous(&gate), contiguous(&up));
             let inputs = gs.par_chunks(CHUNK).zip(us.par_chunks(CHUNK));
             let (out, _) = written_on_pool(gs.len(), CHUNK, inputs, |y, (gs, us)| {
-                let y = logistic_into(gs, y);
-                for ((y, &g), &u) in y.iter_mut().zip(gs).zip(us) {
-                    *y = g * *y * u;
-                }
+                let y = E::swiglu(gs, us, y);
                 finish(y);
                 (y, ())
             });
@@ -111,14 +94,7 @@ impl<E: Element> Tensor<E> {
                 .par_chunks_mut(CHUNK)
                 .zip(gs.par_chunks(CHUNK).zip(us.par_chunks(CHUNK)));
             let (up_grad, _) = written_on_pool(gs.len(), CHUNK, inputs, |dus, (dgs, (gs, us))| {
-                // σ(g) goes into ū's chunk first, then ū and ḡ are computed from it.
-                let dus = logistic_into(gs, dus);
-                for (((dg, du), &g), &u) in dgs.iter_mut().zip(dus.iter_mut()).zip(gs).zip(us) {
-                    let (s, y) = (*du, *dg);
-                    *du = y * g * s;
-                    *dg = y * u * s * (E::one() + g * (E::one() - s));
-                }
-                (dus, ())
+                (E::swiglu_grads(dgs, gs, us, dus), ())
             });
             let up_grad = ArrayD::from_shape_vec(gate_grad.raw_dim(), up_grad).expect("same count");
             vec![
