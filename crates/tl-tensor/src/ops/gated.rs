@@ -11,8 +11,9 @@ use rayon::prelude::*;
 use crate::kernels::written::written_on_pool;
 use crate::{Element, Finisher, Tensor};
 
-/// Elements per rayon task: a few pages of each operand, and the buffer of logistic values
-/// stays in the L1 cache.
+/// Elements per rayon task: a few pages of each operand, and the portable loops' buffer of
+/// logistic values stays in the L1 cache. The loops themselves are
+/// [`kernels::swiglu`](crate::kernels::swiglu)'s.
 const CHUNK: usize = 4096;
 
 impl<E: Element> Tensor<E> {
