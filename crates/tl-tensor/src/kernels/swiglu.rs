@@ -158,8 +158,8 @@ mod avx512 {
         _mm512_div_ps(one, _mm512_add_ps(one, exp16(negated)))
     }
 
-    /// The mask of the `i`-th chunk of sixteen of `len` values: all lanes but in the last,
-    /// partial chunk.
+    /// The mask of the chunk of sixteen that starts at `start` in `len` values: every lane,
+    /// but in a last, partial chunk only those of its values.
     fn mask(len: usize, start: usize) -> u16 {
         match len - start {
             rest if rest >= 16 => u16::MAX,
