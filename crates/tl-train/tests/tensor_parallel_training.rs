@@ -10,14 +10,39 @@ use std::fs;
 use std::path::Path;
 
 use common::ranks::{
-    checkpoint, grad_norms, largest_difference, largest_relative, run_ranks, succeed, tiny_run,
-    train_losses,
+    checkpoint, grad_norms, largest_difference, largest_relative, median_difference, run_ranks,
+    succeed, tiny_run, train_losses,
 };
 use tl_train::train::read_config;
 
 /// [`tiny_run`] with micro-batches of 2 sequences.
 fn tiny(out: &Path, accum: usize, extra: &[&str]) -> Vec<String> {
     tiny_run(out, 2, accum, extra)
+}
+
+/// Weights `got` after the tiny run's 5 steps equal to rounding to `expected`, one process's.
+///
+/// AdamW divides each gradient by its own running size, so a last-bit difference of a small
+/// gradient (the split products add in another order) moves its weight by up to a few
+/// percent of the learning rate (3e-3), and the next steps carry it on: which weights, and
+/// how far, is chance. Measured over seeds 0–9 at tp 2 (the `--seed` flag): 108 of the
+/// 133,440 weights more than 1e-7 apart at seed 0, 25 to 282 over the ten, the largest
+/// difference 2.5e-6 to 3.7e-5; with RMSNorm's row sums in eight lanes, 25 to 1,316 and
+/// 2.2e-6 to 8.6e-5 (seed 0, `blocks.1.wo[3635]`: the weight that moves most at seed 0
+/// either way). A layout that loses a slice, a shard or a scale moves most weights by a
+/// learning-rate step: the median difference (measured at seed 0: 0, and 9.3e-10 with the
+/// lanes) catches it, and the largest is bounded at a tenth of the learning rate.
+fn assert_weights_to_rounding(got: &[f32], expected: &[f32], what: &str) {
+    let median = median_difference(got, expected);
+    assert!(
+        median < 1e-7,
+        "{what}: weights differ by {median:e} at the median"
+    );
+    let largest = largest_difference(got, expected);
+    assert!(
+        largest < 3e-4,
+        "{what}: weights differ by up to {largest:e}"
+    );
 }
 
 /// Every layout trains what one process trains on the same global batch of 4 sequences,
@@ -57,15 +82,7 @@ fn every_layout_trains_what_one_process_trains() {
             got_header, header,
             "{what}: the checkpoint holds whole tensors"
         );
-        // Measured after 5 steps: 1.4e-5 at tp 2, 4.0e-5 at tp 4 (with or without sequence
-        // parallelism), weights of order 0.1 to 1: AdamW divides each gradient by its own
-        // running size, so a last-bit difference of a small gradient moves its weight by up
-        // to a few ulps of the learning rate, 3e-3.
-        let largest = largest_difference(&got, &expected);
-        assert!(
-            largest < 5e-5,
-            "{what}: weights differ by up to {largest:e}"
-        );
+        assert_weights_to_rounding(&got, &expected, &what);
         let config = read_config(&out).unwrap();
         assert_eq!(config.parallel.ranks, ranks);
         let sequence_parallel = flags.contains(&"--sequence-parallel");
@@ -118,11 +135,7 @@ fn data_and_tensor_parallelism_compose_at_every_zero_stage() {
         // process's (a slice counted twice, or a shard missed, moves it by percents).
         let norms = largest_relative(&grad_norms(&out), &grad_norms(&one));
         assert!(norms < 1e-6, "{what}: gradient norms differ by {norms:e}");
-        let largest = largest_difference(&checkpoint(&out).1, &expected_weights);
-        assert!(
-            largest < 5e-5,
-            "{what}: weights differ by up to {largest:e}"
-        );
+        assert_weights_to_rounding(&checkpoint(&out).1, &expected_weights, &what);
         assert_eq!(
             read_config(&out).unwrap().parallel.zero,
             flags[1].parse::<u8>().unwrap()
