@@ -84,6 +84,37 @@ pub fn lane_dot<E: Element>(a: &[E], b: &[E]) -> E {
         .fold(sum, |sum, (&x, &y)| sum + x * y)
 }
 
+/// `Σ_j (a_j·b_j)·c_j`, in the order of [`lane_dot`]: an RMS norm's VJP takes the dot
+/// product of the output gradient, the gain and the input this way.
+///
+/// # Panics
+/// If the lengths differ.
+///
+/// ```
+/// use tl_tensor::kernels::rows::lane_triple_dot;
+/// assert_eq!(lane_triple_dot(&[1.0_f32, 2.0], &[3.0, 4.0], &[5.0, 6.0]), 63.0);
+/// ```
+pub fn lane_triple_dot<E: Element>(a: &[E], b: &[E], c: &[E]) -> E {
+    assert!(
+        a.len() == b.len() && b.len() == c.len(),
+        "lane_triple_dot: lengths {}, {} and {} differ",
+        a.len(),
+        b.len(),
+        c.len()
+    );
+    let mut lanes = [E::zero(); LANES];
+    let groups = a.chunks_exact(LANES).zip(b.chunks_exact(LANES));
+    for ((a_group, b_group), c_group) in groups.zip(c.chunks_exact(LANES)) {
+        for (((lane, &x), &y), &z) in lanes.iter_mut().zip(a_group).zip(b_group).zip(c_group) {
+            *lane += x * y * z;
+        }
+    }
+    let sum = lanes.iter().fold(E::zero(), |sum, &lane| sum + lane);
+    let full = a.len() / LANES * LANES;
+    let tails = a[full..].iter().zip(&b[full..]).zip(&c[full..]);
+    tails.fold(sum, |sum, ((&x, &y), &z)| sum + x * y * z)
+}
+
 /// `Σ_j x_j`, in the order of [`lane_dot`].
 ///
 /// ```
@@ -118,7 +149,54 @@ mod tests {
             assert_eq!(lane_sum(&xs), f64::from(n * (n + 1) / 2), "sum of 1..={n}");
             let dot: f64 = xs.iter().zip(&ys).map(|(x, y)| x * y).sum();
             assert_eq!(lane_dot(&xs, &ys), dot, "dot of length {n}");
+            let zs: Vec<f64> = (1..=n).map(|i| f64::from(i % 3) - 1.0).collect();
+            let triple: f64 = xs
+                .iter()
+                .zip(&ys)
+                .zip(&zs)
+                .map(|((x, y), z)| x * y * z)
+                .sum();
+            assert_eq!(
+                lane_triple_dot(&xs, &ys, &zs),
+                triple,
+                "triple of length {n}"
+            );
         }
+    }
+
+    #[test]
+    fn the_triple_dot_adds_in_the_order_of_the_dot() {
+        // Random f32 values of mixed magnitudes round differently in different orders: with a
+        // factor of ones the triple dot must give lane_dot's bits (and lane_sum's with two).
+        let mut state = 7_u64;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 1e4_f32.powi((state % 3) as i32)
+        };
+        for n in [7, 8, 9, 31, 320] {
+            let (a, b): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (next(), next())).unzip();
+            let ones = vec![1.0_f32; n];
+            assert_eq!(
+                lane_triple_dot(&a, &b, &ones).to_bits(),
+                lane_dot(&a, &b).to_bits()
+            );
+            assert_eq!(
+                lane_triple_dot(&ones, &a, &ones).to_bits(),
+                lane_sum(&a).to_bits()
+            );
+            assert_eq!(
+                lane_triple_dot(&b, &ones, &a).to_bits(),
+                lane_dot(&b, &a).to_bits()
+            );
+        }
+        // Not the running sum: 1 + 2^24 + 1 loses both ones, lane 0 adds them first.
+        let mut big = [0.0_f32; 16];
+        (big[0], big[1], big[8]) = (1.0, 16_777_216.0, 1.0);
+        let ones = [1.0_f32; 16];
+        assert_eq!(big.iter().fold(0.0, |s, &x| s + x), 16_777_216.0);
+        assert_eq!(lane_triple_dot(&big, &ones, &ones), 16_777_218.0);
     }
 
     #[test]
