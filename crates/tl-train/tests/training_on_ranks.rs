@@ -100,14 +100,15 @@ fn two_ranks_train_what_one_process_trains_on_the_same_global_batch() {
         // chance. Measured (`--seed`): over seeds 0–7 the fp32 runs' losses 4.5e-8 to 8.1e-8
         // apart and weights 1.2e-7 to 3.3e-6; over seeds 0–23 the 16-bit runs' losses up to
         // 4.2e-6 and weights up to 2.5e-4 (fp16, seed 14), 8 of 48 past 1e-6 in losses; with
-        // RMSNorm's row sums in eight lanes, up to 2.3e-5 and 9.8e-5, 17 of 48. A wrong
-        // weighting of the micro-batches or a lost one moves the losses by percents and most
-        // weights by a learning-rate step: the median difference catches it.
+        // RMSNorm's row sums in eight lanes, up to 2.3e-5 and 9.8e-5, 17 of 48, and the
+        // median weight difference up to 2.4e-7 (bf16, seed 7; below 1e-7 in 46 of the 48).
+        // A lost micro-batch moves the losses by percents and most weights by a
+        // learning-rate step: the median difference catches it.
         let sixteen_bits = recipe.contains(&"--bf16") || recipe.contains(&"--fp16");
-        let (losses, weights_bound) = if sixteen_bits {
-            (1e-4, 1e-3)
+        let (losses, median_bound, weights_bound) = if sixteen_bits {
+            (1e-4, 2e-6, 1e-3)
         } else {
-            (1e-6, 1e-5)
+            (1e-6, 1e-7, 1e-5)
         };
         let (one, two) = (run("one-accum", 1, 4), run("two-accum", 2, 2));
         assert_losses_close(
@@ -119,7 +120,7 @@ fn two_ranks_train_what_one_process_trains_on_the_same_global_batch() {
         let (one, two) = (weights(&one), weights(&two));
         let median = median_difference(&one, &two);
         assert!(
-            median < 1e-7,
+            median < median_bound,
             "{recipe:?}: weights differ by {median:e} at the median"
         );
         let largest = largest_difference(&one, &two);
