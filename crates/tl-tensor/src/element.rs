@@ -121,6 +121,22 @@ pub trait Element:
         crate::kernels::rotary::rotate_pairs(src, out, cos, sin)
     }
 
+    /// AdamW's update of `p`, `m`, `v` from the gradient `g` with the constants of `step`:
+    /// for `f32` compiled for AVX-512 where the CPU has it, with the portable
+    /// [`update`](crate::kernels::adamw::update)'s bits.
+    ///
+    /// # Panics
+    /// If the four differ in length.
+    fn adamw_update(
+        step: &crate::kernels::adamw::AdamWStep<Self>,
+        p: &mut [Self],
+        m: &mut [Self],
+        v: &mut [Self],
+        g: &[Self],
+    ) {
+        crate::kernels::adamw::update(step, p, m, v, g)
+    }
+
     /// Calls the matmul hook's method for this element type (the dispatch behind
     /// [`Tensor::matmul`]'s override point).
     #[doc(hidden)]
@@ -216,6 +232,16 @@ impl Element for f32 {
         sin: &[f32],
     ) -> &'a mut [f32] {
         crate::kernels::rotary::rotate_pairs_f32(src, out, cos, sin)
+    }
+
+    fn adamw_update(
+        step: &crate::kernels::adamw::AdamWStep<f32>,
+        p: &mut [f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        g: &[f32],
+    ) {
+        crate::kernels::adamw::update_f32(step, p, m, v, g)
     }
 
     fn dispatch_matmul(hook: &dyn MatmulHook, lhs: &Tensor<f32>, rhs: &Tensor<f32>) -> Tensor<f32> {

@@ -1,6 +1,7 @@
 //! Compute kernels below the Tensor API: plain arrays in, plain arrays out, no graph.
 //! Parallelism lives here, where the thread-local modes of the Tensor API cannot be missed.
 
+pub mod adamw;
 pub mod attention;
 pub mod batched;
 pub mod bf16_dot;

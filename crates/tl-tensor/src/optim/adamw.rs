@@ -1,11 +1,16 @@
 //! [`AdamW`]: Adam with decoupled weight decay (Loshchilov & Hutter, 2019).
 
 use ndarray::{ArrayD, Zip};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::{Optimizer, assert_learning_rate, check_non_negative, check_shapes, restore};
+use crate::kernels::adamw::AdamWStep;
 use crate::ops::elementwise::PARALLEL_MIN_LEN;
 use crate::{Element, Result, Tensor, TensorError};
+
+/// Values per task of the update on the pool: 64 KiB of each of the four streams.
+const UPDATE_CHUNK: usize = 16_384;
 
 /// Adam with decoupled weight decay, as `torch.optim.AdamW` (non-amsgrad, single-tensor).
 ///
@@ -314,41 +319,35 @@ impl<E: Element> AdamW<E> {
 
     /// One AdamW update of `parameter` from `grad`, advancing its moments.
     fn update(&self, parameter: &Tensor<E>, grad: &ArrayD<E>, moments: &Moments<E>) {
-        let (beta1, beta2) = self.betas;
-        let step = moments.step as f64;
-        let bias_correction1 = 1.0 - beta1.powf(step);
-        let bias_correction2_sqrt = (1.0 - beta2.powf(step)).powf(0.5);
-        let decay = E::from_f64(1.0 - self.lr * self.weight_decay);
-        let lerp_weight = E::from_f64(1.0 - beta1);
-        let small_weight = lerp_weight.abs() < E::from_f64(0.5);
-        let one_minus_lerp_weight = E::one() - lerp_weight;
-        let beta2 = E::from_f64(beta2);
-        let one_minus_beta2 = E::from_f64(1.0 - self.betas.1);
-        let bias_correction2_sqrt = E::from_f64(bias_correction2_sqrt);
-        let eps = E::from_f64(self.eps);
-        let neg_step_size = E::from_f64(-self.lr / bias_correction1);
-        let decays = self.weight_decay != 0.0;
+        let step = AdamWStep::new(
+            self.lr,
+            self.betas,
+            self.eps,
+            self.weight_decay,
+            moments.step,
+        );
         parameter.update_value(|p| {
             moments.exp_avg.update_value(|m| {
                 moments.exp_avg_sq.update_value(|v| {
-                    let update = |p: &mut E, m: &mut E, v: &mut E, &g: &E| {
-                        if decays {
-                            *p *= decay;
-                        }
-                        // torch's lerp picks the form that is exact at its nearer end.
-                        *m = if small_weight {
-                            *m + lerp_weight * (g - *m)
-                        } else {
-                            g - (g - *m) * one_minus_lerp_weight
-                        };
-                        *v *= beta2;
-                        *v += one_minus_beta2 * g * g;
-                        let denom = v.sqrt() / bias_correction2_sqrt + eps;
-                        *p += neg_step_size * *m / denom;
-                    };
                     // Each value's update reads only its own p, m, v and g: the same bits on
-                    // any number of threads. On the pool for large parameters, which were a
-                    // stretch of a capstone step with one core idle.
+                    // any number of threads and in any split. On the pool for large
+                    // parameters, which were a stretch of a capstone step with one core idle.
+                    let slices = (p.as_slice_mut(), m.as_slice_mut(), v.as_slice_mut());
+                    if let ((Some(p), Some(m), Some(v)), Some(g)) = (slices, grad.as_slice()) {
+                        if g.len() >= PARALLEL_MIN_LEN {
+                            let chunks = p
+                                .par_chunks_mut(UPDATE_CHUNK)
+                                .zip(m.par_chunks_mut(UPDATE_CHUNK));
+                            let chunks = chunks
+                                .zip(v.par_chunks_mut(UPDATE_CHUNK))
+                                .zip(g.par_chunks(UPDATE_CHUNK));
+                            chunks.for_each(|(((p, m), v), g)| E::adamw_update(&step, p, m, v, g));
+                        } else {
+                            E::adamw_update(&step, p, m, v, g);
+                        }
+                        return;
+                    }
+                    let update = |p: &mut E, m: &mut E, v: &mut E, &g: &E| step.value(p, m, v, g);
                     let zip = Zip::from(p).and(m).and(v).and(grad);
                     if grad.len() >= PARALLEL_MIN_LEN {
                         zip.par_for_each(update);
