@@ -560,6 +560,40 @@ mod tests {
         assert_eq!(opt.state_dict(), before);
     }
 
+    /// A parameter stored column-major (not ndarray's standard layout, so not one slice in
+    /// index order) takes the element-by-element path, and gets the bits a row-major one
+    /// gets from the same gradients.
+    #[test]
+    fn a_column_major_parameter_is_updated_as_a_row_major_one() {
+        use crate::Generator;
+        use crate::testing::random_array;
+        use ndarray::ShapeBuilder;
+
+        let rng = Generator::new(7);
+        let start = random_array(&[3, 5], &rng).mapv(|x| x as f32);
+        let column_major = ArrayD::from_shape_vec(
+            ndarray::IxDyn(&[3, 5]).f(),
+            start.t().iter().copied().collect(),
+        )
+        .unwrap();
+        assert_eq!(column_major, start);
+        assert!(column_major.as_slice().is_none(), "not in standard layout");
+        let before: Vec<u32> = start.iter().map(|x| x.to_bits()).collect();
+        let params = [start, column_major].map(Tensor::param);
+        let mut opt = AdamW::new(params.to_vec(), 1e-2)
+            .and_then(|o| o.with_weight_decay(0.1))
+            .unwrap();
+        for _ in 0..3 {
+            let grad = random_array(&[3, 5], &rng).mapv(|x| x as f32 * 1e-3);
+            params.iter().for_each(|p| p.set_grad(Some(grad.clone())));
+            opt.step();
+        }
+        let [row, column] =
+            params.map(|p| p.value().iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        assert_eq!(row, column);
+        assert_ne!(row, before, "the steps moved the values");
+    }
+
     /// A parameter large enough to be updated on the pool gets, value for value, the bits
     /// that the same values get as small parameters updated on the calling thread, on 1 and
     /// 3 threads, through steps with and without weight decay.
