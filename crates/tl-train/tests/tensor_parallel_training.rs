@@ -28,9 +28,9 @@ fn tiny(out: &Path, accum: usize, extra: &[&str]) -> Vec<String> {
 /// how far, is chance. Measured over seeds 0–9 at tp 2 (the `--seed` flag): 108 of the
 /// 133,440 weights more than 1e-7 apart at seed 0, 25 to 282 over the ten, the largest
 /// difference 2.5e-6 to 3.7e-5; with RMSNorm's row sums in eight lanes, 25 to 1,316 and
-/// 2.2e-6 to 8.6e-5 (seed 0, `blocks.1.wo[3635]`: the weight that moves most at seed 0
-/// either way). A layout that loses a slice, a shard or a scale moves most weights by a
-/// learning-rate step: the median difference (at most 9.3e-10 over seeds 0–9 at tp 2 and at
+/// 2.2e-6 to 8.6e-5 (seed 0, `blocks.1.wo[3635]`, also the weight of `blocks.1.wo` that
+/// moves most without the lanes). A layout that loses a slice or a shard moves most weights
+/// by a learning-rate step (a wrong scale shows in the gradient norms): the median difference (at most 9.3e-10 over seeds 0–9 at tp 2 and at
 /// tp 4 with sequence parallelism and ZeRO-1, with the lanes) catches it, and the largest is
 /// bounded at a tenth of the learning rate.
 fn assert_weights_to_rounding(got: &[f32], expected: &[f32], what: &str) {
