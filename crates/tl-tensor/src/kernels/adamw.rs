@@ -9,7 +9,14 @@
 //! correctly rounded square root), in the same order and with nothing fused, so the lanes
 //! compute the bits the scalar loop computes.
 
+use ndarray::{ArrayD, Zip};
+use rayon::prelude::*;
+
 use crate::Element;
+use crate::ops::elementwise::PARALLEL_MIN_LEN;
+
+/// Values per task of the update on the pool: 64 KiB of each of the four streams.
+const UPDATE_CHUNK: usize = 16_384;
 
 /// The constants of one parameter's AdamW update at one step, computed in `f64` and rounded
 /// once to `E` (see [`AdamW`](crate::optim::AdamW) for the formulas).
@@ -17,8 +24,9 @@ use crate::Element;
 pub struct AdamWStep<E> {
     /// `1 − lr·wd`, or `None` without weight decay.
     decay: Option<E>,
-    /// `1 − β1`, the lerp's weight, and whether it is below one half.
+    /// `1 − β1`, the lerp's weight.
     lerp_weight: E,
+    /// Whether the lerp's weight is below one half (which form of the lerp to take).
     small_weight: bool,
     /// `1 − (1 − β1)`, the weight of the lerp's other form.
     one_minus_lerp_weight: E,
@@ -68,6 +76,43 @@ impl<E: Element> AdamWStep<E> {
         *v += self.one_minus_beta2 * g * g;
         let denom = v.sqrt() / self.bias_correction2_sqrt + self.eps;
         *p += self.neg_step_size * *m / denom;
+    }
+}
+
+/// Updates a parameter `p`, its moments `m`, `v` and its gradient `g`, arrays of one shape:
+/// over their slices through [`Element::adamw_update`] when each is one slice in index
+/// order, else value by value; on the pool for large parameters. Each value's update reads
+/// only its own `p`, `m`, `v` and `g`, so the bits do not depend on the path, the split or
+/// the number of threads.
+pub(crate) fn update_arrays<E: Element>(
+    step: &AdamWStep<E>,
+    p: &mut ArrayD<E>,
+    m: &mut ArrayD<E>,
+    v: &mut ArrayD<E>,
+    g: &ArrayD<E>,
+) {
+    let large = g.len() >= PARALLEL_MIN_LEN;
+    let slices = (p.as_slice_mut(), m.as_slice_mut(), v.as_slice_mut());
+    if let ((Some(p), Some(m), Some(v)), Some(g)) = (slices, g.as_slice()) {
+        if large {
+            let chunks = p
+                .par_chunks_mut(UPDATE_CHUNK)
+                .zip(m.par_chunks_mut(UPDATE_CHUNK));
+            let chunks = chunks
+                .zip(v.par_chunks_mut(UPDATE_CHUNK))
+                .zip(g.par_chunks(UPDATE_CHUNK));
+            chunks.for_each(|(((p, m), v), g)| E::adamw_update(step, p, m, v, g));
+        } else {
+            E::adamw_update(step, p, m, v, g);
+        }
+        return;
+    }
+    let update = |p: &mut E, m: &mut E, v: &mut E, &g: &E| step.value(p, m, v, g);
+    let zip = Zip::from(p).and(m).and(v).and(g);
+    if large {
+        zip.par_for_each(update);
+    } else {
+        zip.for_each(update);
     }
 }
 

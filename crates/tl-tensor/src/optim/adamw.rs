@@ -1,16 +1,11 @@
 //! [`AdamW`]: Adam with decoupled weight decay (Loshchilov & Hutter, 2019).
 
-use ndarray::{ArrayD, Zip};
-use rayon::prelude::*;
+use ndarray::ArrayD;
 use serde::{Deserialize, Serialize};
 
 use super::{Optimizer, assert_learning_rate, check_non_negative, check_shapes, restore};
-use crate::kernels::adamw::AdamWStep;
-use crate::ops::elementwise::PARALLEL_MIN_LEN;
+use crate::kernels::adamw::{AdamWStep, update_arrays};
 use crate::{Element, Result, Tensor, TensorError};
-
-/// Values per task of the update on the pool: 64 KiB of each of the four streams.
-const UPDATE_CHUNK: usize = 16_384;
 
 /// Adam with decoupled weight decay, as `torch.optim.AdamW` (non-amsgrad, single-tensor).
 ///
@@ -328,34 +323,10 @@ impl<E: Element> AdamW<E> {
         );
         parameter.update_value(|p| {
             moments.exp_avg.update_value(|m| {
-                moments.exp_avg_sq.update_value(|v| {
-                    // Each value's update reads only its own p, m, v and g: the same bits on
-                    // any number of threads and in any split. On the pool for large
-                    // parameters, which were a stretch of a capstone step with one core idle.
-                    let slices = (p.as_slice_mut(), m.as_slice_mut(), v.as_slice_mut());
-                    if let ((Some(p), Some(m), Some(v)), Some(g)) = (slices, grad.as_slice()) {
-                        if g.len() >= PARALLEL_MIN_LEN {
-                            let chunks = p
-                                .par_chunks_mut(UPDATE_CHUNK)
-                                .zip(m.par_chunks_mut(UPDATE_CHUNK));
-                            let chunks = chunks
-                                .zip(v.par_chunks_mut(UPDATE_CHUNK))
-                                .zip(g.par_chunks(UPDATE_CHUNK));
-                            chunks.for_each(|(((p, m), v), g)| E::adamw_update(&step, p, m, v, g));
-                        } else {
-                            E::adamw_update(&step, p, m, v, g);
-                        }
-                        return;
-                    }
-                    let update = |p: &mut E, m: &mut E, v: &mut E, &g: &E| step.value(p, m, v, g);
-                    let zip = Zip::from(p).and(m).and(v).and(grad);
-                    if grad.len() >= PARALLEL_MIN_LEN {
-                        zip.par_for_each(update);
-                    } else {
-                        zip.for_each(update);
-                    }
-                });
-            });
+                moments
+                    .exp_avg_sq
+                    .update_value(|v| update_arrays(&step, p, m, v, grad))
+            })
         });
     }
 }
@@ -407,6 +378,7 @@ impl<E: Element> Optimizer<E> for AdamW<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::elementwise::PARALLEL_MIN_LEN;
     use ndarray::arr1;
 
     fn param(values: &[f64]) -> Tensor<f64> {
